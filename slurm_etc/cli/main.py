@@ -1,0 +1,52 @@
+"""`slurm-etc` command group: a thin shell over the library (one module per command)."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from ..plan.errors import ConfigError
+
+
+class UserError(click.ClickException):
+    """A mistake in what the user asked for: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"slurm-etc: error: {self.format_message()}", err=True)
+
+
+class EtcGroup(click.Group):
+    """Turns domain errors (ConfigError) into one clear line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+
+
+@click.group(cls=EtcGroup, context_settings={"auto_envvar_prefix": "SLURM_ETC",
+                                             "help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output on stderr.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """slurm-etc: elastic training on Slurm with in-place, checkpoint-free resizes."""
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    ctx.ensure_object(dict)
+
+
+def _register() -> None:
+    from . import cmd_plan
+
+    cli.add_command(cmd_plan.plan)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="slurm-etc")

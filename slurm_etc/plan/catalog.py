@@ -1,0 +1,175 @@
+"""Shard catalog: every state tensor of a model, and how a parallel layout cuts it.
+
+Tensors are described in megatron-core's checkpoint space: per-layer weights are stacked
+along a leading layer axis (``decoder.layers.<name>`` with global shape
+``(num_layers, ...)``), tensor-parallel weights are split along one axis (SwiGLU's fc1 as two
+interleaved halves), and a layout's pipeline stage holds a contiguous range of layers.
+
+States that always share one partition are grouped: a ``TensorGroup`` is one parameter with
+its states (param, fp32 main param, Adam moments) that a layout cuts identically. With the
+distributed optimizer the fp32 states form a second group, cut by megatron's flat
+per-data-parallel-rank ranges instead of replicated over dp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .config import ParallelConfig
+from .model import DTYPE_BYTES, ModelDesc
+
+# Stage placement of a tensor that is not a per-layer weight.
+FIRST, LAST, LAYERS = "first", "last", "layers"
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One concrete state tensor of a group (what the executor moves)."""
+
+    key: str
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """States of one parameter that every layout cuts the same way.
+
+    Attributes:
+        param: megatron-core's sharded_state_dict key of the parameter.
+        shape: global shape; per-layer weights lead with the layer axis.
+        stacked: axis 0 is the layer axis (``decoder.layers.*``).
+        tp_axis: axis split over tensor-parallel ranks, or None if replicated over tp.
+        swiglu: tp split as two halves (gate, up), each cut into tp fragments.
+        stage: LAYERS for stacked weights, FIRST or LAST for the others.
+        dist: cut by the distributed optimizer's flat dp ranges (else replicated over dp).
+        states: the tensors moved together for this group.
+        order: registration index of the parameter in the model (buffer order).
+    """
+
+    param: str
+    shape: tuple[int, ...]
+    stacked: bool
+    tp_axis: int | None
+    swiglu: bool
+    stage: str
+    dist: bool
+    states: tuple[StateTensor, ...]
+    order: int
+
+    @property
+    def name(self) -> str:
+        return self.param + ("#dist" if self.dist else "")
+
+    @cached_property
+    def bytes_per_element(self) -> int:
+        return sum(s.itemsize for s in self.states)
+
+    @cached_property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class Catalog:
+    model: ModelDesc
+    distributed_optimizer: bool
+    groups: tuple[TensorGroup, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of unique training state (one copy of every tensor)."""
+        return sum(g.nbytes for g in self.groups if not g.param.endswith(TIED_SUFFIX))
+
+    def index(self, name: str) -> int:
+        return [g.name for g in self.groups].index(name)
+
+
+# The last pipeline stage's copy of a tied word embedding (megatron's output layer weight,
+# a replica of embedding.word_embeddings.weight). Planned as its own tensor so a layout's
+# holdings never overlap partially.
+TIED_SUFFIX = "@output_layer"
+
+
+def _param_specs(m: ModelDesc) -> list[tuple[str, tuple[int, ...], bool, int | None, bool, str]]:
+    """(key, global shape, stacked, tp_axis, swiglu, stage) in registration order."""
+    L, h, f = m.num_layers, m.hidden, m.ffn_hidden
+    attn = m.num_heads * m.kv_channels
+    fc1_rows = 2 * f if m.swiglu else f
+    bias = m.add_bias_linear
+    norm_bias = not m.rmsnorm
+    specs: list[tuple[str, tuple[int, ...], bool, int | None, bool, str]] = []
+
+    def add(key, shape, tp_axis=None, swiglu=False, stage=LAYERS):
+        stacked = stage == LAYERS
+        full = (L, *shape) if stacked else tuple(shape)
+        axis = None if tp_axis is None else tp_axis + (1 if stacked else 0)
+        specs.append((key, full, stacked, axis, swiglu, stage))
+
+    add("embedding.word_embeddings.weight", (m.padded_vocab, h), tp_axis=0, stage=FIRST)
+    if m.learned_position_embeddings:
+        add("embedding.position_embeddings.weight", (m.seq_length, h), stage=FIRST)
+    pre = "decoder.layers."
+    add(pre + "input_layernorm.weight", (h,))
+    if norm_bias:
+        add(pre + "input_layernorm.bias", (h,))
+    add(pre + "self_attention.linear_qkv.weight", (m.qkv_rows, h), tp_axis=0)
+    if bias:
+        add(pre + "self_attention.linear_qkv.bias", (m.qkv_rows,), tp_axis=0)
+    add(pre + "self_attention.linear_proj.weight", (h, attn), tp_axis=1)
+    if bias:
+        add(pre + "self_attention.linear_proj.bias", (h,))
+    add(pre + "pre_mlp_layernorm.weight", (h,))
+    if norm_bias:
+        add(pre + "pre_mlp_layernorm.bias", (h,))
+    add(pre + "mlp.linear_fc1.weight", (fc1_rows, h), tp_axis=0, swiglu=m.swiglu)
+    if bias:
+        add(pre + "mlp.linear_fc1.bias", (fc1_rows,), tp_axis=0, swiglu=m.swiglu)
+    add(pre + "mlp.linear_fc2.weight", (h, f), tp_axis=1)
+    if bias:
+        add(pre + "mlp.linear_fc2.bias", (h,))
+    add("decoder.final_layernorm.weight", (h,), stage=LAST)
+    if norm_bias:
+        add("decoder.final_layernorm.bias", (h,), stage=LAST)
+    if m.tied_embeddings:
+        add("embedding.word_embeddings.weight" + TIED_SUFFIX, (m.padded_vocab, h), tp_axis=0,
+            stage=LAST)
+    else:
+        add("output_layer.weight", (m.padded_vocab, h), tp_axis=0, stage=LAST)
+    return specs
+
+
+def build_catalog(model: ModelDesc, config: ParallelConfig | bool) -> Catalog:
+    """The model's state tensors, grouped by how a layout cuts them.
+
+    Args:
+        model: the model description.
+        config: a ParallelConfig (only its ``distributed_optimizer`` flag matters) or the flag.
+
+    Mixed precision (bf16 params) keeps bf16 params plus fp32 main params and Adam moments;
+    fp32 keeps params and Adam moments. With the distributed optimizer the fp32 states are a
+    separate group cut by dp ranges.
+    """
+    dist = config if isinstance(config, bool) else config.distributed_optimizer
+    p_bytes = DTYPE_BYTES[model.param_dtype]
+    groups: list[TensorGroup] = []
+    for order, (key, shape, stacked, tp_axis, swiglu, stage) in enumerate(_param_specs(model)):
+        opt = [StateTensor(f"optimizer.state.{name}.{key}", 4)
+               for name in (("fp32_param",) if model.mixed_precision else ()) + ("exp_avg",
+                                                                                  "exp_avg_sq")]
+        param = StateTensor(key, p_bytes)
+        common = dict(param=key, shape=shape, stacked=stacked, tp_axis=tp_axis, swiglu=swiglu,
+                      stage=stage, order=order)
+        if dist:
+            groups.append(TensorGroup(dist=False, states=(param,), **common))
+            groups.append(TensorGroup(dist=True, states=tuple(opt), **common))
+        else:
+            groups.append(TensorGroup(dist=False, states=(param, *opt), **common))
+    groups.sort(key=lambda g: g.name)
+    return Catalog(model=model, distributed_optimizer=dist, groups=tuple(groups))

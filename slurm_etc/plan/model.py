@@ -1,0 +1,160 @@
+"""Model descriptions (GPT / Llama family) and the presets the CLI knows.
+
+A ``ModelDesc`` holds exactly what the shard catalog needs to reproduce the tensors that
+megatron-core's ``GPTModel.sharded_state_dict()`` reports, without building the model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import ConfigError
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """A decoder-only transformer as megatron-core builds it with the local layer spec.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden: hidden size.
+        ffn_hidden: MLP inner size (per gate half for SwiGLU).
+        num_heads: attention heads.
+        num_query_groups: key/value groups (GQA); ``None`` means one per head.
+        vocab_size: vocabulary before padding; padded to ``vocab_divisor``.
+        seq_length: maximum sequence length (learned position embeddings only).
+        swiglu: gated linear unit MLP (Llama) instead of GELU (GPT).
+        rmsnorm: RMSNorm (no bias) instead of LayerNorm.
+        add_bias_linear: biases on linear layers.
+        learned_position_embeddings: GPT-style position table; otherwise rotary.
+        tied_embeddings: output layer shares the word embedding weight.
+        param_dtype: ``fp32`` (Adam state in fp32 too) or ``bf16`` (mixed precision:
+            bf16 params, fp32 main params, fp32 Adam moments).
+        vocab_divisor: megatron's ``make_vocab_size_divisible_by``.
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    num_heads: int
+    vocab_size: int
+    num_query_groups: int | None = None
+    seq_length: int = 2048
+    swiglu: bool = False
+    rmsnorm: bool = False
+    add_bias_linear: bool = True
+    learned_position_embeddings: bool = True
+    tied_embeddings: bool = True
+    param_dtype: str = "bf16"
+    vocab_divisor: int = 128
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden", "ffn_hidden", "num_heads", "vocab_size", "seq_length",
+                  "vocab_divisor"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model {self.name}: {f} must be a positive integer, got {value!r}")
+        if self.hidden % self.num_heads:
+            raise ConfigError(f"model {self.name}: num_heads ({self.num_heads}) must divide "
+                              f"hidden ({self.hidden})")
+        groups = self.query_groups
+        if groups <= 0 or self.num_heads % groups:
+            raise ConfigError(f"model {self.name}: num_query_groups ({groups}) must divide "
+                              f"num_heads ({self.num_heads})")
+        if self.param_dtype not in DTYPE_BYTES or self.param_dtype == "fp16":
+            raise ConfigError(f"model {self.name}: param_dtype must be 'fp32' or 'bf16', "
+                              f"got {self.param_dtype!r}")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.query_groups) * self.kv_channels
+
+    @property
+    def padded_vocab(self) -> int:
+        d = self.vocab_divisor
+        return -(-self.vocab_size // d) * d
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype != "fp32"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict, name: str = "custom") -> "ModelDesc":
+        if not isinstance(data, dict):
+            raise ConfigError("model description must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {', '.join(unknown)}; valid fields: "
+                              f"{', '.join(sorted(known))}")
+        data = {"name": name, **data}
+        try:
+            return cls(**data)
+        except TypeError as exc:  # missing required fields
+            raise ConfigError(f"model description: {exc}") from None
+
+
+_LLAMA = dict(swiglu=True, rmsnorm=True, add_bias_linear=False,
+              learned_position_embeddings=False, tied_embeddings=False)
+
+PRESETS: dict[str, ModelDesc] = {
+    m.name: m
+    for m in [
+        ModelDesc("tiny", num_layers=4, hidden=64, ffn_hidden=256, num_heads=4, vocab_size=256,
+                  seq_length=64, param_dtype="fp32", vocab_divisor=64),
+        ModelDesc("tiny-llama", num_layers=4, hidden=64, ffn_hidden=128, num_heads=8,
+                  num_query_groups=4, vocab_size=256, seq_length=64, param_dtype="fp32",
+                  vocab_divisor=64, **_LLAMA),
+        # ~23M parameters: 280 MB of fp32 Adam training state, for benchmarks on CPU.
+        ModelDesc("small", num_layers=6, hidden=512, ffn_hidden=2048, num_heads=8,
+                  vocab_size=8192, seq_length=512, param_dtype="fp32"),
+        ModelDesc("gpt-1.3b", num_layers=24, hidden=2048, ffn_hidden=8192, num_heads=16,
+                  vocab_size=50257, seq_length=2048),
+        ModelDesc("llama-7b", num_layers=32, hidden=4096, ffn_hidden=11008, num_heads=32,
+                  vocab_size=32000, seq_length=4096, **_LLAMA),
+        ModelDesc("llama-13b", num_layers=40, hidden=5120, ffn_hidden=13824, num_heads=40,
+                  vocab_size=32000, seq_length=4096, **_LLAMA),
+        ModelDesc("llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672, num_heads=64,
+                  num_query_groups=8, vocab_size=32000, seq_length=4096, **_LLAMA),
+        ModelDesc("gpt-175b", num_layers=96, hidden=12288, ffn_hidden=49152, num_heads=96,
+                  vocab_size=50257, seq_length=2048),
+    ]
+}
+
+
+def load_model(spec: str) -> ModelDesc:
+    """A preset name, or the path of a JSON model description.
+
+    Raises:
+        ConfigError: unknown preset, unreadable file or malformed JSON, naming what is valid.
+    """
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not path.suffix == ".json" and not path.exists():
+        raise ConfigError(f"unknown model {spec!r}; presets: {', '.join(PRESETS)}, "
+                          "or the path of a JSON model description")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model file {spec} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model file {spec} is not valid JSON: {exc.msg} at line "
+                          f"{exc.lineno} column {exc.colno}") from None
+    return ModelDesc.from_json(data, name=data.get("name", path.stem) if isinstance(data, dict)
+                               else path.stem)

@@ -1,0 +1,283 @@
+"""plan_migration: cost matrix -> sketch -> instructions -> rounds, validated once."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .catalog import Catalog, build_catalog
+from .config import Layout, ParallelConfig
+from .cost import CostMatrix, build_cost
+from .errors import ConfigError, require
+from .instructions import Transfers, balance_stats, choose_sources, coalesce, needs
+from .intersect import Fragments, intersect
+from .model import ModelDesc
+from .regions import RegionTable, region_table
+from .schedule import Topology, color_edges, round_times
+from .sketch import assign_tp_in_node, assign_unconstrained
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Coalesced device-to-device messages: transfers[start:end] travel in message k."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    round: np.ndarray
+    seconds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """Everything one resize moves, validated at construction (see ``_validate``)."""
+
+    catalog: Catalog
+    old: Layout
+    new: Layout
+    topology: Topology
+    old_regions: RegionTable
+    new_regions: RegionTable
+    fragments: Fragments
+    transfers: Transfers
+    messages: Messages
+    needed_bytes: int
+    lower_bound_moved_bytes: int
+    naive_moved_bytes: int
+    plan_seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        return self.new.devices
+
+    @property
+    def moved_bytes(self) -> int:
+        return int(self.transfers.nbytes[~self.transfers.local].sum())
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.needed_bytes - self.moved_bytes
+
+    @property
+    def moved_intra_node_bytes(self) -> int:
+        t = self.transfers
+        same = self.topology.node(t.src) == self.topology.node(t.dst)
+        return int(t.nbytes[~t.local & same].sum())
+
+    @property
+    def moved_inter_node_bytes(self) -> int:
+        return self.moved_bytes - self.moved_intra_node_bytes
+
+    @property
+    def rounds(self) -> int:
+        return int(self.messages.round.max()) + 1 if len(self.messages) else 0
+
+    @property
+    def est_seconds(self) -> float:
+        return float(round_times(self.messages.round, self.messages.seconds).sum())
+
+    @property
+    def lower_bound_seconds(self) -> float:
+        """Most seconds any device must spend receiving or sending, at its link speed."""
+        m = self.messages
+        if not len(m):
+            return 0.0
+        send = np.bincount(np.unique(m.src, return_inverse=True)[1], m.seconds)
+        recv = np.bincount(np.unique(m.dst, return_inverse=True)[1], m.seconds)
+        return float(max(send.max(), recv.max()))
+
+    def summary(self) -> dict:
+        """The numbers `slurm-etc plan --json` prints."""
+        lb, naive = self.lower_bound_moved_bytes, self.naive_moved_bytes
+        moved = self.moved_bytes
+        out = {
+            "model": self.catalog.model.name,
+            "from": str(self.old.config), "to": str(self.new.config),
+            "old_devices": len(self.old.devices), "new_devices": len(self.new.devices),
+            "total_state_bytes": self.catalog.total_bytes,
+            "needed_bytes": self.needed_bytes,
+            "kept_bytes": self.kept_bytes,
+            "moved_bytes": moved,
+            "moved_intra_node_bytes": self.moved_intra_node_bytes,
+            "moved_inter_node_bytes": self.moved_inter_node_bytes,
+            "lower_bound_moved_bytes": lb,
+            "moved_over_lower_bound": _ratio(moved, lb),
+            "naive_moved_bytes": naive,
+            "moved_over_naive": _ratio(moved, naive),
+            "transfers": int((~self.transfers.local).sum()),
+            "local_copies": int(self.transfers.local.sum()),
+            "messages": len(self.messages),
+            "rounds": self.rounds,
+            "est_seconds": self.est_seconds,
+            "lower_bound_seconds": self.lower_bound_seconds,
+            "seconds_over_lower_bound": _ratio(self.est_seconds, self.lower_bound_seconds),
+            "plan_seconds": self.plan_seconds,
+        }
+        out.update(self.stats)
+        return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    if b == 0:
+        return 1.0 if a == 0 else None
+    return a / b
+
+
+def _validate(plan: MigrationPlan) -> None:
+    """Every byte each new rank needs is covered exactly once, by a device that holds it."""
+    t, frag, new_tab = plan.transfers, plan.fragments, plan.new_regions
+    world = plan.new.config.world
+    require(len(set(plan.new.devices)) == world,
+            f"{world} new ranks placed on {len(set(plan.new.devices))} distinct devices")
+    dst_dev = np.asarray(plan.new.devices, np.int64)[t.dst_rank]
+    require(bool(np.all(dst_dev == t.dst)), "a transfer goes to a device its rank is not on")
+    # exactly once: (new rank, fragment) unique, and per (rank, row) the counts add up
+    key = t.dst_rank * len(frag) + t.frag
+    require(len(np.unique(key)) == len(key),
+            f"{len(key) - len(np.unique(key))} fragments delivered twice")
+    ranks, rows = new_tab.rank_rows()
+    need = new_tab.count[rows]
+    have = np.zeros(len(ranks), np.int64)
+    pos = np.searchsorted(ranks * len(new_tab) + rows,
+                          t.dst_rank * len(new_tab) + frag.new_row[t.frag])
+    np.add.at(have, pos, frag.count[t.frag])
+    bad = np.flatnonzero(have != need)
+    require(len(bad) == 0, "" if not len(bad) else
+            f"new rank {ranks[bad[0]]} needs {need[bad[0]]} elements of "
+            f"{plan.catalog.groups[new_tab.group[rows[bad[0]]]].name} but the plan delivers "
+            f"{have[bad[0]]} ({len(bad)} regions wrong)")
+    # sources hold what they send
+    old_ranks, old_rows = plan.old_regions.rank_rows()
+    held = old_ranks * len(plan.old_regions) + old_rows
+    probe = t.src_rank * len(plan.old_regions) + frag.old_row[t.frag]
+    pos = np.minimum(np.searchsorted(held, probe), len(held) - 1)
+    require(bool(np.all(held[pos] == probe)), "a source sends a region it does not hold")
+    src_dev = np.asarray(plan.old.devices, np.int64)[t.src_rank]
+    require(bool(np.all(src_dev == t.src)), "a transfer's source device is not its old rank's")
+    # element counts and packing
+    bpe = np.array([g.bytes_per_element for g in plan.catalog.groups], np.int64)
+    expect = frag.count[t.frag] * bpe[plan.old_regions.group[frag.old_row[t.frag]]]
+    require(bool(np.all(expect == t.nbytes)), "transfer bytes differ from element counts")
+    m = plan.messages
+    for k in range(len(m)):
+        seg = slice(int(m.start[k]), int(m.end[k]))
+        off, nb = t.offset[seg], t.nbytes[seg]
+        require(bool(np.all(off == np.cumsum(nb) - nb)) and int(nb.sum()) == int(m.nbytes[k]),
+                f"message {k} ({m.src[k]} -> {m.dst[k]}) is not packed contiguously")
+    if len(m):
+        for side in (m.src, m.dst):
+            key = side * (int(m.round.max()) + 1) + m.round
+            require(len(np.unique(key)) == len(key), "a device has two messages in one round")
+
+
+def default_pool(old: Layout, new: ParallelConfig, topology: Topology,
+                 drop_nodes: Sequence[int] = (), add_nodes: int | None = None) -> list[int]:
+    """Devices the new layout may use: kept nodes first, new nodes appended.
+
+    By default a shrink keeps the first nodes and a grow appends whole nodes after the last.
+    """
+    gpn = topology.gpus_per_node
+    nodes = sorted({d // gpn for d in old.devices})
+    unknown = sorted(set(drop_nodes) - set(nodes))
+    if unknown:
+        raise ConfigError(f"cannot drop node(s) {unknown}: the old layout uses nodes "
+                          f"{nodes[0]}..{nodes[-1]}")
+    kept = [n for n in nodes if n not in set(drop_nodes)]
+    need_nodes = -(-new.world // gpn)
+    if add_nodes is None:
+        add_nodes = max(need_nodes - len(kept), 0)
+        if not drop_nodes:
+            kept = kept[:max(need_nodes, 0)] if len(kept) > need_nodes else kept
+    nxt = (max(nodes) + 1) if nodes else 0
+    all_nodes = kept + list(range(nxt, nxt + add_nodes))
+    pool = [n * gpn + i for n in all_nodes for i in range(gpn)]
+    if len(pool) < new.world:
+        raise ConfigError(f"the new layout needs {new.world} devices but the kept and added "
+                          f"nodes give {len(pool)} ({len(all_nodes)} nodes x {gpn}); "
+                          "add nodes with --add-nodes or drop fewer")
+    return pool
+
+
+def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
+                   new_devices: Sequence[int], topology: Topology = Topology(),
+                   keep_tp_in_node: bool = True, catalog: Catalog | None = None,
+                   ) -> MigrationPlan:
+    """Plan moving the training state from ``old`` to ``new_config`` on ``new_devices``.
+
+    Args:
+        model: the model (its catalog is built unless given).
+        old: the current layout.
+        new_config: the next ParallelConfig; its distributed_optimizer must match old's.
+        new_devices: pool the new ranks may run on (at least new_config.world devices).
+        topology: node size and link bandwidths.
+        keep_tp_in_node: every tensor-parallel group of the new layout inside one node.
+
+    Raises:
+        ConfigError: configurations that cannot run the model or do not fit the devices.
+    """
+    t0 = time.perf_counter()
+    old.config.validate_for(model)
+    new_config.validate_for(model)
+    if old.config.distributed_optimizer != new_config.distributed_optimizer:
+        raise ConfigError("the distributed optimizer must be on in both configurations or in "
+                          "neither")
+    pool = np.unique(np.asarray(list(new_devices), np.int64))
+    if len(pool) < new_config.world:
+        raise ConfigError(f"{new_config} needs {new_config.world} devices, {len(pool)} given")
+    if keep_tp_in_node and topology.gpus_per_node % new_config.tp:
+        raise ConfigError(f"tp ({new_config.tp}) must divide gpus per node "
+                          f"({topology.gpus_per_node}) to keep tensor-parallel groups in a node")
+    catalog = catalog or build_catalog(model, old.config)
+    old_tab = region_table(catalog, old.config)
+    new_tab = region_table(catalog, new_config)
+    frag = intersect(old_tab, new_tab)
+    cost = build_cost(catalog, old, new_config, pool, old_tab, new_tab, frag)
+
+    best = assign_unconstrained(cost)
+    lower_bound = cost.needed_bytes - cost.kept(best)
+    if keep_tp_in_node and new_config.tp > 1:
+        placement = assign_tp_in_node(cost, new_config.tp, topology.gpus_per_node)
+    else:
+        placement = best
+    naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
+    new = Layout(new_config, tuple(int(d) for d in pool[placement]))
+    transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology)
+    plan_seconds = time.perf_counter() - t0
+    return MigrationPlan(catalog, old, new, topology, old_tab, new_tab, frag, transfers,
+                         messages, cost.needed_bytes, lower_bound, naive, plan_seconds,
+                         stats=balance_stats(transfers))
+
+
+def _instructions(catalog: Catalog, old: Layout, new: Layout, old_tab: RegionTable,
+                  new_tab: RegionTable, frag: Fragments, topology: Topology):
+    bpe = np.array([g.bytes_per_element for g in catalog.groups], np.int64)
+    frag_bytes = frag.count * bpe[old_tab.group[frag.old_row]]
+    f, dst_rank = needs(new_tab, frag)
+    dst = np.asarray(new.devices, np.int64)[dst_rank]
+    src, src_rank = choose_sources(old, old_tab, frag, frag_bytes, f, dst_rank, dst,
+                                   topology.gpus_per_node)
+    t = coalesce(src, dst, dst_rank, f, frag, src_rank, frag_bytes[f])
+    remote = np.flatnonzero(~t.local)
+    if len(remote):
+        change = t.msg[remote][1:] != t.msg[remote][:-1]
+        first = remote[np.r_[True, change]]
+        last = remote[np.r_[change, True]] + 1
+        nbytes = np.add.reduceat(t.nbytes[remote], np.searchsorted(remote, first))
+        m_src, m_dst = t.src[first], t.dst[first]
+        seconds = nbytes / topology.bandwidth(m_src, m_dst)
+        rounds = color_edges(m_src, m_dst, nbytes)
+    else:
+        first = last = nbytes = m_src = m_dst = rounds = np.empty(0, np.int64)
+        seconds = np.empty(0)
+    return t, Messages(m_src, m_dst, nbytes, first, last, rounds, seconds)

@@ -1,0 +1,252 @@
+"""Regions a layout holds: boxes in each tensor group's global index space.
+
+A row of a ``RegionTable`` is a box (``lo``/``hi`` per axis, padded to three axes) and an
+interval ``[s, e)`` of that box's row-major order, held by a set of model-parallel classes
+(``t + tp * p``) on one data-parallel rank (``dp_rank``) or on all of them (``-1``).
+Whole boxes have ``[0, size)``; the distributed optimizer's flat ranges cut a parameter's
+local tensor into such intervals (a row-major interval of a box stays an interval of any
+sub-box's row-major order, which is what makes intersections cheap; see intersect.py).
+
+Rows of one table never overlap partially: replicas (same box, same interval) are merged
+into one row held by several classes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import lcm
+
+import numpy as np
+
+from .catalog import FIRST, LAST, LAYERS, Catalog, TensorGroup
+from .config import ParallelConfig
+
+NDIM = 3
+# megatron-core DistributedOptimizer buffer rules (param_and_grad_buffer.py, 0.16.1).
+PARAM_START_ALIGN = 64
+BUCKET_END_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """Column arrays, one entry per held region (see module docstring)."""
+
+    config: ParallelConfig
+    group: np.ndarray      # int32, index into catalog.groups
+    layer: np.ndarray      # int32, the single layer of a per-layer row, else -1
+    lo: np.ndarray         # int64 (n, 3)
+    hi: np.ndarray         # int64 (n, 3)
+    s: np.ndarray          # int64 start of the row-major interval within the box
+    e: np.ndarray          # int64 end
+    dp_rank: np.ndarray    # int32, -1 = every dp rank holds it
+    class_ptr: np.ndarray  # int64 CSR pointers into class_idx
+    class_idx: np.ndarray  # int32 model-parallel classes holding the row
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    @property
+    def count(self) -> np.ndarray:
+        return self.e - self.s
+
+    def holder_ranks(self, row: int) -> np.ndarray:
+        """Ranks holding a row, ascending."""
+        cfg = self.config
+        classes = self.class_idx[self.class_ptr[row]:self.class_ptr[row + 1]]
+        t, p = classes % cfg.tp, classes // cfg.tp
+        dps = np.arange(cfg.dp) if self.dp_rank[row] < 0 else np.array([self.dp_rank[row]])
+        ranks = (t[:, None] + cfg.tp * (dps[None, :] + cfg.dp * p[:, None])).ravel()
+        return np.sort(ranks)
+
+    def rank_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rank, row) pairs for every rank holding every row, sorted by rank then row."""
+        cfg = self.config
+        n_cls = np.diff(self.class_ptr)
+        row_of_cls = np.repeat(np.arange(len(self)), n_cls)
+        t, p = self.class_idx % cfg.tp, self.class_idx // cfg.tp
+        dp = self.dp_rank[row_of_cls]
+        all_dp = dp < 0
+        reps = np.where(all_dp, cfg.dp, 1)
+        rows = np.repeat(row_of_cls, reps)
+        t, p = np.repeat(t, reps), np.repeat(p, reps)
+        starts = np.cumsum(reps) - reps
+        d = np.arange(len(rows)) - np.repeat(starts, reps)
+        d = np.where(np.repeat(all_dp, reps), d, np.repeat(dp, reps))
+        ranks = t + cfg.tp * (d + cfg.dp * p)
+        order = np.lexsort((rows, ranks))
+        return ranks[order].astype(np.int64), rows[order].astype(np.int64)
+
+
+def stage_layers(num_layers: int, pp: int, p: int) -> tuple[int, int]:
+    per = num_layers // pp
+    return p * per, (p + 1) * per
+
+
+def holds_group(g: TensorGroup, p: int, pp: int) -> bool:
+    return g.stage == LAYERS or (g.stage == FIRST and p == 0) or (g.stage == LAST and p == pp - 1)
+
+
+def tp_boxes(g: TensorGroup, t: int, tp: int) -> list[tuple[int, int]]:
+    """Intervals along the tp axis held by tp rank t (two for SwiGLU, one otherwise)."""
+    n = g.shape[g.tp_axis]
+    if g.swiglu:
+        half = n // 2
+        w = half // tp
+        return [(t * w, (t + 1) * w), (half + t * w, half + (t + 1) * w)]
+    w = n // tp
+    return [(t * w, (t + 1) * w)]
+
+
+def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> list[tuple[list, list]]:
+    """Boxes (lo, hi over NDIM axes) tp rank t holds of g over a layer range."""
+    lo = [0] * NDIM
+    hi = list(g.shape) + [1] * (NDIM - len(g.shape))
+    if g.stacked:
+        lo[0], hi[0] = layers
+    if g.tp_axis is None:
+        return [(lo, hi)]
+    boxes = []
+    for a, b in tp_boxes(g, t, tp):
+        blo, bhi = list(lo), list(hi)
+        blo[g.tp_axis], bhi[g.tp_axis] = a, b
+        boxes.append((blo, bhi))
+    return boxes
+
+
+def _box_size(lo, hi) -> int:
+    n = 1
+    for a, b in zip(lo, hi):
+        n *= b - a
+    return n
+
+
+class _Builder:
+    """Collects rows, merging replicas (same region, same dp rank) across classes."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple, list[int]] = {}
+
+    def add(self, group: int, layer: int, lo, hi, s: int, e: int, dp_rank: int, cls: int):
+        key = (group, layer, tuple(lo), tuple(hi), s, e, dp_rank)
+        self.rows.setdefault(key, []).append(cls)
+
+    def table(self, config: ParallelConfig) -> RegionTable:
+        keys = sorted(self.rows)
+        n = len(keys)
+        group = np.fromiter((k[0] for k in keys), np.int32, n)
+        layer = np.fromiter((k[1] for k in keys), np.int32, n)
+        lo = np.array([k[2] for k in keys], np.int64).reshape(n, NDIM)
+        hi = np.array([k[3] for k in keys], np.int64).reshape(n, NDIM)
+        s = np.fromiter((k[4] for k in keys), np.int64, n)
+        e = np.fromiter((k[5] for k in keys), np.int64, n)
+        dp = np.fromiter((k[6] for k in keys), np.int32, n)
+        classes = [sorted(self.rows[k]) for k in keys]
+        ptr = np.zeros(n + 1, np.int64)
+        ptr[1:] = np.cumsum([len(c) for c in classes])
+        idx = np.fromiter((c for cs in classes for c in cs), np.int32, int(ptr[-1]))
+        return RegionTable(config, group, layer, lo, hi, s, e, dp, ptr, idx)
+
+
+def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
+    """The distributed optimizer's flat buffer of one model-parallel rank.
+
+    Returns (entries, bucket_bounds): entries are (group index, layer, start offset) in
+    buffer order; buckets are (start, padded end) ranges, each divided into dp equal parts.
+    Mirrors megatron-core's _ParamAndGradBuffer: parameters in reverse registration order,
+    each parameter's start aligned to 64 elements, the bucket end padded to a multiple of
+    lcm(dp, 128); one bucket (megatron's default without overlap_grad_reduce).
+    """
+    model = catalog.model
+    layers = stage_layers(model.num_layers, config.pp, p)
+    held = []
+    for gi, g in enumerate(catalog.groups):
+        if not g.dist or not holds_group(g, p, config.pp):
+            continue
+        if g.stacked:
+            held.extend((layer_order_key(g, layer), gi, layer) for layer in range(*layers))
+        else:
+            held.append((layer_order_key(g, -1), gi, -1))
+    held.sort(reverse=True)
+    offset = 0
+    entries = []
+    for _, gi, layer in held:
+        g = catalog.groups[gi]
+        offset = -(-offset // PARAM_START_ALIGN) * PARAM_START_ALIGN
+        entries.append((gi, layer, offset))
+        numel = sum(_box_size(lo, hi) for lo, hi in
+                    local_boxes(g, t, config.tp, (layer, layer + 1) if g.stacked else (0, 1)))
+        offset += numel
+    align = lcm(config.dp, BUCKET_END_ALIGN)
+    end = -(-offset // align) * align
+    return entries, [(0, end)]
+
+
+# Registration order of parameters inside megatron's GPTModel (local layer spec):
+# embeddings, then per layer in module-construction order, then final norm, output layer.
+_LAYER_PARAM_ORDER = [
+    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+]
+_TOP_ORDER = {
+    "embedding.word_embeddings.weight": (0, 0),
+    "embedding.position_embeddings.weight": (0, 1),
+    "decoder.final_layernorm.weight": (2, 0),
+    "decoder.final_layernorm.bias": (2, 1),
+    "output_layer.weight": (3, 0),
+}
+
+
+def layer_order_key(g: TensorGroup, layer: int) -> tuple[int, int, int]:
+    """Sort key of a parameter (one layer of it) in megatron's registration order."""
+    if g.stacked:
+        name = g.param.removeprefix("decoder.layers.")
+        return (1, layer, _LAYER_PARAM_ORDER.index(name))
+    if g.param.endswith("@output_layer"):
+        return (3, 0, 0)
+    major, minor = _TOP_ORDER[g.param]
+    return (major, 0, minor)
+
+
+def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
+    """Every region each rank of ``config`` holds of every tensor group."""
+    b = _Builder()
+    model = catalog.model
+    tp, pp, dp = config.tp, config.pp, config.dp
+    for p in range(pp):
+        layers = stage_layers(model.num_layers, pp, p)
+        for t in range(tp):
+            cls = t + tp * p
+            for gi, g in enumerate(catalog.groups):
+                if g.dist or not holds_group(g, p, pp):
+                    continue
+                for lo, hi in local_boxes(g, t, tp, layers):
+                    b.add(gi, -1, lo, hi, 0, _box_size(lo, hi), -1, cls)
+            if catalog.distributed_optimizer:
+                _add_dist_rows(b, catalog, config, t, p)
+    return b.table(config)
+
+
+def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int, p: int):
+    cls = t + config.tp * p
+    entries, buckets = dist_buffer(catalog, config, t, p)
+    starts = np.array([off for _, _, off in entries], np.int64)
+    for b_start, b_end in buckets:
+        part = (b_end - b_start) // config.dp
+        for d in range(config.dp):
+            r0, r1 = b_start + d * part, b_start + (d + 1) * part
+            first = max(int(np.searchsorted(starts, r0, side="right")) - 1, 0)
+            for gi, layer, off in entries[first:]:
+                if off >= r1:
+                    break
+                g = catalog.groups[gi]
+                span = (layer, layer + 1) if g.stacked else (0, 1)
+                base = off
+                for lo, hi in local_boxes(g, t, config.tp, span):
+                    size = _box_size(lo, hi)
+                    a, z = max(r0 - base, 0), min(r1 - base, size)
+                    if a < z:
+                        b.add(gi, layer if g.stacked else -1, lo, hi, a, z, d, cls)
+                    base += size
