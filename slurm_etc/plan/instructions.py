@@ -45,14 +45,14 @@ class Transfers:
 
 def needs(new_tab: RegionTable, frag: Fragments) -> tuple[np.ndarray, np.ndarray]:
     """Every (fragment, new rank) pair: each new rank needs every fragment of its rows."""
-    ranks, rows = new_tab.rank_rows()
+    ranks, rows = new_tab.rank_rows
     f, k = _join(frag.new_row, rows)
     return f, ranks[k]
 
 
 def holder_keys(old_tab: RegionTable) -> np.ndarray:
     """Sorted keys old_rank * rows + row for every (old rank, row) holding."""
-    ranks, rows = old_tab.rank_rows()
+    ranks, rows = old_tab.rank_rows
     return np.sort(ranks * len(old_tab) + rows)
 
 
@@ -65,8 +65,9 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
     longest-first balancing of bytes sent, same-node holders preferred.
     """
     old_dev = np.asarray(old.devices, np.int64)
-    dev_to_old = {int(d): r for r, d in enumerate(old_dev)}
-    dst_old = np.array([dev_to_old.get(int(d), -1) for d in dst_dev], np.int64)
+    dev_to_old = np.full(max(int(old_dev.max()), int(dst_dev.max(initial=0))) + 1, -1, np.int64)
+    dev_to_old[old_dev] = np.arange(len(old_dev))
+    dst_old = dev_to_old[dst_dev]
     keys = holder_keys(old_tab)
     probe = np.where(dst_old >= 0, dst_old * len(old_tab) + frag.old_row[f], -1)
     pos = np.minimum(np.searchsorted(keys, probe), len(keys) - 1)
@@ -75,22 +76,23 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
 
     remote = np.flatnonzero(~local)
     if len(remote):
-        ranks, rows = old_tab.rank_rows()
+        ranks, rows = old_tab.rank_rows
         by_row = np.lexsort((ranks, rows))
         rows_sorted, ranks_sorted = rows[by_row], ranks[by_row]
         start = np.searchsorted(rows_sorted, np.arange(len(old_tab)))
         end = np.searchsorted(rows_sorted, np.arange(len(old_tab)), side="right")
-        load: dict[int, int] = {}
+        load = np.zeros(len(old_dev), np.int64)
+        node_of = old_dev // gpus_per_node
         nb = frag_bytes[f[remote]]
         order = remote[np.lexsort((dst_rank[remote], f[remote], -nb))]
-        for idx in order.tolist():
-            row = int(frag.old_row[f[idx]])
+        rows_of = frag.old_row[f[order]]
+        dst_node = dst_dev[order] // gpus_per_node
+        for idx, row, node in zip(order.tolist(), rows_of.tolist(), dst_node.tolist()):
             cand = ranks_sorted[start[row]:end[row]]
-            cand_dev = old_dev[cand]
-            near = cand_dev // gpus_per_node == dst_dev[idx] // gpus_per_node
-            pick = cand[near] if near.any() else cand
-            best = min(pick.tolist(), key=lambda r: (load.get(r, 0), r))
-            load[best] = load.get(best, 0) + int(frag_bytes[f[idx]])
+            near = cand[node_of[cand] == node]
+            pick = near if len(near) else cand
+            best = int(pick[np.argmin(load[pick])])
+            load[best] += frag_bytes[f[idx]]
             src_rank[idx] = best
     return old_dev[src_rank], src_rank
 

@@ -16,7 +16,12 @@ from .intersect import Fragments, intersect
 from .model import ModelDesc
 from .regions import RegionTable, region_table
 from .schedule import Topology, color_edges, round_times
+from .classes import assign_classes, assign_classes_tp_in_node, kept_upper_bound
 from .sketch import assign_tp_in_node, assign_unconstrained
+
+# Up to this many cost-matrix cells (pool devices x new ranks) the sketch is solved densely
+# and the byte lower bound is exact; beyond, over classes of interchangeable devices.
+DENSE_CELLS = 2_500_000
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,11 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b
 
 
+def _duplicates(keys: np.ndarray) -> int:
+    k = np.sort(keys)
+    return int((k[1:] == k[:-1]).sum())
+
+
 def _validate(plan: MigrationPlan) -> None:
     """Every byte each new rank needs is covered exactly once, by a device that holds it."""
     t, frag, new_tab = plan.transfers, plan.fragments, plan.new_regions
@@ -143,10 +153,9 @@ def _validate(plan: MigrationPlan) -> None:
     dst_dev = np.asarray(plan.new.devices, np.int64)[t.dst_rank]
     require(bool(np.all(dst_dev == t.dst)), "a transfer goes to a device its rank is not on")
     # exactly once: (new rank, fragment) unique, and per (rank, row) the counts add up
-    key = t.dst_rank * len(frag) + t.frag
-    require(len(np.unique(key)) == len(key),
-            f"{len(key) - len(np.unique(key))} fragments delivered twice")
-    ranks, rows = new_tab.rank_rows()
+    dup = _duplicates(t.dst_rank * len(frag) + t.frag)
+    require(dup == 0, f"{dup} fragments delivered twice")
+    ranks, rows = new_tab.rank_rows
     need = new_tab.count[rows]
     have = np.zeros(len(ranks), np.int64)
     pos = np.searchsorted(ranks * len(new_tab) + rows,
@@ -158,7 +167,7 @@ def _validate(plan: MigrationPlan) -> None:
             f"{plan.catalog.groups[new_tab.group[rows[bad[0]]]].name} but the plan delivers "
             f"{have[bad[0]]} ({len(bad)} regions wrong)")
     # sources hold what they send
-    old_ranks, old_rows = plan.old_regions.rank_rows()
+    old_ranks, old_rows = plan.old_regions.rank_rows
     held = old_ranks * len(plan.old_regions) + old_rows
     probe = t.src_rank * len(plan.old_regions) + frag.old_row[t.frag]
     pos = np.minimum(np.searchsorted(held, probe), len(held) - 1)
@@ -177,8 +186,8 @@ def _validate(plan: MigrationPlan) -> None:
                 f"message {k} ({m.src[k]} -> {m.dst[k]}) is not packed contiguously")
     if len(m):
         for side in (m.src, m.dst):
-            key = side * (int(m.round.max()) + 1) + m.round
-            require(len(np.unique(key)) == len(key), "a device has two messages in one round")
+            require(_duplicates(side * (int(m.round.max()) + 1) + m.round) == 0,
+                    "a device has two messages in one round")
 
 
 def default_pool(old: Layout, new: ParallelConfig, topology: Topology,
@@ -244,19 +253,27 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
     frag = intersect(old_tab, new_tab)
     cost = build_cost(catalog, old, new_config, pool, old_tab, new_tab, frag)
 
-    best = assign_unconstrained(cost)
-    lower_bound = cost.needed_bytes - cost.kept(best)
-    if keep_tp_in_node and new_config.tp > 1:
-        placement = assign_tp_in_node(cost, new_config.tp, topology.gpus_per_node)
+    constrained = keep_tp_in_node and new_config.tp > 1
+    exact = cost.shape[0] * cost.shape[1] <= DENSE_CELLS
+    if exact:
+        dense = cost.dense()
+        best = assign_unconstrained(cost, dense)
+        lower_bound = cost.needed_bytes - cost.kept(best)
+        placement = (assign_tp_in_node(cost, dense, new_config.tp, topology.gpus_per_node)
+                     if constrained else best)
     else:
-        placement = best
+        lower_bound = cost.needed_bytes - kept_upper_bound(cost)
+        placement = (assign_classes_tp_in_node(cost, new_config.tp, topology.gpus_per_node)
+                     if constrained else assign_classes(cost))
     naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
     new = Layout(new_config, tuple(int(d) for d in pool[placement]))
     transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology)
     plan_seconds = time.perf_counter() - t0
     return MigrationPlan(catalog, old, new, topology, old_tab, new_tab, frag, transfers,
                          messages, cost.needed_bytes, lower_bound, naive, plan_seconds,
-                         stats=balance_stats(transfers))
+                         stats={**balance_stats(transfers), "sketch": "dense" if exact
+                                else "classes", "lower_bound_exact": exact or not
+                                catalog.distributed_optimizer})
 
 
 def _instructions(catalog: Catalog, old: Layout, new: Layout, old_tab: RegionTable,

@@ -13,6 +13,7 @@ into one row held by several classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from math import lcm
 
 import numpy as np
@@ -57,6 +58,7 @@ class RegionTable:
         ranks = (t[:, None] + cfg.tp * (dps[None, :] + cfg.dp * p[:, None])).ravel()
         return np.sort(ranks)
 
+    @cached_property
     def rank_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rank, row) pairs for every rank holding every row, sorted by rank then row."""
         cfg = self.config
@@ -233,20 +235,24 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int
     cls = t + config.tp * p
     entries, buckets = dist_buffer(catalog, config, t, p)
     starts = np.array([off for _, _, off in entries], np.int64)
+    # each entry's boxes with their sizes, computed once
+    pieces = []
+    for gi, layer, _ in entries:
+        g = catalog.groups[gi]
+        span = (layer, layer + 1) if g.stacked else (0, 1)
+        boxes = [(lo, hi, _box_size(lo, hi)) for lo, hi in local_boxes(g, t, config.tp, span)]
+        pieces.append((gi, layer if g.stacked else -1, boxes))
     for b_start, b_end in buckets:
         part = (b_end - b_start) // config.dp
         for d in range(config.dp):
             r0, r1 = b_start + d * part, b_start + (d + 1) * part
-            first = max(int(np.searchsorted(starts, r0, side="right")) - 1, 0)
-            for gi, layer, off in entries[first:]:
-                if off >= r1:
-                    break
-                g = catalog.groups[gi]
-                span = (layer, layer + 1) if g.stacked else (0, 1)
-                base = off
-                for lo, hi in local_boxes(g, t, config.tp, span):
-                    size = _box_size(lo, hi)
+            k = max(int(np.searchsorted(starts, r0, side="right")) - 1, 0)
+            while k < len(entries) and starts[k] < r1:
+                gi, layer, boxes = pieces[k]
+                base = int(starts[k])
+                for lo, hi, size in boxes:
                     a, z = max(r0 - base, 0), min(r1 - base, size)
                     if a < z:
-                        b.add(gi, layer if g.stacked else -1, lo, hi, a, z, d, cls)
+                        b.add(gi, layer, lo, hi, a, z, d, cls)
                     base += size
+                k += 1

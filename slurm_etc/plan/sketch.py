@@ -13,6 +13,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from .cost import CostMatrix
+from .errors import ConfigError
 
 # Tie-break weight, far below one byte in total.
 _BONUS = 0.25
@@ -30,47 +31,65 @@ def _solve(value: np.ndarray, bonus_cols: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def identity_placement(cost: CostMatrix) -> np.ndarray:
-    return np.arange(cost.shape[1])
 
 
-def assign_unconstrained(cost: CostMatrix) -> np.ndarray:
-    """Pool index of each new rank maximising kept bytes (the byte lower bound's placement)."""
+
+def assign_unconstrained(cost: CostMatrix, c: np.ndarray) -> np.ndarray:
+    """Pool index of each new rank maximising kept bytes (the byte lower bound's placement).
+
+    ``c`` is ``cost.dense()``.
+    """
     n_pool, world = cost.shape
     ident = np.where(np.arange(world) < n_pool, np.arange(world), -1)
-    return _solve(cost.dense().T, ident)
+    return _solve(c.T, ident)
 
 
-def assign_tp_in_node(cost: CostMatrix, tp: int, gpus_per_node: int) -> np.ndarray:
-    """Like assign_unconstrained, with every group of ``tp`` consecutive ranks in one node."""
-    n_pool, world = cost.shape
-    if tp == 1:
-        return assign_unconstrained(cost)
-    c = cost.dense()
-    node = cost.pool // gpus_per_node
-    nodes, start, size = np.unique(node, return_index=True, return_counts=True)
-    groups = world // tp
-    # value of group g on node n: each rank keeps its best device's bytes there
-    best = np.maximum.reduceat(c, start, axis=0)                    # (nodes, world)
-    value = best.reshape(len(nodes), groups, tp).sum(axis=2).T        # (groups, nodes)
-    slots = size // tp
-    slot_node = np.repeat(np.arange(len(nodes)), slots)
+def node_slots(pool: np.ndarray, tp: int, gpus_per_node: int):
+    """Slots for tensor-parallel groups: aligned blocks of ``tp`` pool devices in one node.
+
+    Returns (slot_first, slot_node, node_start, node_size): each slot's first pool index and
+    node index, and each node's range of pool indices.
+    """
+    node = pool // gpus_per_node
+    _, start, size = np.unique(node, return_index=True, return_counts=True)
+    per = size // tp
+    slot_node = np.repeat(np.arange(len(start)), per)
+    within = np.arange(len(slot_node)) - np.repeat(np.cumsum(per) - per, per)
+    slot_first = start[slot_node] + within * tp
+    return slot_first, slot_node, start, size
+
+
+def check_fit(groups: int, tp: int, slot_node: np.ndarray, n_nodes: int) -> None:
     if len(slot_node) < groups:
-        from .errors import ConfigError
         raise ConfigError(f"{groups} tensor-parallel groups of {tp} do not fit in the "
-                          f"{len(nodes)} nodes given ({int(slots.sum())} slots of {tp} devices)")
-    # prefer the node that identity placement would use
-    ident_node = np.searchsorted(nodes, node[np.minimum(np.arange(groups) * tp, n_pool - 1)])
-    slot_bonus = np.full(groups, -1)
-    for g in range(groups):
-        hit = np.flatnonzero(slot_node == ident_node[g])
-        slot_bonus[g] = hit[0] if len(hit) else -1
-    group_slot = _solve(value[:, slot_node], slot_bonus)
-    group_node = slot_node[group_slot]
+                          f"{n_nodes} nodes given ({len(slot_node)} slots of {tp} devices)")
+
+
+def assign_tp_in_node(cost: CostMatrix, c: np.ndarray, tp: int, gpus_per_node: int) -> np.ndarray:
+    """Like assign_unconstrained, with every group of ``tp`` consecutive ranks in one node.
+
+    Level 1 places groups on slots (aligned blocks of tp devices, so two groups never count
+    on the same device); level 2 re-solves each node exactly, ranks onto its devices.
+    """
+    n_pool, world = cost.shape
+    groups = world // tp
+    slot_first, slot_node, start, size = node_slots(cost.pool, tp, gpus_per_node)
+    check_fit(groups, tp, slot_node, len(start))
+    # value of group g on slot k: each rank keeps its best device's bytes in the slot
+    rows = (slot_first[:, None] + np.arange(tp)).ravel()
+    best = np.maximum.reduceat(c[rows], np.arange(0, len(rows), tp), axis=0)   # (slots, world)
+    value = best.reshape(len(slot_first), groups, tp).sum(axis=2).T            # (groups, slots)
+    ident = np.full(groups, -1)
+    hit = np.searchsorted(slot_first, np.arange(groups) * tp)
+    ok = (hit < len(slot_first)) & (slot_first[np.minimum(hit, len(slot_first) - 1)] ==
+                                    np.arange(groups) * tp)
+    ident[ok] = hit[ok]
+    group_node = slot_node[_solve(value, ident)]
     placement = np.empty(world, np.int64)
     for n in np.unique(group_node):
         ranks = (np.flatnonzero(group_node == n)[:, None] * tp + np.arange(tp)).ravel()
         devs = np.arange(start[n], start[n] + size[n])
-        ident = np.array([np.searchsorted(devs, r) if r in devs else -1 for r in ranks])
+        pos = np.searchsorted(devs, ranks).clip(0, len(devs) - 1)
+        ident = np.where(devs[pos] == ranks, pos, -1)
         placement[ranks] = devs[_solve(c[np.ix_(devs, ranks)].T, ident)]
     return placement

@@ -1,0 +1,184 @@
+"""Sketch at cluster scale: assignment over classes of interchangeable devices and ranks.
+
+Devices that held the same model-parallel shard are interchangeable for the replicated
+state, and so are new ranks that need the same shard. The dense assignment over devices
+collapses to a transportation problem over (old class, new class) - a few hundred cells
+instead of hundreds of millions - whose basic optimal solutions are integral. The solution
+is expanded deterministically (identity placement first), and inside each block the
+distributed optimizer's shards are matched exactly. With tensor-parallel groups kept in a
+node, groups are placed on node slots the same way, then ranks on devices per node.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment, linprog
+from scipy.sparse import csr_matrix
+
+from .cost import CostMatrix
+from .errors import PlanError
+from .sketch import check_fit, node_slots
+
+
+def transport(value: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, float]:
+    """Integral x maximising sum(value * x), row sums <= supply, column sums == demand."""
+    n_a, n_b = value.shape
+    cells = np.arange(n_a * n_b)
+    a_ub = csr_matrix((np.ones(n_a * n_b), (cells // n_b, cells)), shape=(n_a, n_a * n_b))
+    a_eq = csr_matrix((np.ones(n_a * n_b), (cells % n_b, cells)), shape=(n_b, n_a * n_b))
+    # scale to keep HiGHS well conditioned; integrality comes from the network structure
+    scale = max(float(np.abs(value).max()), 1.0)
+    res = linprog(-(value.ravel() / scale), A_ub=a_ub, b_ub=supply,
+                  A_eq=a_eq, b_eq=demand, bounds=(0, None), method="highs-ds")
+    if res.status != 0:
+        raise PlanError(f"invalid migration plan: class transport failed: {res.message}")
+    x = np.rint(res.x).reshape(n_a, n_b).astype(np.int64)
+    if np.any(np.abs(res.x - x.ravel()) > 1e-6) or np.any(x.sum(axis=0) != demand):
+        raise PlanError("invalid migration plan: class transport returned a fractional solution")
+    return x, float((value * x).sum())
+
+
+def _rep_value(cost: CostMatrix) -> np.ndarray:
+    """M with a zero row for devices that hold nothing (class -1 -> last row)."""
+    return np.vstack([cost.M, np.zeros((1, cost.M.shape[1]), np.int64)])
+
+
+def _pool_class(cost: CostMatrix) -> np.ndarray:
+    cls = cost.pool_class.copy()
+    cls[cls < 0] = cost.M.shape[0]
+    return cls
+
+
+def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly k (row, column) pairs, each row and column at most once, maximising value."""
+    n_rows, n_cols = value.shape
+    idle = n_cols - k
+    big = float(np.abs(value).sum()) + 1.0
+    padded = np.vstack([value.astype(np.float64), np.full((idle, n_cols), big)])
+    r, c = linear_sum_assignment(padded, maximize=True)
+    real = r < n_rows
+    return r[real], c[real]
+
+
+class _ShardLookup:
+    """Dense blocks of the sparse shard-overlap matrix D, cut by pool-index ranges."""
+
+    def __init__(self, cost: CostMatrix) -> None:
+        order = np.argsort(cost.dist_pool, kind="stable")
+        self.pool = cost.dist_pool[order]
+        self.rank = cost.dist_rank[order]
+        self.bytes = cost.dist_bytes[order].astype(np.float64)
+        self.slot = np.full(cost.shape[1], -1, np.int64)
+
+    def block(self, devs: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """D[devs][:, ranks] as a dense (len(devs), len(ranks)) array; devs ascending."""
+        out = np.zeros((len(devs), len(ranks)))
+        lo, hi = np.searchsorted(self.pool, [devs[0], devs[-1] + 1])
+        if hi > lo:
+            self.slot[ranks] = np.arange(len(ranks))
+            pos = np.searchsorted(devs, self.pool[lo:hi]).clip(0, len(devs) - 1)
+            col = self.slot[self.rank[lo:hi]]
+            ok = (col >= 0) & (devs[pos] == self.pool[lo:hi])
+            np.add.at(out, (pos[ok], col[ok]), self.bytes[lo:hi][ok])
+            self.slot[ranks] = -1
+        return out
+
+
+def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray,
+                 value: np.ndarray) -> np.ndarray:
+    """Exact assignment of ranks onto devs (len(devs) >= len(ranks)); identity on ties."""
+    cls = _pool_class(cost)
+    block = value[cls[devs]][:, cost.rank_class[ranks]].astype(np.float64)
+    block += shards.block(devs, ranks)
+    bonus = (devs[:, None] == ranks[None, :]) * (0.25 / max(len(ranks), 1))
+    r, c = linear_sum_assignment((block + bonus).T, maximize=True)
+    out = np.empty(len(ranks), np.int64)
+    out[r] = devs[c]
+    return out
+
+
+def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> csr_matrix:
+    """Sparse (groups x slots): shard bytes each group's ranks could keep in the slot."""
+    slot_of = np.full(cost.shape[0], -1, np.int64)
+    slot_of[(slot_first[:, None] + np.arange(tp)).ravel()] = np.repeat(np.arange(len(slot_first)), tp)
+    s_idx = slot_of[cost.dist_pool]
+    ok = s_idx >= 0
+    key = s_idx[ok] * cost.shape[1] + cost.dist_rank[ok]
+    uk, inv = np.unique(key, return_inverse=True)
+    best = np.zeros(len(uk), np.float64)
+    np.maximum.at(best, inv, cost.dist_bytes[ok])
+    groups = cost.shape[1] // tp
+    return csr_matrix((best, ((uk % cost.shape[1]) // tp, uk // cost.shape[1])),
+                      shape=(groups, len(slot_first)))
+
+
+def kept_upper_bound(cost: CostMatrix) -> int:
+    """No placement keeps more: class transport optimum + each rank's best shard overlap."""
+    value = _rep_value(cost)
+    cls = _pool_class(cost)
+    supply = np.bincount(cls, minlength=value.shape[0])
+    demand = np.bincount(cost.rank_class, minlength=value.shape[1])
+    _, rep = transport(value, supply, demand)
+    best = np.zeros(cost.shape[1], np.int64)
+    np.maximum.at(best, cost.dist_rank, cost.dist_bytes)
+    return int(round(rep)) + int(best.sum())
+
+
+def assign_classes(cost: CostMatrix) -> np.ndarray:
+    """Pool index of each new rank, maximising replicated bytes kept, then shard bytes."""
+    value = _rep_value(cost)
+    cls = _pool_class(cost)
+    supply = np.bincount(cls, minlength=value.shape[0])
+    demand = np.bincount(cost.rank_class, minlength=value.shape[1])
+    x, _ = transport(value, supply, demand)
+    shards = _ShardLookup(cost)
+    free = {a: np.flatnonzero(cls == a) for a in range(value.shape[0])}
+    placement = np.full(cost.shape[1], -1, np.int64)
+    for b in range(value.shape[1]):
+        ranks = np.flatnonzero(cost.rank_class == b)
+        for a in np.flatnonzero(x[:, b]):
+            devs = free[a]
+            gain = shards.block(devs, ranks).T + (ranks[:, None] == devs[None, :]) * 0.25
+            r, c = pick_pairs(gain, int(x[a, b]))
+            placement[ranks[r]] = devs[c]
+            free[a] = np.delete(devs, c)
+            ranks = np.delete(ranks, r)
+    return placement
+
+
+def assign_classes_tp_in_node(cost: CostMatrix, tp: int, gpus_per_node: int) -> np.ndarray:
+    """Tensor-parallel groups onto slots (aligned tp-device blocks) by class, then per node."""
+    value = _rep_value(cost)
+    cls = _pool_class(cost)
+    world = cost.shape[1]
+    groups = world // tp
+    slot_first, slot_node, start, size = node_slots(cost.pool, tp, gpus_per_node)
+    check_fit(groups, tp, slot_node, len(start))
+    g_cls, g_of = np.unique(cost.rank_class.reshape(groups, tp), axis=0, return_inverse=True)
+    slot_devs = slot_first[:, None] + np.arange(tp)
+    s_cls, s_of = np.unique(np.sort(cls[slot_devs], axis=1), axis=0, return_inverse=True)
+    # value of one group of class gc on a slot of class sc: each rank's best device there
+    v = np.stack([value[sig].max(axis=0)[g_cls].sum(axis=1) for sig in s_cls])
+    x, _ = transport(v, np.bincount(s_of, minlength=len(s_cls)),
+                     np.bincount(g_of, minlength=len(g_cls)))
+    # expand each (slot class, group class) block maximising shard bytes kept, identity on ties
+    shard = _group_slot_overlap(cost, slot_first, tp)
+    free = np.ones(len(slot_first), bool)
+    group_node = np.full(groups, -1, np.int64)
+    ident_slot = np.searchsorted(slot_first, np.arange(groups) * tp)
+    for gc in range(len(g_cls)):
+        members = np.flatnonzero(g_of == gc)
+        for sc in np.flatnonzero(x[:, gc]):
+            cand = np.flatnonzero((s_of == sc) & free)
+            gain = shard[members][:, cand].toarray()
+            gain += (ident_slot[members][:, None] == cand[None, :]) * 0.25
+            r, c = pick_pairs(gain, int(x[sc, gc]))
+            group_node[members[r]] = slot_node[cand[c]]
+            free[cand[c]] = False
+            members = np.delete(members, r)
+    shards = _ShardLookup(cost)
+    placement = np.empty(world, np.int64)
+    for n in np.unique(group_node):
+        ranks = (np.flatnonzero(group_node == n)[:, None] * tp + np.arange(tp)).ravel()
+        devs = np.arange(start[n], start[n] + size[n])
+        placement[ranks] = _match_block(cost, shards, devs, ranks, value)
+    return placement
