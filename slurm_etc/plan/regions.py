@@ -151,11 +151,12 @@ class _Builder:
 def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
     """The distributed optimizer's flat buffer of one model-parallel rank.
 
-    Returns (entries, bucket_bounds): entries are (group index, layer, start offset) in
-    buffer order; buckets are (start, padded end) ranges, each divided into dp equal parts.
-    Mirrors megatron-core's _ParamAndGradBuffer: parameters in reverse registration order,
-    each parameter's start aligned to 64 elements, the bucket end padded to a multiple of
-    lcm(dp, 128); one bucket (megatron's default without overlap_grad_reduce).
+    Returns (entries, buckets): entries are (group index, layer, start offset) in buffer
+    order; buckets are (start, padded end) ranges, each cut into dp equal parts.
+    Mirrors megatron-core's _ParamAndGradBuffer (0.16.1, overlap_grad_reduce off, so no size
+    limit on buckets): parameters in reverse registration order, each start aligned to 64
+    elements, bucket ends padded to a multiple of lcm(dp, 128); a tied embedding shared
+    across pipeline stages gets a bucket of its own on both stages.
     """
     model = catalog.model
     layers = stage_layers(model.num_layers, config.pp, p)
@@ -168,18 +169,38 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
         else:
             held.append((layer_order_key(g, -1), gi, -1))
     held.sort(reverse=True)
-    offset = 0
-    entries = []
+    align = lcm(config.dp, BUCKET_END_ALIGN)
+    entries, buckets = [], []
+    offset = bucket_start = 0
+    in_bucket = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        padded = -(-end // align) * align
+        buckets.append((bucket_start, padded))
+        bucket_start, in_bucket = padded, 0
+        return padded
+
     for _, gi, layer in held:
         g = catalog.groups[gi]
+        shared = _shared_embedding(g, model.tied_embeddings, config.pp)
         offset = -(-offset // PARAM_START_ALIGN) * PARAM_START_ALIGN
+        if shared and in_bucket:
+            offset = close(offset)
         entries.append((gi, layer, offset))
-        numel = sum(_box_size(lo, hi) for lo, hi in
-                    local_boxes(g, t, config.tp, (layer, layer + 1) if g.stacked else (0, 1)))
-        offset += numel
-    align = lcm(config.dp, BUCKET_END_ALIGN)
-    end = -(-offset // align) * align
-    return entries, [(0, end)]
+        in_bucket += 1
+        offset += sum(_box_size(lo, hi) for lo, hi in
+                      local_boxes(g, t, config.tp, (layer, layer + 1) if g.stacked else (0, 1)))
+        if shared:
+            offset = close(offset)
+    if in_bucket:
+        close(offset)
+    return entries, buckets
+
+
+def _shared_embedding(g: TensorGroup, tied: bool, pp: int) -> bool:
+    """megatron marks a tied word embedding ``shared_embedding`` when pp > 1."""
+    return tied and pp > 1 and g.param.startswith("embedding.word_embeddings.weight")
 
 
 # Registration order of parameters inside megatron's GPTModel (local layer spec):
