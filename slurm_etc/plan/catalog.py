@@ -116,18 +116,19 @@ def _param_specs(m: ModelDesc) -> list[tuple[str, tuple[int, ...], bool, int | N
     if m.learned_position_embeddings:
         add("embedding.position_embeddings.weight", (m.seq_length, h), stage=FIRST)
     pre = "decoder.layers."
-    add(pre + "input_layernorm.weight", (h,))
+    # megatron-core names the norms in the checkpoint as Transformer Engine's fused layers do
+    add(pre + "self_attention.linear_qkv.layer_norm_weight", (h,))
     if norm_bias:
-        add(pre + "input_layernorm.bias", (h,))
+        add(pre + "self_attention.linear_qkv.layer_norm_bias", (h,))
     add(pre + "self_attention.linear_qkv.weight", (m.qkv_rows, h), tp_axis=0)
     if bias:
         add(pre + "self_attention.linear_qkv.bias", (m.qkv_rows,), tp_axis=0)
     add(pre + "self_attention.linear_proj.weight", (h, attn), tp_axis=1)
     if bias:
         add(pre + "self_attention.linear_proj.bias", (h,))
-    add(pre + "pre_mlp_layernorm.weight", (h,))
+    add(pre + "mlp.linear_fc1.layer_norm_weight", (h,))
     if norm_bias:
-        add(pre + "pre_mlp_layernorm.bias", (h,))
+        add(pre + "mlp.linear_fc1.layer_norm_bias", (h,))
     add(pre + "mlp.linear_fc1.weight", (fc1_rows, h), tp_axis=0, swiglu=m.swiglu)
     if bias:
         add(pre + "mlp.linear_fc1.bias", (fc1_rows,), tp_axis=0, swiglu=m.swiglu)

@@ -18,7 +18,7 @@ from math import lcm
 
 import numpy as np
 
-from .catalog import FIRST, LAST, LAYERS, Catalog, TensorGroup
+from .catalog import FIRST, LAST, LAYERS, TIED_SUFFIX, Catalog, TensorGroup
 from .config import ParallelConfig
 
 NDIM = 3
@@ -162,7 +162,7 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
     layers = stage_layers(model.num_layers, config.pp, p)
     held = []
     for gi, g in enumerate(catalog.groups):
-        if not g.dist or not holds_group(g, p, config.pp):
+        if not g.dist or not holds_group(g, p, config.pp) or _alias_of(catalog, g, config):
             continue
         if g.stacked:
             held.extend((layer_order_key(g, layer), gi, layer) for layer in range(*layers))
@@ -198,6 +198,14 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
     return entries, buckets
 
 
+def _alias_of(catalog: Catalog, g: TensorGroup, config: ParallelConfig) -> int | None:
+    """With one pipeline stage a tied output layer IS the word embedding: its group aliases
+    the embedding's (same memory, same buffer entry). Returns the embedding's group index."""
+    if config.pp > 1 or not g.param.endswith(TIED_SUFFIX):
+        return None
+    return catalog.index(g.name.replace(TIED_SUFFIX, ""))
+
+
 def _shared_embedding(g: TensorGroup, tied: bool, pp: int) -> bool:
     """megatron marks a tied word embedding ``shared_embedding`` when pp > 1."""
     return tied and pp > 1 and g.param.startswith("embedding.word_embeddings.weight")
@@ -206,10 +214,12 @@ def _shared_embedding(g: TensorGroup, tied: bool, pp: int) -> bool:
 # Registration order of parameters inside megatron's GPTModel (local layer spec):
 # embeddings, then per layer in module-construction order, then final norm, output layer.
 _LAYER_PARAM_ORDER = [
-    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_qkv.layer_norm_weight",   # input_layernorm
+    "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight",              # pre_mlp_layernorm
+    "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
 ]
@@ -227,7 +237,7 @@ def layer_order_key(g: TensorGroup, layer: int) -> tuple[int, int, int]:
     if g.stacked:
         name = g.param.removeprefix("decoder.layers.")
         return (1, layer, _LAYER_PARAM_ORDER.index(name))
-    if g.param.endswith("@output_layer"):
+    if g.param.endswith(TIED_SUFFIX):
         return (3, 0, 0)
     major, minor = _TOP_ORDER[g.param]
     return (major, 0, minor)
@@ -256,6 +266,11 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int
     cls = t + config.tp * p
     entries, buckets = dist_buffer(catalog, config, t, p)
     starts = np.array([off for _, _, off in entries], np.int64)
+    aliases: dict[int, tuple[int, ...]] = {}
+    for gi, g in enumerate(catalog.groups):
+        main = _alias_of(catalog, g, config) if g.dist else None
+        if main is not None:
+            aliases[main] = (main, gi)
     # each entry's boxes with their sizes, computed once
     pieces = []
     for gi, layer, _ in entries:
@@ -274,6 +289,7 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int
                 for lo, hi, size in boxes:
                     a, z = max(r0 - base, 0), min(r1 - base, size)
                     if a < z:
-                        b.add(gi, layer, lo, hi, a, z, d, cls)
+                        for alias in aliases.get(gi, (gi,)):
+                            b.add(alias, layer, lo, hi, a, z, d, cls)
                     base += size
                 k += 1

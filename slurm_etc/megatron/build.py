@@ -1,0 +1,367 @@
+"""Build a real megatron-core GPT training state for a ModelDesc under a ParallelConfig.
+
+This is the bridge between slurm-etc's descriptions (``ModelDesc``, ``ParallelConfig``) and a
+live megatron-core model: ``GPTModel`` with the local (non Transformer-Engine) layer spec,
+wrapped in megatron's ``DistributedDataParallel``, with megatron's Adam optimizer (distributed
+or not), trained for a few steps through megatron's pipeline schedule so that every piece of
+training state (weights, fp32 main weights, Adam moments, step) is real and non-trivial.
+
+Used by multi-process tests and benchmarks, and as the source of truth the shard catalog is
+checked against. Call it inside an initialised ``torch.distributed`` group whose world size is
+``config.world``; on CPU, install :mod:`slurm_etc.megatron.cpu_compat` first.
+
+Determinism: the global value of every parameter depends only on the seed and the model,
+never on the parallel configuration. megatron's CPU initialisation
+(``use_cpu_initialization=True``) draws each tensor's full global value and slices it, so it
+does not depend on tp; it does depend on pp, because each pipeline stage draws only its own
+layers from one shared generator stream. :func:`build_training_state` therefore re-draws every
+randomly initialised tensor from a generator seeded by (seed, tensor key, layer), cutting the
+rank's region out of the global value given by the sharded state dict (same distributions as
+megatron's: normal with ``init_method_std``, scaled by ``1/sqrt(2*num_layers)`` for the
+attention and MLP output projections; norms and biases keep their constant initial values).
+The training batches are a function of the seed and the step only, split over dp ranks and
+micro-batches, so the loss of a step is the same for every configuration (up to float
+rounding).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slurm_etc.plan.config import ParallelConfig
+from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.model import ModelDesc
+
+from .shards import iter_sharded_tensors
+
+logger = logging.getLogger(__name__)
+
+INIT_METHOD_STD = 0.02
+LEARNING_RATE = 1e-3
+DEFAULT_GLOBAL_BATCH = 8
+# Optimizer sharded state dict format requested from the DistributedOptimizer: flat
+# per-bucket tensors (the only format that saves and loads on CPU with torch's Adam).
+DIST_OPT_SHARDING_TYPE = "dp_reshardable"
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
+    """The megatron-core ``TransformerConfig`` that builds ``model`` under ``config``.
+
+    Fusions, dropout and gradient-accumulation fusion are off (none exist on CPU without
+    Transformer Engine / Apex), and initialisation runs on the CPU, so the same config works on
+    CPU and GPU.
+
+    Raises:
+        ConfigError: ``config`` cannot run ``model`` (e.g. tp does not divide the heads).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import init_method_normal, scaled_init_method_normal
+
+    config.validate_for(model)
+    dtype = _DTYPES[model.param_dtype]
+    mixed = model.mixed_precision
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden,
+        ffn_hidden_size=model.ffn_hidden,
+        num_attention_heads=model.num_heads,
+        num_query_groups=model.query_groups,
+        kv_channels=model.kv_channels,
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=mixed,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=INIT_METHOD_STD,
+        init_method=init_method_normal(INIT_METHOD_STD),
+        output_layer_init_method=scaled_init_method_normal(INIT_METHOD_STD, model.num_layers),
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        normalization="RMSNorm" if model.rmsnorm else "LayerNorm",
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+@dataclass
+class TrainingState:
+    """A built, trained megatron-core model and optimizer on this rank.
+
+    Attributes:
+        model_desc: the model description it was built from.
+        config: its parallel configuration.
+        model: the model chunks (one per virtual pipeline stage; one here), each a megatron
+            ``DistributedDataParallel`` around a ``GPTModel`` (in a ``Float16Module`` for bf16).
+        gpt: the unwrapped ``GPTModel`` of this rank's pipeline stage.
+        optimizer: megatron's optimizer (a ``ChainedOptimizer`` around an ``FP32Optimizer``,
+            ``Float16OptimizerWithFloat16Params`` or ``DistributedOptimizer``).
+        transformer_config: the megatron ``TransformerConfig``.
+        losses: the mean training loss of each step (the same value on every rank).
+    """
+
+    model_desc: ModelDesc
+    config: ParallelConfig
+    model: list[Any]
+    gpt: Any
+    optimizer: Any
+    transformer_config: Any
+    losses: list[float] = field(default_factory=list)
+
+    def model_sharded_state_dict(self) -> dict:
+        """megatron's ``sharded_state_dict()`` of the model (keys without a ``module.`` prefix)."""
+        return self.gpt.sharded_state_dict()
+
+    def optimizer_sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
+        """megatron's optimizer ``sharded_state_dict``; ``dp_reshardable`` when distributed."""
+        model_sd = model_sharded_state_dict or self.model_sharded_state_dict()
+        metadata = {"distrib_optim_sharding_type": DIST_OPT_SHARDING_TYPE}
+        return self.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+
+    def sharded_state_dict(self) -> dict:
+        """``{"model": ..., "optimizer": ...}``, the layout megatron's checkpoints use."""
+        model_sd = self.model_sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer_sharded_state_dict(model_sd)}
+
+
+def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int = 1234,
+                         steps: int = 2, micro_batch: int = 2, seq: int | None = None,
+                         global_batch: int = DEFAULT_GLOBAL_BATCH) -> TrainingState:
+    """Initialise model parallel state, build the model and optimizer, train ``steps`` steps.
+
+    Must run on every rank of an initialised ``torch.distributed`` group of ``config.world``
+    ranks. Call :func:`teardown` before building another configuration in the same processes.
+
+    Args:
+        model: the model to build.
+        config: dp, tp, pp and whether the optimizer is distributed.
+        seed: seeds the weights and the training data.
+        steps: training steps to run (``0`` leaves Adam's moments empty).
+        micro_batch: sequences per micro-batch.
+        seq: sequence length (default: ``model.seq_length``).
+        global_batch: sequences per step over all dp ranks; each dp rank runs
+            ``global_batch / (dp * micro_batch)`` micro-batches through the pipeline.
+
+    Raises:
+        ConfigError: the world size, the batch sizes or ``config`` do not fit ``model``.
+    """
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    config.validate_for(model, devices=world)
+    seq = model.seq_length if seq is None else seq
+    if seq > model.seq_length and model.learned_position_embeddings:
+        raise ConfigError(f"seq ({seq}) exceeds the learned position table of {model.name} "
+                          f"({model.seq_length})")
+    if global_batch % (config.dp * micro_batch):
+        raise ConfigError(f"global_batch ({global_batch}) must be a multiple of dp * micro_batch "
+                          f"({config.dp} * {micro_batch})")
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
+                                             pipeline_model_parallel_size=config.pp)
+    try:
+        state = _build(model, config, seed=seed)
+        for step in range(steps):
+            state.losses.append(_train_step(state, seed=seed, step=step,
+                                            micro_batch=micro_batch, seq=seq,
+                                            global_batch=global_batch))
+    except BaseException:
+        # Leave the processes able to build the next configuration.
+        teardown()
+        raise
+    logger.info("built %s under %s: losses %s", model.name, config,
+                ", ".join(f"{x:.4f}" for x in state.losses))
+    return state
+
+
+def _build(model: ModelDesc, config: ParallelConfig, *, seed: int) -> TrainingState:
+    """GPTModel, DDP wrapper and optimizer of this rank (model parallel state initialised)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    tf_config = transformer_config(model, config)
+    torch.manual_seed(seed)
+    gpt = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
+        vocab_size=model.padded_vocab,
+        max_sequence_length=model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tied_embeddings,
+        position_embedding_type="learned_absolute" if model.learned_position_embeddings
+        else "rope",
+    )
+    reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
+    module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=model.mixed_precision,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=config.distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(tf_config, ddp_config, module)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=LEARNING_RATE,
+        bf16=model.mixed_precision,
+        params_dtype=_DTYPES[model.param_dtype],
+        use_distributed_optimizer=config.distributed_optimizer,
+        clip_grad=1.0,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    # What megatron's training loop wires up: the schedule calls these after backward.
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    tf_config.no_sync_func = ddp.no_sync
+    return TrainingState(model_desc=model, config=config, model=[ddp], gpt=gpt,
+                         optimizer=optimizer, transformer_config=tf_config)
+
+
+def teardown() -> None:
+    """Destroy megatron's model parallel state so the processes can build another config.
+
+    Drop every reference to the previous :class:`TrainingState` first. Besides resetting
+    megatron's globals (``destroy_model_parallel``), this shuts down the process groups megatron
+    created: megatron leaves them alive, and each gloo group holds sockets, pipes and threads,
+    so a process that builds dozens of configurations runs out of them and new groups hang.
+    megatron keeps the groups this rank belongs to in ``parallel_state._global_process_group_list``
+    (``None`` standing for the default group, which stays).
+    """
+    from megatron.core import parallel_state
+
+    # Destroy the groups before destroy_model_parallel(): it destroys its gloo data-parallel
+    # groups itself, but only those still registered, so nothing is destroyed twice.
+    groups = list({id(g): g for g in parallel_state._global_process_group_list or []
+                   if g is not None}.values())
+    for group in groups:
+        dist.destroy_process_group(group)
+    parallel_state.destroy_model_parallel()
+    gc.collect()
+    logger.debug("destroyed megatron model parallel state and %d process groups", len(groups))
+
+
+def _train_step(state: TrainingState, *, seed: int, step: int, micro_batch: int, seq: int,
+                global_batch: int) -> float:
+    """One optimizer step over the seeded global batch; returns its mean loss on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_dp = global_batch // state.config.dp
+    tokens = _global_batch_tokens(state.model_desc, seed=seed, step=step, sequences=global_batch,
+                                  seq=seq)[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+    micro_batches = list(tokens.split(micro_batch))
+
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(micro_batches),
+        model=state.model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=micro_batch,
+        forward_only=False,
+    )
+    ok, _grad_norm, _zeros = state.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {step} of {state.model_desc.name} under "
+                           f"{state.config} was skipped (non-finite gradients)")
+    return _mean_loss(losses, state.config)
+
+
+def _global_batch_tokens(model: ModelDesc, *, seed: int, step: int, sequences: int,
+                         seq: int) -> torch.Tensor:
+    """Token ids ``[sequences, seq + 1]`` of one step: a function of (seed, step) only."""
+    generator = torch.Generator().manual_seed(_stable_seed(seed, "batch", step))
+    return torch.randint(0, model.vocab_size, (sequences, seq + 1), generator=generator)
+
+
+def _forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple:
+    """megatron ``forward_step_func``: next-token loss of one micro-batch."""
+    tokens = next(data_iterator)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    output = model(inputs, positions, None, labels=labels)
+
+    def loss_func(per_token_loss: torch.Tensor) -> tuple:
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
+    """The step's mean loss, averaged over micro-batches and dp ranks, known on every rank.
+
+    Only last-stage ranks hold losses; each of their tp ranks holds the same value.
+    """
+    from megatron.core import parallel_state
+
+    local = torch.zeros(1, dtype=torch.float64)
+    if losses and parallel_state.is_pipeline_last_stage():
+        local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+    dist.all_reduce(local)
+    return float(local[0]) / (config.dp * config.tp)
+
+
+# -- deterministic initialisation ---------------------------------------------------------------
+
+_OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def reinit_global_deterministic(gpt: torch.nn.Module, *, seed: int, num_layers: int) -> None:
+    """Re-draw every randomly initialised weight from its global value, independent of tp/pp.
+
+    For each ShardedTensor of ``gpt.sharded_state_dict()`` with two or more dimensions per
+    layer (weights, embeddings; norms and biases are constants and are left alone), draws the
+    tensor's full global value for one layer from a generator seeded by (seed, key, layer) and
+    copies this rank's region into the parameter. Tied output weights on the last pipeline
+    stage carry the embedding's key, so they get the embedding's values.
+    """
+    scaled_std = INIT_METHOD_STD / math.sqrt(2.0 * num_layers)
+    with torch.no_grad():
+        for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):
+            layer_shape = sh.global_shape[sh.prepend_axis_num:]
+            if len(layer_shape) < 2:
+                continue
+            std = scaled_std if sh.key.endswith(_OUTPUT_PROJECTIONS) else INIT_METHOD_STD
+            layers = sh.global_offset[:sh.prepend_axis_num]
+            generator = torch.Generator().manual_seed(_stable_seed(seed, sh.key, *layers))
+            full = torch.empty(layer_shape).normal_(0.0, std, generator=generator)
+            region = tuple(slice(o, o + n) for o, n in
+                           zip(sh.global_offset[sh.prepend_axis_num:], sh.local_shape))
+            sh.data.copy_(full[region].to(sh.data.dtype))
+
+
+def _stable_seed(*parts: object) -> int:
+    """A 63-bit seed from its parts, the same in every process (unlike ``hash``)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,113 @@
+"""The gloo worker pool: results in rank order, loud failures, restart, no orphans."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.dist.harness import WorkerDied, WorkerError, WorkerPool, WorkerTimeout, pool_fixture
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+pool2 = pool_fixture(2, timeout_s=60)
+
+
+def _rank_sum(rank: int, world: int, offset: int) -> tuple[int, int, float]:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(rank + offset)])
+    dist.all_reduce(value)
+    return rank, world, float(value[0])
+
+
+def _fail_on(rank: int, world: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    return rank
+
+
+def _hang_on(rank: int, world: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        time.sleep(600)
+    return rank
+
+
+def _exit_on(rank: int, world: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        os._exit(7)
+    return rank
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def test_runs_a_collective_and_returns_results_in_rank_order(pool2):
+    assert pool2.run(_rank_sum, 10) == [(0, 2, 21.0), (1, 2, 21.0)]
+
+
+def test_worker_exception_is_raised_with_rank_and_remote_traceback(pool2):
+    with pytest.raises(WorkerError) as info:
+        pool2.run(_fail_on, 1)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in info.value.remote_traceback
+    assert "_fail_on" in str(info.value)
+    # The other rank finished normally, so the same workers keep serving.
+    pids = pool2.pids
+    assert pool2.run(_rank_sum, 0) == [(0, 2, 1.0), (1, 2, 1.0)]
+    assert pool2.pids == pids
+
+
+def test_unpicklable_call_is_refused_before_any_rank_runs_it(pool2):
+    pids = pool2.pids
+    with pytest.raises(TypeError, match="cannot send"):
+        pool2.run(lambda rank, world: rank)
+    assert pool2.run(_rank_sum, 0) == [(0, 2, 1.0), (1, 2, 1.0)]
+    assert pool2.pids == pids
+
+
+def _unpicklable_result(rank: int, world: int):
+    return lambda: rank
+
+
+def test_unpicklable_result_is_reported_as_a_worker_error(pool2):
+    with pytest.raises(WorkerError, match="rank 0 raised"):
+        pool2.run(_unpicklable_result)
+
+
+def test_timeout_names_the_rank_and_the_pool_restarts(pool2):
+    old_pids = pool2.pids
+    with pytest.raises(WorkerTimeout, match=r"ranks \[0\] did not answer .*_hang_on"):
+        pool2.run(_hang_on, 0, timeout_s=3)
+    assert not any(_alive(pid) for pid in old_pids)
+    assert pool2.run(_rank_sum, 1) == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert set(pool2.pids).isdisjoint(old_pids)
+
+
+def test_worker_death_is_reported_and_the_pool_restarts(pool2):
+    with pytest.raises(WorkerDied, match=r"rank 1 \(pid \d+\) exited with code 7"):
+        pool2.run(_exit_on, 1)
+    assert pool2.run(_fail_on, -1) == [0, 1]
+
+
+def test_close_leaves_no_processes_behind():
+    pool = WorkerPool(2)
+    with pool:
+        pids = pool.run(_pid)
+        assert pids == pool.pids
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); a reaped process does not.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
