@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.unit.test_catalog_megatron import check_buffers, check_model_records, from_payload
+
 from slurm_etc.megatron.shards import is_main_replica, record_numel
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import DTYPE_BYTES, PRESETS
@@ -297,6 +299,19 @@ def test_fixture_is_current(built, name):
     live = json.loads(dumps_fixture(fixture_payload(model, config, built(name))))
     assert json.loads(path.read_text()) == live, \
         f"{path} differs from what megatron-core builds now: run `{REGENERATE}`"
+
+
+# -- the planner's catalog against live builds -------------------------------------------------
+
+@pytest.mark.parametrize("name", CASES)
+def test_catalog_reproduces_live_sharded_state_dict(built, name):
+    """slurm_etc.plan's catalog (built without the model) gives the same keys, global shapes,
+    per-rank boxes and distributed-optimizer buffers as this real megatron-core build."""
+    model, config = CASES[name]
+    data = json.loads(dumps_fixture(fixture_payload(model, config, built(name))))
+    check_model_records(*from_payload(data))
+    if config.distributed_optimizer:
+        check_buffers(*from_payload(data))
 
 
 # -- dist_checkpointing -------------------------------------------------------------------------

@@ -18,7 +18,10 @@ FIXTURES = sorted((pathlib.Path(__file__).parents[1] / "fixtures" / "megatron").
 
 
 def load(path):
-    data = json.loads(path.read_text())
+    return from_payload(json.loads(path.read_text()))
+
+
+def from_payload(data):
     model = ModelDesc(**data["model"])
     config = ParallelConfig(**data["config"])
     return data, model, config
@@ -57,7 +60,10 @@ def catalog_boxes(catalog, table, rank):
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_keys_shapes_and_boxes_match_megatron(path):
-    data, model, config = load(path)
+    check_model_records(*load(path))
+
+
+def check_model_records(data, model, config):
     catalog = build_catalog(model, config)
     shapes = {g.param.removesuffix(TIED_SUFFIX): tuple(g.shape) for g in catalog.groups}
     table = region_table(catalog, config)
@@ -74,7 +80,10 @@ DIST = [p for p in FIXTURES if "distopt" in p.stem]
 
 @pytest.mark.parametrize("path", DIST, ids=[p.stem for p in DIST])
 def test_distributed_optimizer_buffer_matches_megatron(path):
-    data, model, config = load(path)
+    check_buffers(*load(path))
+
+
+def check_buffers(data, model, config):
     catalog = build_catalog(model, config)
     for rank_data in data["ranks"]:
         c = rank_data["coords"]
