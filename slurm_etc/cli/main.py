@@ -40,9 +40,11 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import cmd_plan
+    from . import cmd_plan, cmd_policy, cmd_simulate
 
     cli.add_command(cmd_plan.plan)
+    cli.add_command(cmd_policy.policy)
+    cli.add_command(cmd_simulate.simulate_cmd)
 
 
 _register()

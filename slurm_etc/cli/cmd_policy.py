@@ -1,0 +1,215 @@
+"""`slurm-etc policy show|set|unset`: admin resize policies per partition or account.
+
+Anyone may read policies; only root or a Slurm Operator/Administrator may change them.
+The admin check is taken from ``ctx.obj["admin_check"]`` when present (tests inject one).
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import subprocess
+from typing import Callable
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..policy.admin import AdminVerdict, adminlevel_command, verdict
+from ..policy.rules import (FIELDS, EffectivePolicy, PolicyError, Scope, check_keys, effective,
+                            parse_assignments)
+from ..store import (StoreError, StoredPolicy, get_policy, list_policies, open_store,
+                     set_policy, unset_policy)
+from .main import UserError
+
+SACCTMGR_TIMEOUT_S = 10
+
+
+def slurm_admin_check() -> AdminVerdict:
+    """root, or ``sacctmgr`` reports AdminLevel Operator/Administrator for this user."""
+    user = getpass.getuser()
+    output = None
+    if os.getuid() != 0 and shutil.which("sacctmgr"):
+        try:
+            done = subprocess.run(adminlevel_command(user), capture_output=True, text=True,
+                                  timeout=SACCTMGR_TIMEOUT_S)
+            output = done.stdout if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            output = None
+    return verdict(user, os.getuid(), output)
+
+
+def _scope(partition: str | None, account: str | None, required: bool) -> Scope | None:
+    if partition and account:
+        raise UserError("give --partition or --account, not both")
+    if not (partition or account):
+        if required:
+            raise UserError("give the policy's scope: --partition NAME or --account NAME")
+        return None
+    return (_make_scope("partition", partition) if partition
+            else _make_scope("account", account))
+
+
+def _make_scope(kind: str, name: str) -> Scope:
+    try:
+        return Scope(kind, name)
+    except PolicyError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _store(ctx: click.Context):
+    try:
+        return open_store(ctx.obj.get("db_path"))
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _require_admin(ctx: click.Context) -> str:
+    """The user's name if they may change policies; UserError (nothing written) if not."""
+    check: Callable[[], AdminVerdict] = ctx.obj.get("admin_check", slurm_admin_check)
+    result = check()
+    if not result.allowed:
+        raise UserError(f"permission denied: {result.reason}")
+    return getpass.getuser()
+
+
+def _value(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (tuple, list)):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+def _table(policies: list[StoredPolicy], title: str,
+           merged: EffectivePolicy | None = None) -> Table:
+    """Fields as rows, one column per scope (narrow enough for a terminal), and the
+    effective policy last when given ("any": no limit)."""
+    t = Table(title=title)
+    t.add_column("field", style="bold")
+    for p in policies:
+        t.add_column(str(p.scope), justify="right")
+    if merged is not None:
+        t.add_column("effective", justify="right", style="bold")
+    for f in FIELDS:
+        extra = [] if merged is None else [
+            "any" if getattr(merged, f) is None else _value(getattr(merged, f))]
+        t.add_row(f, *(_value(getattr(p.policy, f)) for p in policies), *extra)
+    pad = [] if merged is None else [""]
+    t.add_row("changed by", *(p.updated_by for p in policies), *pad)
+    t.add_row("changed at (UTC)", *(f"{p.updated_at:%Y-%m-%d %H:%M}" for p in policies), *pad)
+    return t
+
+
+@click.group()
+@click.option("--db", "db_path", envvar="SLURM_ETC_DB", type=click.Path(dir_okay=False),
+              help="SQLite database (default: $SLURM_ETC_DB or "
+                   "~/.local/share/slurm-etc/etc.db).")
+@click.pass_context
+def policy(ctx: click.Context, db_path: str | None) -> None:
+    """Admin resize policies per partition or account (min/max nodes, tp/pp, growth,
+    preemption grace, resize cap)."""
+    ctx.obj["db_path"] = db_path
+
+
+@policy.command()
+@click.option("--partition", help="Show this partition's policy.")
+@click.option("--account", help="Show this account's policy.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def show(ctx: click.Context, partition: str | None, account: str | None, as_json: bool) -> None:
+    """Show policies: all, one scope's, or (with both options) what binds a job there."""
+    both = bool(partition and account)
+    scopes = ([_make_scope("partition", partition), _make_scope("account", account)] if both
+              else [s for s in [_scope(partition, account, required=False)] if s])
+    store = _store(ctx)
+    try:
+        found = ([p for p in (get_policy(store, s) for s in scopes) if p] if scopes
+                 else list_policies(store))
+    finally:
+        store.close()
+    merged = None
+    if both:
+        try:
+            merged = effective((p.scope, p.policy) for p in found)
+        except PolicyError as exc:
+            raise UserError(f"the policies contradict each other: {exc}") from None
+    if as_json:
+        out: dict = {"policies": [p.to_json() for p in found]}
+        if merged is not None:
+            out["effective"] = {f: _jsonable(getattr(merged, f)) for f in FIELDS}
+        click.echo(json.dumps(out, indent=2))
+        return
+    if not found and merged is None:
+        click.echo(f"no policy for {scopes[0]}" if scopes else "no policies set", err=True)
+        return
+    title = (f"resize policies binding partition {partition}, account {account} "
+             "(the stricter value wins)" if merged is not None else "resize policies")
+    Console().print(_table(found, title, merged))
+
+
+@policy.command("set")
+@click.option("--partition", help="Set the policy of this partition.")
+@click.option("--account", help="Set the policy of this account.")
+@click.option("--json", "as_json", is_flag=True, help="Print the resulting policy as JSON.")
+@click.argument("assignments", nargs=-1, required=True, metavar="KEY=VALUE...")
+@click.pass_context
+def set_(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
+         assignments: tuple[str, ...]) -> None:
+    """Set policy fields, e.g. min_nodes=2 max_nodes=32 allowed_tp=2,4,8 grow=yes
+    grow_partition=preempt grow_qos=scavenger preempt_grace_s=2m max_resizes_per_hour=6."""
+    scope = _scope(partition, account, required=True)
+    try:
+        changes = parse_assignments(assignments)
+    except PolicyError as exc:
+        raise UserError(str(exc)) from None
+    who = _require_admin(ctx)
+    store = _store(ctx)
+    try:
+        result = set_policy(store, scope, changes, who)
+    except PolicyError as exc:
+        raise UserError(f"{exc}; nothing was written") from None
+    finally:
+        store.close()
+    _print_result(result, scope, as_json)
+
+
+@policy.command()
+@click.option("--partition", help="Unset fields of this partition's policy.")
+@click.option("--account", help="Unset fields of this account's policy.")
+@click.option("--json", "as_json", is_flag=True, help="Print the remaining policy as JSON.")
+@click.argument("keys", nargs=-1, metavar="[KEY...]")
+@click.pass_context
+def unset(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
+          keys: tuple[str, ...]) -> None:
+    """Unset policy fields (defaults apply again); without keys, remove the whole policy."""
+    scope = _scope(partition, account, required=True)
+    try:
+        names = check_keys(keys)
+    except PolicyError as exc:
+        raise UserError(str(exc)) from None
+    who = _require_admin(ctx)
+    store = _store(ctx)
+    try:
+        result = unset_policy(store, scope, names or None, who)
+    except PolicyError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        store.close()
+    _print_result(result, scope, as_json)
+
+
+def _print_result(result: StoredPolicy | None, scope: Scope, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"policy": result.to_json() if result else None}, indent=2))
+    elif result is None:
+        click.echo(f"{scope}: policy removed", err=True)
+    else:
+        Console().print(_table([result], f"{scope}"))
+
+
+def _jsonable(v):
+    return list(v) if isinstance(v, tuple) else v

@@ -1,0 +1,320 @@
+"""decide(snapshot, policy) -> Decision: what an elastic job does next, and why.
+
+Pure: the coordinator builds a ``Snapshot`` from what Slurm and the store say, calls
+``decide``, and carries out the actions. Every action carries a one-line reason.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from ..alloc.chooser import Choice, Hardware, TrainingJob, choose_config, tokens_per_second
+from ..alloc.migration import migration_cost
+from ..alloc.topology import ClusterTopology, Device
+from ..alloc.vranks import Allocation, allocate
+from ..plan import Layout, ParallelConfig, Topology
+from ..plan.errors import ConfigError
+from .rules import EffectivePolicy
+
+# A voluntary resize (growing, or reshaping without a loss) must raise the estimated
+# throughput by at least this much; smaller gains do not pay for the pause.
+MIN_GAIN = 0.05
+HOUR = 3600.0
+
+CostFn = Callable[[Layout, ParallelConfig, Allocation], int]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Devices that leave the job: preempted (at ``deadline``) or failed (already gone)."""
+
+    devices: frozenset[Device]
+    deadline: float
+    cause: str = "preemption"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything ``decide`` knows about one job at one instant.
+
+    Attributes:
+        now: seconds (any epoch; only differences matter).
+        job: model and batch.
+        hardware: device and link figures.
+        topology: node order and switches.
+        held: every device the job's allocations hold, including leaving ones.
+        layout: the current layout in vranks (None before the first start).
+        vranks: vrank -> device for the current layout.
+        notices: devices leaving the job.
+        resizes: times of earlier resizes (for the per-hour cap).
+        growing: nodes already requested by member allocations that have not started.
+        pinned: devices of the anchor allocation (runs the coordinator; never released).
+    """
+
+    now: float
+    job: TrainingJob
+    hardware: Hardware
+    topology: ClusterTopology
+    held: frozenset[Device]
+    layout: Layout | None = None
+    vranks: Mapping[int, Device] = field(default_factory=dict)
+    notices: tuple[Notice, ...] = ()
+    resizes: tuple[float, ...] = ()
+    growing: int = 0
+    pinned: frozenset[Device] = frozenset()
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Move to ``config`` on the pool ``allocation`` (the planner places the ranks)."""
+
+    config: ParallelConfig
+    allocation: Allocation
+    forced: bool
+    reason: str
+    deadline: float | None = None
+
+    def __str__(self) -> str:
+        a = self.allocation
+        return (f"resize to {self.config} on {len(a.vranks)} devices ({len(a.nodes)} nodes): "
+                f"{self.reason}")
+
+
+@dataclass(frozen=True)
+class Release:
+    """Give devices back to Slurm."""
+
+    devices: tuple[Device, ...]
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"release {len(self.devices)} devices ({format_devices(self.devices)}): "
+                f"{self.reason}")
+
+
+@dataclass(frozen=True)
+class RequestGrow:
+    """Submit a member allocation of ``nodes`` whole nodes."""
+
+    nodes: int
+    partition: str | None
+    qos: str | None
+    signal_grace_s: int
+    reason: str
+
+    def __str__(self) -> str:
+        where = f" in partition {self.partition}" if self.partition else ""
+        qos = f" with QOS {self.qos}" if self.qos else ""
+        warn = (f", warned {self.signal_grace_s} s before preemption"
+                if self.signal_grace_s else "")
+        return f"request {self.nodes} more node(s){where}{qos}{warn}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Stop training at a step boundary and wait (state stays on the held devices)."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"pause: {self.reason}"
+
+
+Action = Resize | Release | RequestGrow | Pause
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: tuple[Action, ...]
+    reason: str
+
+    def lines(self) -> list[str]:
+        """The decision's reason, then one line per action."""
+        return [self.reason, *(f"  - {a}" for a in self.actions)]
+
+
+def format_devices(devices: Iterable[Device]) -> str:
+    """``n0001:0-3,n0002:0-7`` style: devices grouped by node, local ranges merged."""
+    by_node: dict[str, list[int]] = {}
+    for d in sorted(devices):
+        by_node.setdefault(d.node, []).append(d.local)
+    parts = []
+    for node, locals_ in by_node.items():
+        runs, start = [], locals_[0]
+        for prev, cur in zip(locals_, locals_[1:] + [None]):
+            if cur != prev + 1:
+                runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+                start = cur
+        parts.append(f"{node}:{'+'.join(runs)}")
+    return ",".join(parts)
+
+
+def planner_cost(snapshot: Snapshot) -> CostFn:
+    """Bytes the planner moves for a candidate (layout -> config on an allocation's pool)."""
+    hw = snapshot.hardware
+    topo = Topology(hw.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
+
+    def cost(layout: Layout, config: ParallelConfig, allocation: Allocation) -> int:
+        return migration_cost(snapshot.job.model, layout, config, allocation.pool,
+                              topo).moved_bytes
+    return cost
+
+
+def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
+           cost: CostFn | None = None) -> Decision:
+    """What the job does next under ``policy``.
+
+    Order of concerns: devices that leave force a resize (never blocked by the resize cap);
+    otherwise a resize must gain ``MIN_GAIN`` estimated throughput and respect the cap;
+    devices no configuration uses are released; growth is requested only when a bigger
+    allocation would pay.
+
+    Args:
+        snapshot: the job's state.
+        policy: the merged policy of the job's partition and account.
+        cost: migration bytes of a candidate; defaults to asking the planner.
+    """
+    s = snapshot
+    cost = cost or planner_cost(s)
+    leaving = frozenset().union(*(n.devices for n in s.notices)) & s.held
+    usable = s.held - leaving
+    in_layout = frozenset(s.vranks.values())
+    lost = in_layout & leaving
+    recent = sum(1 for t in s.resizes if 0 <= s.now - t < HOUR)
+    capped = policy.max_resizes_per_hour is not None and recent >= policy.max_resizes_per_hour
+    counts = list(Counter(d.node for d in usable).values())
+
+    def cost_of(config: ParallelConfig) -> int:
+        return cost(s.layout, config, _allocate(s, usable, config, policy))
+
+    # Migration cost matters only when a resize can happen now (not at a first start, nor
+    # for a voluntary resize the cap forbids).
+    weigh_cost = s.layout is not None and (bool(lost) or not capped)
+    try:
+        choice = choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
+                               allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
+                               migration_cost=cost_of if weigh_cost else None)
+    except ConfigError as exc:
+        grow = _grow_request(s, policy, usable, None, capped)
+        return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
+                        f"no configuration fits the {len(usable)} usable devices")
+
+    actions: list[Action] = []
+    target = _allocate(s, usable, choice.config, policy)
+    keep = False
+    if s.layout is None:
+        forced, why = False, f"start: {choice.reason}"
+        summary = f"start on {len(target.vranks)} of {len(usable)} usable devices"
+    elif lost:
+        forced, why = True, f"{_loss_reason(s, lost, policy)}; {choice.reason}"
+        summary = f"{len(lost)} training device(s) leaving: resize"
+    else:
+        current = tokens_per_second(s.job, s.layout.config, s.hardware)
+        gain = choice.best.tokens_per_s / current - 1
+        forced, why = False, f"+{gain:.0%} estimated throughput; {choice.reason}"
+        keep = choice.config == s.layout.config or gain < MIN_GAIN or capped
+        if not keep:
+            summary = f"resize for +{gain:.0%} estimated throughput"
+        elif choice.config == s.layout.config or gain < MIN_GAIN:
+            summary = (f"keep {s.layout.config}: the best configuration gains "
+                       f"{max(gain, 0):.0%} (< {MIN_GAIN:.0%})")
+        else:
+            summary = (f"keep {s.layout.config}: {recent} resizes in the last hour reach the "
+                       f"policy cap ({policy.max_resizes_per_hour}); a {gain:.0%} gain waits")
+    if keep:
+        config = s.layout.config
+        target = Allocation(dict(s.vranks), tuple(sorted(usable - in_layout - s.pinned)))
+    else:
+        config = choice.config
+        if len(target.nodes) < policy.min_nodes:
+            pause: list[Action] = [Pause(f"the best configuration ({config}) spans "
+                                         f"{len(target.nodes)} node(s), below the policy's "
+                                         f"min_nodes ({policy.min_nodes})")]
+            grow = _grow_request(s, policy, usable, None, capped)
+            return Decision(tuple(pause + ([grow] if grow else [])),
+                            "below the policy's minimum size")
+        deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
+        actions.append(Resize(config, target, forced, why, deadline))
+    if target.released:
+        actions.append(Release(target.released, _release_reason(config, target, policy)))
+    grow = _grow_request(s, policy, frozenset(target.vranks.values()), choice, capped)
+    if grow:
+        actions.append(grow)
+    return Decision(tuple(actions), summary)
+
+
+def _allocate(s: Snapshot, usable: frozenset[Device], config: ParallelConfig,
+              policy: EffectivePolicy) -> Allocation:
+    return allocate(usable, config.world, config.tp, s.topology, previous=s.vranks,
+                    max_nodes=policy.max_nodes, pinned=s.pinned & usable)
+
+
+def _loss_reason(s: Snapshot, lost: frozenset[Device], policy: EffectivePolicy) -> str:
+    parts = []
+    for n in s.notices:
+        gone = n.devices & lost
+        if not gone:
+            continue
+        text = f"{len(gone)} device(s) lost to {n.cause} ({format_devices(gone)})"
+        left = n.deadline - s.now
+        if n.cause == "preemption":
+            text += f", {left:.0f} s of notice"
+            if left < policy.preempt_grace_s:
+                text += f" (policy asks for {policy.preempt_grace_s} s)"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _release_reason(config: ParallelConfig, target: Allocation,
+                    policy: EffectivePolicy) -> str:
+    used = set(target.nodes)
+    if policy.max_nodes is not None and len(used) >= policy.max_nodes and any(
+            d.node not in used for d in target.released):
+        return f"{config} runs on {len(used)} nodes, the policy's max_nodes"
+    return (f"{config} runs on {len(target.vranks)} devices; the rest cannot join whole "
+            "tensor-parallel groups in a node or a larger valid configuration")
+
+
+def _grow_request(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+                  choice: Choice | None, capped: bool) -> RequestGrow | None:
+    """Ask for the fewest whole nodes that, added to ``kept``, make a configuration
+    MIN_GAIN faster.
+
+    Throughput grows with devices (not strictly: batch divisibility makes steps), so the
+    fewest such nodes is found by bisection over 1..room.
+    """
+    if not policy.grow or s.growing or capped:
+        return None
+    held_nodes = len({d.node for d in kept})
+    room = (policy.max_nodes - held_nodes if policy.max_nodes is not None
+            else max(held_nodes, 1))
+    counts = list(Counter(d.node for d in kept).values())
+    base = choice.best.tokens_per_s if choice else 0.0
+
+    def best_with(extra: int) -> Choice | None:
+        try:
+            return choose_config(s.job, s.hardware,
+                                 counts + [s.topology.gpus_per_node] * extra,
+                                 allowed_tp=policy.allowed_tp, allowed_pp=policy.allowed_pp,
+                                 max_nodes=policy.max_nodes)
+        except ConfigError:
+            return None
+
+    def pays(c: Choice | None) -> bool:
+        return c is not None and c.best.tokens_per_s >= (1 + MIN_GAIN) * base
+
+    if room < 1 or not pays(best_with(room)):
+        return None
+    low, high = 0, room  # pays(high) holds; find the smallest such extra
+    while high - low > 1:
+        mid = (low + high) // 2
+        if pays(best_with(mid)):
+            high = mid
+        else:
+            low = mid
+    bigger = best_with(high)
+    gain = ("enough devices to start" if not base else
+            f"{bigger.config} would be {bigger.best.tokens_per_s / base - 1:.0%} faster")
+    return RequestGrow(high, policy.grow_partition, policy.grow_qos, policy.preempt_grace_s,
+                       gain)

@@ -1,0 +1,211 @@
+"""The trace format `slurm-etc simulate --trace` replays (JSON; see docs/allocator.md).
+
+A trace describes a cluster, the elastic jobs on it, the admin policies that bind them and
+a time-ordered list of events: elastic jobs asking to grow (a member allocation is
+submitted), preemptions of their members, node failures and recoveries, and rigid
+(non-elastic) jobs submitted to the same cluster. Which devices a member allocation or a
+rigid job gets, and when, is decided by the simulated Slurm, so what one allocator
+releases is what the next request can use.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..alloc.chooser import Hardware, TrainingJob
+from ..plan.errors import ConfigError
+from ..plan.model import load_model
+from ..policy.rules import FIELDS, PolicyError, ResizePolicy, Scope
+
+EVENT_KINDS = ("grow", "preempt", "fail", "recover", "submit")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed: where in the file, what, and what is valid."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Homogeneous nodes under leaf switches, and what each device offers."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    nodes_per_switch: int = 16
+    memory_gib: float = 80.0
+    tflops: float = 400.0
+    intra_node_gbps: float = 150.0
+    inter_node_gbps: float = 25.0
+
+    def hardware(self) -> Hardware:
+        return Hardware(self.gpus_per_node, self.memory_gib, self.tflops,
+                        self.intra_node_gbps, self.inter_node_gbps)
+
+
+@dataclass(frozen=True)
+class ElasticJobSpec:
+    """An elastic training job: its anchor allocation starts at ``start`` with ``nodes``
+    whole nodes; member allocations follow ``grow`` events."""
+
+    name: str
+    model: str
+    global_batch: int
+    nodes: int
+    micro_batch: int = 1
+    distributed_optimizer: bool = True
+    partition: str = "gpu"
+    account: str = "default"
+    start: float = 0.0
+
+    def training(self) -> TrainingJob:
+        return TrainingJob(load_model(self.model), self.global_batch, self.micro_batch,
+                           self.distributed_optimizer)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One trace event (fields a kind does not use stay None)."""
+
+    t: float
+    kind: str
+    job: str | None = None
+    gpus: int | None = None
+    nodes: int | None = None
+    node: int | None = None
+    duration: float | None = None
+
+
+@dataclass(frozen=True)
+class Trace:
+    cluster: ClusterSpec
+    jobs: tuple[ElasticJobSpec, ...]
+    events: tuple[Event, ...]
+    duration: float
+    policies: tuple[tuple[Scope, ResizePolicy], ...] = field(default=())
+
+    def to_json(self) -> dict:
+        return {
+            "cluster": asdict(self.cluster),
+            "duration": self.duration,
+            "policies": [{"scope": str(s), **{k: list(v) if isinstance(v, tuple) else v
+                                              for k, v in p.set_fields().items()}}
+                         for s, p in self.policies],
+            "jobs": [asdict(j) for j in self.jobs],
+            "events": [{k: v for k, v in asdict(e).items() if v is not None}
+                       for e in self.events],
+        }
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a trace file.
+
+    Raises:
+        TraceError: unreadable file, malformed JSON or an invalid entry (with its place).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"trace file {path} is not valid JSON: {exc.msg} at line "
+                         f"{exc.lineno} column {exc.colno}") from None
+    return parse_trace(data, str(path))
+
+
+def parse_trace(data: dict, where: str = "trace") -> Trace:
+    """Build a validated Trace from its JSON form."""
+    if not isinstance(data, dict):
+        raise TraceError(f"{where}: expected a JSON object with cluster, jobs, events")
+    cluster = _build(ClusterSpec, data.get("cluster"), f"{where}: cluster")
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1 or cluster.nodes_per_switch < 1:
+        raise TraceError(f"{where}: cluster: nodes, gpus_per_node and nodes_per_switch must "
+                         "be positive")
+    jobs = tuple(_build(ElasticJobSpec, j, f"{where}: jobs[{i}]")
+                 for i, j in enumerate(_list(data, "jobs", where)))
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise TraceError(f"{where}: elastic job names must be unique")
+    for i, j in enumerate(jobs):
+        try:
+            j.training()
+        except ConfigError as exc:
+            raise TraceError(f"{where}: jobs[{i}] ({j.name}): {exc}") from None
+        if j.nodes < 1 or j.nodes > cluster.nodes:
+            raise TraceError(f"{where}: jobs[{i}] ({j.name}): nodes must be 1..{cluster.nodes}")
+    policies = tuple(_policy(p, f"{where}: policies[{i}]")
+                     for i, p in enumerate(_list(data, "policies", where, required=False)))
+    events = []
+    for i, e in enumerate(_list(data, "events", where)):
+        event = _build(Event, e, f"{where}: events[{i}]")
+        _check_event(event, set(names), cluster, f"{where}: events[{i}]")
+        events.append(event)
+    events.sort(key=lambda e: e.t)  # stable: equal times keep file order
+    duration = data.get("duration", max((e.t for e in events), default=0.0))
+    if not isinstance(duration, (int, float)) or duration <= 0:
+        raise TraceError(f"{where}: duration must be a positive number of seconds")
+    return Trace(cluster, jobs, tuple(events), float(duration), policies)
+
+
+def _list(data: dict, key: str, where: str, required: bool = True) -> list:
+    value = data.get(key, None if required else [])
+    if not isinstance(value, list):
+        raise TraceError(f"{where}: {key} must be a list")
+    return value
+
+
+def _build(cls, raw, where: str):
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where}: expected a JSON object")
+    names = [f for f in cls.__dataclass_fields__]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise TraceError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: "
+                         f"{', '.join(names)}")
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise TraceError(f"{where}: {exc}") from None
+
+
+def _policy(raw, where: str) -> tuple[Scope, ResizePolicy]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("scope"), str):
+        raise TraceError(f"{where}: expected an object with scope 'partition:NAME' or "
+                         "'account:NAME' and policy fields")
+    kind, _, name = raw["scope"].partition(":")
+    fields_ = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k != "scope"}
+    unknown = sorted(set(fields_) - set(FIELDS))
+    if unknown:
+        raise TraceError(f"{where}: unknown policy field(s) {', '.join(unknown)}; valid: "
+                         f"{', '.join(FIELDS)}")
+    try:
+        return Scope(kind, name), ResizePolicy(**fields_)
+    except PolicyError as exc:
+        raise TraceError(f"{where}: {exc}") from None
+
+
+def _check_event(e: Event, jobs: set[str], cluster: ClusterSpec, where: str) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise TraceError(f"{where} ({e.kind}): {what}")
+
+    need(e.kind in EVENT_KINDS, f"unknown kind; kinds: {', '.join(EVENT_KINDS)}")
+    need(isinstance(e.t, (int, float)) and e.t >= 0, "t must be seconds >= 0")
+    G = cluster.gpus_per_node
+    if e.kind in ("grow", "submit"):
+        need((e.gpus is None) != (e.nodes is None), "give exactly one of gpus or nodes")
+        need(e.gpus is None or 1 <= e.gpus <= G, f"gpus must be 1..{G} (one node)")
+        need(e.nodes is None or 1 <= e.nodes <= cluster.nodes,
+             f"nodes must be 1..{cluster.nodes}")
+    if e.kind in ("grow", "preempt"):
+        need(e.job in jobs, f"job must name an elastic job ({', '.join(sorted(jobs))})")
+    if e.kind == "preempt":
+        need(isinstance(e.gpus, int) and e.gpus >= 1, "gpus must be a positive integer")
+    if e.kind in ("preempt", "submit"):
+        need(isinstance(e.duration, (int, float)) and e.duration > 0,
+             "duration must be positive seconds")
+    if e.kind == "submit":
+        need(isinstance(e.job, str) and e.job not in jobs,
+             "job must name a rigid job (not an elastic one)")
+    if e.kind in ("fail", "recover"):
+        need(isinstance(e.node, int) and 0 <= e.node < cluster.nodes,
+             f"node must be a node index 0..{cluster.nodes - 1}")
