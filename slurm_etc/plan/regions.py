@@ -13,7 +13,7 @@ into one row held by several classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from math import lcm
 
 import numpy as np
@@ -145,7 +145,10 @@ class _Builder:
         ptr = np.zeros(n + 1, np.int64)
         ptr[1:] = np.cumsum([len(c) for c in classes])
         idx = np.fromiter((c for cs in classes for c in cs), np.int32, int(ptr[-1]))
-        return RegionTable(config, group, layer, lo, hi, s, e, dp, ptr, idx)
+        arrays = (group, layer, lo, hi, s, e, dp, ptr, idx)
+        for a in arrays:
+            a.setflags(write=False)
+        return RegionTable(config, *arrays)
 
 
 def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
@@ -243,8 +246,12 @@ def layer_order_key(g: TensorGroup, layer: int) -> tuple[int, int, int]:
     return (major, 0, minor)
 
 
+@lru_cache(maxsize=32)
 def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
-    """Every region each rank of ``config`` holds of every tensor group."""
+    """Every region each rank of ``config`` holds of every tensor group.
+
+    Cached: the same layouts recur across resizes and simulations; the arrays are read-only.
+    """
     b = _Builder()
     model = catalog.model
     tp, pp, dp = config.tp, config.pp, config.dp
