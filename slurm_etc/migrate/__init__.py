@@ -1,0 +1,42 @@
+"""Executor of migration plans: move training state GPU-to-GPU (gloo on CPU) between live
+processes, two-phase, with bounded staging memory. See docs/migrate.md.
+
+* :mod:`.shards` (pure): which shards a rank holds / needs (``shard_specs``), ``LocalShard``.
+* :mod:`.program` (pure): a process's part of a plan as byte segments and steps; packing format
+  and chunking.
+* :mod:`.transport`: the transport seam; ``TorchTransport`` (batch_isend_irecv, gloo/NCCL)
+  and ``ThreadTransport`` (in-process).
+* :mod:`.group`: the migration group over old ∪ new processes.
+* :mod:`.executor`: ``execute_migration`` (two-phase; ``MigrationAborted`` on every rank).
+* :mod:`.faults`, :mod:`.fake`, :mod:`.memory`, :mod:`.threads`: fault injection, fake state
+  with known values, peak memory, in-process runs.
+
+Names are exported lazily, so importing the pure modules does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LocalShard": "shards", "ShardSpec": "shards", "shard_specs": "shards",
+    "Program": "program", "compile_program": "program", "group_devices": "program",
+    "chunk_bytes_for": "program", "DEFAULT_STAGING_BYTES": "program",
+    "Transport": "transport", "TorchTransport": "transport", "ThreadTransport": "transport",
+    "ThreadHub": "transport", "TransportError": "transport",
+    "MigrationGroup": "group", "new_migration_group": "group",
+    "init_migration_group": "group",
+    "execute_migration": "executor", "MigrationOptions": "executor",
+    "MigrationResult": "executor", "MigrationStats": "executor",
+    "MigrationError": "executor", "MigrationAborted": "executor", "RankFailure": "executor",
+    "FaultInjector": "faults", "InjectedFault": "faults",
+    "fake_shards": "fake", "shard_mismatches": "fake", "global_tensor": "fake",
+    "run_threads": "threads",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

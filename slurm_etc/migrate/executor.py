@@ -1,0 +1,628 @@
+"""Execute this process's part of a MigrationPlan over a transport, two-phase.
+
+Protocol (every process of the migration group runs the same global step list, see
+program.py):
+
+1. Check the old shards against the plan and allocate the new shards (fresh tensors).
+2. For each step ``i``: **vote**; post step ``i``'s sends and receives (``batch_isend_irecv``);
+   while they fly, run the local copies (first step), unpack step ``i - 1``'s chunk from the
+   other receive buffer and pack step ``i + 1``'s chunk into the other send buffer; wait for
+   step ``i`` (bounded). Parts of a chunk that are one large contiguous range of a shard are
+   sent from / received into the shard directly, without staging.
+3. Final **vote**: commit only if every rank voted success at every vote.
+
+A vote is an allgather of a fixed 512-byte record per rank (status, step, chunk size, plan
+digest, error text) over a separate control group. Any failure on any rank (an exception
+while packing or unpacking, a receive that timed out, a peer that died, disagreeing plans)
+is voted at the next vote; every rank then sees the same table and stops: the executor raises
+:class:`MigrationAborted` on every rank, naming the failing ranks, their messages and causes.
+Old shards are only ever read, so an abort leaves them untouched; the new shards are dropped.
+
+On success the executor returns the new shards; the caller swaps them in (commit). Ranks
+without a new rank (a shrink) get none back and may exit.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .fake import dtype_for
+from .faults import FaultInjector
+from .memory import PeakMemory
+from .program import (
+    DEFAULT_STAGING_BYTES,
+    DIRECT_MIN_BYTES,
+    STAGING_BUFFERS,
+    Program,
+    Side,
+    Step,
+    compile_program,
+)
+from .shards import LocalShard, state_bytes
+from .transport import Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+VOTE_BYTES = 512
+_HEADER = struct.Struct("<B7xqqq")  # status, step, chunk bytes, plan digest
+_TEXT_BYTES = VOTE_BYTES - _HEADER.size
+OK, FAILED, TRANSPORT_FAILED = 0, 1, 2
+
+# Buffers that an unfinished transport op may still write into after an abort (NCCL kernels,
+# gloo pairs being torn down). Never freed, so their memory cannot be reused under them.
+_QUARANTINE: list[object] = []
+
+
+@dataclass(frozen=True)
+class MigrationOptions:
+    """Knobs of one migration; ``staging_bytes`` must be equal on every rank (it fixes the
+    chunking, which the first vote checks).
+
+    Attributes:
+        staging_bytes: staging memory per rank: two send and two receive buffers of
+            ``staging_bytes // 4`` each; larger messages travel in chunks of that size.
+        timeout_s: bound on each step's sends and receives.
+        vote_timeout_s: bound on each vote; defaults to ``2 * timeout_s + 10`` so a rank that
+            is already voting outlasts a peer still timing out on a receive.
+        overlap: pack the next chunk and unpack the previous one while the current one is on
+            the wire (else one send and one receive buffer, used in turn).
+        measure_memory: record the peak memory growth (CPU RSS or CUDA allocator).
+        dtypes: dtype of new shards per state key (default: by itemsize, 4 -> float32,
+            2 -> bfloat16); old shards of the same key must have the same element size.
+        direct_min_bytes: segments at least this large travel as operations of their own,
+            straight from / into the shard when contiguous there (equal on every rank).
+    """
+
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    timeout_s: float = 300.0
+    vote_timeout_s: float | None = None
+    overlap: bool = True
+    measure_memory: bool = True
+    dtypes: Mapping[str, torch.dtype] | None = None
+    direct_min_bytes: int = DIRECT_MIN_BYTES
+
+    @property
+    def vote_timeout(self) -> float:
+        return self.vote_timeout_s if self.vote_timeout_s is not None else 2 * self.timeout_s + 10
+
+
+@dataclass
+class MigrationStats:
+    """What one rank did and how long it took (bytes, seconds, memory)."""
+
+    steps: int = 0
+    rounds: int = 0
+    chunk_bytes: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    local_bytes: int = 0
+    direct_bytes: int = 0
+    old_state_bytes: int = 0
+    new_state_bytes: int = 0
+    staging_budget: int = 0
+    staging_bytes: int = 0
+    compile_seconds: float = 0.0
+    data_seconds: float = 0.0
+    total_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+    local_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    vote_seconds: float = 0.0
+    memory_base: int | None = None
+    memory_peak: int | None = None
+    memory_peak_delta: int | None = None
+    memory_reset: bool = False
+
+    @property
+    def memory_bound(self) -> int:
+        """New state plus the staging budget: what a migration may add to a rank's memory."""
+        return self.new_state_bytes + self.staging_budget
+
+    @property
+    def peak_over_bound(self) -> float | None:
+        if self.memory_peak_delta is None or not self.memory_bound:
+            return None
+        return self.memory_peak_delta / self.memory_bound
+
+    @property
+    def throughput_gibps(self) -> float:
+        """Bytes this rank sent and received per second of the data phase, GiB/s."""
+        if self.data_seconds <= 0:
+            return 0.0
+        return (self.sent_bytes + self.received_bytes) / self.data_seconds / 2**30
+
+    def as_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out.update(memory_bound=self.memory_bound, peak_over_bound=self.peak_over_bound,
+                   throughput_gibps=self.throughput_gibps)
+        return out
+
+
+@dataclass
+class MigrationResult:
+    """A committed migration: every rank voted success at every vote."""
+
+    device: int
+    group_rank: int
+    old_rank: int | None
+    new_rank: int | None
+    new_shards: list[LocalShard]
+    stats: MigrationStats
+
+    @property
+    def departing(self) -> bool:
+        """This process has no rank in the new layout: it exits after the commit."""
+        return self.new_rank is None
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failed vote: its migration-group rank, device and reason."""
+
+    rank: int
+    device: int
+    transport: bool
+    text: str
+
+
+class MigrationError(RuntimeError):
+    """A migration failed (base class)."""
+
+
+class MigrationAborted(MigrationError):
+    """Some rank failed: every rank raises this, with the same failures, and keeps its old state.
+
+    Attributes:
+        failures: the failed ranks' votes (rank, device, whether the data path failed, text).
+        vote: index of the vote that decided the abort (len(steps) = the commit vote).
+        transport_failed: a data or control transfer failed or timed out somewhere: the
+            migration group may be unusable; build a fresh one before retrying.
+        stats: this rank's statistics up to the abort.
+    """
+
+    def __init__(self, message: str, failures: Sequence[RankFailure], vote: int,
+                 transport_failed: bool, stats: MigrationStats) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+        self.vote = vote
+        self.transport_failed = transport_failed
+        self.stats = stats
+
+
+def _encode_vote(status: int, step: int, chunk: int, digest: int, text: str) -> torch.Tensor:
+    raw = text.encode("utf-8")[:_TEXT_BYTES]
+    buf = _HEADER.pack(status, step, chunk, digest) + raw + bytes(_TEXT_BYTES - len(raw))
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+
+
+def _decode_vote(row: torch.Tensor) -> tuple[int, int, int, int, str]:
+    raw = bytes(row.tolist())
+    status, step, chunk, digest = _HEADER.unpack_from(raw)
+    text = raw[_HEADER.size:].rstrip(b"\0").decode("utf-8", errors="replace")
+    return status, step, chunk, digest, text
+
+
+@dataclass
+class _Failure:
+    text: str
+    transport: bool
+
+
+@dataclass
+class _Run:
+    prog: Program
+    transport: Transport
+    options: MigrationOptions
+    faults: FaultInjector
+    stats: MigrationStats
+    old_bytes: list[torch.Tensor] = field(default_factory=list)
+    new_bytes: list[torch.Tensor] = field(default_factory=list)
+    failure: _Failure | None = None
+    t_start: float = 0.0
+
+    # -- naming ----------------------------------------------------------------------------
+
+    @property
+    def who(self) -> str:
+        p = self.prog
+        return (f"rank {p.group_rank} (device {p.device}, old rank {p.old_rank}, "
+                f"new rank {p.new_rank})")
+
+    def fail(self, what: str, exc: BaseException, transport: bool = False) -> None:
+        if self.failure is None:
+            cause = f"{type(exc).__name__}: {exc}"
+            self.failure = _Failure(f"{self.who} {what}: {cause}", transport)
+            logger.warning("migration: %s", self.failure.text)
+        elif transport:
+            self.failure.transport = True
+
+    def where(self, side: Side, step: Step) -> str:
+        c0, c1 = self.prog.chunk(side, step)
+        return (f"{side.describe()}, chunk {step.chunk + 1}/{side.chunks} (bytes {c0}..{c1}) "
+                f"in step {step.index}")
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _direct(self, shards: list[torch.Tensor], side: Side, seg: int, a: int,
+                b: int) -> torch.Tensor | None:
+        """The shard bytes of stream range [a, b) of a large segment, if contiguous."""
+        if seg < 0 or not side.segs.contiguous(seg):
+            return None
+        t = shards[int(side.segs.shard[seg])]
+        start = int(side.segs.offset[seg]) + a - int(side.segs.start[seg])
+        return t[start:start + (b - a)]
+
+    def pack(self, side: Side, step: Step, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors to send for this step's chunk of ``side``, one per operation."""
+        t0 = time.perf_counter()
+        c0, c1 = self.prog.chunk(side, step)
+        out = []
+        for a, b, seg in self.prog.ops(side, step):
+            direct = self._direct(self.old_bytes, side, seg, a, b)
+            if direct is not None:
+                out.append(direct)
+                self.stats.direct_bytes += b - a
+                continue
+            for shard, off, sizes, strides, pos in side.segs.pieces(a, b):
+                src = self.old_bytes[shard]
+                at = a - c0 + pos
+                buf[at:at + _prod(sizes)].view(sizes).copy_(
+                    src.as_strided(sizes, strides, src.storage_offset() + off))
+            out.append(buf[a - c0:b - c0])
+        self.stats.pack_seconds += time.perf_counter() - t0
+        return out
+
+    def receive_into(self, side: Side, step: Step, buf: torch.Tensor) -> list:
+        """(tensor, a, b, staged) per operation of this step's chunk of ``side``."""
+        c0, c1 = self.prog.chunk(side, step)
+        out = []
+        for a, b, seg in self.prog.ops(side, step):
+            direct = self._direct(self.new_bytes, side, seg, a, b)
+            if direct is not None:
+                self.stats.direct_bytes += b - a
+                out.append((direct, a, b, False))
+            else:
+                out.append((buf[a - c0:b - c0], a, b, True))
+        return out
+
+    def unpack(self, side: Side, ops: list) -> None:
+        t0 = time.perf_counter()
+        for tensor, a, b, staged in ops:
+            if not staged:
+                continue
+            for shard, off, sizes, strides, pos in side.segs.pieces(a, b):
+                dst = self.new_bytes[shard]
+                dst.as_strided(sizes, strides, dst.storage_offset() + off).copy_(
+                    tensor[pos:pos + _prod(sizes)].view(sizes))
+        self.stats.unpack_seconds += time.perf_counter() - t0
+
+    def local_copies(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.faults.check(self.prog.group_rank, "local")
+            src, dst = self.prog.local_src, self.prog.local_dst
+            for i in range(len(src)):
+                sizes = tuple(int(x) for x in src.sizes[i])
+                a = self.old_bytes[int(src.shard[i])]
+                b = self.new_bytes[int(dst.shard[i])]
+                b.as_strided(sizes, tuple(int(x) for x in dst.strides[i]),
+                             b.storage_offset() + int(dst.offset[i])).copy_(
+                    a.as_strided(sizes, tuple(int(x) for x in src.strides[i]),
+                                 a.storage_offset() + int(src.offset[i])))
+        except Exception as exc:  # noqa: BLE001 - voted, then raised on every rank
+            self.fail("failed in its local copies", exc)
+        self.stats.local_seconds += time.perf_counter() - t0
+
+    # -- votes -----------------------------------------------------------------------------
+
+    def vote(self, index: int) -> None:
+        """Cast this rank's vote; raise MigrationAborted on every rank if anyone failed."""
+        p = self.prog
+        t0 = time.perf_counter()
+        f = self.failure
+        status = OK if f is None else (TRANSPORT_FAILED if f.transport else FAILED)
+        payload = _encode_vote(status, index, p.chunk_bytes, p.digest, f.text if f else "")
+        try:
+            table = self.transport.allgather(payload, self.options.vote_timeout)
+        except TransportError as exc:
+            self.stats.vote_seconds += time.perf_counter() - t0
+            own = RankFailure(p.group_rank, p.device, True,
+                              f"{self.who} got no answer to vote {index} within "
+                              f"{self.options.vote_timeout:.1f} s: {exc}")
+            failures = ([RankFailure(p.group_rank, p.device, f.transport, f.text)] if f else [])
+            self._abort(index, failures + [own], True)
+        self.stats.vote_seconds += time.perf_counter() - t0
+        votes = [_decode_vote(table[r]) for r in range(table.shape[0])]
+        failures = [RankFailure(r, p.group_devices[r], v[0] == TRANSPORT_FAILED, v[4])
+                    for r, v in enumerate(votes) if v[0] != OK]
+        for what, pos in (("vote", 1), ("chunk size", 2), ("plan digest", 3)):
+            values = {v[pos] for v in votes}
+            if len(values) > 1:
+                detail = ", ".join(f"rank {r}: {v[pos]}" for r, v in enumerate(votes))
+                failures.append(RankFailure(-1, -1, False,
+                                            f"ranks disagree on the {what} ({detail}): they "
+                                            "execute different plans or staging budgets"))
+        if failures:
+            self._abort(index, failures, any(x.transport for x in failures))
+
+    def _abort(self, index: int, failures: list[RankFailure], transport: bool) -> None:
+        self.stats.total_seconds = time.perf_counter() - self.t_start
+        p = self.prog
+        what = "the commit vote" if index == len(p.steps) else f"vote {index}"
+        message = (f"migration aborted at {what} on {self.who}; old state kept. "
+                   + " | ".join(f.text for f in failures))
+        raise MigrationAborted(message, failures, index, transport, self.stats)
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
+                      device: torch.device) -> list[torch.Tensor]:
+    """Flat byte views of the old shards in spec order; raise ValueError on any mismatch."""
+    by_key = {}
+    for sh in shards:
+        if sh.key in by_key:
+            raise ValueError(f"shard {sh.key} given twice")
+        by_key[sh.key] = sh
+    out = []
+    for sp in prog.old_specs:
+        sh = by_key.get(sp.key)
+        if sh is None:
+            raise ValueError(f"old rank {prog.old_rank} must hold shard {sp.key} "
+                             f"({sp.numel} elements) and was not given it")
+        t = sh.tensor
+        if t.numel() != sp.numel or t.element_size() != sp.itemsize:
+            raise ValueError(f"shard {sp.key}: {t.numel()} elements of {t.element_size()} "
+                             f"bytes, the plan says {sp.numel} of {sp.itemsize}")
+        if not t.is_contiguous():
+            raise ValueError(f"shard {sp.key} is not contiguous")
+        if t.device != device:
+            raise ValueError(f"shard {sp.key} is on {t.device}, the transport on {device}")
+        out.append(t.detach().reshape(-1).view(torch.uint8))
+    expected = {sp.key for sp in prog.old_specs}
+    extra = sorted(k for k in by_key if k not in expected)
+    if extra:
+        raise ValueError(f"old rank {prog.old_rank} was given {len(extra)} shard(s) the plan "
+                         f"does not place on it, e.g. {extra[0]}")
+    return out
+
+
+def execute_migration(plan, transport: Transport, device: int,
+                      old_shards: Sequence[LocalShard], *,
+                      options: MigrationOptions | None = None,
+                      faults: FaultInjector | None = None,
+                      program: Program | None = None) -> MigrationResult:
+    """Run this process's part of ``plan`` (see module docstring).
+
+    Args:
+        plan: the MigrationPlan, identical on every process of the migration group.
+        transport: this process's transport; its rank must be the position of ``device`` in
+            the sorted union of old and new devices.
+        device: this process's device id.
+        old_shards: the shards the process's old rank holds (empty for a process that joins);
+            read only. Shards of state keys the plan does not know are ignored.
+        options: staging budget, timeouts, overlap.
+        faults: fault injection for tests.
+        program: a precompiled ``compile_program(plan, device, options.staging_bytes,
+            options.direct_min_bytes)``.
+
+    Returns:
+        MigrationResult with the new shards (one per state key, region and layer the new
+        rank needs; empty for a departing process) and statistics.
+
+    Raises:
+        MigrationAborted: on every rank when any rank failed; the old shards are untouched.
+    """
+    options = options or MigrationOptions()
+    faults = faults or FaultInjector()
+    t_start = time.perf_counter()
+    if program is None:
+        program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
+    prog = program
+    if (prog.device != device or prog.chunk_bytes * STAGING_BUFFERS > options.staging_bytes
+            or prog.direct_min != options.direct_min_bytes):
+        raise ValueError("program compiled for another device, staging budget or "
+                         "direct_min_bytes")
+    if transport.size != len(prog.group_devices) or transport.rank != prog.group_rank:
+        raise ValueError(f"device {device} is migration rank {prog.group_rank} of "
+                         f"{len(prog.group_devices)} (devices {prog.group_devices}); the "
+                         f"transport is rank {transport.rank} of {transport.size}")
+    catalog_keys = {st.key for g in plan.catalog.groups for st in g.states}
+    stats = MigrationStats(
+        steps=len(prog.steps), rounds=plan.rounds, chunk_bytes=prog.chunk_bytes,
+        messages_sent=len(prog.sends), messages_received=len(prog.recvs),
+        sent_bytes=sum(s.nbytes for s in prog.sends.values()),
+        received_bytes=sum(s.nbytes for s in prog.recvs.values()),
+        local_bytes=int(prog.stats.get("local_bytes", 0)),
+        old_state_bytes=state_bytes(list(prog.old_specs)),
+        new_state_bytes=state_bytes(list(prog.new_specs)),
+        staging_budget=options.staging_bytes,
+        compile_seconds=time.perf_counter() - t_start)
+    run = _Run(prog, transport, options, faults, stats, t_start=t_start)
+    dev = transport.device
+    memory = PeakMemory(dev)
+    if options.measure_memory:
+        memory.start()
+
+    # 1. check the old state, allocate the new state and the staging buffers
+    steps = prog.steps
+    new_tensors: list[torch.Tensor] = []
+    send_bufs: list[torch.Tensor] = []
+    recv_bufs: list[torch.Tensor] = []
+    try:
+        faults.check(prog.group_rank, "start")
+        run.old_bytes = _check_old_shards(
+            prog, [sh for sh in old_shards if sh.state_key in catalog_keys], dev)
+        for sp in prog.new_specs:
+            dtype = (options.dtypes or {}).get(sp.state_key) or dtype_for(sp.itemsize)
+            t = torch.empty(sp.numel, dtype=dtype, device=dev)
+            if t.element_size() != sp.itemsize:
+                raise ValueError(f"dtype {dtype} of {sp.state_key} has {t.element_size()} "
+                                 f"bytes per element, the catalog says {sp.itemsize}")
+            new_tensors.append(t)
+        run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
+        send_size, recv_size = prog.staging_sizes
+        n_send = sum(st.send is not None for st in steps)
+        n_recv = sum(st.recv is not None for st in steps)
+        send_bufs = [transport.empty(send_size)
+                     for _ in range(min(2 if options.overlap else 1, n_send))]
+        recv_bufs = [transport.empty(recv_size)
+                     for _ in range(min(2 if options.overlap else 1, n_recv))]
+        stats.staging_bytes = send_size * len(send_bufs) + recv_size * len(recv_bufs)
+    except Exception as exc:  # noqa: BLE001 - voted at the first vote
+        run.fail("could not start", exc)
+
+    outgoing: dict[int, list[torch.Tensor]] = {}
+
+    def prepare(i: int) -> None:
+        """Pack step i's outgoing chunk (into send buffer i % 2)."""
+        st = steps[i]
+        side = prog.sends.get(st.send) if st.send is not None else None
+        try:
+            if st.chunk == 0:
+                faults.check(prog.group_rank, "pack", st.round)
+            if side is not None:
+                outgoing[i] = run.pack(side, st, send_bufs[i % len(send_bufs)])
+        except Exception as exc:  # noqa: BLE001
+            run.fail("failed to pack " + (run.where(side, st) if side else f"step {i}"), exc)
+
+    def finish(i: int, received: list) -> None:
+        """Unpack what step i received; then the 'after' fault of its round."""
+        st = steps[i]
+        if run.failure is not None:
+            return
+        for side, ops in received:
+            try:
+                if st.chunk == 0:
+                    faults.check(prog.group_rank, "unpack", st.round)
+                run.unpack(side, ops)
+            except Exception as exc:  # noqa: BLE001
+                run.fail(f"failed to unpack {run.where(side, st)}", exc)
+                return
+        if i + 1 == len(steps) or steps[i + 1].round != st.round:
+            try:
+                faults.check(prog.group_rank, "after", st.round)
+            except Exception as exc:  # noqa: BLE001
+                run.fail(f"failed after round {st.round}", exc)
+
+    try:
+        t_data = time.perf_counter()
+        if steps and run.failure is None:
+            prepare(0)
+        local_done = False
+        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+        for i, st in enumerate(steps):
+            if st.chunk == 0 and run.failure is None:
+                try:
+                    faults.check(prog.group_rank, "before", st.round)
+                except Exception as exc:  # noqa: BLE001
+                    run.fail(f"failed before round {st.round}", exc)
+            run.vote(i)
+            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
+            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf)
+            if not local_done:
+                run.local_copies()
+                local_done = True
+            if options.overlap:
+                if previous is not None:
+                    finish(*previous)
+                    previous = None
+                if i + 1 < len(steps) and run.failure is None:
+                    prepare(i + 1)
+            if _wait(run, st, pending):
+                previous = (i, received)
+            if not options.overlap:
+                if previous is not None:
+                    finish(*previous)
+                    previous = None
+                if i + 1 < len(steps) and run.failure is None:
+                    prepare(i + 1)
+        if previous is not None:
+            finish(*previous)
+        if not local_done and run.failure is None:
+            run.local_copies()
+        if run.failure is None:
+            try:
+                faults.check(prog.group_rank, "commit")
+            except Exception as exc:  # noqa: BLE001
+                run.fail("failed before the commit vote", exc)
+        run.vote(len(steps))
+        stats.data_seconds = time.perf_counter() - t_data
+    finally:
+        if options.measure_memory:
+            memory.stop()
+            stats.memory_base, stats.memory_peak = memory.base, memory.peak
+            stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
+    stats.total_seconds = time.perf_counter() - t_start
+    new_shards = [LocalShard(sp.state_key, sp.lo, sp.hi, sp.s, t)
+                  for sp, t in zip(prog.new_specs, new_tensors)]
+    return MigrationResult(device, prog.group_rank, prog.old_rank, prog.new_rank, new_shards,
+                           stats)
+
+
+def _post(run: _Run, st: Step, send: list[torch.Tensor] | None,
+          recv_buf: torch.Tensor | None) -> tuple[list, list]:
+    """Post the step's operations. Returns ((kind, side, pending) per operation,
+    [(side, receive ops)] to unpack once they completed)."""
+    prog = run.prog
+    if run.failure is not None:
+        return [], []
+    sends, recvs, sides, received = [], [], [], []
+    if st.send is not None and send is not None:
+        side = prog.sends[st.send]
+        if run.faults.stalled(prog.group_rank, st.round):
+            logger.warning("migration: %s stalls (injected): not sending %s", run.who,
+                           run.where(side, st))
+        else:
+            sends += [(side.peer, t) for t in send]
+            sides += [("send", side)] * len(send)
+    if st.recv is not None and recv_buf is not None:
+        side = prog.recvs[st.recv]
+        ops = run.receive_into(side, st, recv_buf)
+        recvs += [(side.peer, t) for t, _, _, _ in ops]
+        sides += [("receive", side)] * len(ops)
+        received.append((side, ops))
+    if not sides:
+        return [], received
+    try:
+        pending = run.transport.exchange(sends, recvs, tag=st.index)
+    except TransportError as exc:
+        run.fail(f"could not post step {st.index}", exc, transport=True)
+        _QUARANTINE.append((sends, recvs))
+        return [], []
+    return [(kind, side, p) for (kind, side), p in zip(sides, pending)], received
+
+
+def _wait(run: _Run, st: Step, pending: list) -> bool:
+    """Wait for the step's operations (one deadline for all); True if they all completed."""
+    if not pending:
+        return run.failure is None
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + run.options.timeout_s
+    broken = False
+    for kind, side, p in pending:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.0))
+        except TransportError as exc:
+            if not broken:
+                verb = ("timed out " if exc.timed_out else "failed ") + \
+                    ("sending" if kind == "send" else "receiving")
+                run.fail(f"{verb} {run.where(side, st)}", exc, transport=True)
+            broken = True
+    run.stats.wait_seconds += time.perf_counter() - t0
+    if broken:
+        _QUARANTINE.append(pending)
+    return not broken

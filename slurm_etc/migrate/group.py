@@ -1,0 +1,133 @@
+"""The migration group: every process of the old and the new layout, for one resize.
+
+Its rank of a process is the position of the process's device in ``sorted(old devices ∪ new
+devices)``. Processes that join hold nothing before; processes that leave take part until the
+commit vote and exit afterwards. Two process groups span it: the data group (gloo on CPU,
+NCCL on GPU) that carries the state, and a gloo control group for the votes (gloo closes a
+pair's connection when a wait on it times out; votes must survive that to report it).
+
+Two ways to build it:
+
+* :func:`new_migration_group`: inside an existing default process group that contains every
+  participant (a job-wide group, or a test pool): a collective over the default group.
+* :func:`init_migration_group`: as the default process group, from a rendezvous store
+  (the coordinator's), when the participants share no group yet.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from .program import group_devices
+from .transport import TorchTransport
+
+DEFAULT_GROUP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class MigrationGroup:
+    """Process groups over the union of old and new devices, seen from one process.
+
+    Attributes:
+        devices: the union of old and new devices, sorted (migration rank = position).
+        device: this process's device.
+        members: global rank (default group) of each migration rank.
+        data: process group carrying the state.
+        control: gloo process group carrying the votes.
+    """
+
+    devices: tuple[int, ...]
+    device: int
+    members: tuple[int, ...]
+    data: object
+    control: object
+
+    @property
+    def rank(self) -> int:
+        return self.devices.index(self.device)
+
+    def transport(self, device: torch.device | str | None = None) -> TorchTransport:
+        """The executor's transport over these groups (staging on ``device``; default: CPU
+        for gloo, the current CUDA device for NCCL)."""
+        return TorchTransport(self.data, self.control, self.members, self.rank, device)
+
+    def destroy(self) -> None:
+        """Release both groups (after a transport failure they must not be reused)."""
+        import torch.distributed as dist
+
+        for pg in {id(self.data): self.data, id(self.control): self.control}.values():
+            if pg is not None and pg is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(pg)
+
+
+def _members(devices, rank_of_device) -> list[int]:
+    if rank_of_device is None:
+        return list(devices)
+    if callable(rank_of_device):
+        return [int(rank_of_device(d)) for d in devices]
+    return [int(rank_of_device[d]) for d in devices]
+
+
+def new_migration_group(plan, device: int | None, *,
+                        rank_of_device: Mapping[int, int] | Callable[[int], int] | None = None,
+                        backend: str | None = None,
+                        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup | None:
+    """Create the migration group of ``plan`` inside the current default process group.
+
+    Collective: every process of the default group must call it, in the same order as its
+    other ``new_group`` calls, with the same plan. Processes whose device takes no part in
+    the migration (``device`` None or not in old ∪ new) get None.
+
+    Args:
+        plan: the MigrationPlan.
+        device: this process's device id.
+        rank_of_device: default-group rank of each device (default: the device id itself).
+        backend: data group backend (default: the default group's backend).
+        timeout_s: default timeout of both groups' collectives.
+    """
+    import torch.distributed as dist
+
+    devices = group_devices(plan)
+    members = _members(devices, rank_of_device)
+    timeout = timedelta(seconds=timeout_s)
+    data = dist.new_group(members, timeout=timeout, backend=backend)
+    control = dist.new_group(members, timeout=timeout, backend="gloo")
+    if device is None or device not in devices:
+        return None
+    _warm_up(data)
+    return MigrationGroup(devices, device, tuple(members), data, control)
+
+
+def _warm_up(data) -> None:
+    """NCCL: the first batch_isend_irecv on a group must involve every rank of it, and the
+    executor's first step may not; one all_reduce over the group creates the communicator."""
+    import torch.distributed as dist
+
+    if str(dist.get_backend(data)) == "nccl":
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                        group=data)
+
+
+def init_migration_group(plan, device: int, store, *, backend: str = "gloo",
+                         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
+    """Start the migration group as the default process group from a rendezvous ``store``.
+
+    Every participant calls it; its rank is the position of ``device`` in the union. There
+    must be no default group yet (destroy the training groups first).
+    """
+    import torch.distributed as dist
+
+    devices = group_devices(plan)
+    if device not in devices:
+        raise ValueError(f"device {device} takes no part in this migration (devices {devices})")
+    rank = devices.index(device)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=len(devices),
+                            timeout=timeout)
+    control = dist.new_group(list(range(len(devices))), timeout=timeout, backend="gloo")
+    _warm_up(dist.GroupMember.WORLD)
+    return MigrationGroup(devices, device, tuple(range(len(devices))), dist.GroupMember.WORLD,
+                          control)
