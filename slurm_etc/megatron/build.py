@@ -25,6 +25,8 @@ rounding).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import hashlib
 import logging
@@ -180,7 +182,7 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
                                              pipeline_model_parallel_size=config.pp)
     try:
-        state = _build(model, config, seed=seed)
+        state = build_modules(model, config, seed=seed)
         for step in range(steps):
             state.losses.append(_train_step(state, seed=seed, step=step,
                                             micro_batch=micro_batch, seq=seq,
@@ -194,8 +196,12 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
     return state
 
 
-def _build(model: ModelDesc, config: ParallelConfig, *, seed: int) -> TrainingState:
-    """GPTModel, DDP wrapper and optimizer of this rank (model parallel state initialised)."""
+def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None) -> TrainingState:
+    """GPTModel, DDP wrapper and optimizer of this rank (model parallel state initialised).
+
+    ``seed=None`` skips drawing initial weights (``perform_initialization=False``): the
+    structures a resize or a checkpoint load fills.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -205,7 +211,10 @@ def _build(model: ModelDesc, config: ParallelConfig, *, seed: int) -> TrainingSt
     from megatron.core.transformer.module import Float16Module
 
     tf_config = transformer_config(model, config)
-    torch.manual_seed(seed)
+    if seed is None:
+        tf_config = dataclasses.replace(tf_config, perform_initialization=False)
+    else:
+        torch.manual_seed(seed)
     gpt = GPTModel(
         config=tf_config,
         transformer_layer_spec=get_gpt_layer_local_spec(
@@ -218,7 +227,8 @@ def _build(model: ModelDesc, config: ParallelConfig, *, seed: int) -> TrainingSt
         position_embedding_type="learned_absolute" if model.learned_position_embeddings
         else "rope",
     )
-    reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
+    if seed is not None:
+        reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
     module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
 
     ddp_config = DistributedDataParallelConfig(

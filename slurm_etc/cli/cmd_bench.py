@@ -1,0 +1,130 @@
+"""`slurm-etc bench migrate`: the in-place resize against megatron's checkpoint path.
+
+Both paths run side by side in one invocation on this machine (local processes, gloo on
+127.0.0.1): downtime of each, the checkpoint path's save / restart / load parts, the data
+phase's throughput against raw gloo point-to-point measured on the same processes, and each
+migrating rank's peak memory against its new state plus the staging budget. See
+docs/verify.md for what each number means.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .cmd_plan import human_bytes
+from .cmd_verify import progress_printer, run_failed, transition_from_options
+
+TARGETS = {
+    "ratio_ge_10": "downtime ratio >= 10x",
+    "throughput_ge_80pct_raw": "data-phase throughput >= 80% of raw point-to-point",
+    "peak_le_bound_plus_10pct": "peak memory <= new state + staging budget + 10%",
+}
+
+
+def _fmt(x, unit="", digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}{unit}"
+
+
+def render(s: dict, console: Console) -> None:
+    t = Table(title=f"bench migrate {s['model']}: {s['from']} -> {s['to']} "
+                    f"({s['processes']} processes, {s['repeat']} repeat(s), medians)")
+    t.add_column("", style="bold")
+    t.add_column("value", justify="right")
+    t.add_column("", justify="left")
+    p, e = s["checkpoint_parts"], s["etc_parts"]
+    t.add_row("training state", human_bytes(s["state_bytes"]),
+              f"moved {human_bytes(s['moved_bytes'])}, kept {human_bytes(s['kept_bytes'])}")
+    t.add_row("in-place downtime (etc_seconds)", _fmt(s["etc_seconds"], " s"),
+              f"group {_fmt(e['group'], 's')}, migrate {_fmt(e['migrate'], 's')}, "
+              f"rebuild {_fmt(e['rebuild'], 's')}, install {_fmt(e['install'], 's')}")
+    t.add_row("checkpoint downtime", _fmt(s["checkpoint_seconds"], " s"),
+              f"save {_fmt(p['save'], 's')}, restart {_fmt(p['restart'], 's')}, "
+              f"load {_fmt(p['load'], 's')}")
+    t.add_row("  restart", _fmt(p["restart"], " s"),
+              f"stop {_fmt(p['stop'], 's')}, cold start {_fmt(p['fresh_start'], 's')}, "
+              f"build {_fmt(p['fresh_build'], 's')}")
+    t.add_row("  save", _fmt(p["save"], " s"),
+              f"of which extra fsync {_fmt(p['extra_fsync'], 's', 3)}; first save "
+              f"{_fmt(p['save_first'], 's')}; {human_bytes(p['checkpoint_bytes'])} on disk")
+    t.add_row("ratio", _fmt(s["ratio"], "x", 1), "checkpoint / in place")
+    t.add_row("data phase", _fmt(s["data_seconds"], " s"),
+              f"{_fmt(s['achieved_gibps'], ' GiB/s')} moved / data seconds")
+    t.add_row("raw gloo p2p (warm buffer)", _fmt(s["raw_p2p_gibps"], " GiB/s"),
+              f"data / raw {_fmt(s['data_over_raw_p2p'], '', 2)}")
+    t.add_row("raw gloo p2p (fresh memory)", _fmt(s["raw_p2p_fresh_gibps"], " GiB/s"),
+              f"data / raw {_fmt(s['data_over_raw_p2p_fresh'], '', 2)}")
+    t.add_row("raw plan pattern", _fmt(s["raw_pattern_seconds"], " s"),
+              f"raw pattern / data {_fmt(s['data_over_raw_pattern'], '', 2)}")
+    t.add_row("peak memory / bound (max rank)", _fmt(s["peak_over_bound_max"], "", 2),
+              "bound = new state + staging budget")
+    if not s["checkpoint_complete"]:
+        t.add_row("checkpoint path", "[yellow]model only[/yellow]",
+                  "megatron cannot reshard this distributed optimizer: a lower bound")
+    if s["same_state"] is not None:
+        t.add_row("both paths give the same state", "yes" if s["same_state"] else "NO", "")
+    for key, label in TARGETS.items():
+        met = s["targets"][key]
+        t.add_row(label, "-" if met is None else ("[green]met[/green]" if met
+                                                  else "[red]missed[/red]"), "")
+    console.print(t)
+    ranks = Table(title="per migrating rank (last repeat)")
+    for col in ("device", "new rank", "sent", "received", "data s", "GiB/s", "peak growth",
+                "bound", "peak/bound"):
+        ranks.add_column(col, justify="right")
+    for r in s["runs"][-1]["etc"]["per_rank"]:
+        ranks.add_row(str(r["device"]), str(r["new_rank"]), human_bytes(r["sent_bytes"]),
+                      human_bytes(r["received_bytes"]), _fmt(r["data_seconds"], "", 3),
+                      _fmt(r["throughput_gibps"]),
+                      human_bytes(r["memory_peak_delta"] or 0), human_bytes(r["memory_bound"]),
+                      _fmt(r["peak_over_bound"]))
+    console.print(ranks)
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks on this machine."""
+
+
+@bench.command("migrate")
+@click.option("--model", "model_spec", required=True,
+              help="Preset (tiny, small, ...) or a JSON model description file.")
+@click.option("--from", "from_spec", required=True, help="Current layout, e.g. dp=1,tp=2,pp=2.")
+@click.option("--to", "to_spec", required=True, help="Next layout, e.g. dp=2,tp=1,pp=2.")
+@click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
+@click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="Override the model's parameter dtype (bf16: mixed precision).")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Run both paths this many times; medians are reported.")
+@click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Adam steps before the resize.")
+@click.option("--staging-mb", default=None, type=click.IntRange(min=1),
+              help="Executor staging budget per rank (MiB); default: the executor's.")
+@click.option("--p2p-mb", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Size of the raw point-to-point probe (MiB).")
+@click.option("--max-processes", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Refuse transitions that need more local processes.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, repeat, steps,
+            staging_mb, p2p_mb, max_processes, as_json):
+    """Downtime of an in-place resize vs. checkpoint-and-restart, side by side."""
+    tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
+                                 param_dtype, max_processes)
+    from ..megatron.baseline import WorkerFailed, bench_migrate, json_default
+
+    level = logging.getLogger().getEffectiveLevel()
+    try:
+        summary = bench_migrate(tr, repeat=repeat, steps=steps,
+                                staging_bytes=staging_mb << 20 if staging_mb else None,
+                                p2p_bytes=p2p_mb << 20, progress=progress_printer(),
+                                log_level=level)
+    except WorkerFailed as exc:
+        logging.getLogger(__name__).info("worker failure: %s", exc)
+        raise run_failed(exc) from None
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, default=json_default))
+    else:
+        render(summary, Console())

@@ -1,0 +1,156 @@
+"""`slurm-etc verify` and `bench migrate` through click's CliRunner, without processes.
+
+The experiments themselves (``baseline.verify_transition`` / ``bench_migrate``) are replaced
+by stubs returning recorded reports, so these tests check the CLI contract: the JSON fields,
+the exit codes (0 verified, 1 mismatch, 2 bad input, 3 the run failed) and the one-line
+messages. tests/dist/test_verify_cli.py runs the same commands for real.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_etc.cli.main import cli
+from slurm_etc.megatron import baseline
+
+MISMATCH = {"oracle": "global-gather", "new_rank": 1,
+            "state_key": "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
+            "lo": [2, 0, 0], "hi": [3, 256, 64], "s": 0, "differing": 1, "of": 16384,
+            "first": 7, "got": 1065353217, "expected": 1065353216}
+
+
+def report(verified: bool = True, **extra) -> dict:
+    out = {"model": "tiny", "from": "dp=2,tp=1,pp=1", "to": "dp=1,tp=2,pp=1", "processes": 2,
+           "tensors": 51, "shards": 159, "bytes": 2_912_256, "moved_bytes": 1_000_000,
+           "mismatches": 0 if verified else 1, "verified": verified,
+           "first_mismatch": None if verified else MISMATCH, "old_state_problems": [],
+           "oracles": {"global-gather": 51, "install-roundtrip": 51,
+                       "megatron-checkpoint": 51},
+           "oracle_tensors": {}, "per_tensor": [], "optimizer_oracle": "megatron-checkpoint",
+           "step": {"old": [2], "migrated": [2], "checkpoint": [2], "ok": True},
+           "rng_installed": True, "loss_after": {"migrated": 5.5, "checkpoint": 5.5,
+                                                  "ok": True},
+           "seconds": 3.0}
+    out.update(extra)
+    return out
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+
+    def fake_verify(tr, **kwargs):
+        seen.append((tr, kwargs))
+        return report(verified=not kwargs.get("corrupt"))
+
+    monkeypatch.setattr(baseline, "verify_transition", fake_verify)
+    return seen
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_verified_json_and_exit_0(calls):
+    r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1,tp=2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert {"tensors", "bytes", "mismatches", "verified", "oracles", "per_tensor"} <= out.keys()
+    assert out["verified"] is True and out["mismatches"] == 0
+    (tr, kwargs), = calls
+    assert (tr.old.dp, tr.new.tp, tr.processes) == (2, 2, 2)
+    assert kwargs["seed"] == 1234 and kwargs["steps"] == 2
+
+
+def test_mismatch_exit_1_names_tensor_and_region(calls):
+    r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1,tp=2", "--corrupt")
+    assert r.exit_code == 1
+    assert "MISMATCH" in r.stdout  # the table's result row
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("slurm-etc: verify: MISMATCH: optimizer.state.exp_avg.decoder"
+                           ".layers.mlp.linear_fc1.weight (box lo=(2, 0, 0) hi=(3, 256, 64)")
+    assert "new rank 1" in line and "global-gather" in line
+
+
+def test_options_reach_the_experiment(calls):
+    r = run("verify", "--model", "tiny-llama", "--from", "dp=2,tp=2", "--to", "dp=4",
+            "--distributed-optimizer", "--param-dtype", "bf16", "--seed", "7", "--steps", "3")
+    assert r.exit_code == 0, r.output
+    (tr, kwargs), = calls
+    assert tr.model.param_dtype == "bf16" and tr.model.name == "tiny-llama-bf16"
+    assert tr.old.distributed_optimizer and tr.new.distributed_optimizer
+    assert kwargs["seed"] == 7 and kwargs["steps"] == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope", "--from", "dp=1", "--to", "dp=2"], "unknown model 'nope'"),
+    (["--model", "tiny", "--from", "dp=1,tp=3", "--to", "dp=2"], "tp (3) must divide"),
+    (["--model", "tiny", "--from", "dp=x", "--to", "dp=2"], "dp must be an integer"),
+    (["--model", "tiny", "--from", "dp=8,tp=2", "--to", "dp=2"],
+     "needs 16 local processes, more than --max-processes (8)"),
+    (["--model", "tiny", "--from", "dp=1,pp=3", "--to", "dp=2"], "pp (3) must divide"),
+])
+@pytest.mark.parametrize("command", [["verify"], ["bench", "migrate"]])
+def test_bad_input_is_one_line_exit_2(calls, command, args, message):
+    r = run(*command, *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not calls
+
+
+def test_run_failure_is_exit_3(monkeypatch):
+    def broken(tr, **kwargs):
+        raise baseline.WorkerFailed("worker 1 failed in w_build (workers failed: [1]):\n"
+                                    "Traceback ...\nRuntimeError: boom")
+
+    monkeypatch.setattr(baseline, "verify_transition", broken)
+    r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1")
+    assert r.exit_code == 3
+    assert "worker 1 failed in w_build" in r.stderr and "RuntimeError: boom" in r.stderr
+
+
+BENCH = {
+    "model": "tiny", "from": "dp=1,tp=2,pp=2", "to": "dp=2,tp=1,pp=2", "processes": 4,
+    "repeat": 1, "state_bytes": 2_646_528, "moved_bytes": 2_727_936, "kept_bytes": 2_900_000,
+    "messages": 4, "rounds": 1, "etc_seconds": 0.5, "checkpoint_seconds": 9.0,
+    "checkpoint_parts": {"save": 0.3, "restart": 8.4, "load": 0.3, "stop": 0.1,
+                         "fresh_start": 8.0, "fresh_build": 0.3, "extra_fsync": 0.01,
+                         "save_first": 6.0, "checkpoint_bytes": 3_000_000},
+    "etc_parts": {"group": 0.07, "resume": 0.01, "migrate": 0.1, "rebuild": 0.3,
+                  "install": 0.02},
+    "ratio": 18.0, "data_seconds": 0.05, "achieved_gibps": 0.05, "raw_p2p_gibps": 2.0,
+    "raw_p2p_fresh_gibps": 1.4, "data_over_raw_p2p": 0.025, "data_over_raw_p2p_fresh": 0.04,
+    "raw_pattern_seconds": 0.01, "data_over_raw_pattern": 0.2, "peak_over_bound_max": 0.02,
+    "same_state": True, "checkpoint_complete": True,
+    "targets": {"ratio_ge_10": True, "throughput_ge_80pct_raw": False,
+                "peak_le_bound_plus_10pct": True},
+    "runs": [{"etc": {"per_rank": [{"device": 0, "new_rank": 0, "sent_bytes": 1,
+                                    "received_bytes": 1, "data_seconds": 0.05,
+                                    "throughput_gibps": 0.1, "memory_peak_delta": 10,
+                                    "memory_bound": 100, "peak_over_bound": 0.1}]}}],
+}
+
+
+def test_bench_json_and_table(monkeypatch):
+    seen = []
+
+    def fake_bench(tr, **kwargs):
+        seen.append(kwargs)
+        return BENCH
+
+    monkeypatch.setattr(baseline, "bench_migrate", fake_bench)
+    r = run("bench", "migrate", "--model", "tiny", "--from", "dp=1,tp=2,pp=2", "--to",
+            "dp=2,tp=1,pp=2", "--repeat", "2", "--staging-mb", "16", "--p2p-mb", "8", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["ratio"] == 18.0
+    assert seen[0]["repeat"] == 2 and seen[0]["staging_bytes"] == 16 << 20
+    assert seen[0]["p2p_bytes"] == 8 << 20
+    r = run("bench", "migrate", "--model", "tiny", "--from", "dp=1,tp=2,pp=2", "--to",
+            "dp=2,tp=1,pp=2")
+    assert r.exit_code == 0, r.output
+    for label in ("in-place downtime", "checkpoint downtime", "ratio", "raw gloo p2p",
+                  "peak memory", "missed", "per migrating rank"):
+        assert label in r.stdout
