@@ -39,8 +39,13 @@ def render(s: dict, console: Console) -> None:
     t.add_row("training state", human_bytes(s["state_bytes"]),
               f"moved {human_bytes(s['moved_bytes'])}, kept {human_bytes(s['kept_bytes'])}")
     t.add_row("in-place downtime (etc_seconds)", _fmt(s["etc_seconds"], " s"),
-              f"group {_fmt(e['group'], 's')}, migrate {_fmt(e['migrate'], 's')}, "
-              f"rebuild {_fmt(e['rebuild'], 's')}, install {_fmt(e['install'], 's')}")
+              f"step/RNG {_fmt(e['resume'], 's')}, migrate {_fmt(e['migrate'], 's')}, "
+              f"training group {_fmt(e['train_group'], 's')}, model/optimizer "
+              f"{_fmt(e['rebuild'], 's')}, install {_fmt(e['install'], 's')}")
+    pre = s["prepare_parts"]
+    t.add_row("  prepared before the pause", _fmt(sum(pre.values()), " s"),
+              f"migration group {_fmt(pre['group'], 's')}, destinations allocated and "
+              f"touched {_fmt(pre['allocate'], 's')} (training continues)")
     t.add_row("checkpoint downtime", _fmt(s["checkpoint_seconds"], " s"),
               f"save {_fmt(p['save'], 's')}, restart {_fmt(p['restart'], 's')}, "
               f"load {_fmt(p['load'], 's')}")

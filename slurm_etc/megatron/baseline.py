@@ -534,30 +534,52 @@ def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | 
     return None if state is None else save_checkpoint(state, directory, fsync=fsync)
 
 
-def w_resize(ctx: WorkerContext, tr: Transition, *, tag: str, staging_bytes: int | None,
-             keep_bits: bool, corrupt: bool = False) -> dict | None:
-    """Every worker of old ∪ new: resize in place (``state.resize_in_place``).
-
-    ``corrupt`` flips the lowest bit of the first element of new rank 0's first migrated
-    shard as reported (a self-test of the comparison, see ``slurm-etc verify --corrupt``).
-    """
-    import torch
-
+def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
+              staging_bytes: int | None) -> dict | None:
+    """Every worker of old ∪ new, before the pause: ``state.prepare_resize``."""
     from slurm_etc.migrate.executor import MigrationOptions
 
-    from . import cpu_compat
-    from .state import compare_shards, local_shards, resize_in_place, shard_bits
+    from .state import prepare_resize
 
     plan = tr.plan()
     if ctx.index not in set(plan.old.devices) | set(plan.new.devices):
         return None
-    cpu_compat.install()
-    state = ctx.objects.pop("state", None)
     options = MigrationOptions(**({"staging_bytes": staging_bytes} if staging_bytes else {}),
                                timeout_s=ctx.timeout_s)
-    out = resize_in_place(plan, ctx.index, state, ctx.store, tag=tag, options=options,
-                          keep_shards=keep_bits, group_timeout_s=ctx.timeout_s)
-    del state
+    prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag, options=options,
+                              group_timeout_s=ctx.timeout_s)
+    ctx.objects["prepared"] = prepared
+    return {"seconds": prepared.seconds}
+
+
+def w_resize(ctx: WorkerContext, *, keep_bits: bool, corrupt: bool = False,
+             faults: Any = None) -> dict | None:
+    """Every worker of old ∪ new after ``w_prepare``: the pause (``state.resize_in_place``).
+
+    ``corrupt`` flips the lowest bit of the first element of new rank 0's first migrated
+    shard as reported (a self-test of the comparison, see ``slurm-etc verify --corrupt``).
+    On ``MigrationAborted`` (raised) the old state stays the worker's state.
+    """
+    import torch
+
+    from slurm_etc.migrate.executor import MigrationAborted
+
+    from . import cpu_compat
+    from .state import compare_shards, local_shards, resize_in_place, shard_bits
+
+    prepared = ctx.objects.pop("prepared", None)
+    if prepared is None:
+        return None
+    plan = prepared.plan
+    cpu_compat.install()
+    state = ctx.objects.pop("state", None)
+    try:
+        out = resize_in_place(prepared, state, keep_shards=keep_bits, faults=faults)
+    except MigrationAborted:
+        if state is not None:
+            ctx.objects["state"] = state  # the old layout trains on
+        raise
+    del state, prepared
     result: dict[str, Any] = {"stats": out.stats, "seconds": out.seconds,
                               "new_rank": plan.new.devices.index(ctx.index)
                               if out.state is not None else None}
@@ -757,8 +779,8 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
         progress("saving megatron's checkpoint of the old layout (the reference)")
         workers.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
         progress(f"migrating in place to {tr.new} ({plan.moved_bytes / 2**20:.1f} MiB move)")
-        resized = workers.run(w_resize, tr, tag=f"{tag}/resize", staging_bytes=None,
-                              keep_bits=True, corrupt=corrupt)
+        workers.run(w_prepare, tr, tag=f"{tag}/resize", staging_bytes=None)
+        resized = workers.run(w_resize, keep_bits=True, corrupt=corrupt)
         with_optimizer = megatron_reshards_optimizer(tr.old, tr.new)
         progress("loading the checkpoint into views built for the new layout"
                  + ("" if with_optimizer else " (model only: megatron cannot reshard this "
@@ -918,9 +940,14 @@ def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: in
                  "step(s)")
         job.run(w_build, tr.model, tr.old, tag=f"{tag}/old", seed=seed, steps=steps, seq=seq,
                 global_batch=gb)
-        progress(f"in place: resize to {tr.new} at the step boundary")
-        resized = job.run(w_resize, tr, tag=f"{tag}/resize", staging_bytes=staging_bytes,
-                          keep_bits=False)
+        progress(f"in place: prepare the resize to {tr.new} while training (migration "
+                 "group, program, destination memory)")
+        prepared = [r for r in job.run(w_prepare, tr, tag=f"{tag}/resize",
+                                       staging_bytes=staging_bytes) if r]
+        out["prepare"] = {k: max(r["seconds"][k] for r in prepared)
+                          for k in prepared[0]["seconds"]}
+        progress(f"in place: pause at the step boundary, resize to {tr.new}")
+        resized = job.run(w_resize, keep_bits=False)
         out["etc"] = _etc_numbers(plan, resized)
         digests = (job.run(w_digest) if megatron_reshards_optimizer(tr.old, tr.new)
                    else None)
@@ -999,7 +1026,7 @@ def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
     parts = [r for r in resized if r]
     stats = [r["stats"] for r in parts]
     phase = {name: max(r["seconds"].get(name, 0.0) for r in parts)
-             for name in ("group", "resume", "migrate", "rebuild", "install")}
+             for name in ("resume", "migrate", "train_group", "rebuild", "install")}
     data = max(s["data_seconds"] for s in stats)
     moved = plan.moved_bytes
     per_rank = [{"device": i, "new_rank": r.get("new_rank"),
@@ -1057,6 +1084,8 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
         },
         "etc_parts": {name: med([r["etc"]["phases"][name] for r in runs])
                       for name in runs[0]["etc"]["phases"]},
+        "prepare_parts": {name: med([r["prepare"][name] for r in runs])
+                          for name in runs[0]["prepare"]},
         "ratio": ckpt / etc if etc else None,
         "data_seconds": data,
         "achieved_gibps": achieved,

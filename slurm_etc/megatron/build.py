@@ -25,8 +25,8 @@ rounding).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import gc
 import hashlib
 import logging
@@ -202,11 +202,8 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
     ``seed=None`` skips drawing initial weights (``perform_initialization=False``): the
     structures a resize or a checkpoint load fills.
     """
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
@@ -215,18 +212,8 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
         tf_config = dataclasses.replace(tf_config, perform_initialization=False)
     else:
         torch.manual_seed(seed)
-    gpt = GPTModel(
-        config=tf_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
-        vocab_size=model.padded_vocab,
-        max_sequence_length=model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=model.tied_embeddings,
-        position_embedding_type="learned_absolute" if model.learned_position_embeddings
-        else "rope",
-    )
+    with _skip_tied_embedding_sync(seed is None):
+        gpt = _gpt_model(model, tf_config)
     if seed is not None:
         reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
     module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
@@ -251,6 +238,45 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
     tf_config.no_sync_func = ddp.no_sync
     return TrainingState(model_desc=model, config=config, model=[ddp], gpt=gpt,
                          optimizer=optimizer, transformer_config=tf_config)
+
+
+def _gpt_model(model: ModelDesc, tf_config: Any) -> Any:
+    """megatron's GPTModel with the local (non Transformer-Engine) layer spec."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=tf_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
+        vocab_size=model.padded_vocab,
+        max_sequence_length=model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=model.tied_embeddings,
+        position_embedding_type="learned_absolute" if model.learned_position_embeddings
+        else "rope",
+    )
+
+
+@contextlib.contextmanager
+def _skip_tied_embedding_sync(skip: bool) -> Iterator[None]:
+    """With ``skip``, build without megatron's all_reduce that makes the last pipeline
+    stage's tied output layer start equal to the first stage's embedding: an empty build
+    (resize, checkpoint load) writes both copies afterwards, and the sync would move the
+    whole vocabulary matrix between the stages for nothing."""
+    if not skip:
+        yield
+        return
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    saved = LanguageModule._is_in_embd_group
+    LanguageModule._is_in_embd_group = lambda self: False
+    try:
+        yield
+    finally:
+        LanguageModule._is_in_embd_group = saved
 
 
 def teardown() -> None:

@@ -19,8 +19,9 @@ tensors. This module is the bridge to a real megatron-core ``TrainingState``
 * :class:`ResumeState` is what is not a tensor of the catalog: the Adam step (identical on
   every rank; checked) and the torch CPU generator state. It travels over the migration
   group's control allgather (:func:`exchange_resume_state`) before the data moves.
-* :func:`resize_in_place` strings it together on one process: pause -> shards -> migration
-  group -> execute -> new training group -> new model/optimizer views -> install.
+* :func:`prepare_resize` does what needs no pause (migration group, program, destination
+  tensors with their pages touched); :func:`resize_in_place` is the pause: shards -> step
+  and RNG -> execute -> commit -> new training group -> new model/optimizer -> install.
 * Oracles for ``slurm-etc verify``: :func:`assemble_globals` puts the old layout's shards
   together into full global tensors (checking that replicas agree and every element is held),
   :func:`expected_shards` cuts a layout's regions out of them, :func:`compare_shards` compares
@@ -30,6 +31,7 @@ megatron-core is imported lazily; on CPU install :mod:`.cpu_compat` first.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -567,13 +569,74 @@ def build_empty_state(model: ModelDesc, config: ParallelConfig) -> TrainingState
 # -- resize in place ------------------------------------------------------------------------
 
 @dataclass
+class PreparedResize:
+    """One process's side of a resize, connected and allocated before the pause.
+
+    Attributes:
+        plan: the MigrationPlan.
+        device: this process's device.
+        group: the migration group (gloo backends of its own, outside the training groups).
+        program: this process's part of the plan.
+        destinations: the new shards' tensors, pages touched (empty on a departing process).
+        options: the executor's options.
+        seconds: wall time of the preparation steps.
+    """
+
+    plan: Any
+    device: int
+    store: Any
+    tag: str
+    group: Any
+    program: Any
+    destinations: list[torch.Tensor]
+    options: Any
+    memory: Any
+    group_timeout_s: float
+    seconds: dict = field(default_factory=dict)
+
+
+def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
+                   group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
+    """What an in-place resize can do while the old layout still trains (collective over
+    old ∪ new): connect the migration group from ``store`` (keys under ``tag``; the training
+    groups stay untouched), compile this process's part of the plan, allocate the tensors the
+    new shards arrive in and touch their pages (``prefault``). Nothing of the training state
+    is read: training may go on until the pause. Memory is measured from here to the commit:
+    the destinations are the new state the two-phase migration holds beside the old one.
+    """
+    import torch.distributed as dist
+
+    from slurm_etc.migrate.executor import MigrationOptions, allocate_destinations
+    from slurm_etc.migrate.group import connect_migration_group
+    from slurm_etc.migrate.memory import PeakMemory
+    from slurm_etc.migrate.program import compile_program
+
+    options = options or MigrationOptions()
+    seconds: dict[str, float] = {}
+    memory = PeakMemory(torch.device("cpu"))
+    if options.measure_memory:
+        memory.start()
+    t = time.perf_counter()
+    group = connect_migration_group(plan, device, dist.PrefixStore(f"{tag}/migrate", store),
+                                    timeout_s=group_timeout_s)
+    seconds["group"] = time.perf_counter() - t
+    t = time.perf_counter()
+    program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
+    destinations = allocate_destinations(program, options, prefault=prefault)
+    seconds["allocate"] = time.perf_counter() - t
+    return PreparedResize(plan, device, store, tag, group, program, destinations, options,
+                          memory, group_timeout_s, seconds)
+
+
+@dataclass
 class ResizeOutcome:
     """One process's side of an in-place resize.
 
     Attributes:
         state: the new TrainingState (None on a departing process).
         resume: the step and RNG state installed (None when departing).
-        stats: the executor's MigrationStats as a dict.
+        stats: the executor's MigrationStats as a dict (memory: from the preparation to the
+            commit).
         seconds: wall time of each phase on this process (``pause`` is when it started,
             ``ready`` when it finished, both ``time.time()``).
     """
@@ -585,85 +648,86 @@ class ResizeOutcome:
     seconds: dict = field(default_factory=dict)
 
 
-def resize_in_place(plan: Any, device: int, state: TrainingState | None, store: Any, *,
-                    tag: str, options: Any = None, keep_shards: bool = False,
-                    group_timeout_s: float = 300.0) -> ResizeOutcome:
-    """Move this process's training state from ``plan.old`` to ``plan.new`` (one process).
+def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
+                    keep_shards: bool = False, faults: Any = None) -> ResizeOutcome:
+    """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
 
-    Every process of old ∪ new calls it at the same step boundary: old ranks with their
-    ``state`` (built under ``plan.old.config`` in the current default group), joining
-    processes with None. Phases: read the shards (views) and ResumeState; destroy the old
-    training groups; start the migration group over old ∪ new as the default group (from
-    ``store``, keys under ``tag``); exchange step and RNG; run the executor (two-phase: raises
-    ``MigrationAborted`` everywhere if anything failed); destroy the migration group; on new
-    ranks start the new training group, build the new model/optimizer views and install the
-    shards. The old state is dropped.
-
-    On ``MigrationAborted`` the old tensors are untouched (the executor only reads them), but
-    the old training groups are already gone (a process can hold one default group, and the
-    union needs its own): going back to the old layout means starting its groups again and
-    building its views around the old tensors, as for any other layout.
+    Every process of old ∪ new calls it at the same step boundary after
+    :func:`prepare_resize`: old ranks with their ``state`` (built under ``plan.old.config``
+    in the current default group), joining processes with None. Phases: read the shards
+    (views) and ResumeState; exchange step and RNG; run the executor into the prepared
+    destinations (two-phase: raises ``MigrationAborted`` everywhere if anything failed, the
+    old state and its training groups untouched, training can go on); drop the old training
+    groups and state; on new ranks start the new training group, build the new model and
+    optimizer around the received tensors (adopted where megatron allows, else copied).
 
     Args:
-        plan: the MigrationPlan (identical on every process).
-        device: this process's device id (its index in the union decides its ranks).
+        prepared: this process's :func:`prepare_resize`.
         state: this process's TrainingState under ``plan.old.config``, or None.
-        store: a ``torch.distributed`` Store shared by all processes.
-        tag: a key prefix unique to this resize.
-        options: ``MigrationOptions`` for the executor.
         keep_shards: keep a copy of the executor's new shards, as received, in the outcome
             (verification); otherwise they live on only inside the installed state.
+        faults: a ``FaultInjector`` for the executor (tests).
+
+    Raises:
+        MigrationAborted: on every process if any failed; ``state`` and its training groups
+            are untouched and the job can train on in the old layout.
     """
     import torch.distributed as dist
 
-    from slurm_etc.migrate.executor import MigrationOptions, execute_migration
-    from slurm_etc.migrate.group import init_migration_group
+    from slurm_etc.migrate.executor import execute_migration
 
-    options = options or MigrationOptions()
+    plan, device, options = prepared.plan, prepared.device, prepared.options
     seconds: dict[str, float] = {"pause": time.time()}
     t = time.perf_counter()
     catalog = plan.catalog
     old_shards = local_shards(state, catalog) if state is not None else []
     resume = resume_state(state) if state is not None else None
-    seconds["shards"] = time.perf_counter() - t
-    t = time.perf_counter()
-    _drop_training_groups()
-    group = init_migration_group(plan, device, dist.PrefixStore(f"{tag}/migrate", store),
-                                 timeout_s=group_timeout_s)
-    transport = group.transport()
-    seconds["group"] = time.perf_counter() - t
-    t = time.perf_counter()
+    transport = prepared.group.transport()
     new_resume = exchange_resume_state(plan, transport, device, resume)
     seconds["resume"] = time.perf_counter() - t
     t = time.perf_counter()
     try:
-        result = execute_migration(plan, transport, device, old_shards, options=options)
+        result = execute_migration(plan, transport, device, old_shards,
+                                   options=dataclasses.replace(options, measure_memory=False),
+                                   program=prepared.program,
+                                   destinations=prepared.destinations, faults=faults)
     finally:
-        # committed or aborted, the migration group is done; the old state (views) goes
-        del old_shards, state
-        _drop_training_groups()
+        prepared.destinations = []
+        prepared.group.destroy()
+        if options.measure_memory:
+            prepared.memory.stop()
     seconds["migrate"] = time.perf_counter() - t
+    stats = result.stats
+    stats.memory_base, stats.memory_peak = prepared.memory.base, prepared.memory.peak
+    stats.memory_peak_delta = prepared.memory.peak_delta
+    stats.memory_reset = prepared.memory.reset
+    # committed: the old layout is gone
+    del old_shards, state
+    t = time.perf_counter()
+    _drop_training_groups()
     new_state = None
     if result.new_rank is not None:
-        t = time.perf_counter()
         cfg = plan.new.config
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"{tag}/train", store),
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{prepared.tag}/train",
+                                                               prepared.store),
                                 rank=result.new_rank, world_size=cfg.world,
-                                timeout=_timedelta(group_timeout_s))
+                                timeout=_timedelta(prepared.group_timeout_s))
+        seconds["train_group"] = time.perf_counter() - t
+        t = time.perf_counter()
         new_state = build_empty_state(catalog.model, cfg)
         seconds["rebuild"] = time.perf_counter() - t
         # verification keeps what arrived apart from what install adopts or copies
         kept = ([LocalShard(sh.state_key, sh.lo, sh.hi, sh.s, sh.tensor.clone())
                  for sh in result.new_shards] if keep_shards else [])
         t = time.perf_counter()
-        install_shards(new_state, catalog, result.new_shards, new_resume)
+        installed = install_shards(new_state, catalog, result.new_shards, new_resume)
         seconds["install"] = time.perf_counter() - t
     else:
-        kept = []
-    shards = kept
+        kept, installed = [], {}
     result.new_shards = []
     seconds["ready"] = time.time()
-    return ResizeOutcome(new_state, new_resume, shards, result.stats.as_dict(), seconds)
+    return ResizeOutcome(new_state, new_resume, kept, {**stats.as_dict(), **installed},
+                         seconds)
 
 
 def _drop_training_groups() -> None:

@@ -4,8 +4,9 @@ processes, two-phase, with bounded staging memory. See docs/migrate.md.
 * :mod:`.shards` (pure): which shards a rank holds / needs (``shard_specs``), ``LocalShard``.
 * :mod:`.program` (pure): a process's part of a plan as byte segments and steps; packing format
   and chunking.
-* :mod:`.transport`: the transport seam; ``TorchTransport`` (batch_isend_irecv, gloo/NCCL)
-  and ``ThreadTransport`` (in-process).
+* :mod:`.transport`: the transport seam; ``TorchTransport`` (batch_isend_irecv, gloo/NCCL),
+  ``BackendTransport`` (gloo backends outside the default group) and ``ThreadTransport``
+  (in-process).
 * :mod:`.group`: the migration group over old ∪ new processes.
 * :mod:`.executor`: ``execute_migration`` (two-phase; ``MigrationAborted`` on every rank).
 * :mod:`.faults`, :mod:`.fake`, :mod:`.memory`, :mod:`.threads`: fault injection, fake state
@@ -22,9 +23,10 @@ _EXPORTS = {
     "Program": "program", "compile_program": "program", "group_devices": "program",
     "chunk_bytes_for": "program", "DEFAULT_STAGING_BYTES": "program",
     "Transport": "transport", "TorchTransport": "transport", "ThreadTransport": "transport",
+    "BackendTransport": "transport",
     "ThreadHub": "transport", "TransportError": "transport",
     "MigrationGroup": "group", "new_migration_group": "group",
-    "init_migration_group": "group",
+    "connect_migration_group": "group",
     "execute_migration": "executor", "MigrationOptions": "executor",
     "MigrationResult": "executor", "MigrationStats": "executor",
     "MigrationError": "executor", "MigrationAborted": "executor", "RankFailure": "executor",

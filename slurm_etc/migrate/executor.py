@@ -400,11 +400,51 @@ def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
     return out
 
 
+def allocate_destinations(prog: Program, options: MigrationOptions | None = None,
+                          device: torch.device | str = "cpu", *,
+                          prefault: bool = True) -> list[torch.Tensor]:
+    """Tensors for ``prog``'s new shards (see ``execute_migration(destinations=...)``).
+
+    ``prefault`` writes every page once, so the migration does not pay the first-touch
+    page faults of fresh memory (on CPU they halve the receive rate); done before the pause,
+    while training continues, that work leaves the downtime. The memory is what the
+    two-phase migration holds anyway (new state beside old).
+    """
+    options = options or MigrationOptions()
+    out = []
+    for sp in prog.new_specs:
+        dtype = (options.dtypes or {}).get(sp.state_key) or dtype_for(sp.itemsize)
+        t = torch.empty(sp.numel, dtype=dtype, device=device)
+        if t.element_size() != sp.itemsize:
+            raise ValueError(f"dtype {dtype} of {sp.state_key} has {t.element_size()} "
+                             f"bytes per element, the catalog says {sp.itemsize}")
+        if prefault:
+            t.view(torch.uint8).zero_()
+        out.append(t)
+    return out
+
+
+def _check_destinations(prog: Program, tensors: Sequence[torch.Tensor],
+                        dev: torch.device) -> list[torch.Tensor]:
+    if len(tensors) != len(prog.new_specs):
+        raise ValueError(f"{len(tensors)} destination tensors for {len(prog.new_specs)} new "
+                         "shards")
+    for sp, t in zip(prog.new_specs, tensors):
+        if (t.numel() != sp.numel or t.element_size() != sp.itemsize
+                or not t.is_contiguous() or t.device != dev):
+            raise ValueError(f"destination of {sp.state_key} {sp.lo}..{sp.hi}: {t.numel()} x "
+                             f"{t.element_size()} bytes on {t.device} "
+                             f"({'' if t.is_contiguous() else 'not '}contiguous); needs "
+                             f"{sp.numel} x {sp.itemsize} bytes, contiguous, on {dev}")
+    return list(tensors)
+
+
 def execute_migration(plan, transport: Transport, device: int,
                       old_shards: Sequence[LocalShard], *,
                       options: MigrationOptions | None = None,
                       faults: FaultInjector | None = None,
-                      program: Program | None = None) -> MigrationResult:
+                      program: Program | None = None,
+                      destinations: Sequence[torch.Tensor] | None = None) -> MigrationResult:
     """Run this process's part of ``plan`` (see module docstring).
 
     Args:
@@ -418,6 +458,11 @@ def execute_migration(plan, transport: Transport, device: int,
         faults: fault injection for tests.
         program: a precompiled ``compile_program(plan, device, options.staging_bytes,
             options.direct_min_bytes)``.
+        destinations: where the new shards go, one tensor per ``program.new_specs`` entry
+            (e.g. from :func:`allocate_destinations` before the pause, pages already
+            touched; or views of the new layout's own buffers): contiguous, on the
+            transport's device, of the spec's element count and size. Every element is
+            written; on an abort their content is undefined. Default: fresh tensors.
 
     Returns:
         MigrationResult with the new shards (one per state key, region and layer the new
@@ -466,13 +511,8 @@ def execute_migration(plan, transport: Transport, device: int,
         faults.check(prog.group_rank, "start")
         run.old_bytes = _check_old_shards(
             prog, [sh for sh in old_shards if sh.state_key in catalog_keys], dev)
-        for sp in prog.new_specs:
-            dtype = (options.dtypes or {}).get(sp.state_key) or dtype_for(sp.itemsize)
-            t = torch.empty(sp.numel, dtype=dtype, device=dev)
-            if t.element_size() != sp.itemsize:
-                raise ValueError(f"dtype {dtype} of {sp.state_key} has {t.element_size()} "
-                                 f"bytes per element, the catalog says {sp.itemsize}")
-            new_tensors.append(t)
+        new_tensors = (_check_destinations(prog, destinations, dev) if destinations is not None
+                       else allocate_destinations(prog, options, dev, prefault=False))
         run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
         send_size, recv_size = prog.staging_sizes
         n_send = sum(st.send is not None for st in steps)

@@ -10,8 +10,10 @@ Two ways to build it:
 
 * :func:`new_migration_group`: inside an existing default process group that contains every
   participant (a job-wide group, or a test pool): a collective over the default group.
-* :func:`init_migration_group`: as the default process group, from a rendezvous store
-  (the coordinator's), when the participants share no group yet.
+* :func:`connect_migration_group`: from a rendezvous store (the coordinator's), when the
+  participants share no group: two gloo backends of their own, outside the default group,
+  so old ranks connect it while their training still owns the default group (and the new
+  layout's default group can start before the state moves).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from .program import group_devices
-from .transport import TorchTransport
+from .transport import BackendTransport, TorchTransport
 
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 
@@ -34,14 +36,15 @@ class MigrationGroup:
     Attributes:
         devices: the union of old and new devices, sorted (migration rank = position).
         device: this process's device.
-        members: global rank (default group) of each migration rank.
+        members: global rank (default group) of each migration rank (None: the groups are
+            backends of their own, see :func:`connect_migration_group`).
         data: process group carrying the state.
         control: gloo process group carrying the votes.
     """
 
     devices: tuple[int, ...]
     device: int
-    members: tuple[int, ...]
+    members: tuple[int, ...] | None
     data: object
     control: object
 
@@ -49,15 +52,21 @@ class MigrationGroup:
     def rank(self) -> int:
         return self.devices.index(self.device)
 
-    def transport(self, device: torch.device | str | None = None) -> TorchTransport:
+    def transport(self, device: torch.device | str | None = None
+                  ) -> TorchTransport | BackendTransport:
         """The executor's transport over these groups (staging on ``device``; default: CPU
         for gloo, the current CUDA device for NCCL)."""
+        if self.members is None:
+            return BackendTransport(self.data, self.control)
         return TorchTransport(self.data, self.control, self.members, self.rank, device)
 
     def destroy(self) -> None:
         """Release both groups (after a transport failure they must not be reused)."""
         import torch.distributed as dist
 
+        if self.members is None:
+            self.data = self.control = None  # backends of their own: closed when dropped
+            return
         for pg in {id(self.data): self.data, id(self.control): self.control}.values():
             if pg is not None and pg is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(pg)
@@ -111,12 +120,14 @@ def _warm_up(data) -> None:
                         group=data)
 
 
-def init_migration_group(plan, device: int, store, *, backend: str = "gloo",
-                         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
-    """Start the migration group as the default process group from a rendezvous ``store``.
+def connect_migration_group(plan, device: int, store, *,
+                            timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
+    """Connect the migration group of ``plan`` from a rendezvous ``store`` (gloo).
 
-    Every participant calls it; its rank is the position of ``device`` in the union. There
-    must be no default group yet (destroy the training groups first).
+    Every participant of old ∪ new calls it (collective; it returns when all have
+    connected); its rank is the position of ``device`` in the union. The groups are gloo
+    backends of their own: the default process group, if any, is neither needed nor touched,
+    so a running job connects while it trains and keeps its training groups until the pause.
     """
     import torch.distributed as dist
 
@@ -125,9 +136,7 @@ def init_migration_group(plan, device: int, store, *, backend: str = "gloo",
         raise ValueError(f"device {device} takes no part in this migration (devices {devices})")
     rank = devices.index(device)
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=len(devices),
-                            timeout=timeout)
-    control = dist.new_group(list(range(len(devices))), timeout=timeout, backend="gloo")
-    _warm_up(dist.GroupMember.WORLD)
-    return MigrationGroup(devices, device, tuple(range(len(devices))), dist.GroupMember.WORLD,
-                          control)
+    data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, len(devices), timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, len(devices),
+                                    timeout)
+    return MigrationGroup(devices, device, None, data, control)

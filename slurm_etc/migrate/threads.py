@@ -18,11 +18,14 @@ from .transport import ThreadHub
 def run_threads(plan, old_state: Mapping[int, Sequence[LocalShard]], *,
                 options: MigrationOptions | None = None,
                 faults: FaultInjector | None = None,
+                destinations: Mapping[int, Sequence] | None = None,
                 join_timeout_s: float = 600.0) -> dict[int, MigrationResult | BaseException]:
     """Execute ``plan`` with every device of the migration group as a thread.
 
     Args:
         old_state: the old shards of each device (devices without an old rank may be absent).
+        destinations: per device, the tensors its new shards go into (see
+            ``execute_migration``); default: fresh ones.
 
     Returns:
         Per device, its MigrationResult, or the exception it raised (MigrationAborted on an
@@ -36,7 +39,8 @@ def run_threads(plan, old_state: Mapping[int, Sequence[LocalShard]], *,
         try:
             out[device] = execute_migration(plan, hub.transports()[rank], device,
                                             old_state.get(device, ()), options=options,
-                                            faults=faults)
+                                            faults=faults,
+                                            destinations=(destinations or {}).get(device))
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             out[device] = exc
 

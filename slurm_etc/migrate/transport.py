@@ -16,6 +16,9 @@ Implementations:
   take the vote that reports the timeout down with it. Tensors passed to ``exchange`` must be
   contiguous (gloo cannot receive into non-contiguous views); the executor stages through
   contiguous buffers from :meth:`TorchTransport.empty`.
+* :class:`BackendTransport`: the same over gloo backend objects that belong to no default
+  group (``ProcessGroupGloo`` built straight from a store): the migration group a resize
+  prepares while the training still owns the default group.
 * :class:`ThreadTransport`: ranks are threads of one process joined by a :class:`ThreadHub`.
   It behaves like the real one (buffered sends, blocking receives with timeouts, size checks)
   and lets unit tests run the executor on many plans without starting processes.
@@ -178,6 +181,56 @@ class TorchTransport:
             raise TransportError(f"control allgather failed after at most {timeout_s:.1f} s: "
                                  f"{_first_line(exc)}", timed_out=_is_timeout(exc)) from exc
         return out.view(self.size, n)[self._control_order]
+
+
+class BackendTransport:
+    """torch.distributed transport over two gloo backends that no default group knows.
+
+    ``ProcessGroupGloo(store, rank, size)`` objects are usable beside (and before) a default
+    group, so the migration group can be connected while training runs; their ranks are the
+    migration ranks. Gloo posts every send and receive on its own anyway, which is all that
+    ``batch_isend_irecv`` does on gloo.
+    """
+
+    backend = "gloo"
+
+    def __init__(self, data, control) -> None:
+        if data.rank() != control.rank() or data.size() != control.size():
+            raise ValueError(f"data group is rank {data.rank()} of {data.size()}, control "
+                             f"group rank {control.rank()} of {control.size()}")
+        self.data, self.control = data, control
+        self.rank, self.size = data.rank(), data.size()
+        self.device = torch.device("cpu")
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(int(nbytes), dtype=torch.uint8)
+
+    def exchange(self, sends, recvs, tag: int) -> list[Pending]:
+        posted: dict[str, list[Pending]] = {"send": [], "receive": []}
+        # receives first: a peer's sends find their buffers posted
+        for kind, op, items, what in (("receive", self.data.recv, recvs, "from"),
+                                      ("send", self.data.send, sends, "to")):
+            for peer, tensor in items:
+                desc = f"{kind} of {tensor.numel()} bytes {what} migration rank {peer}"
+                if not tensor.is_contiguous():
+                    raise TransportError(f"posting {desc} failed: tensor is not contiguous")
+                try:
+                    work = op([tensor], peer, tag)
+                except RuntimeError as exc:
+                    raise TransportError(f"posting {desc} failed: {_first_line(exc)}") from exc
+                posted[kind].append(_TorchPending(work, False, desc))
+        return posted["send"] + posted["receive"]
+
+    def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        n = payload.numel()
+        out = torch.empty(self.size * n, dtype=torch.uint8)
+        try:
+            work = self.control._allgather_base(out, payload.contiguous())
+            work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
+        except RuntimeError as exc:
+            raise TransportError(f"control allgather failed after at most {timeout_s:.1f} s: "
+                                 f"{_first_line(exc)}", timed_out=_is_timeout(exc)) from exc
+        return out.view(self.size, n)
 
 
 # -- threads --------------------------------------------------------------------------------

@@ -38,8 +38,11 @@ def test_bench_tiny_reports_both_paths():
                                              + parts["fresh_build"])
     assert parts["checkpoint_bytes"] >= s["state_bytes"]
     assert s["ratio"] == pytest.approx(s["checkpoint_seconds"] / s["etc_seconds"])
-    assert set(s["etc_parts"]) == {"group", "resume", "migrate", "rebuild", "install"}
+    assert set(s["etc_parts"]) == {"resume", "migrate", "train_group", "rebuild", "install"}
     assert sum(s["etc_parts"].values()) <= s["etc_seconds"] * 1.05
+    # connected and allocated before the pause, not part of the downtime
+    assert set(s["prepare_parts"]) == {"group", "allocate"}
+    assert all(v > 0 for v in s["prepare_parts"].values())
     assert s["same_state"] is True
     assert set(s["targets"]) == {"ratio_ge_10", "throughput_ge_80pct_raw",
                                  "peak_le_bound_plus_10pct"}

@@ -1,9 +1,11 @@
-"""A migration group started from a rendezvous store, as a resize starts one in production.
+"""A migration group connected from a rendezvous store, as a resize connects one in production.
 
-Three fresh processes with no process group of their own: device 0 holds old rank 0 and
-leaves, device 1 holds old rank 1 and stays, device 2 joins empty. The test process hosts the
-TCPStore (the coordinator's role); each worker calls ``init_migration_group`` with its device
-id, runs the plan, checks its new shards, and the departing one exits after the commit.
+Device 0 holds old rank 0 and leaves, device 1 holds old rank 1 and stays, device 2 joins
+empty. The old ranks are a running job: they share a default (training) process group, which
+the migration group must neither need nor disturb; device 2 has no group at all. The test
+process hosts the TCPStore (the coordinator's role); each worker calls
+``connect_migration_group`` with its device id, runs the plan, checks its new shards; the old
+ranks' training group still works afterwards; the departing one exits after the commit.
 """
 from __future__ import annotations
 
@@ -33,24 +35,44 @@ def _worker(device: int, port: int, out) -> None:
 
     from slurm_etc.migrate.executor import MigrationOptions, execute_migration
     from slurm_etc.migrate.fake import fake_shards, shard_mismatches
-    from slurm_etc.migrate.group import init_migration_group
+    from slurm_etc.migrate.group import connect_migration_group
 
     torch.set_num_threads(1)
     try:
         plan = _plan()
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=60))
-        group = init_migration_group(plan, device, store, timeout_s=60)
+        if device in plan.old.devices:  # the running job's training group
+            dist.init_process_group("gloo", store=dist.PrefixStore("train", store),
+                                    rank=plan.old.devices.index(device),
+                                    world_size=len(plan.old.devices))
+        group = connect_migration_group(plan, device, dist.PrefixStore("migrate", store),
+                                        timeout_s=60)
         old_rank = plan.old.devices.index(device) if device in plan.old.devices else None
         res = execute_migration(plan, group.transport(), device, fake_shards(plan, old_rank),
                                 options=MigrationOptions(timeout_s=30, measure_memory=False))
         out.put((device, {"rank": group.rank, "old_rank": old_rank, "new_rank": res.new_rank,
                           "departing": res.departing, "shards": len(res.new_shards),
                           "received": res.stats.received_bytes,
-                          "mismatches": shard_mismatches(plan, res.new_rank, res.new_shards)}))
-        dist.destroy_process_group()
+                          "mismatches": shard_mismatches(plan, res.new_rank, res.new_shards),
+                          "training_sum": _training_group_sum()}))
+        group.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out.put((device, {"error": repr(exc)}))
+
+
+def _training_group_sum():
+    """all_reduce over the old ranks' training group, if this process has one."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
 
 
 def _free_port() -> int:
@@ -85,6 +107,7 @@ def test_store_rendezvous_grow_and_leave():
         assert "error" not in r, (device, r["error"])
         assert r["rank"] == device  # union (0, 1, 2): rank = position of the device
         assert r["mismatches"] == []
+    assert [results[d]["training_sum"] for d in (0, 1, 2)] == [2.0, 2.0, None]
     assert results[0]["departing"] and results[0]["shards"] == 0
     assert results[2]["old_rank"] is None and results[2]["received"] > 0
     assert not results[1]["departing"] and not results[2]["departing"]

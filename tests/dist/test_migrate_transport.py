@@ -1,7 +1,8 @@
 """Transport conformance: one suite for every implementation of the executor's transport seam.
 
 Backends: ``threads`` (ThreadTransport, ranks are threads of this process), ``gloo``
-(TorchTransport in 4 worker processes) and ``nccl`` (TorchTransport over NCCL with one GPU per
+(TorchTransport in 4 worker processes), ``gloo-backend`` (BackendTransport: gloo backends
+outside the default group, as a resize connects them) and ``nccl`` (TorchTransport over NCCL with one GPU per
 worker; skipped without at least 2 CUDA devices, never faked). Each check is a function run on
 every rank with that rank's transport and a barrier; the tests assert on what it returns.
 Checks that leave a group unusable by design (timeouts) get fresh groups.
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 
-from slurm_etc.migrate.transport import ThreadHub, TorchTransport, TransportError
+from slurm_etc.migrate.transport import BackendTransport, ThreadHub, TorchTransport, TransportError
 from tests.dist.harness import pool_fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -150,10 +152,21 @@ def _run_threads(check) -> list:
     return results
 
 
+_BACKEND_GROUPS = [0]  # connections made so far (the same sequence on every rank)
+
+
 def _torch_check(rank: int, world: int, check, backend: str):
     """Worker side: fresh data + control groups over all ranks, then the check."""
     import torch.distributed as dist
 
+    if backend == "gloo-backend":  # gloo backends of their own, outside the default group
+        _BACKEND_GROUPS[0] += 1
+        store = dist.distributed_c10d._get_default_store()
+        timeout = timedelta(seconds=60)
+        data, control = (dist.ProcessGroupGloo(
+            dist.PrefixStore(f"backend-{_BACKEND_GROUPS[0]}/{name}", store), rank, world,
+            timeout) for name in ("data", "control"))
+        return check(BackendTransport(data, control), dist.barrier)
     device = None
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -170,14 +183,15 @@ gloo4 = pool_fixture(WORLD, preload=("slurm_etc.migrate.transport",))
 nccl_pool = pool_fixture(min(max(N_CUDA, 2), WORLD), preload=("slurm_etc.migrate.transport",))
 
 
-@pytest.fixture(params=["threads", "gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["threads", "gloo", "gloo-backend",
+                        pytest.param("nccl", marks=pytest.mark.gpu)])
 def run_check(request):
     backend = request.param
     if backend == "threads":
         return _run_threads
     if backend == "nccl" and N_CUDA < 2:
         pytest.skip(f"NCCL conformance needs at least 2 CUDA devices (found {N_CUDA})")
-    pool = request.getfixturevalue("gloo4" if backend == "gloo" else "nccl_pool")
+    pool = request.getfixturevalue("nccl_pool" if backend == "nccl" else "gloo4")
 
     def run(check):
         return pool.run(_torch_check, check, backend)

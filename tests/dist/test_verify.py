@@ -89,3 +89,44 @@ def test_a_flipped_bit_is_named(workers):
     first = report["first_mismatch"]
     assert first["new_rank"] == 0 and first["differing"] == 1 and first["first"] == 0
     assert first["got"] ^ first["expected"] == 1
+
+
+def _resize_expecting_abort(ctx, faults):
+    """Worker: the pause with an injected fault; report the abort each process saw."""
+    from slurm_etc.megatron.baseline import w_resize
+    from slurm_etc.migrate.executor import MigrationAborted
+
+    try:
+        w_resize(ctx, keep_bits=False, faults=faults)
+    except MigrationAborted as exc:
+        return {"aborted": True, "message": str(exc), "has_state": "state" in ctx.objects}
+    return {"aborted": False}
+
+
+def test_abort_keeps_the_old_layout_training(workers):
+    """A migration that fails half-way (rank 2 while unpacking round 0) aborts on every
+    process; the old state is bit for bit what it was and trains on in the old layout, with
+    the same loss as an untouched copy of it."""
+    from slurm_etc.megatron.baseline import (batch_for, w_build, w_digest, w_drop, w_prepare,
+                                             w_train_step)
+    from slurm_etc.migrate.faults import FaultInjector
+
+    tr = Transition(TINY, P(1, 2, 2), P(2, 1, 2))
+    gb, seq = batch_for(tr.old, tr.new), 32
+    common = dict(seed=7, steps=2, seq=seq, global_batch=gb)
+    try:
+        workers.run(w_build, tr.model, tr.old, tag="abort-a", **common)
+        before = workers.run(w_digest)
+        workers.run(w_prepare, tr, tag="abort-a/resize", staging_bytes=None)
+        seen = workers.run(_resize_expecting_abort, FaultInjector().fail(rank=2, at="unpack"))
+        assert all(s["aborted"] and s["has_state"] for s in seen), seen
+        assert all("rank 2" in s["message"] and "injected fault" in s["message"]
+                   for s in seen), seen
+        assert workers.run(w_digest) == before
+        after_abort = workers.run(w_train_step, "state", seed=7, seq=seq, global_batch=gb)
+        workers.run(w_drop)
+        workers.run(w_build, tr.model, tr.old, tag="abort-b", **common)
+        untouched = workers.run(w_train_step, "state", seed=7, seq=seq, global_batch=gb)
+    finally:
+        workers.run(w_drop)
+    assert after_abort == untouched and after_abort[0] is not None

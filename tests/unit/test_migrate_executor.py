@@ -253,3 +253,47 @@ def test_memory_and_throughput_are_reported():
         assert s.data_seconds > 0 and s.total_seconds >= s.data_seconds
         d = s.as_dict()
         assert {"throughput_gibps", "peak_over_bound", "memory_bound"} <= set(d)
+
+
+def _prepared(plan, options=OPTS):
+    from slurm_etc.migrate.executor import allocate_destinations
+    from slurm_etc.migrate.program import compile_program
+
+    return {d: allocate_destinations(compile_program(plan, d, options.staging_bytes,
+                                                     options.direct_min_bytes), options)
+            for d in group_devices(plan)}
+
+
+@pytest.mark.parametrize("dist", [False, True], ids=["", "distopt"])
+def test_prepared_destinations_receive_the_new_shards_in_place(dist):
+    """Tensors allocated (and touched) before the pause become the new shards: no copy."""
+    plan = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 1, 2), dist=dist)
+    dests = _prepared(plan)
+    assert all(bool((t.view(torch.uint8) == 0).all()) for ts in dests.values() for t in ts)
+    results = run_threads(plan, _old_state(plan), options=OPTS, destinations=dests)
+    _committed(plan, results)
+    for d, res in results.items():
+        assert [sh.tensor.data_ptr() for sh in res.new_shards] == \
+            [t.data_ptr() for t in dests[d]]
+
+
+@pytest.mark.parametrize("bad", ["short", "strided", "count"])
+def test_unfit_destinations_abort_everywhere_naming_the_shard(bad):
+    plan = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 1, 2))
+    dests = _prepared(plan)
+    victim = plan.new.devices[1]
+    if bad == "short":
+        dests[victim][0] = dests[victim][0][:-1]
+    elif bad == "strided":
+        t = dests[victim][0]
+        dests[victim][0] = torch.empty(2 * t.numel(), dtype=t.dtype)[::2]
+    else:
+        dests[victim] = dests[victim][:-1]
+    state = _old_state(plan)
+    snap = _snapshot(state)
+    results = run_threads(plan, state, options=OPTS, destinations=dests)
+    assert all(isinstance(r, MigrationAborted) for r in results.values()), results
+    text = str(results[plan.old.devices[0]])
+    assert "could not start" in text
+    assert ("destination tensors for" if bad == "count" else "destination of") in text
+    assert _unchanged(state, snap)
