@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -19,8 +20,8 @@ from rich.table import Table
 from ..policy.admin import AdminVerdict, adminlevel_command, verdict
 from ..policy.rules import (FIELDS, EffectivePolicy, PolicyError, Scope, check_keys, effective,
                             parse_assignments)
-from ..store import (StoreError, StoredPolicy, get_policy, list_policies, open_store,
-                     set_policy, unset_policy)
+from ..store import (StoreError, StoredPolicy, default_db_path, get_policy, list_policies,
+                     open_store, set_policy, unset_policy)
 from .main import UserError
 
 SACCTMGR_TIMEOUT_S = 10
@@ -63,6 +64,13 @@ def _store(ctx: click.Context):
         return open_store(ctx.obj.get("db_path"))
     except StoreError as exc:
         raise UserError(str(exc)) from None
+
+
+def _store_to_read(ctx: click.Context):
+    """The store, or None when its file does not exist yet: reading creates nothing."""
+    path = ctx.obj.get("db_path")
+    db = Path(path).expanduser() if path else default_db_path()
+    return _store(ctx) if db.exists() else None
 
 
 def _require_admin(ctx: click.Context) -> str:
@@ -125,12 +133,14 @@ def show(ctx: click.Context, partition: str | None, account: str | None, as_json
     both = bool(partition and account)
     scopes = ([_make_scope("partition", partition), _make_scope("account", account)] if both
               else [s for s in [_scope(partition, account, required=False)] if s])
-    store = _store(ctx)
-    try:
-        found = ([p for p in (get_policy(store, s) for s in scopes) if p] if scopes
-                 else list_policies(store))
-    finally:
-        store.close()
+    store = _store_to_read(ctx)
+    found = []
+    if store is not None:
+        try:
+            found = ([p for p in (get_policy(store, s) for s in scopes) if p] if scopes
+                     else list_policies(store))
+        finally:
+            store.close()
     merged = None
     if both:
         try:

@@ -115,3 +115,14 @@ def test_slurm_operators_may_change_policies(tmp_path, monkeypatch):
     monkeypatch.setattr(cmd.os, "getuid", lambda: 1000)
     verdict = cmd.slurm_admin_check()
     assert verdict.allowed and verdict.reason == "Slurm Operator"
+
+
+def test_show_without_a_database_creates_none(tmp_path):
+    db = tmp_path / "nested" / "etc.db"
+    r = CliRunner().invoke(cli, ["policy", "--db", str(db), "show", "--json"], obj={})
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {"policies": []}
+    r = CliRunner().invoke(cli, ["policy", "--db", str(db), "show", "--partition", "gpu"],
+                           obj={})
+    assert r.exit_code == 0 and "no policy for partition:gpu" in r.output
+    assert not db.exists() and not db.parent.exists()
