@@ -6,15 +6,17 @@ ones in the new configuration (cold ``import megatron.core`` included), build th
 optimizer, ``dist_checkpointing.load``. This module runs that path on local processes, timed
 part by part, next to the in-place path (:func:`slurm_etc.megatron.state.resize_in_place`):
 
-* :class:`LocalWorkers`: N local processes (``spawn``), joined by a ``TCPStore`` the parent
-  hosts on 127.0.0.1; each phase starts the ``gloo`` default group it needs (old layout,
-  migration group, new layout) from that store, as the job's coordinator would.
+* The processes: :class:`~slurm_etc.worker.local.LocalWorkers`, N local processes joined by
+  a ``TCPStore`` the parent hosts; each phase starts the ``gloo`` default group it needs (old
+  layout, migration group, new layout) from that store, as the job's coordinator would.
 * :func:`save_checkpoint` / :func:`load_checkpoint`: megatron's checkpoint of model and
   optimizer (DistributedOptimizer: ``dp_reshardable``), plus step and RNG. Durability:
   megatron fsyncs its ``.distcp`` data files and torch's writer the ``.metadata`` file; the
   rest (``common.pt``, sharded-object files, ``metadata.json``) and the directories are not
   synced, so :func:`save_checkpoint` fsyncs them (timed separately).
-* Worker-side phases (``w_*``), run on every worker with :meth:`LocalWorkers.run`.
+* Worker-side phases (``w_*``), run on every worker with :meth:`LocalWorkers.run`; they
+  keep the live training states in ``ctx.objects`` (``"state"``: the current layout's;
+  ``"loaded"``: one built from a checkpoint).
 * :func:`verify_transition`: ``slurm-etc verify`` (migrate, then compare every tensor with
   megatron's checkpoint resharding and with the global-gather oracle).
 * :func:`bench_migrate`: ``slurm-etc bench migrate`` (both paths side by side).
@@ -25,27 +27,21 @@ import dataclasses
 import hashlib
 import logging
 import math
-import multiprocessing
 import os
 import shutil
-import signal
 import statistics
-import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from functools import lru_cache
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from slurm_etc.plan import Layout, ParallelConfig, Topology, default_pool, plan_migration
 from slurm_etc.plan.catalog import build_catalog
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
+from slurm_etc.worker.local import LocalWorkers, WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -60,281 +56,10 @@ DIST_OPT_SHARDING = "dp_reshardable"
 ORACLE_CHECKPOINT = "megatron-checkpoint"
 ORACLE_GATHER = "global-gather"
 ORACLE_INSTALL = "install-roundtrip"
-# The ranks of a failed call get this long to finish before the workers are stopped.
-FAILURE_GRACE_S = 10.0
 
 
 def _no_progress(message: str) -> None:
     pass
-
-
-# -- local worker processes -----------------------------------------------------------------
-
-class WorkerFailed(RuntimeError):
-    """A worker raised, died or did not answer; carries the first failing worker's text."""
-
-
-@dataclass
-class WorkerContext:
-    """What a worker keeps between calls: its index, the shared store, live objects.
-
-    ``objects`` holds the live training states between phases (``"state"``: the current
-    layout's; ``"loaded"``: one built from a checkpoint).
-    """
-
-    index: int
-    size: int
-    store: Any
-    timeout_s: float
-    objects: dict = field(default_factory=dict)
-
-    def init_group(self, tag: str, rank: int, world: int) -> None:
-        """Start a gloo default group (destroying the current one) from the shared store."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("gloo", store=dist.PrefixStore(tag, self.store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=self.timeout_s))
-
-    def drop(self) -> None:
-        """Drop the live states and megatron's groups, then the default group."""
-        import gc
-
-        import torch.distributed as dist
-
-        had_state = bool(self.objects)
-        self.objects.clear()
-        gc.collect()
-        if had_state:
-            from . import build
-
-            build.teardown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            _stop_children()
-            os._exit(3)
-        time.sleep(1.0)
-
-
-def _stop_children() -> None:
-    """Stop this worker's own child processes, by PID: megatron's checkpoint writer starts a
-    multiprocessing Manager per process that would otherwise outlive the worker (and keep
-    its stdout open)."""
-    for child in multiprocessing.active_children():
-        child.terminate()
-    for child in multiprocessing.active_children():
-        child.join(5.0)
-        if child.is_alive():
-            child.kill()
-            child.join(5.0)
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _stop_children()
-    os._exit(128 + signum)
-
-
-def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid: int,
-                 preload: Sequence[str], env: dict[str, str], timeout_s: float,
-                 log_level: int) -> None:
-    os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    logging.basicConfig(level=log_level, format=f"[worker {index}] %(levelname)s %(name)s: "
-                                                 "%(message)s")
-    if log_level > logging.INFO:
-        import warnings
-
-        warnings.simplefilter("ignore")
-        # megatron-core warns on every checkpoint (e.g. when a directory is reused); the
-        # experiments report their own outcome
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    for module in preload:
-        importlib.import_module(module)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    ctx = WorkerContext(index, size, store, timeout_s)
-    conn.send(("ready", os.getpid(), time.time()))
-    try:
-        while True:
-            message = conn.recv()
-            if message is None:
-                # Asked to stop: exit as a job's processes do when it ends, without tearing
-                # anything down (the checkpoint baseline times this).
-                _stop_children()
-                conn.close()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-            func, args, kwargs = message
-            try:
-                reply = ("ok", func(ctx, *args, **kwargs))
-            except BaseException:  # noqa: BLE001 - everything goes back to the parent
-                reply = ("error", traceback.format_exc())
-            try:
-                conn.send(reply)
-            except Exception:  # noqa: BLE001 - e.g. an unpicklable result
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        try:
-            ctx.drop()
-        finally:
-            _stop_children()
-            conn.close()
-
-
-class LocalWorkers:
-    """``size`` worker processes on this machine, reused for many calls.
-
-    Args:
-        size: number of workers; worker ``i`` plays device ``i``.
-        preload: modules each worker imports at start-up (a cold start).
-        timeout_s: default bound of each call, and of the workers' process groups.
-        log_level: logging level inside the workers (warnings are silenced above INFO).
-    """
-
-    def __init__(self, size: int, *, preload: Sequence[str] = PRELOAD,
-                 timeout_s: float = 600.0, log_level: int = logging.WARNING) -> None:
-        if size < 1:
-            raise ValueError(f"need at least one worker, got {size}")
-        self.size = size
-        self.preload = tuple(preload)
-        self.timeout_s = timeout_s
-        self.log_level = log_level
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
-        self._store = None
-        self.start_seconds: float | None = None
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
-    def start(self) -> float:
-        """Start the workers; returns seconds until every one has imported and joined."""
-        import torch.distributed as dist
-
-        if self._procs:
-            raise RuntimeError("workers already started")
-        t0 = time.perf_counter()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.timeout_s))
-        ctx = multiprocessing.get_context("spawn")
-        env = {"OMP_NUM_THREADS": "1"}
-        for index in range(self.size):
-            parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker_main, name=f"slurm-etc-worker-{index}",
-                               args=(index, self.size, self._store.port, child, os.getpid(),
-                                     self.preload, env, self.timeout_s, self.log_level))
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        try:
-            self._collect("start-up", time.monotonic() + self.timeout_s)
-        except BaseException:
-            self.close(graceful=False)
-            raise
-        self.start_seconds = time.perf_counter() - t0
-        return self.start_seconds
-
-    def run(self, func: Callable, *args: Any, timeout_s: float | None = None,
-            **kwargs: Any) -> list[Any]:
-        """``func(ctx, *args, **kwargs)`` on every worker; results in worker order.
-
-        Raises:
-            WorkerFailed: a worker raised (its traceback), died or timed out; the workers
-                are then stopped.
-        """
-        if not self._procs:
-            self.start()  # first use, or the workers were stopped after a failure
-        for conn in self._conns:
-            conn.send((func, args, kwargs))
-        return self._collect(getattr(func, "__name__", str(func)),
-                             time.monotonic() + (timeout_s or self.timeout_s))
-
-    def _collect(self, what: str, deadline: float) -> list[Any]:
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        pending = {conn: i for i, conn in enumerate(self._conns)}
-        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for obj in wait(list(pending) + list(sentinels), timeout=left):
-                if obj in pending:
-                    i = pending.pop(obj)
-                    try:
-                        status, payload, *rest = obj.recv()
-                    except EOFError:
-                        errors[i] = f"worker {i} exited during {what}"
-                        continue
-                    if status == "error":
-                        errors[i] = payload
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-                    else:
-                        results[i] = payload
-                elif obj in sentinels:
-                    i = sentinels.pop(obj)
-                    if i in pending.values():
-                        errors[i] = (f"worker {i} (pid {self._procs[i].pid}) exited with code "
-                                     f"{self._procs[i].exitcode} during {what}")
-                        pending = {c: j for c, j in pending.items() if j != i}
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        missing = sorted(pending.values())
-        if errors or missing:
-            self.close(graceful=False)
-            first = min(errors) if errors else missing[0]
-            text = errors.get(first, f"workers {missing} did not answer {what} in time")
-            others = f" (workers failed: {sorted(errors)}; no answer: {missing})"
-            raise WorkerFailed(f"worker {first} failed in {what}{others}:\n{text}")
-        return [results[i] for i in range(self.size)]
-
-    def close(self, graceful: bool = True) -> float:
-        """Stop the workers (ask, then terminate, then kill, each by PID); returns seconds."""
-        t0 = time.perf_counter()
-        if graceful:
-            for conn in self._conns:
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-            deadline = time.monotonic() + 30.0
-            for proc in self._procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
-        self._store = None
-        return time.perf_counter() - t0
-
-    def __enter__(self) -> LocalWorkers:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close(graceful=exc[0] is None)
 
 
 # -- transitions ----------------------------------------------------------------------------
@@ -762,7 +487,7 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
     own = workers is None
     if own:
         progress(f"starting {tr.processes} worker processes (cold import of megatron-core)")
-        workers = LocalWorkers(tr.processes, log_level=log_level)
+        workers = LocalWorkers(tr.processes, preload=PRELOAD, log_level=log_level)
         workers.start()
     elif workers.size < tr.processes:
         raise ConfigError(f"{tr} needs {tr.processes} processes, the pool has {workers.size}")
@@ -933,7 +658,7 @@ def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: in
     tag = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
     out: dict[str, Any] = {}
     progress(f"in place: starting {tr.processes} processes (the running job)")
-    job = LocalWorkers(tr.processes, log_level=log_level)
+    job = LocalWorkers(tr.processes, preload=PRELOAD, log_level=log_level)
     try:
         out["job_start_seconds"] = job.start()
         progress(f"in place: building {tr.model.name} under {tr.old}, {steps} training "
@@ -971,7 +696,7 @@ def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: 
     out: dict[str, Any] = {}
     try:
         progress(f"checkpoint: starting {tr.old.world} processes (the running job)")
-        job = LocalWorkers(tr.old.world, log_level=log_level)
+        job = LocalWorkers(tr.old.world, preload=PRELOAD, log_level=log_level)
         try:
             job.start()
             progress(f"checkpoint: building the same state under {tr.old}")
@@ -991,7 +716,7 @@ def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: 
             progress("checkpoint: stopping the job's processes")
             out["stop_seconds"] = job.close()
         progress(f"checkpoint: starting {tr.new.world} fresh processes (cold import)")
-        fresh = LocalWorkers(tr.new.world, log_level=log_level)
+        fresh = LocalWorkers(tr.new.world, preload=PRELOAD, log_level=log_level)
         try:
             out["fresh_start_seconds"] = fresh.start()
             progress("checkpoint: build the new layout and load")
@@ -1022,11 +747,13 @@ def _same_digests(plan: Any, etc: Sequence[dict | None], fresh: Sequence[dict | 
     return True
 
 
+_PAUSE_PHASES = ("resume", "migrate", "train_group", "rebuild", "install")
+
+
 def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
     parts = [r for r in resized if r]
     stats = [r["stats"] for r in parts]
-    phase = {name: max(r["seconds"].get(name, 0.0) for r in parts)
-             for name in ("resume", "migrate", "train_group", "rebuild", "install")}
+    phase = {name: max(r["seconds"].get(name, 0.0) for r in parts) for name in _PAUSE_PHASES}
     data = max(s["data_seconds"] for s in stats)
     moved = plan.moved_bytes
     per_rank = [{"device": i, "new_rank": r.get("new_rank"),
@@ -1043,7 +770,9 @@ def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
                  "memory_peak_delta": r["stats"]["memory_peak_delta"],
                  "memory_bound": r["stats"]["memory_bound"],
                  "peak_over_bound": r["stats"]["peak_over_bound"],
-                 "memory_reset": r["stats"]["memory_reset"]}
+                 "memory_reset": r["stats"]["memory_reset"],
+                 "phases": {k: r["seconds"][k] for k in _PAUSE_PHASES if k in r["seconds"]},
+                 "span": r["seconds"]["ready"] - r["seconds"]["pause"]}
                 for i, r in enumerate(resized) if r]
     return {"seconds": _span(parts), "phases": phase, "data_seconds": data,
             "moved_bytes": moved, "achieved_gibps": moved / data / 2**30 if data else None,

@@ -575,11 +575,15 @@ class PreparedResize:
     Attributes:
         plan: the MigrationPlan.
         device: this process's device.
+        store, tag: the rendezvous store and this resize's key prefix (the new training
+            group starts from them).
         group: the migration group (gloo backends of its own, outside the training groups).
         program: this process's part of the plan.
         destinations: the new shards' tensors, pages touched (empty on a departing process).
         options: the executor's options.
-        seconds: wall time of the preparation steps.
+        memory: peak memory measurement, started here, stopped at the commit.
+        group_timeout_s: timeout of the migration and new training groups.
+        seconds: wall time of the preparation steps (``group``, ``allocate``).
     """
 
     plan: Any

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from tests.dist.harness import WorkerPool
+from slurm_etc.worker.local import LocalWorkers
+from tests.dist.harness import DEFAULT_TIMEOUT_S
 from tests.dist.megatron_cases import describe_build, dumps_fixture, fixture_payload
 from tests.dist.test_megatron_build import CASES, FIXTURE_CASES, FIXTURE_DIR
 
@@ -20,7 +21,8 @@ logger = logging.getLogger(__name__)
 def main() -> None:
     """Build every fixture case once and write its JSON file."""
     FIXTURE_DIR.mkdir(parents=True, exist_ok=True)
-    with WorkerPool(4, preload=("megatron.core", "slurm_etc.megatron.build")) as pool:
+    with LocalWorkers(4, preload=("megatron.core", "slurm_etc.megatron.build"),
+                      timeout_s=DEFAULT_TIMEOUT_S, default_group=True) as pool:
         for name in FIXTURE_CASES:
             model, config = CASES[name]
             per_rank = pool.run(describe_build, model, config)

@@ -39,7 +39,6 @@ def test_bench_tiny_reports_both_paths():
     assert parts["checkpoint_bytes"] >= s["state_bytes"]
     assert s["ratio"] == pytest.approx(s["checkpoint_seconds"] / s["etc_seconds"])
     assert set(s["etc_parts"]) == {"resume", "migrate", "train_group", "rebuild", "install"}
-    assert sum(s["etc_parts"].values()) <= s["etc_seconds"] * 1.05
     # connected and allocated before the pause, not part of the downtime
     assert set(s["prepare_parts"]) == {"group", "allocate"}
     assert all(v > 0 for v in s["prepare_parts"].values())
@@ -53,4 +52,8 @@ def test_bench_tiny_reports_both_paths():
         == plan.moved_bytes
     for p in ranks:
         assert p["memory_peak_delta"] is not None and p["memory_bound"] > 0
+        # a process's phases follow one another inside its own pause .. ready span, and the
+        # downtime spans every process's
+        assert 0 < sum(p["phases"].values()) <= p["span"] <= s["etc_seconds"] + 1e-6, p
+    assert all(p["phases"]["migrate"] > 0 for p in ranks)
     assert run["raw_p2p"]["ok"]

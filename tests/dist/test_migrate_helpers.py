@@ -2,11 +2,11 @@
 
 No tests here: the name only puts the module among the executor's test files.
 
-Every function runs on every rank of a :class:`tests.dist.harness.WorkerPool`; the device id
-of a worker is its pool rank. Plans are computed on each worker from a :class:`Case` (every
-rank computes the same plan, as in production). Migration groups are created with
-``new_group`` over the pool's default group and cached per set of devices; all ranks call
-the same functions in the same order, so the caches stay in step.
+Every function runs on every rank of a pool from :func:`tests.dist.harness.pool_fixture`;
+the device id of a worker is its pool rank. Plans are computed on each worker from a
+:class:`Case` (every rank computes the same plan, as in production). Migration groups are
+created with ``new_group`` over the pool's default group and cached per set of devices; all
+ranks call the same functions in the same order, so the caches stay in step.
 """
 from __future__ import annotations
 

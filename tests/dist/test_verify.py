@@ -16,9 +16,10 @@ import dataclasses
 import pytest
 
 from slurm_etc.megatron.baseline import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
-                                         LocalWorkers, Transition, megatron_reshards_optimizer,
+                                         PRELOAD, Transition, megatron_reshards_optimizer,
                                          verify_transition)
 from slurm_etc.plan import PRESETS, ParallelConfig
+from slurm_etc.worker.local import LocalWorkers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -51,7 +52,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def workers():
-    with LocalWorkers(4, timeout_s=240) as pool:
+    with LocalWorkers(4, preload=PRELOAD, timeout_s=240) as pool:
         yield pool
 
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
 from slurm_etc.megatron import baseline
+from slurm_etc.worker.local import WorkerError
 
 MISMATCH = {"oracle": "global-gather", "new_rank": 1,
             "state_key": "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
@@ -103,13 +104,14 @@ def test_bad_input_is_one_line_exit_2(calls, command, args, message):
 
 def test_run_failure_is_exit_3(monkeypatch):
     def broken(tr, **kwargs):
-        raise baseline.WorkerFailed("worker 1 failed in w_build (workers failed: [1]):\n"
-                                    "Traceback ...\nRuntimeError: boom")
+        raise WorkerError(1, "slurm_etc.megatron.baseline.w_build",
+                          "Traceback ...\nRuntimeError: boom\n")
 
     monkeypatch.setattr(baseline, "verify_transition", broken)
     r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1")
     assert r.exit_code == 3
-    assert "worker 1 failed in w_build" in r.stderr and "RuntimeError: boom" in r.stderr
+    assert "worker 1 raised in slurm_etc.megatron.baseline.w_build" in r.stderr
+    assert "RuntimeError: boom" in r.stderr
 
 
 BENCH = {

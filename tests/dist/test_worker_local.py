@@ -1,4 +1,9 @@
-"""The gloo worker pool: results in rank order, loud failures, restart, no orphans."""
+"""The local worker pool: results in worker order, loud failures, restart, no orphans.
+
+Most cases run in the tests' convention (``default_group=True``, ``func(rank, world, ...)``,
+through :func:`tests.dist.harness.pool_fixture`); the last ones in the product's
+(``func(ctx, ...)`` with a :class:`WorkerContext`, as ``slurm-etc verify`` runs its phases).
+"""
 from __future__ import annotations
 
 import os
@@ -6,7 +11,9 @@ import time
 
 import pytest
 
-from tests.dist.harness import WorkerDied, WorkerError, WorkerPool, WorkerTimeout, pool_fixture
+from slurm_etc.worker.local import (LocalWorkers, WorkerContext, WorkerDied, WorkerError,
+                                    WorkerFailed, WorkerTimeout)
+from tests.dist.harness import pool_fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -51,7 +58,8 @@ def test_runs_a_collective_and_returns_results_in_rank_order(pool2):
 def test_worker_exception_is_raised_with_rank_and_remote_traceback(pool2):
     with pytest.raises(WorkerError) as info:
         pool2.run(_fail_on, 1)
-    assert info.value.rank == 1
+    assert info.value.index == 1
+    assert isinstance(info.value, WorkerFailed)  # what the CLI catches
     assert "deliberate failure on rank 1" in info.value.remote_traceback
     assert "_fail_on" in str(info.value)
     # The other rank finished normally, so the same workers keep serving.
@@ -73,13 +81,13 @@ def _unpicklable_result(rank: int, world: int):
 
 
 def test_unpicklable_result_is_reported_as_a_worker_error(pool2):
-    with pytest.raises(WorkerError, match="rank 0 raised"):
+    with pytest.raises(WorkerError, match="worker 0 raised"):
         pool2.run(_unpicklable_result)
 
 
 def test_timeout_names_the_rank_and_the_pool_restarts(pool2):
     old_pids = pool2.pids
-    with pytest.raises(WorkerTimeout, match=r"ranks \[0\] did not answer .*_hang_on"):
+    with pytest.raises(WorkerTimeout, match=r"workers \[0\] did not answer .*_hang_on"):
         pool2.run(_hang_on, 0, timeout_s=3)
     assert not any(_alive(pid) for pid in old_pids)
     assert pool2.run(_rank_sum, 1) == [(0, 2, 3.0), (1, 2, 3.0)]
@@ -87,16 +95,54 @@ def test_timeout_names_the_rank_and_the_pool_restarts(pool2):
 
 
 def test_worker_death_is_reported_and_the_pool_restarts(pool2):
-    with pytest.raises(WorkerDied, match=r"rank 1 \(pid \d+\) exited with code 7"):
+    with pytest.raises(WorkerDied, match=r"worker 1 \(pid \d+\) exited with code 7"):
         pool2.run(_exit_on, 1)
     assert pool2.run(_fail_on, -1) == [0, 1]
 
 
 def test_close_leaves_no_processes_behind():
-    pool = WorkerPool(2)
+    pool = LocalWorkers(2, default_group=True)
     with pool:
         pids = pool.run(_pid)
         assert pids == pool.pids
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _remember(ctx: WorkerContext, value: str) -> tuple[int, int, str | None, bool]:
+    import torch.distributed as dist
+
+    previous = ctx.objects.get("value")
+    ctx.objects["value"] = value
+    return ctx.index, ctx.size, previous, dist.is_initialized()
+
+
+def _group_sum(ctx: WorkerContext, tag: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    ctx.init_group(tag, ctx.index, ctx.size)
+    value = torch.tensor([float(ctx.index + 1)])
+    dist.all_reduce(value)
+    return float(value[0])
+
+
+def _drop(ctx: WorkerContext) -> bool:
+    import torch.distributed as dist
+
+    ctx.objects.clear()  # nothing megatron to tear down
+    ctx.drop()
+    return dist.is_initialized()
+
+
+def test_context_workers_keep_objects_and_start_groups_from_the_store():
+    with LocalWorkers(2, timeout_s=60) as workers:
+        # no default group: each phase starts what it needs
+        assert workers.run(_remember, "a") == [(0, 2, None, False), (1, 2, None, False)]
+        assert workers.run(_remember, "b") == [(0, 2, "a", False), (1, 2, "a", False)]
+        assert workers.run(_group_sum, "first") == [3.0, 3.0]
+        assert workers.run(_group_sum, "second") == [3.0, 3.0]  # replaces the first group
+        assert workers.run(_drop) == [False, False]
+        pids = workers.pids
     assert not any(_alive(pid) for pid in pids)
 
 
