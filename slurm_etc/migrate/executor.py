@@ -18,7 +18,10 @@ is voted at the next vote; every rank then sees the same table and stops: the ex
 :class:`MigrationAborted` on every rank, naming the failing ranks, their messages and causes.
 Old shards are only ever read, so an abort leaves them untouched; the new shards are dropped.
 
-On success the executor returns the new shards; the caller swaps them in (commit). Ranks
+A new shard that equals an old shard of the same process (same tensor, box and elements,
+e.g. a data-parallel replica that stays) is kept whole: the executor hands back the old
+tensor itself instead of copying it, so after the commit the old state is dropped, not
+trained on. On success the executor returns the new shards; the caller swaps them in (commit). Ranks
 without a new rank (a shrink) get none back and may exit.
 """
 from __future__ import annotations
@@ -103,6 +106,7 @@ class MigrationStats:
     sent_bytes: int = 0
     received_bytes: int = 0
     local_bytes: int = 0
+    kept_whole_bytes: int = 0  # of local_bytes: new shards that are old shards, not copied
     direct_bytes: int = 0
     old_state_bytes: int = 0
     new_state_bytes: int = 0
@@ -225,6 +229,7 @@ class _Run:
     stats: MigrationStats
     old_bytes: list[torch.Tensor] = field(default_factory=list)
     new_bytes: list[torch.Tensor] = field(default_factory=list)
+    aliased: set[int] = field(default_factory=set)  # new shards that are old shards
     failure: _Failure | None = None
     t_start: float = 0.0
 
@@ -310,6 +315,8 @@ class _Run:
             self.faults.check(self.prog.group_rank, "local")
             src, dst = self.prog.local_src, self.prog.local_dst
             for i in range(len(src)):
+                if int(dst.shard[i]) in self.aliased:
+                    continue
                 sizes = tuple(int(x) for x in src.sizes[i])
                 a = self.old_bytes[int(src.shard[i])]
                 b = self.new_bytes[int(dst.shard[i])]
@@ -402,8 +409,9 @@ def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
 
 def allocate_destinations(prog: Program, options: MigrationOptions | None = None,
                           device: torch.device | str = "cpu", *,
-                          prefault: bool = True) -> list[torch.Tensor]:
-    """Tensors for ``prog``'s new shards (see ``execute_migration(destinations=...)``).
+                          prefault: bool = True) -> list[torch.Tensor | None]:
+    """Tensors for ``prog``'s new shards (see ``execute_migration(destinations=...)``);
+    None for a shard kept whole (``prog.kept``: it is an old shard of this process).
 
     ``prefault`` writes every page once, so the migration does not pay the first-touch
     page faults of fresh memory (on CPU they halve the receive rate); done before the pause,
@@ -411,25 +419,41 @@ def allocate_destinations(prog: Program, options: MigrationOptions | None = None
     two-phase migration holds anyway (new state beside old).
     """
     options = options or MigrationOptions()
-    out = []
-    for sp in prog.new_specs:
-        dtype = (options.dtypes or {}).get(sp.state_key) or dtype_for(sp.itemsize)
-        t = torch.empty(sp.numel, dtype=dtype, device=device)
-        if t.element_size() != sp.itemsize:
-            raise ValueError(f"dtype {dtype} of {sp.state_key} has {t.element_size()} "
-                             f"bytes per element, the catalog says {sp.itemsize}")
+    out: list[torch.Tensor | None] = []
+    for j, sp in enumerate(prog.new_specs):
+        if j in prog.kept:
+            out.append(None)  # kept whole: the old shard itself becomes the new one
+            continue
+        t = torch.empty(sp.numel, dtype=_new_dtype(sp, options), device=device)
         if prefault:
             t.view(torch.uint8).zero_()
         out.append(t)
     return out
 
 
-def _check_destinations(prog: Program, tensors: Sequence[torch.Tensor],
-                        dev: torch.device) -> list[torch.Tensor]:
+def _new_dtype(sp, options: MigrationOptions, default: torch.dtype | None = None
+               ) -> torch.dtype:
+    """dtype of a new shard: requested in ``options.dtypes``, else ``default`` (a kept old
+    shard's), else by itemsize; ValueError if its element size is not the catalog's."""
+    dtype = (options.dtypes or {}).get(sp.state_key) or default or dtype_for(sp.itemsize)
+    size = torch.empty((), dtype=dtype).element_size()
+    if size != sp.itemsize:
+        raise ValueError(f"dtype {dtype} of {sp.state_key} has {size} bytes per element, the "
+                         f"catalog says {sp.itemsize}")
+    return dtype
+
+
+def _check_destinations(prog: Program, tensors: Sequence[torch.Tensor | None],
+                        dev: torch.device) -> list[torch.Tensor | None]:
     if len(tensors) != len(prog.new_specs):
         raise ValueError(f"{len(tensors)} destination tensors for {len(prog.new_specs)} new "
                          "shards")
-    for sp, t in zip(prog.new_specs, tensors):
+    for j, (sp, t) in enumerate(zip(prog.new_specs, tensors)):
+        if t is None:
+            if j not in prog.kept:
+                raise ValueError(f"no destination for {sp.state_key} {sp.lo}..{sp.hi}, which "
+                                 "is not kept in place")
+            continue
         if (t.numel() != sp.numel or t.element_size() != sp.itemsize
                 or not t.is_contiguous() or t.device != dev):
             raise ValueError(f"destination of {sp.state_key} {sp.lo}..{sp.hi}: {t.numel()} x "
@@ -509,10 +533,17 @@ def execute_migration(plan, transport: Transport, device: int,
     recv_bufs: list[torch.Tensor] = []
     try:
         faults.check(prog.group_rank, "start")
-        run.old_bytes = _check_old_shards(
-            prog, [sh for sh in old_shards if sh.state_key in catalog_keys], dev)
+        mine = [sh for sh in old_shards if sh.state_key in catalog_keys]
+        run.old_bytes = _check_old_shards(prog, mine, dev)
         new_tensors = (_check_destinations(prog, destinations, dev) if destinations is not None
                        else allocate_destinations(prog, options, dev, prefault=False))
+        old_by_key = {sh.key: sh.tensor for sh in mine}
+        for j, i in prog.kept.items():
+            if new_tensors[j] is None:  # the old shard is the new one: no copy
+                old = old_by_key[prog.old_specs[i].key].detach().reshape(-1)
+                new_tensors[j] = old.view(_new_dtype(prog.new_specs[j], options, old.dtype))
+                run.aliased.add(j)
+                stats.kept_whole_bytes += prog.new_specs[j].nbytes
         run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
         send_size, recv_size = prog.staging_sizes
         n_send = sum(st.send is not None for st in steps)

@@ -211,6 +211,9 @@ class Program:
     digest: int
     direct_min: int = DIRECT_MIN_BYTES
     stats: dict = field(default_factory=dict)
+    # new shard -> old shard of this device that it equals byte for byte (same tensor, box
+    # and elements, all of it a local copy in place): kept whole, no copy needed
+    kept: dict[int, int] = field(default_factory=dict)
 
     @property
     def group_rank(self) -> int:
@@ -352,10 +355,32 @@ def compile_program(plan, device: int, staging_bytes: int = DEFAULT_STAGING_BYTE
 
     steps = _steps(m.round, m.nbytes, chunk,
                    {s.round: k for k, s in sends.items()}, {s.round: k for k, s in recvs.items()})
+    local_src, local_dst = src_b.build(), dst_b.build()
+    kept = _kept_whole(old_specs, new_specs, local_src, local_dst)
     return Program(device, devices, old_rank, new_rank, old_specs, new_specs, chunk, sends,
-                   recvs, src_b.build(), dst_b.build(), steps,
+                   recvs, local_src, local_dst, steps,
                    plan_digest(plan, chunk, direct_min_bytes), direct_min_bytes,
-                   stats={"local_bytes": pos})
+                   stats={"local_bytes": pos,
+                          "kept_whole_bytes": sum(new_specs[j].nbytes for j in kept)},
+                   kept=kept)
+
+
+def _kept_whole(old_specs, new_specs, src: Segments, dst: Segments) -> dict[int, int]:
+    """New shards whose local copies are the identity from one old shard that equals them
+    (same key and size, every byte copied to the same offset): ``{new index: old index}``."""
+    old_index = {sp.key: i for i, sp in enumerate(old_specs)}
+    out: dict[int, int] = {}
+    for j in np.unique(dst.shard).tolist():
+        i = old_index.get(new_specs[j].key)
+        if i is None or old_specs[i].nbytes != new_specs[j].nbytes:
+            continue
+        rows = dst.shard == j
+        if (np.all(src.shard[rows] == i) and np.array_equal(src.offset[rows], dst.offset[rows])
+                and np.array_equal(src.sizes[rows], dst.sizes[rows])
+                and np.array_equal(src.strides[rows], dst.strides[rows])
+                and int(dst.nbytes[rows].sum()) == new_specs[j].nbytes):
+            out[j] = i
+    return out
 
 
 def _steps(rounds: np.ndarray, nbytes: np.ndarray, chunk: int, send_of_round: dict,

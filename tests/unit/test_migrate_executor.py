@@ -269,12 +269,41 @@ def test_prepared_destinations_receive_the_new_shards_in_place(dist):
     """Tensors allocated (and touched) before the pause become the new shards: no copy."""
     plan = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 1, 2), dist=dist)
     dests = _prepared(plan)
-    assert all(bool((t.view(torch.uint8) == 0).all()) for ts in dests.values() for t in ts)
+    assert all(bool((t.view(torch.uint8) == 0).all())
+               for ts in dests.values() for t in ts if t is not None)
     results = run_threads(plan, _old_state(plan), options=OPTS, destinations=dests)
     _committed(plan, results)
     for d, res in results.items():
-        assert [sh.tensor.data_ptr() for sh in res.new_shards] == \
-            [t.data_ptr() for t in dests[d]]
+        assert [sh.tensor.data_ptr() for sh, t in zip(res.new_shards, dests[d])
+                if t is not None] == [t.data_ptr() for t in dests[d] if t is not None]
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["fresh", "prepared"])
+def test_replicas_that_stay_are_kept_whole_not_copied(prepared):
+    """dp 2 -> 4: the two staying devices' new shards are their old ones (no copy, no
+    destination); the joining devices receive everything. A tp change keeps nothing whole."""
+    from slurm_etc.migrate.program import compile_program
+
+    plan = make_plan(PRESETS["tiny"], (2, 1, 1), (4, 1, 1))
+    state = _old_state(plan)
+    progs = {d: compile_program(plan, d) for d in group_devices(plan)}
+    staying = set(plan.old.devices) & set(plan.new.devices)
+    assert staying
+    for d, prog in progs.items():
+        assert len(prog.kept) == (len(prog.new_specs) if d in staying else 0)
+    results = run_threads(plan, state, options=OPTS,
+                          destinations=_prepared(plan) if prepared else None)
+    _committed(plan, results)
+    for d in staying:
+        res = results[d]
+        old_ptrs = {sh.key: sh.tensor.data_ptr() for sh in state[d]}
+        assert all(sh.tensor.data_ptr() == old_ptrs[sh.key] for sh in res.new_shards)
+        assert res.stats.kept_whole_bytes == res.stats.new_state_bytes > 0
+    # tp 2 -> 1: a kept half is part of a new full tensor, copied (only what tp replicates,
+    # such as norms, stays whole)
+    tp = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 1, 2))
+    stats = [compile_program(tp, d).stats for d in group_devices(tp)]
+    assert sum(s["kept_whole_bytes"] for s in stats) < sum(s["local_bytes"] for s in stats)
 
 
 @pytest.mark.parametrize("bad", ["short", "strided", "count"])
