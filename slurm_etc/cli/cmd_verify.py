@@ -39,7 +39,7 @@ def transition_from_options(model_spec: str, from_spec: str, to_spec: str,
                             distributed_optimizer: bool, param_dtype: str | None,
                             max_processes: int):
     """The Transition the options describe; ConfigError (exit 2) when they cannot run."""
-    from ..megatron.baseline import Transition
+    from ..megatron.phases import Transition
 
     model = load_model(model_spec)
     if param_dtype and param_dtype != model.param_dtype:
@@ -121,7 +121,7 @@ def verify(ctx, model_spec, from_spec, to_spec, distributed_optimizer, param_dty
     """Migrate a real megatron-core state in place and compare every tensor bit for bit."""
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
-    from ..megatron.baseline import json_default, verify_transition
+    from ..megatron.experiments import json_default, verify_transition
     from ..worker.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()

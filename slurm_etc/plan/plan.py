@@ -9,7 +9,7 @@ import numpy as np
 
 from .catalog import Catalog, build_catalog
 from .config import Layout, ParallelConfig
-from .cost import CostMatrix, build_cost
+from .cost import build_cost
 from .errors import ConfigError, require
 from .instructions import Transfers, balance_stats, choose_sources, coalesce, needs
 from .intersect import Fragments, intersect

@@ -254,7 +254,7 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
     """
     b = _Builder()
     model = catalog.model
-    tp, pp, dp = config.tp, config.pp, config.dp
+    tp, pp = config.tp, config.pp
     for p in range(pp):
         layers = stage_layers(model.num_layers, pp, p)
         for t in range(tp):

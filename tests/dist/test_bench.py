@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.megatron.baseline import Transition
+from slurm_etc.megatron.phases import Transition
 from slurm_etc.plan import PRESETS, ParallelConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]

@@ -15,9 +15,10 @@ import dataclasses
 
 import pytest
 
-from slurm_etc.megatron.baseline import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
-                                         PRELOAD, Transition, megatron_reshards_optimizer,
-                                         verify_transition)
+from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
+from slurm_etc.megatron.experiments import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
+                                            verify_transition)
+from slurm_etc.megatron.phases import PRELOAD, Transition
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.worker.local import LocalWorkers
 
@@ -94,7 +95,7 @@ def test_a_flipped_bit_is_named(workers):
 
 def _resize_expecting_abort(ctx, faults):
     """Worker: the pause with an injected fault; report the abort each process saw."""
-    from slurm_etc.megatron.baseline import w_resize
+    from slurm_etc.megatron.phases import w_resize
     from slurm_etc.migrate.executor import MigrationAborted
 
     try:
@@ -108,7 +109,7 @@ def test_abort_keeps_the_old_layout_training(workers):
     """A migration that fails half-way (rank 2 while unpacking round 0) aborts on every
     process; the old state is bit for bit what it was and trains on in the old layout, with
     the same loss as an untouched copy of it."""
-    from slurm_etc.megatron.baseline import (batch_for, w_build, w_digest, w_drop, w_prepare,
+    from slurm_etc.megatron.phases import (batch_for, w_build, w_digest, w_drop, w_prepare,
                                              w_train_step)
     from slurm_etc.migrate.faults import FaultInjector
 
