@@ -66,7 +66,8 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
     Returns the report ``slurm-etc verify --json`` prints (``verified`` False on any
     mismatch, ``first_mismatch`` naming the tensor and region).
     """
-    from .state import assemble_globals, compare_shards, expected_shards, rng_source
+    from .oracles import assemble_globals, compare_shards, expected_shards
+    from .state import rng_source
 
     plan = tr.plan()
     catalog = plan.catalog

@@ -26,7 +26,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 # Modules a worker imports at start-up: the cost of a cold start is paid there, not inside
 # the first build.
 PRELOAD = ("megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
-           "megatron.core.dist_checkpointing", "slurm_etc.megatron.state",
+           "megatron.core.dist_checkpointing", "slurm_etc.megatron.resize",
            "slurm_etc.migrate.executor")
 
 
@@ -106,7 +106,8 @@ def _rng_digest() -> str:
 def w_shard_bits(ctx: WorkerContext, name: str = "state", *, model_only: bool = False
                  ) -> dict | None:
     """This worker's shards of a live state as raw bits (see ``state.shard_bits``)."""
-    from .state import local_shards, shard_bits
+    from .oracles import shard_bits
+    from .state import local_shards
 
     state = ctx.objects.get(name)
     if state is None:
@@ -133,7 +134,7 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
     """Every worker of old ∪ new, before the pause: ``state.prepare_resize``."""
     from slurm_etc.migrate.executor import MigrationOptions
 
-    from .state import prepare_resize
+    from .resize import prepare_resize
 
     plan = tr.plan()
     if ctx.index not in set(plan.old.devices) | set(plan.new.devices):
@@ -159,7 +160,9 @@ def w_resize(ctx: WorkerContext, *, keep_bits: bool, corrupt: bool = False,
     from slurm_etc.migrate.executor import MigrationAborted
 
     from . import cpu_compat
-    from .state import compare_shards, local_shards, resize_in_place, shard_bits
+    from .oracles import compare_shards, shard_bits
+    from .resize import resize_in_place
+    from .state import local_shards
 
     prepared = ctx.objects.pop("prepared", None)
     if prepared is None:

@@ -1,0 +1,204 @@
+"""An in-place resize of a live megatron-core training state, one process's side.
+
+:func:`prepare_resize` does what needs no pause, while the old layout still trains (the
+migration group, this process's program, destination tensors with their pages touched);
+:func:`resize_in_place` is the pause: shards -> step and RNG -> execute -> commit -> new
+training group -> new model/optimizer -> install. See docs/verify.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slurm_etc.migrate.shards import LocalShard
+
+from .build import TrainingState
+from .state import (ResumeState, build_empty_state, exchange_resume_state, install_shards,
+                    local_shards, resume_state)
+
+@dataclass
+class PreparedResize:
+    """One process's side of a resize, connected and allocated before the pause.
+
+    Attributes:
+        plan: the MigrationPlan.
+        device: this process's device.
+        store, tag: the rendezvous store and this resize's key prefix (the new training
+            group starts from them).
+        group: the migration group (gloo backends of its own, outside the training groups).
+        program: this process's part of the plan.
+        destinations: the new shards' tensors, pages touched (empty on a departing process).
+        options: the executor's options.
+        memory: peak memory measurement, started here, stopped at the commit.
+        group_timeout_s: timeout of the migration and new training groups.
+        seconds: wall time of the preparation steps (``group``, ``allocate``).
+    """
+
+    plan: Any
+    device: int
+    store: Any
+    tag: str
+    group: Any
+    program: Any
+    destinations: list[torch.Tensor]
+    options: Any
+    memory: Any
+    group_timeout_s: float
+    seconds: dict = field(default_factory=dict)
+
+
+def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
+                   group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
+    """What an in-place resize can do while the old layout still trains (collective over
+    old ∪ new): connect the migration group from ``store`` (keys under ``tag``; the training
+    groups stay untouched), compile this process's part of the plan, allocate the tensors the
+    new shards arrive in and touch their pages (``prefault``). Nothing of the training state
+    is read: training may go on until the pause. Memory is measured from here to the commit:
+    the destinations are the new state the two-phase migration holds beside the old one.
+    """
+    import torch.distributed as dist
+
+    from slurm_etc.migrate.executor import MigrationOptions, allocate_destinations
+    from slurm_etc.migrate.group import connect_migration_group
+    from slurm_etc.migrate.memory import PeakMemory
+    from slurm_etc.migrate.program import compile_program
+
+    options = options or MigrationOptions()
+    seconds: dict[str, float] = {}
+    memory = PeakMemory(torch.device("cpu"))
+    if options.measure_memory:
+        memory.start()
+    t = time.perf_counter()
+    group = connect_migration_group(plan, device, dist.PrefixStore(f"{tag}/migrate", store),
+                                    timeout_s=group_timeout_s)
+    seconds["group"] = time.perf_counter() - t
+    t = time.perf_counter()
+    program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
+    destinations = allocate_destinations(program, options, prefault=prefault)
+    seconds["allocate"] = time.perf_counter() - t
+    return PreparedResize(plan, device, store, tag, group, program, destinations, options,
+                          memory, group_timeout_s, seconds)
+
+
+@dataclass
+class ResizeOutcome:
+    """One process's side of an in-place resize.
+
+    Attributes:
+        state: the new TrainingState (None on a departing process).
+        resume: the step and RNG state installed (None when departing).
+        stats: the executor's MigrationStats as a dict (memory: from the preparation to the
+            commit).
+        seconds: wall time of each phase on this process (``pause`` is when it started,
+            ``ready`` when it finished, both ``time.time()``).
+    """
+
+    state: TrainingState | None
+    resume: ResumeState | None
+    new_shards: list[LocalShard]
+    stats: dict
+    seconds: dict = field(default_factory=dict)
+
+
+def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
+                    keep_shards: bool = False, faults: Any = None) -> ResizeOutcome:
+    """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
+
+    Every process of old ∪ new calls it at the same step boundary after
+    :func:`prepare_resize`: old ranks with their ``state`` (built under ``plan.old.config``
+    in the current default group), joining processes with None. Phases: read the shards
+    (views) and ResumeState; exchange step and RNG; run the executor into the prepared
+    destinations (two-phase: raises ``MigrationAborted`` everywhere if anything failed, the
+    old state and its training groups untouched, training can go on); drop the old training
+    groups and state; on new ranks start the new training group, build the new model and
+    optimizer around the received tensors (adopted where megatron allows, else copied).
+
+    Args:
+        prepared: this process's :func:`prepare_resize`.
+        state: this process's TrainingState under ``plan.old.config``, or None.
+        keep_shards: keep a copy of the executor's new shards, as received, in the outcome
+            (verification); otherwise they live on only inside the installed state.
+        faults: a ``FaultInjector`` for the executor (tests).
+
+    Raises:
+        MigrationAborted: on every process if any failed; ``state`` and its training groups
+            are untouched and the job can train on in the old layout.
+    """
+    import torch.distributed as dist
+
+    from slurm_etc.migrate.executor import execute_migration
+
+    plan, device, options = prepared.plan, prepared.device, prepared.options
+    seconds: dict[str, float] = {"pause": time.time()}
+    t = time.perf_counter()
+    catalog = plan.catalog
+    old_shards = local_shards(state, catalog) if state is not None else []
+    resume = resume_state(state) if state is not None else None
+    transport = prepared.group.transport()
+    new_resume = exchange_resume_state(plan, transport, device, resume)
+    seconds["resume"] = time.perf_counter() - t
+    t = time.perf_counter()
+    try:
+        result = execute_migration(plan, transport, device, old_shards,
+                                   options=dataclasses.replace(options, measure_memory=False),
+                                   program=prepared.program,
+                                   destinations=prepared.destinations, faults=faults)
+    finally:
+        prepared.destinations = []
+        prepared.group.destroy()
+        if options.measure_memory:
+            prepared.memory.stop()
+    seconds["migrate"] = time.perf_counter() - t
+    stats = result.stats
+    stats.memory_base, stats.memory_peak = prepared.memory.base, prepared.memory.peak
+    stats.memory_peak_delta = prepared.memory.peak_delta
+    stats.memory_reset = prepared.memory.reset
+    # committed: the old layout is gone
+    del old_shards, state
+    t = time.perf_counter()
+    _drop_training_groups()
+    new_state = None
+    if result.new_rank is not None:
+        cfg = plan.new.config
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{prepared.tag}/train",
+                                                               prepared.store),
+                                rank=result.new_rank, world_size=cfg.world,
+                                timeout=_timedelta(prepared.group_timeout_s))
+        seconds["train_group"] = time.perf_counter() - t
+        t = time.perf_counter()
+        new_state = build_empty_state(catalog.model, cfg)
+        seconds["rebuild"] = time.perf_counter() - t
+        # verification keeps what arrived apart from what install adopts or copies
+        kept = ([LocalShard(sh.state_key, sh.lo, sh.hi, sh.s, sh.tensor.clone())
+                 for sh in result.new_shards] if keep_shards else [])
+        t = time.perf_counter()
+        installed = install_shards(new_state, catalog, result.new_shards, new_resume)
+        seconds["install"] = time.perf_counter() - t
+    else:
+        kept, installed = [], {}
+    result.new_shards = []
+    seconds["ready"] = time.time()
+    return ResizeOutcome(new_state, new_resume, kept, {**stats.as_dict(), **installed},
+                         seconds)
+
+
+def _drop_training_groups() -> None:
+    """Destroy every process group of this process (the default group included) and reset
+    megatron's parallel state, in one go: cheaper than ``build.teardown`` (no per-group
+    destroy, no garbage collection), for the moment when downtime counts."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    parallel_state.destroy_model_parallel()
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
