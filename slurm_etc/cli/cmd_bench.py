@@ -118,7 +118,8 @@ def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, 
     """Downtime of an in-place resize vs. checkpoint-and-restart, side by side."""
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
-    from ..megatron.experiments import bench_migrate, json_default
+    from ..megatron.bench import bench_migrate
+    from ..megatron.experiments import json_default
     from ..worker.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()

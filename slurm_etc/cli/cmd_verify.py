@@ -121,7 +121,8 @@ def verify(ctx, model_spec, from_spec, to_spec, distributed_optimizer, param_dty
     """Migrate a real megatron-core state in place and compare every tensor bit for bit."""
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
-    from ..megatron.experiments import json_default, verify_transition
+    from ..megatron.experiments import json_default
+    from ..megatron.verify import verify_transition
     from ..worker.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
-from slurm_etc.megatron.experiments import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
+from slurm_etc.megatron.verify import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
                                             verify_transition)
 from slurm_etc.megatron.phases import PRELOAD, Transition
 from slurm_etc.plan import PRESETS, ParallelConfig

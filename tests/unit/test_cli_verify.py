@@ -1,6 +1,6 @@
 """`slurm-etc verify` and `bench migrate` through click's CliRunner, without processes.
 
-The experiments themselves (``experiments.verify_transition`` / ``bench_migrate``) are replaced
+The experiments themselves (``verify.verify_transition`` / ``bench.bench_migrate``) are replaced
 by stubs returning recorded reports, so these tests check the CLI contract: the JSON fields,
 the exit codes (0 verified, 1 mismatch, 2 bad input, 3 the run failed) and the one-line
 messages. tests/dist/test_verify_cli.py runs the same commands for real.
@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.megatron import experiments
+from slurm_etc.megatron import bench, verify
 from slurm_etc.worker.local import WorkerError
 
 MISMATCH = {"oracle": "global-gather", "new_rank": 1,
@@ -46,7 +46,7 @@ def calls(monkeypatch):
         seen.append((tr, kwargs))
         return report(verified=not kwargs.get("corrupt"))
 
-    monkeypatch.setattr(experiments, "verify_transition", fake_verify)
+    monkeypatch.setattr(verify, "verify_transition", fake_verify)
     return seen
 
 
@@ -107,7 +107,7 @@ def test_run_failure_is_exit_3(monkeypatch):
         raise WorkerError(1, "slurm_etc.megatron.phases.w_build",
                           "Traceback ...\nRuntimeError: boom\n")
 
-    monkeypatch.setattr(experiments, "verify_transition", broken)
+    monkeypatch.setattr(verify, "verify_transition", broken)
     r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1")
     assert r.exit_code == 3
     assert "worker 1 raised in slurm_etc.megatron.phases.w_build" in r.stderr
@@ -144,7 +144,7 @@ def test_bench_json_and_table(monkeypatch):
         seen.append(kwargs)
         return BENCH
 
-    monkeypatch.setattr(experiments, "bench_migrate", fake_bench)
+    monkeypatch.setattr(bench, "bench_migrate", fake_bench)
     r = run("bench", "migrate", "--model", "tiny", "--from", "dp=1,tp=2,pp=2", "--to",
             "dp=2,tp=1,pp=2", "--repeat", "2", "--staging-mb", "16", "--p2p-mb", "8", "--json")
     assert r.exit_code == 0, r.output
