@@ -120,7 +120,7 @@ def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, 
                                  param_dtype, max_processes)
     from ..megatron.bench import bench_migrate
     from ..megatron.experiments import json_default
-    from ..worker.local import WorkerFailed
+    from ..pool.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()
     try:

@@ -123,7 +123,7 @@ def verify(ctx, model_spec, from_spec, to_spec, distributed_optimizer, param_dty
                                  param_dtype, max_processes)
     from ..megatron.experiments import json_default
     from ..megatron.verify import verify_transition
-    from ..worker.local import WorkerFailed
+    from ..pool.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()
     try:

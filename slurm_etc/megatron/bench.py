@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from slurm_etc.worker.local import LocalWorkers
+from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
 from .experiments import Progress, first as _first, no_progress as _no_progress

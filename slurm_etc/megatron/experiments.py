@@ -1,7 +1,7 @@
 """Shared pieces of the experiments that hold the in-place resize against megatron-core's
 checkpoint path: :mod:`.verify` (``slurm-etc verify``) and :mod:`.bench`
 (``slurm-etc bench migrate``). Both run on local processes
-(:class:`~slurm_etc.worker.local.LocalWorkers`, joined by a ``TCPStore`` the parent hosts;
+(:class:`~slurm_etc.pool.local.LocalWorkers`, joined by a ``TCPStore`` the parent hosts;
 each phase starts the ``gloo`` groups it needs from it, as the job's coordinator would) through
 the worker phases of :mod:`.phases`.
 """

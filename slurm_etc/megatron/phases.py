@@ -1,6 +1,6 @@
 """Worker-side phases of the experiments (``w_*``), run on every local worker.
 
-Each runs on every worker of a :class:`~slurm_etc.worker.local.LocalWorkers` pool with its
+Each runs on every worker of a :class:`~slurm_etc.pool.local.LocalWorkers` pool with its
 ``WorkerContext``, and keeps the live training states in ``ctx.objects`` (``"state"``: the
 current layout's; ``"loaded"``: one built from a checkpoint). A :class:`Transition` is one
 resize on local processes; the phases build a state, prepare and run the in-place resize,
@@ -19,7 +19,7 @@ from slurm_etc.plan import Layout, ParallelConfig, Topology, default_pool, plan_
 from slurm_etc.plan.catalog import build_catalog
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.worker.local import WorkerContext
+from slurm_etc.pool.local import WorkerContext
 
 from .checkpoint import load_checkpoint, save_checkpoint
 

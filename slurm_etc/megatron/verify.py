@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.worker.local import LocalWorkers
+from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
 from .experiments import Progress, first as _first, no_progress as _no_progress

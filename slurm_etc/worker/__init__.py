@@ -1,6 +1,5 @@
-"""Local processes standing in for srun-launched workers.
+"""The elastic training worker: the user's megatron-core training, resized in place.
 
-* :mod:`.local`: ``LocalWorkers``, a pool of spawned processes on this machine that run one
-  function on every worker and return the results in worker order (``slurm-etc verify``,
-  ``slurm-etc bench migrate`` and the multi-process tests).
+* :mod:`.control`: the orders a worker takes (resize, stop, abort) and what it reports, and
+  the ``Control`` seam the coordinator implements (a local scripted driver here).
 """

@@ -1,6 +1,6 @@
 """Module-scoped pools of gloo worker processes that tests reuse: start once, run many functions.
 
-The pool is :class:`slurm_etc.worker.local.LocalWorkers` with ``default_group=True``: each
+The pool is :class:`slurm_etc.pool.local.LocalWorkers` with ``default_group=True``: each
 worker has joined one gloo default group over the pool's world size before it runs anything
 and keeps it between calls; a function gets ``rank`` and ``world`` first, then the arguments
 given to ``run``. A test module starts one pool per world size and runs each case as a
@@ -20,7 +20,7 @@ function on every rank::
 The workers import the function's module by name, with the parent's ``sys.path``: under
 ``python -m pytest`` from the repository root, ``tests.dist.<module>`` works. Failures
 (``WorkerError``, ``WorkerTimeout``, ``WorkerDied``) and restarts are the pool's: see
-:mod:`slurm_etc.worker.local`.
+:mod:`slurm_etc.pool.local`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from slurm_etc.worker.local import LocalWorkers
+from slurm_etc.pool.local import LocalWorkers
 
 DEFAULT_TIMEOUT_S = 120.0
 

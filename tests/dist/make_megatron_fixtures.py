@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from slurm_etc.worker.local import LocalWorkers
+from slurm_etc.pool.local import LocalWorkers
 from tests.dist.harness import DEFAULT_TIMEOUT_S
 from tests.dist.megatron_cases import describe_build, dumps_fixture, fixture_payload
 from tests.dist.test_megatron_build import CASES, FIXTURE_CASES, FIXTURE_DIR

@@ -26,7 +26,7 @@ from tests.unit.test_catalog_megatron import check_buffers, check_model_records,
 from slurm_etc.megatron.shards import is_main_replica, record_numel
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import DTYPE_BYTES, PRESETS
-from slurm_etc.worker.local import WorkerError
+from slurm_etc.pool.local import WorkerError
 from tests.dist.harness import pool_fixture
 from tests.dist.megatron_cases import (
     describe_build,

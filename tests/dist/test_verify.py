@@ -20,7 +20,7 @@ from slurm_etc.megatron.verify import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_
                                             verify_transition)
 from slurm_etc.megatron.phases import PRELOAD, Transition
 from slurm_etc.plan import PRESETS, ParallelConfig
-from slurm_etc.worker.local import LocalWorkers
+from slurm_etc.pool.local import LocalWorkers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

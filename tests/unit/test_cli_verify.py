@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
 from slurm_etc.megatron import bench, verify
-from slurm_etc.worker.local import WorkerError
+from slurm_etc.pool.local import WorkerError
 
 MISMATCH = {"oracle": "global-gather", "new_rank": 1,
             "state_key": "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from slurm_etc.worker.local import (LocalWorkers, WorkerContext, WorkerDied, WorkerError,
+from slurm_etc.pool.local import (LocalWorkers, WorkerContext, WorkerDied, WorkerError,
                                     WorkerFailed, WorkerTimeout)
 from tests.dist.harness import pool_fixture
 

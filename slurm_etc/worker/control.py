@@ -1,0 +1,146 @@
+"""What a worker is told (orders) and what it tells (reports), and the seam that carries them.
+
+The coordinator decides; workers obey at step boundaries. Orders and reports are msgspec
+structs with a ``type`` tag, so one decoder (``ORDER_DECODER`` / ``REPORT_DECODER``) turns
+bytes into exactly one of them or raises ``msgspec.ValidationError``. Every message names its
+job and generation. The control channel (authenticated, over the network) and the local
+scripted driver both implement :class:`Control`; the trainer knows nothing else.
+
+Plans are not shipped: a :class:`Resize` names the old and new layouts and every worker plans
+the migration itself (the planner is deterministic, so all compute the same plan); the
+coordinator's ``plan_digest`` lets each worker check that it did.
+"""
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import msgspec
+
+from slurm_etc.plan.config import Layout, ParallelConfig
+
+
+class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N``; ``devices[rank]`` the vrank of
+    every rank in megatron's rank order."""
+
+    config: str
+    devices: tuple[int, ...]
+    distributed_optimizer: bool = False
+
+    def layout(self) -> Layout:
+        """The Layout (raises ConfigError on a malformed config or device list)."""
+        cfg = ParallelConfig.parse(self.config, self.distributed_optimizer)
+        return Layout(cfg, tuple(self.devices))
+
+    @classmethod
+    def of(cls, layout: Layout) -> "LayoutSpec":
+        c = layout.config
+        return cls(f"dp={c.dp},tp={c.tp},pp={c.pp}", tuple(layout.devices),
+                   c.distributed_optimizer)
+
+
+class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=True):
+    """Move from ``old`` to ``new`` at the next step boundary; opens ``generation``.
+
+    ``deadline`` (unix seconds) is when the devices leaving are taken away (a preemption's
+    grace); ``plan_digest`` is the coordinator's :func:`plan digest <plan_digest>`."""
+
+    job: str
+    generation: int
+    old: LayoutSpec
+    new: LayoutSpec
+    plan_digest: str = ""
+    deadline: float | None = None
+    reason: str = ""
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop", forbid_unknown_fields=True):
+    """Finish the current step and exit cleanly."""
+
+    job: str
+    generation: int
+    reason: str = ""
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
+    """Give up the resize of ``generation``; the old layout trains on."""
+
+    job: str
+    generation: int
+    reason: str = ""
+
+
+Order = Resize | Stop | Abort
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
+    """A worker started and joined the control channel."""
+
+    job: str
+    generation: int
+    vrank: int
+    host: str
+    pid: int
+
+
+class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_fields=True):
+    """One training step done (sent by rank 0 of a layout)."""
+
+    job: str
+    generation: int
+    vrank: int
+    step: int
+    loss: float
+    lr: float
+    consumed_samples: int
+    layout: str
+
+
+class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=True):
+    """One worker's side of a resize: ``outcome`` committed, aborted or left (departed)."""
+
+    job: str
+    generation: int
+    vrank: int
+    outcome: Literal["committed", "aborted", "left"]
+    step: int
+    pause_seconds: float = 0.0
+    data_seconds: float = 0.0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    error: str = ""
+
+
+class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):
+    """A worker is exiting (stopped, left after a resize, or failed)."""
+
+    job: str
+    generation: int
+    vrank: int
+    reason: str
+    step: int = 0
+
+
+Report = Hello | Progress | Resized | Exited
+
+ORDER_DECODER = msgspec.msgpack.Decoder(Order)
+REPORT_DECODER = msgspec.msgpack.Decoder(Report)
+ENCODER = msgspec.msgpack.Encoder()
+
+
+class Control(Protocol):
+    """How a worker takes orders and reports. Implemented by the coordinator's channel
+    client and by the local scripted driver."""
+
+    def poll(self) -> Order | None:
+        """An order waiting for this worker, or None; never blocks (called every step)."""
+        ...
+
+    def wait(self, timeout_s: float) -> Order | None:
+        """Block until an order arrives (a joining worker waits for its first), or None
+        after ``timeout_s``."""
+        ...
+
+    def report(self, message: Report) -> None:
+        """Send a report to the coordinator (best effort, never blocks training)."""
+        ...
