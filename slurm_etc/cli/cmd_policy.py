@@ -1,44 +1,95 @@
 """`slurm-etc policy show|set|unset`: admin resize policies per partition or account.
 
 Anyone may read policies; only root or a Slurm Operator/Administrator may change them.
-The admin check is taken from ``ctx.obj["admin_check"]`` when present (tests inject one).
+Who is asking comes from the process's real uid (``os.getuid()`` -> ``pwd.getpwuid``),
+never from LOGNAME/USER, and ``sacctmgr`` is asked about that user. The admin check is taken
+from ``ctx.obj["admin_check"]`` when present (tests inject one).
 """
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import shutil
+import pwd
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from ..policy.admin import AdminVerdict, adminlevel_command, verdict
-from ..policy.rules import (FIELDS, EffectivePolicy, PolicyError, Scope, check_keys, effective,
-                            parse_assignments)
-from ..store import (StoreError, StoredPolicy, default_db_path, get_policy, list_policies,
-                     open_store, set_policy, unset_policy)
+from ..policy.admin import AdminVerdict, SacctmgrAnswer, adminlevel_command, verdict
+from ..policy.rules import (
+    FIELDS,
+    EffectivePolicy,
+    PolicyError,
+    Scope,
+    check_keys,
+    effective,
+    parse_assignments,
+)
+from ..store import (
+    StoredPolicy,
+    StoreError,
+    default_db_path,
+    get_policy,
+    list_policies,
+    open_store,
+    set_policy,
+    unset_policy,
+)
 from .main import UserError
 
 SACCTMGR_TIMEOUT_S = 10
+# Where sacctmgr is looked for: fixed system directories, not the caller's PATH, on which
+# anyone can put a "sacctmgr" that claims Administrator.
+SACCTMGR_DIRS = ("/usr/bin", "/usr/local/bin", "/bin", "/usr/sbin", "/usr/local/sbin",
+                 "/opt/slurm/bin")
+
+
+def real_user() -> tuple[int, str | None]:
+    """The process's real uid and its name in the password database (None: no entry)."""
+    uid = os.getuid()
+    try:
+        return uid, pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return uid, None
+
+
+def find_sacctmgr() -> str | None:
+    for directory in SACCTMGR_DIRS:
+        path = os.path.join(directory, "sacctmgr")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def ask_sacctmgr(user: str) -> SacctmgrAnswer:
+    """``sacctmgr``'s answer about ``user``'s AdminLevel; a failure is one line."""
+    sacctmgr = find_sacctmgr()
+    if sacctmgr is None:
+        return SacctmgrAnswer(problem=f"sacctmgr not found in {':'.join(SACCTMGR_DIRS)}")
+    try:
+        done = subprocess.run(adminlevel_command(user, sacctmgr), check=False,
+                              capture_output=True, text=True, timeout=SACCTMGR_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return SacctmgrAnswer(problem=f"{sacctmgr} timed out after {SACCTMGR_TIMEOUT_S} s")
+    except OSError as exc:
+        return SacctmgrAnswer(problem=f"{sacctmgr} could not run: {exc.strerror or exc}")
+    if done.returncode != 0:
+        first = next((line.strip() for line in done.stderr.splitlines() if line.strip()), "")
+        return SacctmgrAnswer(problem=f"{sacctmgr} exited with code {done.returncode}"
+                                      + (f": {first}" if first else ""))
+    return SacctmgrAnswer(output=done.stdout)
 
 
 def slurm_admin_check() -> AdminVerdict:
-    """root, or ``sacctmgr`` reports AdminLevel Operator/Administrator for this user."""
-    user = getpass.getuser()
-    output = None
-    if os.getuid() != 0 and shutil.which("sacctmgr"):
-        try:
-            done = subprocess.run(adminlevel_command(user), capture_output=True, text=True,
-                                  timeout=SACCTMGR_TIMEOUT_S)
-            output = done.stdout if done.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired):
-            output = None
-    return verdict(user, os.getuid(), output)
+    """root, or ``sacctmgr`` reports AdminLevel Operator/Administrator for the real uid's
+    user."""
+    uid, user = real_user()
+    answer = ask_sacctmgr(user) if uid != 0 and user is not None else None
+    return verdict(user, uid, answer)
 
 
 def _scope(partition: str | None, account: str | None, required: bool) -> Scope | None:
@@ -74,12 +125,13 @@ def _store_to_read(ctx: click.Context):
 
 
 def _require_admin(ctx: click.Context) -> str:
-    """The user's name if they may change policies; UserError (nothing written) if not."""
+    """The user's name (from the real uid) if they may change policies; UserError (nothing
+    written) if not."""
     check: Callable[[], AdminVerdict] = ctx.obj.get("admin_check", slurm_admin_check)
     result = check()
     if not result.allowed:
         raise UserError(f"permission denied: {result.reason}")
-    return getpass.getuser()
+    return result.user
 
 
 def _value(v) -> str:

@@ -1,5 +1,16 @@
-"""`slurm-etc policy`: reading is open to all, changing needs an admin (check injected)."""
+"""`slurm-etc policy`: reading is open to all, changing needs an admin.
+
+Most tests inject the verdict; the admin check itself runs against a fake ``sacctmgr`` that
+records which user it was asked about and grants Administrator only to ``admin``, with the
+real uid's name faked through ``pwd`` (and once through a real second user, forked).
+"""
 import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -9,10 +20,10 @@ from slurm_etc.policy.admin import AdminVerdict
 
 pytestmark = pytest.mark.unit
 
-ADMIN = {"admin_check": lambda: AdminVerdict(True, "Slurm Administrator")}
+ADMIN = {"admin_check": lambda: AdminVerdict(True, "Slurm Administrator", "admin")}
 USER = {"admin_check": lambda: AdminVerdict(False, "alice has Slurm AdminLevel None; "
                                                    "changing policies needs root or a Slurm "
-                                                   "Operator/Administrator")}
+                                                   "Operator/Administrator", "alice")}
 
 
 @pytest.fixture
@@ -93,28 +104,206 @@ def test_database_path_from_the_environment(tmp_path):
     assert db.exists()
 
 
-def test_the_default_admin_check_refuses_non_root_without_sacctmgr(tmp_path, monkeypatch):
-    import slurm_etc.cli.cmd_policy as cmd
+# ---- the admin check itself: identity from the real uid, sacctmgr asked about it --------
 
-    monkeypatch.setattr(cmd.os, "getuid", lambda: 1000)
-    monkeypatch.setattr(cmd.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cmd.getpass, "getuser", lambda: "alice")
-    r = CliRunner().invoke(cli, ["policy", "--db", str(tmp_path / "x.db"), "set",
-                                 "--account", "ml", "grow=yes"], obj={})
-    assert r.exit_code == 2 and "sacctmgr unavailable" in r.stderr
+REFUSED_ALICE = ("slurm-etc: error: permission denied: alice has Slurm AdminLevel None; "
+                 "changing policies needs root or a Slurm Operator/Administrator")
 
 
-def test_slurm_operators_may_change_policies(tmp_path, monkeypatch):
-    import slurm_etc.cli.cmd_policy as cmd
-
-    fake = tmp_path / "bin" / "sacctmgr"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho Operator\n")
+def _write_fake_sacctmgr(directory, log, body=None):
+    """A sacctmgr that logs the user it is asked about (``-nP show user U ...``) and grants
+    Administrator to ``admin`` only."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fake = directory / "sacctmgr"
+    fake.write_text(body or f"""#!/bin/sh
+echo "$4" >> {log}
+if [ "$4" = admin ]; then echo "$4|Administrator"; else echo "$4|None"; fi
+""")
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
-    monkeypatch.setattr(cmd.os, "getuid", lambda: 1000)
-    verdict = cmd.slurm_admin_check()
-    assert verdict.allowed and verdict.reason == "Slurm Operator"
+    return fake
+
+
+@pytest.fixture
+def sacctmgr(tmp_path, monkeypatch):
+    """The fake as the only sacctmgr the check looks for; ``asked()``: users asked about."""
+    import slurm_etc.cli.cmd_policy as cmd
+
+    log = tmp_path / "asked.log"
+    fake = _write_fake_sacctmgr(tmp_path / "sbin", log)
+    monkeypatch.setattr(cmd, "SACCTMGR_DIRS", (str(fake.parent),))
+
+    class Fake:
+        path = fake
+
+        @staticmethod
+        def asked():
+            return log.read_text().split() if log.exists() else []
+    return Fake
+
+
+def _real_user(monkeypatch, uid, name):
+    """Fake the process's real uid and its passwd entry (name None: no entry)."""
+    import slurm_etc.cli.cmd_policy as cmd
+
+    def getpwuid(u):
+        if u == uid and name is not None:
+            return pwd.struct_passwd((name, "x", uid, uid, "", "/nonexistent", "/bin/sh"))
+        raise KeyError(f"getpwuid(): uid not found: {u}")
+    monkeypatch.setattr(cmd.os, "getuid", lambda: uid)
+    monkeypatch.setattr(cmd.pwd, "getpwuid", getpwuid)
+
+
+SPOOF = {"LOGNAME": "admin", "USER": "admin", "LNAME": "admin", "USERNAME": "admin"}
+
+
+def test_logname_spoofing_an_admin_is_refused(run, sacctmgr, monkeypatch):
+    """alice (uid 1000) claims to be admin through the environment: refused, and sacctmgr
+    was asked about alice, not admin."""
+    import getpass
+
+    _real_user(monkeypatch, 1000, "alice")
+    for key, value in SPOOF.items():
+        monkeypatch.setenv(key, value)
+    assert getpass.getuser() == "admin"  # what the environment claims
+    r = run(["set", "--partition", "gpu", "max_nodes=64"], env=SPOOF)
+    assert r.exit_code == 2
+    assert r.stderr.strip() == REFUSED_ALICE
+    assert sacctmgr.asked() == ["alice"]
+    assert run(["unset", "--partition", "gpu"], env=SPOOF).exit_code == 2
+    assert json.loads(run(["show", "--json"]).stdout) == {"policies": []}
+
+
+def test_an_admin_is_recorded_by_the_name_of_the_real_uid(run, sacctmgr, monkeypatch):
+    _real_user(monkeypatch, 1001, "admin")
+    env = {"LOGNAME": "mallory", "USER": "mallory"}
+    r = run(["set", "--partition", "gpu", "max_nodes=8", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["policy"]["updated_by"] == "admin"
+    assert sacctmgr.asked() == ["admin"]
+    assert json.loads(run(["show", "--json"]).stdout)["policies"][0]["updated_by"] == "admin"
+
+
+def test_root_needs_no_sacctmgr(run, sacctmgr, monkeypatch):
+    _real_user(monkeypatch, 0, "root")
+    r = run(["set", "--account", "ml", "grow=yes", "--json"], env=SPOOF)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["policy"]["updated_by"] == "root"
+    assert sacctmgr.asked() == []
+
+
+@pytest.mark.parametrize("body, problem", [
+    ('#!/bin/sh\necho "sacctmgr: error: Problem talking to the database" >&2\nexit 1\n',
+     "exited with code 1: sacctmgr: error: Problem talking to the database)"),
+    ("#!/bin/sh\nexec sleep 30\n", "timed out after 0.5 s)"),
+    ("#!/bin/sh\necho 'admin|Administrator'\n", "alice has Slurm AdminLevel no accounting record"),
+])
+def test_sacctmgr_failure_or_timeout_denies_in_one_line(run, sacctmgr, monkeypatch, body,
+                                                        problem):
+    import slurm_etc.cli.cmd_policy as cmd
+
+    _write_fake_sacctmgr(sacctmgr.path.parent, "/dev/null", body)
+    monkeypatch.setattr(cmd, "SACCTMGR_TIMEOUT_S", 0.5)
+    _real_user(monkeypatch, 1000, "alice")
+    r = run(["set", "--partition", "gpu", "max_nodes=64"], env=SPOOF)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("slurm-etc: error: permission denied: alice")
+    assert lines[0].endswith(problem) or problem in lines[0], lines[0]
+    assert json.loads(run(["show", "--json"]).stdout) == {"policies": []}
+
+
+def test_a_sacctmgr_on_path_is_not_trusted(run, tmp_path, monkeypatch):
+    """A "sacctmgr" the caller puts on PATH is never run: only the system directories are
+    searched."""
+    import slurm_etc.cli.cmd_policy as cmd
+
+    log = tmp_path / "path-fake.log"
+    planted = _write_fake_sacctmgr(tmp_path / "mine", log,
+                                   f'#!/bin/sh\necho "$4" >> {log}\necho "$4|Administrator"\n')
+    monkeypatch.setenv("PATH", f"{planted.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(cmd, "SACCTMGR_DIRS", (str(tmp_path / "empty"),))
+    _real_user(monkeypatch, 1000, "alice")
+    r = run(["set", "--partition", "gpu", "max_nodes=64"])
+    assert r.exit_code == 2
+    assert r.stderr.strip().endswith(f"(sacctmgr not found in {tmp_path / 'empty'}); only root "
+                                     "may change policies")
+    assert not log.exists()
+
+
+def test_a_uid_without_a_name_is_refused(run, sacctmgr, monkeypatch):
+    _real_user(monkeypatch, 4242, None)
+    r = run(["set", "--partition", "gpu", "max_nodes=64"], env=SPOOF)
+    assert r.exit_code == 2
+    assert r.stderr.strip() == ("slurm-etc: error: permission denied: uid 4242 has no user "
+                                "name in the password database; only root may change policies")
+    assert sacctmgr.asked() == []
+
+
+def _spoof_as(uid, gid, db, sacctmgr_dir):
+    """Child of a fork: become uid/gid for real, claim to be admin, run ``policy set``."""
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    import slurm_etc.cli.cmd_policy as cmd
+
+    cmd.SACCTMGR_DIRS = (sacctmgr_dir,)
+    os.environ.update(SPOOF)
+    r = CliRunner().invoke(cli, ["policy", "--db", db, "set", "--partition", "gpu",
+                                 "max_nodes=64"], obj={}, env=SPOOF)
+    return {"uid": os.getuid(), "exit_code": r.exit_code, "stderr": r.stderr}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd")
+                    or not shutil.which("userdel"),
+                    reason="needs root and useradd/userdel to create a second user")
+def test_a_real_second_user_spoofing_admin_is_refused():
+    """A real local user (created here, removed after) runs ``policy set`` with
+    LOGNAME=USER=admin: refused under its own name; sacctmgr was asked about it."""
+    name = f"slurmetc-t{os.getpid()}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
+                    "/usr/sbin/nologin", name], check=True, capture_output=True)
+    work = tempfile.mkdtemp(prefix="slurm-etc-spoof-")
+    try:
+        os.chmod(work, 0o777)
+        entry = pwd.getpwnam(name)
+        log = os.path.join(work, "asked.log")
+        fake = _write_fake_sacctmgr(Path(work) / "sbin", log)
+        os.chmod(fake.parent, 0o755)
+        # load what the child runs while the interpreter's files are still readable
+        CliRunner().invoke(cli, ["policy", "--db", os.path.join(work, "warm.db"), "set",
+                                 "--partition", "gpu", "max_nodes=1"], obj=dict(USER))
+        import slurm_etc.cli.cmd_policy as cmd
+        cmd.ask_sacctmgr("nobody-at-all")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            code = 0
+            try:
+                os.close(read)
+                out = _spoof_as(entry.pw_uid, entry.pw_gid, os.path.join(work, "etc.db"),
+                                str(fake.parent))
+                os.write(write, json.dumps(out).encode())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                os.write(write, json.dumps({"error": repr(exc)}).encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as f:
+            out = json.loads(f.read() or "{}")
+        os.waitpid(pid, 0)
+        assert "error" not in out, out
+        assert out["uid"] == entry.pw_uid != 0
+        assert out["exit_code"] == 2
+        assert out["stderr"].strip() == (f"slurm-etc: error: permission denied: {name} has "
+                                         "Slurm AdminLevel None; changing policies needs root "
+                                         "or a Slurm Operator/Administrator")
+        with open(log) as f:
+            assert f.read().split() == [name]
+        assert not os.path.exists(os.path.join(work, "etc.db"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        subprocess.run(["userdel", name], check=False, capture_output=True)
 
 
 def test_show_without_a_database_creates_none(tmp_path):

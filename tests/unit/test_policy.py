@@ -3,10 +3,22 @@ import pytest
 
 from slurm_etc.alloc import ClusterTopology, Device, Hardware, TrainingJob, identity_layout
 from slurm_etc.plan import PRESETS
-from slurm_etc.policy import (Notice, Pause, PolicyError, Release, RequestGrow, Resize,
-                              ResizePolicy, Scope, Snapshot, decide, effective,
-                              format_devices, parse_assignments)
-from slurm_etc.policy.admin import adminlevel_command, verdict
+from slurm_etc.policy import (
+    Notice,
+    Pause,
+    PolicyError,
+    Release,
+    RequestGrow,
+    Resize,
+    ResizePolicy,
+    Scope,
+    Snapshot,
+    decide,
+    effective,
+    format_devices,
+    parse_assignments,
+)
+from slurm_etc.policy.admin import SacctmgrAnswer, adminlevel, adminlevel_command, verdict
 from slurm_etc.policy.rules import EffectivePolicy, check_keys, updated
 
 pytestmark = pytest.mark.unit
@@ -92,15 +104,32 @@ def test_contradicting_policies_name_both_scopes():
 
 def test_admin_verdicts():
     assert adminlevel_command("alice") == ["sacctmgr", "-nP", "show", "user", "alice",
-                                           "format=adminlevel"]
-    assert verdict("root", 0, None).allowed
-    assert verdict("alice", 1000, "Administrator\n").allowed
-    assert verdict("alice", 1000, "Operator\n").allowed
-    no = verdict("alice", 1000, "None\n")
-    assert not no.allowed and "AdminLevel None" in no.reason
-    assert "no accounting record" in verdict("alice", 1000, "").reason
-    missing = verdict("alice", 1000, None)
-    assert not missing.allowed and "sacctmgr unavailable" in missing.reason
+                                           "format=user,adminlevel"]
+    assert adminlevel_command("alice", "/usr/bin/sacctmgr")[0] == "/usr/bin/sacctmgr"
+    root = verdict("root", 0, None)
+    assert root.allowed and root.user == "root"
+    admin = verdict("alice", 1000, SacctmgrAnswer("alice|Administrator\n"))
+    assert admin.allowed and admin.reason == "Slurm Administrator" and admin.user == "alice"
+    assert verdict("alice", 1000, SacctmgrAnswer("alice|Operator\n")).allowed
+    # Slurm keeps user names in lower case
+    assert verdict("Alice", 1000, SacctmgrAnswer("alice|Operator\n")).allowed
+    no = verdict("alice", 1000, SacctmgrAnswer("alice|None\n"))
+    assert not no.allowed and "AdminLevel None" in no.reason and no.user == "alice"
+    assert "no accounting record" in verdict("alice", 1000, SacctmgrAnswer("")).reason
+    # an answer about someone else is no answer about alice
+    other = verdict("alice", 1000, SacctmgrAnswer("admin|Administrator\n"))
+    assert not other.allowed and "no accounting record" in other.reason
+    failed = verdict("alice", 1000, SacctmgrAnswer(problem="/usr/bin/sacctmgr exited with "
+                                                           "code 1: cannot reach slurmdbd"))
+    assert not failed.allowed
+    assert failed.reason == ("alice is not root and Slurm's admin level cannot be checked "
+                             "(/usr/bin/sacctmgr exited with code 1: cannot reach slurmdbd); "
+                             "only root may change policies")
+    assert "sacctmgr was not asked" in verdict("alice", 1000, None).reason
+    nameless = verdict(None, 4242, None)
+    assert not nameless.allowed and "uid 4242 has no user name" in nameless.reason
+    assert adminlevel("bob", "alice|Administrator\nbob|None\n") == "None"
+    assert adminlevel("bob", "Administrator\n") == ""
 
 
 # ---- decide ----------------------------------------------------------------------------
