@@ -1,0 +1,258 @@
+"""The backend seam: how the coordinator learns about resources and acts on them.
+
+Events come in (:class:`Grant`, :class:`PreemptNotice`, :class:`Loss`, and
+:class:`WorkerExited` when a worker process ends); actions go out (:class:`RequestNodes`,
+:class:`ReleaseDevices`, :class:`LaunchWorkers`, :class:`StopWorkers`). All are plain frozen
+dataclasses: the reconcile loop, the store and the tests build and compare them without any
+I/O. A :class:`Backend` turns actions into processes and allocations: the local backend
+(:mod:`slurm_etc.coordinator.local_backend`, processes on this machine and scripted events)
+and the Slurm backend (member allocations, ``srun``) implement the same protocol.
+
+How the reconcile loop uses a backend (the loop stays in control; nothing here calls back)::
+
+    while running:
+        for event in backend.poll():          # never blocks
+            store.record(event); observed.apply(event)
+        ...                                  # channel.recv(...) -> Progress(step=s)
+        backend.on_step(s)                   # scripted backends fire events due at s
+        for action in reconcile(desired, observed):
+            store.record(action)             # written before it is acted on
+            perform(backend, action)
+
+Every action is idempotent, so a restarted coordinator may replay the actions it recorded:
+a request with a key seen before, a release of devices no longer held, a launch of a vrank
+already running, a stop of a worker already stopped, all do nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeAlias
+
+from slurm_etc.alloc.topology import Device
+
+
+class BackendError(RuntimeError):
+    """An action the backend cannot carry out (e.g. a launch on a device the job does not
+    hold); the message says what and why."""
+
+
+# --------------------------------------------------------------------------- events in
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An allocation started: the job now holds ``devices``.
+
+    Attributes:
+        allocation: the allocation's id (a Slurm job id; ``a0``, ``a1``, ... locally).
+        devices: the devices it holds, sorted.
+        request: the :attr:`RequestNodes.key` it satisfies; None for the anchor allocation
+            and for grants nobody asked for (a scripted grant with no request pending).
+    """
+
+    allocation: str
+    devices: tuple[Device, ...]
+    request: str | None = None
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return _nodes(self.devices)
+
+
+@dataclass(frozen=True)
+class PreemptNotice:
+    """``devices`` of ``allocation`` will be taken at ``deadline`` (unix seconds).
+
+    Releasing them before the deadline hands them back cleanly; still held at the deadline,
+    their workers are killed and a :class:`Loss` with cause ``preempted`` follows."""
+
+    allocation: str
+    devices: tuple[Device, ...]
+    deadline: float
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return _nodes(self.devices)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """``devices`` of ``allocation`` are gone (their workers are dead or being killed)."""
+
+    allocation: str
+    devices: tuple[Device, ...]
+    cause: Literal["failure", "preempted"] = "failure"
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return _nodes(self.devices)
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """A worker process ended.
+
+    Attributes:
+        returncode: its exit status (negative: killed by that signal).
+        stopped: True when it ended after a :class:`StopWorkers` (or a release/loss of its
+            device made the backend kill it); False for an exit nobody asked for.
+    """
+
+    vrank: int
+    generation: int
+    device: Device
+    returncode: int
+    stopped: bool
+
+
+BackendEvent: TypeAlias = Grant | PreemptNotice | Loss | WorkerExited
+
+
+# --------------------------------------------------------------------------- actions out
+
+
+@dataclass(frozen=True)
+class RequestNodes:
+    """Ask for ``nodes`` more whole nodes (Slurm: submit a member allocation).
+
+    ``key`` names the request; a second request with the same key is the same request."""
+
+    nodes: int
+    key: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise BackendError(f"request {self.key!r}: nodes must be >= 1, got {self.nodes}")
+
+
+@dataclass(frozen=True)
+class ReleaseDevices:
+    """Give ``devices`` back (workers on them should have been stopped first; the backend
+    kills any still running there)."""
+
+    devices: tuple[Device, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of a launch: its vrank, device and extra environment."""
+
+    vrank: int
+    device: Device
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchWorkers:
+    """Start ``argv`` once per worker for ``generation``.
+
+    Every worker's environment is the coordinator's own, plus ``env`` (e.g. the channel's
+    :meth:`~slurm_etc.coordinator.channel.CoordinatorChannel.worker_env`), plus its
+    :attr:`WorkerSpec.env`, plus ``SLURM_ETC_VRANK``, ``_GENERATION``, ``_NODE``,
+    ``_LOCAL_INDEX`` and ``_DEVICE`` (``node:index``) set by the backend."""
+
+    generation: int
+    workers: tuple[WorkerSpec, ...]
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise BackendError("launch: argv is empty")
+        vranks = [w.vrank for w in self.workers]
+        devices = [w.device for w in self.workers]
+        if len(set(vranks)) != len(vranks) or len(set(devices)) != len(devices):
+            pairs = ", ".join(f"{w.vrank}@{w.device}" for w in self.workers)
+            raise BackendError(f"launch of generation {self.generation}: vranks and devices "
+                               f"must be distinct, got {pairs}")
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    """Stop the workers of ``vranks``: SIGTERM now, SIGKILL after ``grace_s``."""
+
+    vranks: tuple[int, ...]
+    grace_s: float = 10.0
+    reason: str = ""
+
+
+Action: TypeAlias = RequestNodes | ReleaseDevices | LaunchWorkers | StopWorkers
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What the backend knows of one worker process (``returncode`` None while running)."""
+
+    vrank: int
+    generation: int
+    device: Device
+    pid: int
+    returncode: int | None = None
+    stopping: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.returncode is None
+
+
+class Backend(Protocol):
+    """Resources and worker processes of one job. No method blocks for long."""
+
+    def poll(self) -> list[BackendEvent]:
+        """Events observed since the last call, in order; never blocks."""
+        ...
+
+    def on_step(self, step: int) -> None:
+        """The job reached ``step`` (scripted backends fire events due by then; the Slurm
+        backend ignores it)."""
+        ...
+
+    def request(self, action: RequestNodes) -> None:
+        """Ask for more nodes; a :class:`Grant` with ``request=action.key`` follows, maybe."""
+        ...
+
+    def release(self, action: ReleaseDevices) -> None:
+        """Give devices back; those not held are ignored."""
+        ...
+
+    def launch(self, action: LaunchWorkers) -> None:
+        """Start the workers; vranks already running are left alone.
+
+        Raises:
+            BackendError: a device the job does not hold, or one another worker runs on.
+        """
+        ...
+
+    def stop(self, action: StopWorkers) -> None:
+        """Signal the workers to stop (returns at once; :class:`WorkerExited` follows)."""
+        ...
+
+    def workers(self) -> Mapping[int, WorkerState]:
+        """The worker processes started by this backend, by vrank (latest per vrank)."""
+        ...
+
+    def close(self) -> None:
+        """Stop every worker still running and free what the backend holds."""
+        ...
+
+
+def perform(backend: Backend, action: Action) -> None:
+    """Carry out one action on ``backend``."""
+    match action:
+        case RequestNodes():
+            backend.request(action)
+        case ReleaseDevices():
+            backend.release(action)
+        case LaunchWorkers():
+            backend.launch(action)
+        case StopWorkers():
+            backend.stop(action)
+        case _:
+            raise BackendError(f"unknown action {action!r}")
+
+
+def _nodes(devices: tuple[Device, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(d.node for d in devices))

@@ -1,0 +1,890 @@
+"""The job's control channel: orders and rendezvous out to workers, reports back, authenticated.
+
+One ``CoordinatorChannel`` (a zmq ROUTER socket the coordinator binds) and one
+``WorkerChannel`` per worker process (a DEALER socket that connects to it), over TCP. The
+coordinator binds an explicit interface and advertises an explicit address, since workers
+may run on other nodes (loopback by default, for the local backend).
+
+Wire format: every message is two zmq frames, ``[envelope, mac]``:
+
+* ``envelope`` is a msgpack map (:class:`Envelope`): protocol version, job, generation,
+  sender (a vrank or ``"coordinator"``), recipient, the sender's session (random per channel
+  instance), its sequence number (1, 2, ... per session), the send time (unix seconds) and
+  ``body``, the msgpack bytes of one message: an :data:`~slurm_etc.worker.control.Order` or a
+  :class:`Welcome` to a worker, a :data:`~slurm_etc.worker.control.Report` to the coordinator;
+* ``mac`` is HMAC-SHA256 over the exact envelope bytes with the job's 32-byte secret.
+
+A receiver checks, in this order, and drops the message with a counted, rate-limited log line
+naming the first check that failed (:data:`REJECT_REASONS`): frame count, size, MAC (nothing
+is parsed before it), envelope decode, version, job, recipient, sender, timestamp within
+``window_s`` of its clock, sequence number greater than the last accepted of that sender's
+session (replays), body decode, and that the body names the envelope's job, generation and
+(reports) sender vrank. A worker also drops orders of a generation older than its own and
+orders it already delivered (a coordinator may resend an order; acting twice stays safe).
+Nothing a peer sends can raise out of ``recv``/``poll``/``wait``.
+
+The secret lives in an owner-only file (:func:`create_secret`, 0600 in a 0700 directory);
+workers get its path through ``SLURM_ETC_SECRET_FILE`` and :func:`load_secret` refuses a file
+that others can read or that someone else owns. The secret never appears in argv, the
+environment, reprs or logs.
+
+How the coordinator's reconcile loop uses it::
+
+    secret = create_secret(job, exist_ok=True)        # a restarted coordinator reuses it
+    with CoordinatorChannel(job, secret, bind="127.0.0.1") as channel:
+        channel.set_rendezvous(store_host, store_port)  # the TCPStore the coordinator hosts
+        env = channel.worker_env()                      # merged into every launch's env
+        ...
+        channel.generation = g + 1                      # before launching generation g+1
+        channel.broadcast(Resize(job, g + 1, ...), vranks)   # returns vranks not reached
+        while (got := channel.recv(timeout_s=0.5)) is not None:
+            vrank, report = got      # Hello (already answered with a Welcome), Progress, ...
+
+Orders are idempotent by generation: resending one that was not acknowledged is safe. A
+worker that says Hello more than once (it resends until welcomed) is answered every time.
+
+How a worker uses it (the trainer sees only the ``Control`` protocol)::
+
+    channel = WorkerChannel.from_env()
+    welcome = channel.join(timeout_s=120)      # Hello -> Welcome: rendezvous store address
+    ...
+    order = channel.poll()                     # every step; never blocks
+    channel.report(Progress(...))              # never blocks; bounded queue, drops when full
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal, TypeAlias
+
+import msgspec
+import zmq
+
+from slurm_etc.worker.control import (
+    ENCODER,
+    REPORT_DECODER,
+    Abort,
+    Hello,
+    Order,
+    Report,
+    Resize,
+    Stop,
+)
+
+from . import env as envvars
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION: Final = 1
+SECRET_BYTES: Final = 32
+MAC_BYTES: Final = 32
+# A Resize names two layouts of up to tens of thousands of vranks: well under a megabyte.
+MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+# Clocks of different nodes disagree a little and messages wait in queues; anything older
+# (or further in the future) than this is a replay or hopelessly late.
+DEFAULT_WINDOW_S: Final = 120.0
+# Messages waiting for the peer, per direction (zmq high-water mark and the worker's outbox).
+DEFAULT_QUEUE: Final = 1000
+# At most one log line per rejection reason this often (a flood must not flood the log).
+LOG_INTERVAL_S: Final = 10.0
+# A worker waiting for orders looks at its outbox this often (reports never wait for it).
+_WAIT_SLICE_S: Final = 0.02
+
+COORDINATOR: Final = "coordinator"
+Peer: TypeAlias = int | Literal["coordinator"]
+
+RejectReason: TypeAlias = Literal[
+    "frames", "size", "mac", "malformed", "version", "job", "recipient", "sender", "stale",
+    "replay", "body", "mismatch", "old_generation", "duplicate", "internal",
+]
+REJECT_REASONS: Final[tuple[RejectReason, ...]] = (
+    "frames", "size", "mac", "malformed", "version", "job", "recipient", "sender", "stale",
+    "replay", "body", "mismatch", "old_generation", "duplicate", "internal",
+)
+# Not attacks: a late order after a newer generation, an order resent by the coordinator.
+_QUIET_REASONS: Final = {"old_generation": logging.INFO, "duplicate": logging.DEBUG}
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class ChannelError(RuntimeError):
+    """The channel cannot be set up or used (bind, connect, join, environment)."""
+
+
+class SecretError(ChannelError):
+    """The job's secret file is missing, malformed or not private to its owner."""
+
+
+class Rejected(Exception):
+    """A received message failed a check; ``reason`` is one of :data:`REJECT_REASONS`."""
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason: RejectReason = reason
+        self.detail = detail
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What is signed: who sends what to whom, when, in which job and generation."""
+
+    version: int
+    job: str
+    generation: int
+    sender: Peer
+    to: Peer
+    session: int
+    seq: int
+    sent_at: float
+    body: bytes
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
+    """The coordinator's answer to a Hello: where the job's rendezvous store is.
+
+    Workers build their training and migration process groups from the torch ``TCPStore``
+    at ``store_host:store_port`` that the coordinator hosts (key prefixes per generation).
+    A coordinator may send a new Welcome at any time (e.g. restarted with a new store)."""
+
+    job: str
+    generation: int
+    vrank: int
+    store_host: str
+    store_port: int
+
+    @property
+    def store(self) -> str:
+        return f"{self.store_host}:{self.store_port}"
+
+
+ToWorker: TypeAlias = Resize | Stop | Abort | Welcome
+
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+_TO_WORKER_DECODER = msgspec.msgpack.Decoder(ToWorker)
+
+
+# --------------------------------------------------------------------------- the secret
+
+
+@dataclass(frozen=True)
+class JobSecret:
+    """The per-job HMAC key and the file it came from (the key is left out of the repr)."""
+
+    path: Path
+    key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.key) != SECRET_BYTES:
+            raise SecretError(f"secret file {self.path} holds {len(self.key)} bytes; "
+                              f"a job secret is {SECRET_BYTES} bytes")
+
+
+def default_secret_dir() -> Path:
+    """``~/.slurm-etc/secrets``: home directories are on the filesystem every node sees."""
+    return Path.home() / ".slurm-etc" / "secrets"
+
+
+def create_secret(job: str, directory: Path | None = None, *,
+                  exist_ok: bool = False) -> JobSecret:
+    """Create the job's secret (``secrets.token_bytes(32)``) as ``<directory>/<job>.key``.
+
+    The directory is made (or tightened) to 0700, the file is created exclusively with mode
+    0600. With ``exist_ok`` an existing file is loaded instead (a restarted coordinator keeps
+    the key its running workers hold), after the same checks as :func:`load_secret`.
+
+    Raises:
+        SecretError: bad job name, a directory owned by someone else, or an existing file
+            (without ``exist_ok``) or one that fails :func:`load_secret`'s checks.
+    """
+    if not _JOB_NAME.fullmatch(job):
+        raise SecretError(f"job name {job!r} cannot name a secret file: use letters, digits, "
+                          f"'.', '_' and '-' (at most 128, not starting with '.', '_' or '-')")
+    directory = Path(directory) if directory is not None else default_secret_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(directory, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SecretError(f"secret directory {directory} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise SecretError(f"secret directory {directory} belongs to uid {st.st_uid}, "
+                          f"not to this user ({os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+    path = directory / f"{job}.key"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        if exist_ok:
+            return load_secret(path)
+        raise SecretError(f"secret file {path} already exists (another coordinator of job "
+                          f"{job}? remove it or resume with exist_ok)") from None
+    try:
+        os.fchmod(fd, 0o600)
+        key = secrets.token_bytes(SECRET_BYTES)
+        os.write(fd, key)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return JobSecret(path, key)
+
+
+def load_secret(path: str | os.PathLike[str]) -> JobSecret:
+    """Read a job secret, refusing a file that is not private to this user.
+
+    Raises:
+        SecretError: missing, a symbolic link, not a regular file, owned by another user,
+            readable or writable by group or others, or not exactly 32 bytes.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SecretError(f"secret file {path} does not exist") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise SecretError(f"secret file {path} is a symbolic link; refusing it") from None
+        raise SecretError(f"cannot open secret file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretError(f"secret file {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise SecretError(f"secret file {path} belongs to uid {st.st_uid}, not to this "
+                              f"user ({os.geteuid()}); refusing it")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise SecretError(f"secret file {path} is accessible to group or others (mode "
+                              f"{mode:04o}); it must be 0600 (chmod 600 {path})")
+        key = os.read(fd, SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    return JobSecret(path, key)
+
+
+def _key_of(secret: bytes | JobSecret) -> bytes:
+    key = secret.key if isinstance(secret, JobSecret) else bytes(secret)
+    if len(key) < 16:
+        raise SecretError(f"a channel key must have at least 16 bytes, got {len(key)}")
+    return key
+
+
+# --------------------------------------------------------------------------- pure codec
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.digest(key, data, "sha256")
+
+
+class Sealer:
+    """Signs outgoing messages of one sender: fresh session, sequence numbers 1, 2, ..."""
+
+    def __init__(self, job: str, secret: bytes | JobSecret, me: Peer, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.job = job
+        self.me = me
+        self._key = _key_of(secret)
+        self._clock = clock
+        self.session = secrets.randbits(63)
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def seal(self, to: Peer, generation: int, message: msgspec.Struct) -> list[bytes]:
+        """The two frames ``[envelope, mac]`` carrying ``message`` to ``to``."""
+        body = ENCODER.encode(message)
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        envelope = Envelope(PROTOCOL_VERSION, self.job, generation, self.me, to, self.session,
+                            seq, self._clock(), body)
+        data = ENCODER.encode(envelope)
+        return [data, _mac(self._key, data)]
+
+
+class Opener:
+    """Checks incoming frames for one receiver up to the envelope (see the module doc).
+
+    Pure apart from its replay memory and the clock it is given; :meth:`open` raises only
+    :class:`Rejected`."""
+
+    def __init__(self, job: str, secret: bytes | JobSecret, me: Peer, *,
+                 window_s: float = DEFAULT_WINDOW_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.job = job
+        self.me = me
+        self.window_s = window_s
+        self._key = _key_of(secret)
+        self._clock = clock
+        # (sender, session) -> (last accepted seq, when); sessions silent for longer than
+        # the window are forgotten: anything they sent is then rejected as stale anyway.
+        self._last: dict[tuple[Peer, int], tuple[int, float]] = {}
+        self._pruned_at = 0.0
+
+    def open(self, frames: Sequence[bytes]) -> Envelope:
+        """The authenticated, fresh, well-formed envelope in ``frames``.
+
+        Raises:
+            Rejected: the first check that failed.
+        """
+        if len(frames) != 2:
+            raise Rejected("frames", f"{len(frames)} frames, expected 2")
+        data, mac = bytes(frames[0]), bytes(frames[1])
+        if len(data) > MAX_FRAME_BYTES:
+            raise Rejected("size", f"{len(data)} bytes")
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(self._key, data)):
+            raise Rejected("mac", f"{len(data)}-byte envelope with a MAC that does not match")
+        try:
+            env = _ENVELOPE_DECODER.decode(data)
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise Rejected("malformed", _short(e)) from None
+        if env.version != PROTOCOL_VERSION:
+            raise Rejected("version", f"version {env.version!r}, expected {PROTOCOL_VERSION}")
+        if env.job != self.job:
+            raise Rejected("job", f"job {env.job!r}, expected {self.job!r}")
+        if env.to != self.me:
+            raise Rejected("recipient", f"addressed to {env.to!r}, not {self.me!r}")
+        if self.me == COORDINATOR:
+            if isinstance(env.sender, str) or env.sender < 0:
+                raise Rejected("sender", f"sender {env.sender!r} is not a vrank")
+        elif env.sender != COORDINATOR:
+            raise Rejected("sender", f"sender {env.sender!r} is not the coordinator")
+        if env.generation < 0 or env.seq < 1:
+            raise Rejected("malformed", f"generation {env.generation}, seq {env.seq}")
+        now = self._clock()
+        if not abs(now - env.sent_at) <= self.window_s:  # also rejects NaN
+            raise Rejected("stale", f"sent at {env.sent_at!r}, {now - env.sent_at:.1f} s "
+                                    f"from now (window {self.window_s:g} s)")
+        key = (env.sender, env.session)
+        last = self._last.get(key)
+        if last is not None and env.seq <= last[0]:
+            raise Rejected("replay", f"seq {env.seq} from {env.sender!r} after {last[0]}")
+        self._last[key] = (env.seq, now)
+        if now - self._pruned_at > self.window_s:
+            self._prune(now)
+        return env
+
+    def _prune(self, now: float) -> None:
+        self._pruned_at = now
+        horizon = now - 2 * self.window_s
+        for k in [k for k, (_, seen) in self._last.items() if seen < horizon]:
+            del self._last[k]
+
+
+def decode_report(env: Envelope) -> Report:
+    """The report in an opened envelope, which must name the envelope's job, generation and
+    sender vrank.
+
+    Raises:
+        Rejected: ``body`` or ``mismatch``.
+    """
+    try:
+        report = REPORT_DECODER.decode(env.body)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise Rejected("body", _short(e)) from None
+    if (report.job, report.generation, report.vrank) != (env.job, env.generation, env.sender):
+        raise Rejected("mismatch", f"{type(report).__name__} of job {report.job!r} "
+                                   f"gen {report.generation} vrank {report.vrank} in an "
+                                   f"envelope of gen {env.generation} from {env.sender!r}")
+    return report
+
+
+def decode_to_worker(env: Envelope) -> ToWorker:
+    """The order or welcome in an opened envelope, which must name the envelope's job and
+    generation (and a welcome its recipient).
+
+    Raises:
+        Rejected: ``body`` or ``mismatch``.
+    """
+    try:
+        message = _TO_WORKER_DECODER.decode(env.body)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise Rejected("body", _short(e)) from None
+    if (message.job, message.generation) != (env.job, env.generation) or (
+            isinstance(message, Welcome) and message.vrank != env.to):
+        raise Rejected("mismatch", f"{type(message).__name__} of job {message.job!r} "
+                                   f"gen {message.generation} in an envelope of gen "
+                                   f"{env.generation} to {env.to!r}")
+    return message
+
+
+def _short(e: BaseException) -> str:
+    return str(e)[:200]
+
+
+class _RejectLog:
+    """Counts rejections by reason; logs at most one line per reason per interval."""
+
+    def __init__(self, label: str, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.label = label
+        self.interval_s = interval_s
+        self.counts: Counter[str] = Counter()
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def note(self, reason: RejectReason, detail: str, peer: str = "") -> None:
+        self.counts[reason] += 1
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[reason] += 1
+            return
+        self._last[reason] = now
+        more = self._suppressed.pop(reason, 0)
+        level = _QUIET_REASONS.get(reason, logging.WARNING)
+        logger.log(level, "%s dropped a message (%s)%s: %s%s", self.label, reason,
+                   f" from peer {peer}" if peer else "", detail,
+                   f" [{more} more like it since the last line]" if more else "")
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def _split_bind(bind: str) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` -> (host, port); port 0 = any."""
+    if bind.startswith("["):
+        host, _, rest = bind[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else "0"
+    elif bind.count(":") == 1:
+        host, port = bind.split(":")
+    else:
+        host, port = bind, "0"
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ChannelError(f"bind address {bind!r}: expected host, host:port or [v6]:port")
+    return host, int(port)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class CoordinatorChannel:
+    """The coordinator's end: binds, learns each vrank's connection from its authenticated
+    messages, sends orders, receives reports.
+
+    Args:
+        job: the job id every message must name.
+        secret: the job's :class:`JobSecret` (or raw key bytes, then :meth:`worker_env`
+            cannot name the file).
+        bind: interface to listen on: ``host``, ``host:port`` or ``[v6]:port`` (port 0 or
+            none: any free port).
+        advertise: the host workers connect to; defaults to the bind host, and is required
+            when binding every interface (``0.0.0.0``, ``::``, ``*``).
+        generation: the job's current generation (stamped on welcomes; the loop updates
+            :attr:`generation` when it opens a new one).
+        rendezvous: ``(host, port)`` of the rendezvous store; when set, every Hello is
+            answered with a :class:`Welcome`.
+        window_s: accepted distance between a message's timestamp and this clock.
+        queue_limit: messages queued per worker before sends fail.
+
+    Not thread-safe: use it from the coordinator's loop thread.
+    """
+
+    def __init__(self, job: str, secret: bytes | JobSecret, bind: str = "127.0.0.1", *,
+                 advertise: str | None = None, generation: int = 0,
+                 rendezvous: tuple[str, int] | None = None,
+                 window_s: float = DEFAULT_WINDOW_S, queue_limit: int = DEFAULT_QUEUE,
+                 clock: Callable[[], float] = time.time) -> None:
+        host, port = _split_bind(bind)
+        if advertise is None:
+            if host in ("0.0.0.0", "::", "*"):
+                raise ChannelError(f"binding {host} listens on every interface: give the "
+                                   f"address workers should connect to (advertise=...)")
+            advertise = host
+        self.job = job
+        self.generation = generation
+        self._secret = secret
+        self._sealer = Sealer(job, secret, COORDINATOR, clock=clock)
+        self._opener = Opener(job, secret, COORDINATOR, window_s=window_s, clock=clock)
+        self._rejects = _RejectLog(f"[job {job} coordinator]")
+        self._peers: dict[int, bytes] = {}
+        self._rendezvous = rendezvous
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._closed = False
+        try:
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._sock.setsockopt(zmq.SNDHWM, queue_limit)
+            self._sock.setsockopt(zmq.RCVHWM, queue_limit)
+            if ":" in host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.bind(f"tcp://{_bracket(host)}:{port or '*'}")
+            endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self.close(linger_s=0)
+            raise ChannelError(f"cannot bind the control channel of job {job} to "
+                               f"{bind}: {e}") from None
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self.bind = f"{_bracket(host)}:{self.port}"
+        self.address = f"tcp://{_bracket(advertise)}:{self.port}"
+        logger.info("[job %s coordinator] control channel on %s (workers connect to %s)",
+                    job, self.bind, self.address)
+
+    def __repr__(self) -> str:
+        return f"CoordinatorChannel(job={self.job!r}, address={self.address!r})"
+
+    def __enter__(self) -> "CoordinatorChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """How many received messages were dropped, by reason (a copy)."""
+        return Counter(self._rejects.counts)
+
+    @property
+    def vranks(self) -> frozenset[int]:
+        """Vranks heard from (that orders can be sent to)."""
+        return frozenset(self._peers)
+
+    def set_rendezvous(self, host: str, port: int) -> None:
+        """Where the rendezvous store is; Hellos from now on are answered with a Welcome."""
+        self._rendezvous = (host, port)
+
+    def worker_env(self) -> dict[str, str]:
+        """What a launched worker needs in its environment to reach this channel (the
+        backend adds its vrank, generation and device)."""
+        if not isinstance(self._secret, JobSecret):
+            raise ChannelError("this channel was given raw key bytes; give it the JobSecret "
+                               "so that workers can be told where its file is")
+        return {envvars.JOB: self.job, envvars.COORDINATOR: self.address,
+                envvars.SECRET_FILE: str(self._secret.path)}
+
+    def send(self, vrank: int, message: Order | Welcome) -> bool:
+        """Queue ``message`` for ``vrank``; never blocks.
+
+        Returns:
+            False when the vrank has not been heard from, is not connected any more, or its
+            queue is full (the loop retries later; orders are idempotent by generation).
+        """
+        if message.job != self.job:
+            raise ValueError(f"message of job {message.job!r} sent on the channel of "
+                             f"job {self.job!r}")
+        routing = self._peers.get(vrank)
+        if routing is None:
+            logger.debug("[job %s coordinator] vrank %d has not said hello; %s not sent",
+                         self.job, vrank, type(message).__name__)
+            return False
+        frames = self._sealer.seal(vrank, message.generation, message)
+        try:
+            self._sock.send_multipart([routing, *frames], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("[job %s coordinator] queue to vrank %d is full; %s not sent",
+                           self.job, vrank, type(message).__name__)
+            return False
+        except zmq.ZMQError as e:
+            logger.info("[job %s coordinator] vrank %d unreachable (%s); %s not sent",
+                        self.job, vrank, e, type(message).__name__)
+            return False
+        return True
+
+    def broadcast(self, message: Order, vranks: Iterable[int]) -> list[int]:
+        """Send ``message`` to every vrank; returns those it could not be sent to."""
+        return [v for v in sorted(set(vranks)) if not self.send(v, message)]
+
+    def welcome(self, vrank: int) -> bool:
+        """Tell ``vrank`` where the rendezvous store is (done for every Hello already)."""
+        if self._rendezvous is None:
+            raise ChannelError("no rendezvous store set (set_rendezvous) to welcome with")
+        host, port = self._rendezvous
+        return self.send(vrank, Welcome(self.job, self.generation, vrank, host, port))
+
+    def recv(self, timeout_s: float) -> tuple[int, Report] | None:
+        """The next accepted report as ``(vrank, report)``, or None after ``timeout_s``.
+
+        Rejected messages are counted and skipped; nothing a peer sends raises here."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        late = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late += 1
+                if late > 256:  # a flood of garbage does not hold the loop past its timeout
+                    return None
+            if not self._sock.poll(max(0, int(remaining * 1000))):
+                return None
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            got = self._accept(frames)
+            if got is not None:
+                return got
+
+    def _accept(self, frames: list[bytes]) -> tuple[int, Report] | None:
+        routing = frames[0]
+        try:
+            env = self._opener.open(frames[1:])
+            report = decode_report(env)
+        except Rejected as r:
+            self._rejects.note(r.reason, r.detail, routing.hex()[:16])
+            return None
+        except Exception as e:  # noqa: BLE001 - a peer must never crash the coordinator
+            self._rejects.note("internal", f"{type(e).__name__} while checking a message",
+                               routing.hex()[:16])
+            return None
+        vrank = env.sender
+        if isinstance(vrank, str):  # Opener lets only vranks through to the coordinator
+            return None
+        self._peers[vrank] = routing
+        if isinstance(report, Hello) and self._rendezvous is not None:
+            self.welcome(vrank)
+        return vrank, report
+
+    def close(self, linger_s: float = 0.5) -> None:
+        """Close the socket, giving queued orders ``linger_s`` to leave."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        self._sock.close()
+        self._ctx.term()
+
+
+class WorkerChannel:
+    """A worker's end of the channel; implements :class:`~slurm_etc.worker.control.Control`.
+
+    ``poll`` never blocks, ``report`` never blocks (a bounded outbox in front of a bounded
+    zmq queue; when both are full the report is dropped and counted in :attr:`dropped`),
+    ``wait`` blocks up to its timeout. Safe to report from another thread while the main
+    thread polls or waits.
+
+    Args:
+        job, vrank: who this worker is.
+        address: the coordinator's advertised address (``tcp://host:port``).
+        secret: the job's secret (:func:`load_secret` of ``SLURM_ETC_SECRET_FILE``).
+        generation: the generation the worker was launched into; orders of older
+            generations are dropped, and the generation follows accepted orders.
+    """
+
+    def __init__(self, job: str, vrank: int, address: str, secret: bytes | JobSecret, *,
+                 generation: int = 0, window_s: float = DEFAULT_WINDOW_S,
+                 queue_limit: int = DEFAULT_QUEUE,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.job = job
+        self.vrank = vrank
+        self.address = address
+        self._generation = generation
+        self._queue_limit = queue_limit
+        self._sealer = Sealer(job, secret, vrank, clock=clock)
+        self._opener = Opener(job, secret, vrank, window_s=window_s, clock=clock)
+        self._rejects = _RejectLog(f"[job {job} gen {generation} vrank {vrank}]")
+        self._inbox: deque[Order] = deque()
+        self._outbox: deque[list[bytes]] = deque()
+        self._delivered: set[Order] = set()
+        self._welcome: Welcome | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.dropped = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        try:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            self._sock.setsockopt(zmq.SNDHWM, queue_limit)
+            self._sock.setsockopt(zmq.RCVHWM, queue_limit)
+            if address.startswith("tcp://["):
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.connect(address)
+        except zmq.ZMQError as e:
+            self.close(linger_s=0)
+            raise ChannelError(f"cannot connect to the coordinator at {address!r}: {e}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: object
+                 ) -> "WorkerChannel":
+        """The channel described by ``SLURM_ETC_JOB``, ``_VRANK``, ``_GENERATION``,
+        ``_COORDINATOR`` and ``_SECRET_FILE`` (what the backend and
+        :meth:`CoordinatorChannel.worker_env` put in a launched worker's environment)."""
+        environ = os.environ if environ is None else environ
+        missing = [name for name in (envvars.JOB, envvars.VRANK, envvars.COORDINATOR,
+                                     envvars.SECRET_FILE) if not environ.get(name)]
+        if missing:
+            raise ChannelError(f"not launched as a slurm-etc worker: {', '.join(missing)} "
+                               f"not set")
+        try:
+            vrank = int(environ[envvars.VRANK])
+            generation = int(environ.get(envvars.GENERATION, "0"))
+        except ValueError:
+            raise ChannelError(f"{envvars.VRANK} and {envvars.GENERATION} must be integers, "
+                               f"got {environ[envvars.VRANK]!r} and "
+                               f"{environ.get(envvars.GENERATION)!r}") from None
+        secret = load_secret(environ[envvars.SECRET_FILE])
+        return cls(environ[envvars.JOB], vrank, environ[envvars.COORDINATOR], secret,
+                   generation=generation, **kwargs)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (f"WorkerChannel(job={self.job!r}, vrank={self.vrank}, "
+                f"address={self.address!r}, generation={self._generation})")
+
+    def __enter__(self) -> "WorkerChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def generation(self) -> int:
+        """The newest generation this worker has been ordered into (or launched into)."""
+        return self._generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._generation = value
+        self._rejects.label = f"[job {self.job} gen {value} vrank {self.vrank}]"
+
+    @property
+    def rendezvous(self) -> Welcome | None:
+        """The latest Welcome (rendezvous store address), or None before the first."""
+        return self._welcome
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """How many received messages were dropped, by reason (a copy)."""
+        return Counter(self._rejects.counts)
+
+    # -- Control ---------------------------------------------------------------------
+    def poll(self) -> Order | None:
+        """An order waiting for this worker, or None; never blocks."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._pump(0.0)
+            finally:
+                self._lock.release()
+        return self._inbox.popleft() if self._inbox else None
+
+    def wait(self, timeout_s: float) -> Order | None:
+        """Block until an order arrives, or None after ``timeout_s``."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if self._inbox:
+                return self._inbox.popleft()
+            remaining = deadline - time.monotonic()
+            with self._lock:
+                self._pump(min(max(remaining, 0.0), _WAIT_SLICE_S))
+            if remaining <= 0:
+                return self._inbox.popleft() if self._inbox else None
+
+    def report(self, message: Report) -> None:
+        """Queue a report for the coordinator; never blocks (drops when the queue is full).
+
+        Raises:
+            ValueError: the report names another job or vrank (a bug in the caller).
+        """
+        if message.job != self.job or message.vrank != self.vrank:
+            raise ValueError(f"report of job {message.job!r} vrank {message.vrank} on the "
+                             f"channel of job {self.job!r} vrank {self.vrank}")
+        frames = self._sealer.seal(COORDINATOR, message.generation, message)
+        if len(self._outbox) >= self._queue_limit:
+            self.dropped += 1
+            logger.debug("%s report queue full; %s dropped", self._rejects.label,
+                         type(message).__name__)
+            return
+        self._outbox.append(frames)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._flush()
+            finally:
+                self._lock.release()
+
+    # -- rendezvous ------------------------------------------------------------------
+    def join(self, timeout_s: float = 120.0, *, host: str | None = None,
+             pid: int | None = None, resend_s: float = 2.0) -> Welcome:
+        """Say Hello (again every ``resend_s``) until the coordinator answers with a Welcome.
+
+        Orders that arrive meanwhile are kept for :meth:`poll`.
+
+        Raises:
+            ChannelError: no Welcome within ``timeout_s``.
+        """
+        hello = Hello(self.job, self._generation, self.vrank, host or socket.gethostname(),
+                      os.getpid() if pid is None else pid)
+        deadline = time.monotonic() + timeout_s
+        next_hello = 0.0
+        while self._welcome is None:
+            now = time.monotonic()
+            if now >= deadline:
+                raise ChannelError(
+                    f"{self._rejects.label} no welcome from the coordinator at "
+                    f"{self.address} within {timeout_s:g} s (is it running and reachable, "
+                    f"with a rendezvous store set, and is this the job's secret?)")
+            if now >= next_hello:
+                self.report(hello)
+                next_hello = now + resend_s
+            with self._lock:
+                self._pump(min(0.05, max(0.0, deadline - now)))
+        return self._welcome
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close the socket, giving queued reports (e.g. a final Exited) ``linger_s``."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._flush()
+        self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        self._sock.close()
+        self._ctx.term()
+
+    # -- internals (called with the lock held) ----------------------------------------
+    def _flush(self) -> None:
+        while self._outbox:
+            try:
+                self._sock.send_multipart(self._outbox[0], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                logger.debug("%s cannot send: %s", self._rejects.label, e)
+                return
+            self._outbox.popleft()
+
+    def _pump(self, timeout_s: float) -> None:
+        self._flush()
+        if not self._sock.poll(int(timeout_s * 1000)):
+            return
+        for _ in range(10_000):  # drain what is there, but a flood cannot keep us here
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take(frames)
+
+    def _take(self, frames: list[bytes]) -> None:
+        try:
+            env = self._opener.open(frames)
+            message = decode_to_worker(env)
+        except Rejected as r:
+            self._rejects.note(r.reason, r.detail)
+            return
+        except Exception as e:  # noqa: BLE001 - a peer must never crash a worker
+            self._rejects.note("internal", f"{type(e).__name__} while checking a message")
+            return
+        if isinstance(message, Welcome):
+            self._welcome = message
+            return
+        if message.generation < self._generation:
+            self._rejects.note("old_generation", f"{type(message).__name__} of gen "
+                                                 f"{message.generation} < {self._generation}")
+            return
+        if message in self._delivered:
+            self._rejects.note("duplicate", f"{type(message).__name__} of gen "
+                                            f"{message.generation} delivered before")
+            return
+        if message.generation > self._generation:
+            self.generation = message.generation
+            self._delivered = {m for m in self._delivered if m.generation >= message.generation}
+        self._delivered.add(message)
+        self._inbox.append(message)

@@ -1,0 +1,527 @@
+"""Scripted resource events for the local backend: the script's schema, its validation, and
+the pure state machine that turns steps, time and the coordinator's actions into events.
+
+A script is a JSON file (YAML too when PyYAML is installed), or the same structure given as
+options::
+
+    {"nodes": 4, "gpus_per_node": 2, "initial_nodes": 1, "grace_s": 30,
+     "events": [{"at_step": 5, "grant": 2},
+                {"at_step": 12, "preempt": 2, "grace_s": 10},
+                {"at_step": 18, "lose": ["n1:1"], "reason": "ECC error"}]}
+
+* ``nodes`` simulated nodes named ``n0``, ``n1``, ... with ``gpus_per_node`` devices each,
+  named ``n0:0``, ``n0:1``, ...; the first ``initial_nodes`` form the anchor allocation
+  ``a0`` (it runs the coordinator and is never preempted or lost); later grants are
+  allocations ``a1``, ``a2``, ... in the order they start.
+* every event fires once, when the coordinator reports the job reached ``at_step``
+  (``on_step``); events are listed in step order. Each has exactly one of
+  ``grant``/``preempt``/``lose``, whose value is either a number of whole nodes or node and
+  device names (a name or a list of names):
+
+  - ``grant: N`` gives the job the N lowest-numbered free nodes as a new allocation (it
+    satisfies the oldest pending request, if any); ``grant: [names]`` exactly those devices;
+  - ``preempt: N`` warns that the job's N newest non-anchor nodes (newest allocation first,
+    highest node first) are taken ``grace_s`` seconds later (the event's, else the script's);
+    released before then they are handed back, still held then they are lost (workers
+    killed, a Loss with cause ``preempted``); preempted devices never come back;
+  - ``lose: N`` / ``lose: [names]``: the nodes fail now (workers killed, a Loss with cause
+    ``failure``); a lost device that the job does not hold just disappears.
+* ``grant_requests`` (default false): when true, the coordinator's requests are granted as
+  soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
+
+A script is checked once when loaded by playing it without a coordinator: names must exist,
+counts must be available, the anchor is never preempted or lost. A problem is one line,
+e.g. ``events.json: event 3: node n7 does not exist (nodes: n0..n3)`` (events count from 1).
+At run time the coordinator's own requests and releases can leave fewer nodes than the script
+expects; an event then does what it still can and logs a warning.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeAlias
+
+import msgspec
+
+from slurm_etc.alloc.topology import ClusterTopology, Device
+
+from .backend import BackendEvent, Grant, Loss, PreemptNotice
+
+logger = logging.getLogger(__name__)
+
+ANCHOR = "a0"
+EventKind: TypeAlias = Literal["grant", "preempt", "lose"]
+_KINDS: tuple[EventKind, ...] = ("grant", "preempt", "lose")
+
+_Count = Annotated[int, msgspec.Meta(ge=1)]
+_Target = _Count | str | tuple[str, ...] | None
+
+
+class EventSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One event as written in a script."""
+
+    at_step: Annotated[int, msgspec.Meta(ge=0)]
+    grant: _Target = None
+    preempt: _Target = None
+    lose: _Target = None
+    grace_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    reason: str = ""
+
+
+class ScriptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A script as written (see the module doc)."""
+
+    nodes: Annotated[int, msgspec.Meta(ge=1, le=100_000)]
+    gpus_per_node: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    initial_nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    grant_requests: bool = False
+    events: tuple[EventSpec, ...] = ()
+
+
+class ScriptError(ValueError):
+    """An events script that does not parse or does not fit its cluster (one line)."""
+
+
+@dataclass(frozen=True)
+class ScriptedEvent:
+    """One validated event: a count of whole nodes or named devices.
+
+    Attributes:
+        index: position in the script, from 1 (what messages call "event N").
+    """
+
+    index: int
+    at_step: int
+    kind: EventKind
+    count: int | None
+    devices: tuple[Device, ...]
+    grace_s: float
+    reason: str = ""
+
+    def __str__(self) -> str:
+        what = (f"{self.count} node(s)" if self.count is not None
+                else ",".join(str(d) for d in self.devices))
+        grace = f" (grace {self.grace_s:g} s)" if self.kind == "preempt" else ""
+        return f"event {self.index} at step {self.at_step}: {self.kind} {what}{grace}"
+
+
+@dataclass(frozen=True)
+class EventsScript:
+    """A validated script: its cluster, the anchor and the events in step order."""
+
+    source: str
+    topology: ClusterTopology
+    initial_nodes: int
+    grant_requests: bool
+    events: tuple[ScriptedEvent, ...]
+
+    @property
+    def anchor_devices(self) -> tuple[Device, ...]:
+        return tuple(Device(n, i) for n in self.topology.nodes[:self.initial_nodes]
+                     for i in range(self.topology.gpus_per_node))
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def load_script(path: str | Path) -> EventsScript:
+    """Read and validate a script file (``.json``; ``.yaml``/``.yml`` with PyYAML).
+
+    Raises:
+        ScriptError: one line naming the file and the problem.
+    """
+    path = Path(path)
+    source = path.name
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ScriptError(f"{source}: cannot read {path}: {e.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            yaml: Any = importlib.import_module("yaml")
+        except ImportError:
+            raise ScriptError(f"{source}: YAML scripts need PyYAML (pip install pyyaml); "
+                              f"or write the script as JSON") from None
+        try:
+            obj = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ScriptError(f"{source}: not valid YAML: {_one_line(str(e))}") from None
+        return script_from_dict(obj, source)
+    return parse_script(raw, source)
+
+
+def parse_script(data: bytes | str, source: str = "<script>") -> EventsScript:
+    """Validate a JSON script.
+
+    Raises:
+        ScriptError: one line naming ``source`` and the problem.
+    """
+    try:
+        spec = msgspec.json.decode(data, type=ScriptSpec)
+    except msgspec.ValidationError as e:
+        raise ScriptError(f"{source}: {_explain(e)}") from None
+    except msgspec.DecodeError as e:
+        raise ScriptError(f"{source}: not valid JSON: {_one_line(str(e))}") from None
+    return _validated(spec, source)
+
+
+def script_from_dict(obj: object, source: str = "<options>") -> EventsScript:
+    """Validate a script given as Python data (options, or parsed YAML).
+
+    Raises:
+        ScriptError: one line naming ``source`` and the problem.
+    """
+    try:
+        spec = msgspec.convert(obj, ScriptSpec)
+    except msgspec.ValidationError as e:
+        raise ScriptError(f"{source}: {_explain(e)}") from None
+    return _validated(spec, source)
+
+
+def script_from_options(nodes: int, gpus_per_node: int = 1, initial_nodes: int = 1,
+                        events: Sequence[Mapping[str, object]] = (), *,
+                        grace_s: float = 30.0, grant_requests: bool = False) -> EventsScript:
+    """A script from keyword options (e.g. a CLI's ``--nodes``/``--event`` flags)."""
+    return script_from_dict({"nodes": nodes, "gpus_per_node": gpus_per_node,
+                             "initial_nodes": initial_nodes, "grace_s": grace_s,
+                             "grant_requests": grant_requests, "events": list(events)})
+
+
+_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_EVENT_PATH = re.compile(r"^\.events\[(?P<i>\d+)\](?P<rest>.*)$")
+
+
+def _explain(e: msgspec.ValidationError) -> str:
+    """msgspec's ``Expected ... - at `$.events[2].grant``` as ``event 3: grant: expected ...``."""
+    m = _PATH.match(str(e))
+    msg, path = (m.group("msg"), m.group("path") or "") if m else (str(e), "")
+    msg = msg[:1].lower() + msg[1:]
+    ev = _EVENT_PATH.match(path)
+    fields = ScriptSpec.__struct_fields__
+    where = ""
+    if ev:
+        where = f"event {int(ev.group('i')) + 1}: "
+        path = ev.group("rest")
+        fields = EventSpec.__struct_fields__
+    elif path.startswith(".events"):
+        where = "events: "
+        path = path[len(".events"):]
+    path = path.lstrip(".")
+    if "unknown field" in msg:
+        msg += f" (fields: {', '.join(fields)})"
+    return f"{where}{path + ': ' if path else ''}{msg}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _validated(spec: ScriptSpec, source: str) -> EventsScript:
+    def fail(msg: str) -> ScriptError:
+        return ScriptError(f"{source}: {msg}")
+
+    if spec.initial_nodes > spec.nodes:
+        raise fail(f"initial_nodes ({spec.initial_nodes}) exceeds nodes ({spec.nodes})")
+    topology = ClusterTopology(spec.gpus_per_node,
+                               tuple(f"n{i}" for i in range(spec.nodes)))
+    events: list[ScriptedEvent] = []
+    for i, ev in enumerate(spec.events, start=1):
+        given = [k for k in _KINDS if getattr(ev, k) is not None]
+        if len(given) != 1:
+            raise fail(f"event {i}: give exactly one of grant, preempt, lose "
+                       f"(got {', '.join(given) or 'none'})")
+        kind = given[0]
+        if ev.grace_s is not None and kind != "preempt":
+            raise fail(f"event {i}: grace_s applies only to preempt")
+        if events and ev.at_step < events[-1].at_step:
+            raise fail(f"event {i}: at_step {ev.at_step} comes before event {i - 1}'s "
+                       f"at_step {events[-1].at_step}; list events in step order")
+        target = getattr(ev, kind)
+        count: int | None = None
+        devices: tuple[Device, ...] = ()
+        if isinstance(target, int):
+            count = target
+        else:
+            names = (target,) if isinstance(target, str) else target
+            if not names:
+                raise fail(f"event {i}: {kind} names no nodes or devices")
+            try:
+                devices = resolve_names(topology, names)
+            except ValueError as e:
+                raise fail(f"event {i}: {e}") from None
+        grace = ev.grace_s if ev.grace_s is not None else spec.grace_s
+        events.append(ScriptedEvent(i, ev.at_step, kind, count, devices, grace, ev.reason))
+    script = EventsScript(source, topology, spec.initial_nodes, spec.grant_requests,
+                          tuple(events))
+    # Play it once without a coordinator: every count available, no anchor touched.
+    dry = ScriptedResources(script, strict=True)
+    for event in script.events:
+        try:
+            dry.fire(event, now=0.0)
+        except ScriptError as e:
+            raise fail(str(e)) from None
+    return script
+
+
+def resolve_names(topology: ClusterTopology, names: Iterable[str]) -> tuple[Device, ...]:
+    """``n1`` (every device of node n1) and ``n1:0`` (one device) -> sorted devices.
+
+    Raises:
+        ValueError: a name that is not a node or device of ``topology``.
+    """
+    nodes = topology.nodes
+    gpn = topology.gpus_per_node
+    span = f"{nodes[0]}..{nodes[-1]}" if len(nodes) > 1 else nodes[0]
+    out: dict[Device, None] = {}
+    for name in names:
+        node, sep, local = name.partition(":")
+        if node not in nodes:
+            raise ValueError(f"node {node} does not exist (nodes: {span})")
+        if not sep:
+            out.update((Device(node, i), None) for i in range(gpn))
+            continue
+        if not local.isdigit() or int(local) >= gpn:
+            raise ValueError(f"device {name} does not exist ({node} has devices "
+                             f"{node}:0..{node}:{gpn - 1})" if gpn > 1 else
+                             f"device {name} does not exist ({node} has device {node}:0)")
+        out[Device(node, int(local))] = None
+    return tuple(sorted(out, key=topology_order(topology)))
+
+
+def topology_order(topology: ClusterTopology) -> Any:
+    """Sort key: devices in node order, then local index."""
+    return lambda d: (topology.index(d.node), d.local)
+
+
+# --------------------------------------------------------------------------- state
+
+
+class ScriptedResources:
+    """Who holds which simulated device, moved by script events, time and the coordinator.
+
+    Pure (no processes, no clock: ``now`` is passed in). Events accumulate until
+    :meth:`drain`. With ``strict`` a shortfall raises :class:`ScriptError` (the load-time
+    check); otherwise the event does what it can and logs a warning.
+    """
+
+    def __init__(self, script: EventsScript, *, strict: bool = False) -> None:
+        self.script = script
+        self.strict = strict
+        self._order = topology_order(script.topology)
+        self._all = tuple(Device(n, i) for n in script.topology.nodes
+                          for i in range(script.topology.gpus_per_node))
+        self._anchor = frozenset(script.anchor_devices)
+        self._owner: dict[Device, str] = {}          # held by the job: device -> allocation
+        self._gone: dict[Device, str] = {}           # preempted or failed: device -> why
+        self._noticed: dict[Device, float] = {}      # held, under notice: device -> deadline
+        self._alloc_order: dict[str, int] = {}
+        self._next_alloc = 0
+        self._pending: list[tuple[str, int]] = []     # requests waiting: (key, nodes)
+        self._keys: set[str] = set()
+        self._fired = 0
+        self._step = -1
+        self._out: list[BackendEvent] = []
+        self._grant(script.anchor_devices, None)
+
+    # -- observed state ----------------------------------------------------------------
+    @property
+    def held(self) -> Mapping[Device, str]:
+        """Devices the job holds, with their allocation."""
+        return dict(self._owner)
+
+    @property
+    def noticed(self) -> Mapping[Device, float]:
+        """Held devices under a preemption notice, with their deadline."""
+        return dict(self._noticed)
+
+    @property
+    def gone(self) -> frozenset[Device]:
+        return frozenset(self._gone)
+
+    @property
+    def pending_requests(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self._pending)
+
+    def free_nodes(self) -> list[str]:
+        """Nodes all of whose devices are free, in node order."""
+        busy = {d.node for d in self._owner} | {d.node for d in self._gone}
+        return [n for n in self.script.topology.nodes if n not in busy]
+
+    def drain(self) -> list[BackendEvent]:
+        out, self._out = self._out, []
+        return out
+
+    # -- inputs --------------------------------------------------------------------------
+    def on_step(self, step: int, now: float) -> None:
+        """Fire every scripted event due by ``step`` that has not fired."""
+        if step <= self._step:
+            return
+        self._step = step
+        events = self.script.events
+        while self._fired < len(events) and events[self._fired].at_step <= step:
+            event = events[self._fired]
+            self._fired += 1
+            logger.info("[local] %s%s", event, f": {event.reason}" if event.reason else "")
+            self.fire(event, now)
+
+    def tick(self, now: float) -> None:
+        """Take preempted devices whose deadline passed; grant waiting requests (when the
+        script grants requests)."""
+        due = sorted((d for d, t in self._noticed.items() if t <= now), key=self._order)
+        if due:
+            self._take(due, "preempted")
+        if self.script.grant_requests:
+            while self._pending:
+                key, nodes = self._pending[0]
+                free = self.free_nodes()
+                if len(free) < nodes:
+                    break
+                self._pending.pop(0)
+                self._grant(self._node_devices(free[:nodes]), key)
+
+    def request(self, key: str, nodes: int) -> None:
+        """Note a request for ``nodes`` whole nodes (a key seen before is ignored)."""
+        if key in self._keys:
+            return
+        self._keys.add(key)
+        self._pending.append((key, nodes))
+
+    def release(self, devices: Iterable[Device]) -> list[Device]:
+        """Give devices back; returns those that were held (the others are ignored).
+        Devices under a preemption notice go to the preemptor, the rest become free."""
+        released = sorted({d for d in devices if d in self._owner}, key=self._order)
+        for d in released:
+            del self._owner[d]
+            if self._noticed.pop(d, None) is not None:
+                self._gone[d] = "preempted"
+        return released
+
+    def fire(self, event: ScriptedEvent, now: float) -> None:
+        """Apply one scripted event."""
+        if event.kind == "grant":
+            self._fire_grant(event)
+        elif event.kind == "preempt":
+            devices = self._pick(event)
+            if devices:
+                self._notice(devices, now + event.grace_s)
+        else:
+            devices = self._pick(event)
+            held = [d for d in devices if d in self._owner]
+            self._take(held, "failure")
+            for d in devices:
+                self._gone.setdefault(d, "failure")
+
+    # -- internals -----------------------------------------------------------------------
+    def _short(self, event: ScriptedEvent, msg: str) -> None:
+        if self.strict:
+            raise ScriptError(f"event {event.index}: {msg}")
+        logger.warning("[local] %s: %s; doing what is possible", event, msg)
+
+    def _fire_grant(self, event: ScriptedEvent) -> None:
+        if event.count is not None:
+            free = self.free_nodes()
+            if len(free) < event.count:
+                self._short(event, f"grant {event.count} node(s), but only {len(free)} "
+                                   f"{'is' if len(free) == 1 else 'are'} free then"
+                                   f"{' (' + ', '.join(free) + ')' if free else ''}")
+            devices = self._node_devices(free[:event.count])
+        else:
+            devices = []
+            for d in event.devices:
+                if d in self._owner or d in self._gone:
+                    self._short(event, f"{d} is not free then ({self._state(d)})")
+                else:
+                    devices.append(d)
+        if devices:
+            request = self._pending.pop(0)[0] if self._pending else None
+            self._grant(devices, request)
+
+    def _pick(self, event: ScriptedEvent) -> list[Device]:
+        """The devices a preempt or lose event hits."""
+        verb = event.kind
+        if event.count is None:
+            for d in event.devices:
+                if d in self._anchor:
+                    raise ScriptError(
+                        f"event {event.index}: {d.node} belongs to the anchor allocation "
+                        f"(initial_nodes={self.script.initial_nodes}), which runs the "
+                        f"coordinator and is never preempted or lost")
+            if verb == "lose":
+                hit = [d for d in event.devices if d not in self._gone]
+                for d in event.devices:
+                    if d in self._gone:
+                        self._short(event, f"{d} is already gone ({self._gone[d]})")
+                return hit
+            hit = []
+            for d in event.devices:
+                if d not in self._owner or d in self._noticed:
+                    self._short(event, f"{d} is not held by the job then ({self._state(d)})")
+                else:
+                    hit.append(d)
+            return hit
+        # By count: whole nodes, newest allocation first, highest node first, skipping
+        # the anchor and (for preempt) nodes already under notice.
+        candidates: dict[str, tuple[int, int]] = {}
+        for d, alloc in self._owner.items():
+            if alloc == ANCHOR or (verb == "preempt" and d in self._noticed):
+                continue
+            rank = (self._alloc_order[alloc], self.script.topology.index(d.node))
+            candidates[d.node] = max(candidates.get(d.node, rank), rank)
+        nodes = sorted(candidates, key=lambda n: candidates[n], reverse=True)
+        if len(nodes) < event.count:
+            listed = ", ".join(sorted(nodes, key=self.script.topology.index))
+            self._short(event, f"{verb} {event.count} node(s), but the job holds only "
+                               f"{len(nodes)} node(s) outside the anchor then"
+                               f"{f' ({listed})' if nodes else ''}")
+        chosen = set(nodes[:event.count])
+        return sorted((d for d in self._owner if d.node in chosen
+                       and not (verb == "preempt" and d in self._noticed)), key=self._order)
+
+    def _state(self, d: Device) -> str:
+        if d in self._gone:
+            return f"gone: {self._gone[d]}"
+        if d in self._noticed:
+            return f"under preemption notice in allocation {self._owner[d]}"
+        if d in self._owner:
+            return f"held by the job in allocation {self._owner[d]}"
+        return "free"
+
+    def _node_devices(self, nodes: Iterable[str]) -> list[Device]:
+        gpn = self.script.topology.gpus_per_node
+        return [Device(n, i) for n in nodes for i in range(gpn)]
+
+    def _grant(self, devices: Iterable[Device], request: str | None) -> None:
+        alloc = f"a{self._next_alloc}"
+        self._alloc_order[alloc] = self._next_alloc
+        self._next_alloc += 1
+        devs = tuple(sorted(devices, key=self._order))
+        for d in devs:
+            self._owner[d] = alloc
+        self._out.append(Grant(alloc, devs, request))
+
+    def _by_allocation(self, devices: Iterable[Device]) -> list[tuple[str, tuple[Device, ...]]]:
+        groups: dict[str, list[Device]] = {}
+        for d in devices:
+            groups.setdefault(self._owner[d], []).append(d)
+        return [(a, tuple(sorted(ds, key=self._order)))
+                for a, ds in sorted(groups.items(), key=lambda kv: self._alloc_order[kv[0]])]
+
+    def _notice(self, devices: Sequence[Device], deadline: float) -> None:
+        for d in devices:
+            self._noticed[d] = deadline
+        for alloc, devs in self._by_allocation(devices):
+            self._out.append(PreemptNotice(alloc, devs, deadline))
+
+    def _take(self, devices: Sequence[Device], cause: Literal["failure", "preempted"]) -> None:
+        groups = self._by_allocation(devices)
+        for d in devices:
+            del self._owner[d]
+            self._noticed.pop(d, None)
+            self._gone[d] = cause
+        for alloc, devs in groups:
+            self._out.append(Loss(alloc, devs, cause))

@@ -1,0 +1,294 @@
+"""The local backend: workers as processes on this machine, grouped into simulated nodes,
+with resource events from a script (:mod:`slurm_etc.coordinator.events`).
+
+It implements :class:`~slurm_etc.coordinator.backend.Backend`. ``launch`` starts one process
+per worker (``subprocess.Popen`` of the launch's argv, in a session of its own, with the
+worker's environment); ``stop`` sends SIGTERM to the worker's process group and SIGKILL after
+the grace; a loss (a scripted failure, or a preemption deadline passing while the devices are
+still held) and a release of devices kill the workers on them, as Slurm would. Nothing blocks:
+signals are escalated and exits reaped in :meth:`LocalBackend.poll`.
+
+How the coordinator's loop drives it (the loop stays in control; the backend never calls
+back)::
+
+    backend = LocalBackend(load_script("events.json"), log_dir=run_dir / "workers")
+    try:
+        while running:
+            for event in backend.poll():       # Grant a0 (the anchor) comes first
+                ...
+            backend.on_step(latest_progress_step)   # scripted events due by then fire
+            ...                                     # perform(backend, action)
+    finally:
+        backend.close()                      # stops every worker still running
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+from slurm_etc.alloc.topology import ClusterTopology, Device
+
+from . import env as envvars
+from .backend import (
+    BackendError,
+    BackendEvent,
+    LaunchWorkers,
+    Loss,
+    ReleaseDevices,
+    RequestNodes,
+    StopWorkers,
+    WorkerExited,
+    WorkerState,
+)
+from .events import EventsScript, ScriptedResources, load_script
+
+logger = logging.getLogger(__name__)
+
+# How long close() waits after SIGTERM before it kills.
+CLOSE_GRACE_S = 5.0
+
+
+@dataclass
+class _Worker:
+    state: WorkerState
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes] | None
+    kill_at: float | None = None
+    reported: bool = False
+
+
+class LocalBackend:
+    """Processes on this machine, devices of simulated nodes, events from a script.
+
+    Args:
+        script: the validated events script (cluster size, anchor, events).
+        log_dir: each worker's stdout and stderr go to ``<log_dir>/gen<G>-vrank<R>.log``
+            (appended); None: inherited from the coordinator.
+        clock: unix seconds (preemption deadlines); injectable for tests.
+    """
+
+    def __init__(self, script: EventsScript, *, log_dir: Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.script = script
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._clock = clock
+        self._resources = ScriptedResources(script)
+        self._workers: dict[int, _Worker] = {}
+        self._events: list[BackendEvent] = []
+        self._closed = False
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: object) -> "LocalBackend":
+        """A backend for the script at ``path`` (raises ScriptError with one clear line)."""
+        return cls(load_script(path), **kwargs)  # type: ignore[arg-type]
+
+    def __enter__(self) -> "LocalBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def topology(self) -> ClusterTopology:
+        return self.script.topology
+
+    @property
+    def held(self) -> Mapping[Device, str]:
+        """Devices the job holds now, with their allocation."""
+        return self._resources.held
+
+    # -- Backend ----------------------------------------------------------------------
+    def poll(self) -> list[BackendEvent]:
+        """Events since the last call: scripted ones, deadline losses, granted requests and
+        worker exits; escalates stops past their grace. Never blocks."""
+        now = self._clock()
+        self._resources.tick(now)
+        self._take_events()
+        for vrank, w in sorted(self._workers.items()):
+            if w.reported:
+                continue
+            code = self._exit_code(w)
+            if code is None:
+                if w.kill_at is not None and now >= w.kill_at:
+                    logger.warning("[local] vrank %d (pid %d) ignored SIGTERM for its grace; "
+                                   "killing it", vrank, w.proc.pid)
+                    self._signal(w, signal.SIGKILL)
+                    w.kill_at = None
+                continue
+            w.reported = True
+            w.state = replace(w.state, returncode=code)
+            if w.log is not None:
+                w.log.close()
+            logger.info("[local] vrank %d (gen %d, pid %d) exited with %d", vrank,
+                        w.state.generation, w.proc.pid, code)
+            self._events.append(WorkerExited(vrank, w.state.generation, w.state.device, code,
+                                             w.state.stopping))
+        out, self._events = self._events, []
+        return out
+
+    def on_step(self, step: int) -> None:
+        """The job reached ``step``: scripted events due by then fire (a loss kills the
+        workers on the lost devices at once)."""
+        self._resources.on_step(step, self._clock())
+        self._take_events()
+
+    def request(self, action: RequestNodes) -> None:
+        self._resources.request(action.key, action.nodes)
+        logger.info("[local] request %s for %d node(s)%s", action.key, action.nodes,
+                    f": {action.reason}" if action.reason else "")
+
+    def release(self, action: ReleaseDevices) -> None:
+        released = self._resources.release(action.devices)
+        for w in self._running_on(set(released)):
+            logger.warning("[local] vrank %d still runs on released device %s; killing it",
+                           w.state.vrank, w.state.device)
+            self._kill(w)
+        if released:
+            logger.info("[local] released %s%s", ",".join(str(d) for d in released),
+                        f": {action.reason}" if action.reason else "")
+
+    def launch(self, action: LaunchWorkers) -> None:
+        held = self._resources.held
+        busy = {w.state.device: w.state.vrank for w in self._workers.values()
+                if w.state.running and not w.reported}
+        todo = []
+        for spec in action.workers:
+            current = self._workers.get(spec.vrank)
+            if current is not None and current.state.running and not current.reported:
+                if current.state.device != spec.device:
+                    raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
+                                       f"already runs on {current.state.device} "
+                                       f"(pid {current.proc.pid})")
+                continue  # already running: launching again is a no-op
+            if spec.device not in held:
+                raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: the job "
+                                   f"does not hold {spec.device} "
+                                   f"(held: {','.join(str(d) for d in held) or 'nothing'})")
+            if spec.device in busy:
+                raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: vrank "
+                                   f"{busy[spec.device]} runs there")
+            todo.append(spec)
+        for spec in todo:
+            env = {**os.environ, **action.env, **spec.env,
+                   envvars.VRANK: str(spec.vrank), envvars.GENERATION: str(action.generation),
+                   envvars.NODE: spec.device.node, envvars.LOCAL_INDEX: str(spec.device.local),
+                   envvars.DEVICE: str(spec.device)}
+            log: IO[bytes] | None = None
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                log = open(self.log_dir / f"gen{action.generation}-vrank{spec.vrank}.log",
+                           "ab")
+            try:
+                proc = subprocess.Popen(list(action.argv), env=env, stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=subprocess.STDOUT if log else None,
+                                        start_new_session=True)
+            except OSError as e:
+                if log is not None:
+                    log.close()
+                raise BackendError(f"launch of vrank {spec.vrank}: cannot start "
+                                   f"{action.argv[0]!r}: {e.strerror}") from None
+            state = WorkerState(spec.vrank, action.generation, spec.device, proc.pid)
+            self._workers[spec.vrank] = _Worker(state, proc, log)
+            logger.info("[local] launched vrank %d (gen %d) on %s: pid %d", spec.vrank,
+                        action.generation, spec.device, proc.pid)
+
+    def stop(self, action: StopWorkers) -> None:
+        now = self._clock()
+        for vrank in action.vranks:
+            w = self._workers.get(vrank)
+            if w is None or w.reported or self._exit_code(w) is not None:
+                continue
+            kill_at = now + action.grace_s
+            if w.state.stopping and w.kill_at is not None and w.kill_at <= kill_at:
+                continue
+            w.state = replace(w.state, stopping=True)
+            w.kill_at = kill_at
+            self._signal(w, signal.SIGTERM)
+            logger.info("[local] stopping vrank %d (pid %d)%s", vrank, w.proc.pid,
+                        f": {action.reason}" if action.reason else "")
+
+    def workers(self) -> Mapping[int, WorkerState]:
+        return {v: w.state for v, w in sorted(self._workers.items())}
+
+    def close(self) -> None:
+        """Stop every worker still running: SIGTERM, then SIGKILL after CLOSE_GRACE_S."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [w for w in self._workers.values() if self._exit_code(w) is None]
+        for w in live:
+            self._signal(w, signal.SIGTERM)
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while time.monotonic() < deadline and any(self._exit_code(w) is None for w in live):
+            time.sleep(0.02)
+        for w in live:
+            if self._exit_code(w) is None:
+                logger.warning("[local] vrank %d (pid %d) ignored SIGTERM; killing it",
+                               w.state.vrank, w.proc.pid)
+                self._signal(w, signal.SIGKILL)
+                try:
+                    w.proc.wait(CLOSE_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    logger.error("[local] vrank %d (pid %d) survived SIGKILL",
+                                 w.state.vrank, w.proc.pid)
+        for w in self._workers.values():
+            if w.log is not None and not w.log.closed:
+                w.log.close()
+
+    # -- internals --------------------------------------------------------------------
+    def _take_events(self) -> None:
+        for event in self._resources.drain():
+            if isinstance(event, Loss):
+                for w in self._running_on(set(event.devices)):
+                    logger.info("[local] %s lost (%s): killing vrank %d (pid %d)",
+                                w.state.device, event.cause, w.state.vrank, w.proc.pid)
+                    self._kill(w)
+            self._events.append(event)
+
+    def _running_on(self, devices: set[Device]) -> list[_Worker]:
+        return [w for _, w in sorted(self._workers.items())
+                if w.state.device in devices and not w.reported
+                and self._exit_code(w) is None]
+
+    def _kill(self, w: _Worker) -> None:
+        w.state = replace(w.state, stopping=True)
+        w.kill_at = None
+        self._signal(w, signal.SIGKILL)
+
+    @staticmethod
+    def _exit_code(w: _Worker) -> int | None:
+        """The worker's exit status once it ended (reaped here), None while it runs.
+
+        Its process group is killed before the leader is reaped, so that children it left
+        behind die with it while its pid cannot have been reused."""
+        if w.proc.returncode is not None:
+            return w.proc.returncode
+        try:
+            info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            return w.proc.poll()
+        if info is None:
+            return None
+        try:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return w.proc.wait()
+
+    @staticmethod
+    def _signal(w: _Worker, sig: signal.Signals) -> None:
+        """Signal the worker's process group (its session, started by us), while its leader
+        has not been reaped (so the group id is still ours)."""
+        if w.proc.returncode is not None:
+            return
+        try:
+            os.killpg(w.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
