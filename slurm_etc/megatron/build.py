@@ -202,29 +202,23 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
     ``seed=None`` skips drawing initial weights (``perform_initialization=False``): the
     structures a resize or a checkpoint load fills.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-
     tf_config = transformer_config(model, config)
     if seed is None:
         tf_config = dataclasses.replace(tf_config, perform_initialization=False)
     else:
         torch.manual_seed(seed)
-    with _skip_tied_embedding_sync(seed is None):
+    with skip_tied_embedding_sync(seed is None):
         gpt = _gpt_model(model, tf_config)
     if seed is not None:
         reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
-    module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
+    return wrap_for_training(model, config, gpt, tf_config, optimizer_config(model, config))
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=model.mixed_precision,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=config.distributed_optimizer,
-    )
-    ddp = DistributedDataParallel(tf_config, ddp_config, module)
-    opt_config = OptimizerConfig(
+
+def optimizer_config(model: ModelDesc, config: ParallelConfig) -> Any:
+    """megatron's Adam settings of the states this module builds."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
         optimizer="adam",
         lr=LEARNING_RATE,
         bf16=model.mixed_precision,
@@ -232,8 +226,26 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
         use_distributed_optimizer=config.distributed_optimizer,
         clip_grad=1.0,
     )
+
+
+def wrap_for_training(model: ModelDesc, config: ParallelConfig, gpt: Any, tf_config: Any,
+                      opt_config: Any) -> TrainingState:
+    """What megatron's training loop puts around a GPTModel: ``Float16Module`` in mixed
+    precision, ``DistributedDataParallel`` and ``get_megatron_optimizer``, with the
+    finalize/no-sync hooks the pipeline schedule calls after backward."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=model.mixed_precision,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=config.distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(tf_config, ddp_config, module)
     optimizer = get_megatron_optimizer(opt_config, [ddp])
-    # What megatron's training loop wires up: the schedule calls these after backward.
     tf_config.finalize_model_grads_func = finalize_model_grads
     tf_config.no_sync_func = ddp.no_sync
     return TrainingState(model_desc=model, config=config, model=[ddp], gpt=gpt,
@@ -261,7 +273,7 @@ def _gpt_model(model: ModelDesc, tf_config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _skip_tied_embedding_sync(skip: bool) -> Iterator[None]:
+def skip_tied_embedding_sync(skip: bool) -> Iterator[None]:
     """With ``skip``, build without megatron's all_reduce that makes the last pipeline
     stage's tied output layer start equal to the first stage's embedding: an empty build
     (resize, checkpoint load) writes both copies afterwards, and the sync would move the
@@ -318,7 +330,7 @@ def _train_step(state: TrainingState, *, seed: int, step: int, micro_batch: int,
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=gpt_forward_step,
         data_iterator=iter(micro_batches),
         model=state.model,
         num_microbatches=len(micro_batches),
@@ -340,7 +352,7 @@ def _global_batch_tokens(model: ModelDesc, *, seed: int, step: int, sequences: i
     return torch.randint(0, model.vocab_size, (sequences, seq + 1), generator=generator)
 
 
-def _forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple:
+def gpt_forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple:
     """megatron ``forward_step_func``: next-token loss of one micro-batch."""
     tokens = next(data_iterator)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

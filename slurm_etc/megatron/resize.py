@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slurm_etc.migrate.shards import LocalShard
+from slurm_etc.plan.config import ParallelConfig
 
 from .build import TrainingState
 from .state import (ResumeState, build_empty_state, exchange_resume_state, install_shards,
@@ -105,7 +107,9 @@ class ResizeOutcome:
 
 
 def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
-                    keep_shards: bool = False, faults: Any = None) -> ResizeOutcome:
+                    keep_shards: bool = False, faults: Any = None,
+                    build_new: Callable[[ParallelConfig], TrainingState] | None = None
+                    ) -> ResizeOutcome:
     """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
 
     Every process of old ∪ new calls it at the same step boundary after
@@ -123,6 +127,9 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         keep_shards: keep a copy of the executor's new shards, as received, in the outcome
             (verification); otherwise they live on only inside the installed state.
         faults: a ``FaultInjector`` for the executor (tests).
+        build_new: builds the empty model and optimizer of the new layout inside its new
+            default group (default: :func:`build_empty_state` of the catalog's model; the
+            elastic trainer passes the user's providers).
 
     Raises:
         MigrationAborted: on every process if any failed; ``state`` and its training groups
@@ -170,7 +177,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                                 timeout=_timedelta(prepared.group_timeout_s))
         seconds["train_group"] = time.perf_counter() - t
         t = time.perf_counter()
-        new_state = build_empty_state(catalog.model, cfg)
+        new_state = (build_new(cfg) if build_new is not None
+                     else build_empty_state(catalog.model, cfg))
         seconds["rebuild"] = time.perf_counter() - t
         # verification keeps what arrived apart from what install adopts or copies
         kept = ([LocalShard(sh.state_key, sh.lo, sh.hi, sh.s, sh.tensor.clone())

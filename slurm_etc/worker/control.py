@@ -33,7 +33,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Layout(cfg, tuple(self.devices))
 
     @classmethod
-    def of(cls, layout: Layout) -> "LayoutSpec":
+    def of(cls, layout: Layout) -> LayoutSpec:
         c = layout.config
         return cls(f"dp={c.dp},tp={c.tp},pp={c.pp}", tuple(layout.devices),
                    c.distributed_optimizer)
@@ -42,14 +42,19 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=True):
     """Move from ``old`` to ``new`` at the next step boundary; opens ``generation``.
 
-    ``deadline`` (unix seconds) is when the devices leaving are taken away (a preemption's
-    grace); ``plan_digest`` is the coordinator's :func:`plan digest <plan_digest>`."""
+    ``pool`` is the devices the coordinator planned the new layout on (empty: exactly
+    ``new.devices``) and ``gpus_per_node`` its topology (0: the worker's own): every worker
+    plans with the same inputs. ``deadline`` (unix seconds) is when the devices leaving are
+    taken away (a preemption's grace); ``plan_digest`` is the coordinator's plan digest.
+    """
 
     job: str
     generation: int
     old: LayoutSpec
     new: LayoutSpec
     plan_digest: str = ""
+    pool: tuple[int, ...] = ()
+    gpus_per_node: int = 0
     deadline: float | None = None
     reason: str = ""
 

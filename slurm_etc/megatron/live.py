@@ -1,0 +1,79 @@
+"""The shard catalog of a user's live megatron-core model.
+
+A preset or model JSON (``ModelDesc``) plans without building anything. A running job plans
+from what it actually built: :func:`model_desc_of` reads the description off the live
+``TransformerConfig`` and ``GPTModel``, and :func:`check_catalog` holds the catalog built from
+it against the model's own ``sharded_state_dict()`` metadata (every key, every global shape),
+so a model the catalog does not describe is refused before anything moves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from slurm_etc.plan.catalog import TIED_SUFFIX, Catalog
+from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.model import ModelDesc
+
+from .shards import iter_sharded_tensors
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def model_desc_of(tf_config: Any, gpt: Any, name: str = "user-model") -> ModelDesc:
+    """The ModelDesc of a built GPTModel and its TransformerConfig.
+
+    Raises:
+        ConfigError: a feature the catalog does not describe (fp16, MoE, multi-token
+            prediction, a vocabulary padded by something other than the model).
+    """
+    if getattr(tf_config, "fp16", False):
+        raise ConfigError("fp16 models are not supported (use bf16 or fp32)")
+    if getattr(tf_config, "num_moe_experts", None):
+        raise ConfigError("mixture-of-experts models are not supported yet")
+    if getattr(tf_config, "mtp_num_layers", None):
+        raise ConfigError("multi-token prediction layers are not supported yet")
+    position = getattr(gpt, "position_embedding_type", "learned_absolute")
+    if position not in ("learned_absolute", "rope"):
+        raise ConfigError(f"position embedding {position!r} is not supported "
+                          "(learned_absolute, rope)")
+    return ModelDesc(
+        name=name,
+        num_layers=tf_config.num_layers,
+        hidden=tf_config.hidden_size,
+        ffn_hidden=tf_config.ffn_hidden_size,
+        num_heads=tf_config.num_attention_heads,
+        num_query_groups=tf_config.num_query_groups,
+        vocab_size=gpt.vocab_size,
+        vocab_divisor=1,  # GPTModel holds the padded vocabulary already
+        seq_length=gpt.max_sequence_length,
+        swiglu=bool(tf_config.gated_linear_unit),
+        rmsnorm=tf_config.normalization == "RMSNorm",
+        add_bias_linear=bool(tf_config.add_bias_linear),
+        learned_position_embeddings=position == "learned_absolute",
+        tied_embeddings=bool(gpt.share_embeddings_and_output_weights),
+        param_dtype="bf16" if tf_config.bf16 else "fp32",
+    )
+
+
+def check_catalog(catalog: Catalog, gpt: Any) -> None:
+    """Every ShardedTensor of this rank's model is a catalog tensor of the same global shape.
+
+    Raises:
+        ConfigError: naming the first tensor that differs.
+    """
+    shapes = {g.param: tuple(g.shape) for g in catalog.groups}
+    out_layer = getattr(gpt, "output_layer", None)
+    out_weight = getattr(out_layer, "weight", None)
+    for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):
+        key = sh.key
+        if key == EMBEDDING and out_weight is not None and sh.data is not None \
+                and sh.data.untyped_storage().data_ptr() == \
+                out_weight.untyped_storage().data_ptr() and catalog.model.tied_embeddings \
+                and getattr(gpt, "pre_process", True) is False:
+            key += TIED_SUFFIX
+        if key not in shapes:
+            raise ConfigError(f"the model has tensor {sh.key!r}, which the catalog of "
+                              f"{catalog.model.name} does not describe")
+        if tuple(sh.global_shape) != shapes[key]:
+            raise ConfigError(f"{sh.key}: the model's global shape is "
+                              f"{tuple(sh.global_shape)}, the catalog says {shapes[key]}")

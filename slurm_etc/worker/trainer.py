@@ -1,0 +1,628 @@
+"""The elastic trainer: a user's megatron-core training that continues through resizes.
+
+The user hands over what a Megatron training script already has::
+
+    trainer = ElasticTrainer(
+        model_provider=model_provider,      # (TransformerConfig, pre_process, post_process) -> GPTModel
+        forward_step=forward_step,          # (data_iterator, model) -> (output, loss_func)
+        dataset_provider=dataset_provider,  # () -> map-style dataset of samples
+        transformer_config=tf_config,       # template; tp/pp are set per layout
+        optimizer_config=OptimizerConfig(optimizer="adam", lr=3e-4, ...),
+        scheduler=SchedulerConfig(max_lr=3e-4, warmup_steps=..., decay_steps=...),
+        global_batch_size=16, micro_batch_size=2, train_steps=100)
+    trainer.run(process)                    # a WorkerProcess: job, vrank, store, control
+
+and trains through megatron-core's own pipeline schedule (``get_forward_backward_func``),
+optimizer (``get_megatron_optimizer``, distributed or not) and LR/weight-decay scheduler
+(``OptimizerParamScheduler``). At every step boundary the ranks agree on whether an order
+came (one rank being told is enough: the order travels from the lowest rank that has it);
+a :class:`~slurm_etc.worker.control.Resize` moves the state in place
+(:mod:`slurm_etc.megatron.resize`) and training goes on in the new layout; a
+:class:`~slurm_etc.worker.control.Stop` ends it.
+
+What moves or is re-derived exactly: parameters, fp32 main parameters and Adam moments (the
+executor); the Adam step and each rank's torch RNG (the migration group's control exchange);
+the iteration, consumed samples, scheduler state and grad-scaler state (identical on every
+old rank; old rank 0 publishes them in the rendezvous store); the CUDA and megatron
+tensor-parallel RNG tracker states where they exist (per old rank, taken by the new rank
+that continues it). Each new data-parallel rank then reads exactly the samples a
+checkpoint-restart would give it (:mod:`.data`). A layout that cannot keep the global batch
+is refused before anything moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_etc.megatron.build import TrainingState, skip_tied_embedding_sync, wrap_for_training
+from slurm_etc.megatron.live import check_catalog, model_desc_of
+from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
+from slurm_etc.plan.catalog import Catalog, build_catalog
+from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.model import ModelDesc
+
+from .control import (ENCODER, ORDER_DECODER, Abort, Control, Exited, Order, Progress,
+                      Resize, Resized, Stop)
+from .data import check_batch, microbatch_samples
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """megatron-core ``OptimizerParamScheduler`` settings, in optimizer steps (converted to
+    samples with the global batch, as Megatron-LM does)."""
+
+    max_lr: float
+    min_lr: float = 0.0
+    init_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    decay_style: str = "cosine"
+    start_wd: float = 0.0
+    end_wd: float = 0.0
+    wd_incr_style: str = "constant"
+
+
+@dataclass
+class WorkerProcess:
+    """Who this process is in the job, and how it reaches the others.
+
+    Attributes:
+        job: the job id (prefixes every rendezvous key).
+        vrank: this process's device (virtual rank).
+        store: the job's rendezvous ``torch.distributed.Store``.
+        control: where orders come from and reports go.
+        layout: the layout this process starts in (None: it joins at its first Resize).
+        generation: the generation of ``layout``.
+        topology: devices per node (the plan's topology).
+        keep_tp_in_node: plan with tensor-parallel groups inside a node.
+        timeout_s: bound of every collective and rendezvous.
+    """
+
+    job: str
+    vrank: int
+    store: Any
+    control: Control
+    layout: Layout | None
+    generation: int = 0
+    topology: Topology = field(default_factory=Topology)
+    keep_tp_in_node: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class StepRecord:
+    """One trained step as every rank sees it."""
+
+    step: int
+    loss: float
+    lr: float
+    consumed_samples: int
+    layout: str
+    generation: int
+
+
+@dataclass
+class ResizeRecord:
+    """One resize as this process saw it."""
+
+    generation: int
+    old: str
+    new: str
+    outcome: str
+    step: int
+    moved_bytes: int
+    pause_seconds: float
+    data_seconds: float
+    error: str = ""
+
+
+class ElasticTrainer:
+    """A megatron-core training loop that resizes in place on the coordinator's orders.
+
+    Args:
+        model_provider: ``(transformer_config, pre_process, post_process) -> GPTModel`` for
+            this rank's pipeline stage (the config has this layout's tp and pp set).
+        forward_step: megatron's ``forward_step_func``: ``(data_iterator, model) ->
+            (output_tensor, loss_func)``; ``loss_func(output) -> (loss, {"lm loss": loss})``.
+        dataset_provider: ``() -> dataset``; ``dataset[i]`` is sample ``i`` (a tensor or a
+            dict of tensors), the same on every rank.
+        transformer_config: megatron ``TransformerConfig`` template (tp/pp are replaced).
+        optimizer_config: megatron ``OptimizerConfig`` (``use_distributed_optimizer`` is
+            taken from the layout).
+        scheduler: LR and weight-decay schedule.
+        global_batch_size: samples per optimizer step, kept through every resize.
+        micro_batch_size: samples per micro-batch.
+        seq_length: tokens per sample (for the pipeline schedule's buffers).
+        train_steps: optimizer steps to train in all.
+        name: the model's name in plans and logs.
+        seed: seeds torch's generators before the first build (initial weights).
+        collate: stacks a micro-batch's samples (default: ``torch.stack`` per key).
+    """
+
+    def __init__(self, *, model_provider: Callable[..., Any], forward_step: Callable[..., Any],
+                 dataset_provider: Callable[[], Any], transformer_config: Any,
+                 optimizer_config: Any, scheduler: SchedulerConfig, global_batch_size: int,
+                 micro_batch_size: int, seq_length: int, train_steps: int,
+                 name: str = "user-model", seed: int = 1234,
+                 collate: Callable[[list], Any] | None = None) -> None:
+        if train_steps < 0:
+            raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
+        check_batch(global_batch_size, micro_batch_size, 1)
+        self.model_provider = model_provider
+        self.forward_step = forward_step
+        self.dataset_provider = dataset_provider
+        self.tf_template = transformer_config
+        self.optimizer_config = optimizer_config
+        self.scheduler_config = scheduler
+        self.global_batch = global_batch_size
+        self.micro_batch = micro_batch_size
+        self.seq_length = seq_length
+        self.train_steps = train_steps
+        self.name = name
+        self.seed = seed
+        self.collate = collate or _stack
+        self.state: TrainingState | None = None
+        self.scheduler: Any = None
+        self.catalog: Catalog | None = None
+        self.layout: Layout | None = None
+        self.generation = 0
+        self.step = 0
+        self.consumed_samples = 0
+        self.history: list[StepRecord] = []
+        self.resizes: list[ResizeRecord] = []
+        self._dataset: Any = None
+        self._pending: Order | None = None
+        self.proc: WorkerProcess | None = None
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, proc: WorkerProcess, *, resume_from: str | None = None) -> str:
+        """Train until ``train_steps``, a Stop, or this process leaves the job in a resize.
+
+        ``resume_from``: a checkpoint directory written by :meth:`save_checkpoint` (the
+        checkpoint-restart path; any layout megatron can reshard it to).
+
+        Returns why it ended: ``"done"``, ``"stopped"`` or ``"left"``. The trained state
+        stays in ``self.state`` until :meth:`close`.
+        """
+        from slurm_etc.megatron import cpu_compat
+
+        if not torch.cuda.is_available():
+            cpu_compat.install()
+        self.proc = proc
+        self._dataset = self.dataset_provider()
+        if proc.layout is not None and proc.vrank in proc.layout.devices:
+            self.layout, self.generation = proc.layout, proc.generation
+            self._start_group(f"{proc.job}/g{proc.generation}/train",
+                              proc.layout.devices.index(proc.vrank), proc.layout.config.world)
+            torch.manual_seed(self.seed)
+            self.state = self._build(proc.layout.config, empty=resume_from is not None)
+            if resume_from is not None:
+                self._load_checkpoint(resume_from)
+            self._log("training %s on %d processes from step %d", proc.layout.config,
+                      proc.layout.config.world, self.step)
+        else:
+            order = self._first_order(proc)
+            if isinstance(order, Stop):
+                return self._exit("stopped")
+            if self._resize(order) == "left":
+                return self._exit("left")
+        while True:
+            order = self._agree()
+            if isinstance(order, Stop):
+                return self._exit("stopped")
+            if isinstance(order, Resize):
+                if self._resize(order) == "left":
+                    return self._exit("left")
+                continue
+            if self.step >= self.train_steps:
+                return self._exit("done")
+            self.train_step()
+
+    def close(self) -> None:
+        """Drop the state and this process's groups (after :meth:`run` returned)."""
+        if dist.is_initialized():
+            from slurm_etc.megatron.build import teardown
+
+            self.state = None
+            teardown()
+            dist.destroy_process_group()
+
+    # -- the checkpoint path (the reference a resize is held against) ----------------------
+
+    def save_checkpoint(self, directory: str) -> dict:
+        """megatron ``dist_checkpointing`` save of model and optimizer, plus the trainer's
+        own state (rank 0: step, consumed samples, scheduler, grad scalers, layout) and
+        every rank's RNG, as Megatron-LM's checkpoints hold them. Collective."""
+        from slurm_etc.megatron.checkpoint import save_checkpoint
+
+        state, cfg = self._live()
+        out = save_checkpoint(state, directory)
+        rank = dist.get_rank()
+        if rank == 0:
+            torch.save({**self._trainer_state(), "config": str(cfg),
+                        "num_layers": self.tf_template.num_layers},
+                       os.path.join(directory, "trainer.pt"))
+        os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+        torch.save({"cpu": torch.get_rng_state(), **_rng_extras()},
+                   os.path.join(directory, "rng", f"{rank}.pt"))
+        dist.barrier()
+        return out
+
+    def _load_checkpoint(self, directory: str) -> None:
+        from slurm_etc.megatron.checkpoint import load_checkpoint
+        from slurm_etc.megatron.state import rng_source
+
+        state, cfg = self._live()
+        load_checkpoint(state, directory, optimizer=True)
+        saved = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        self._restore_trainer_state(saved)
+        old = ParallelConfig.parse(saved["config"].replace(",dist-opt", ""),
+                                   cfg.distributed_optimizer)
+        src = rng_source(old, cfg, dist.get_rank(), saved["num_layers"])
+        rng = torch.load(os.path.join(directory, "rng", f"{src}.pt"), weights_only=False)
+        torch.set_rng_state(rng.pop("cpu"))
+        _set_rng_extras(rng)
+
+    def train_step(self) -> float:
+        """One optimizer step over the next global batch; its mean loss (every rank)."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        state, cfg = self._live()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        ranges = microbatch_samples(self.consumed_samples, self.global_batch,
+                                    self.micro_batch, cfg.dp, dp_rank)
+        batches = [self.collate([self._dataset[i] for i in r]) for r in ranges]
+        for chunk in state.model:
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self.forward_step, data_iterator=iter(batches),
+            model=state.model, num_microbatches=len(batches), seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch, forward_only=False)
+        ok, _norm, _zeros = state.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {self.step} was skipped (non-finite gradients)")
+        self.scheduler.step(increment=self.global_batch)
+        self.step += 1
+        self.consumed_samples += self.global_batch
+        loss = _mean_loss(losses, cfg)
+        lr = float(state.optimizer.param_groups[0]["lr"])
+        rec = StepRecord(self.step, loss, lr, self.consumed_samples, str(cfg), self.generation)
+        self.history.append(rec)
+        state.losses.append(loss)
+        proc = self._proc()
+        if dist.get_rank() == 0:
+            proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step, loss,
+                                         lr, self.consumed_samples, str(cfg)))
+        self._log("step %d loss %.6f lr %.3e consumed %d", self.step, loss, lr,
+                  self.consumed_samples)
+        return loss
+
+    # -- orders ---------------------------------------------------------------------------
+
+    def _first_order(self, proc: WorkerProcess) -> Order:
+        """A joining process waits for the resize that brings it in."""
+        deadline = time.monotonic() + proc.timeout_s
+        while time.monotonic() < deadline:
+            order = proc.control.wait(min(1.0, deadline - time.monotonic()))
+            if isinstance(order, Stop | Resize) and order.generation > self.generation and (
+                    isinstance(order, Stop) or proc.vrank in order.new.devices):
+                return order
+        raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
+                           f"{proc.timeout_s:.0f} s")
+
+    def _agree(self) -> Order | None:
+        """Collective at a step boundary: the newest order any rank holds, on every rank."""
+        proc = self._proc()
+        while (order := proc.control.poll()) is not None:
+            if order.generation <= self.generation:
+                continue
+            if isinstance(order, Abort):
+                if self._pending is not None and self._pending.generation == order.generation:
+                    self._log("resize to generation %d aborted by the coordinator: %s",
+                              order.generation, order.reason)
+                    self._pending = None
+                continue
+            if self._pending is None or order.generation >= self._pending.generation:
+                self._pending = order
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flags = torch.full((world,), -1, dtype=torch.int64)
+        if self._pending is not None:
+            flags[rank] = self._pending.generation
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        best = int(flags.max())
+        if best < 0:
+            return None
+        src = int((flags == best).nonzero()[0])
+        payload = [ENCODER.encode(self._pending) if rank == src else None]
+        dist.broadcast_object_list(payload, src=src)
+        self._pending = None
+        return ORDER_DECODER.decode(payload[0])
+
+    # -- resize ---------------------------------------------------------------------------
+
+    def _resize(self, order: Resize) -> str:
+        """Move to ``order.new``; "left" if this process is not part of it, else "stay"."""
+        from slurm_etc.megatron.resize import prepare_resize, resize_in_place
+        from slurm_etc.migrate.executor import MigrationAborted, MigrationOptions
+
+        proc = self._proc()
+        old, new = order.old.layout(), order.new.layout()
+        gen = order.generation
+        tag = f"{proc.job}/g{gen}"
+        if self.layout is not None and old != self.layout:
+            return self._refuse(order, f"order's old layout {old.config} on {old.devices} is "
+                                       f"not the current {self.layout.config}")
+        try:
+            check_batch(self.global_batch, self.micro_batch, new.config.dp)
+            plan = self._plan(order, tag, old, new)
+        except ConfigError as err:
+            return self._refuse(order, str(err))
+        t0 = time.perf_counter()
+        options = MigrationOptions(timeout_s=proc.timeout_s)
+        prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
+                                  group_timeout_s=proc.timeout_s)
+        self._publish_extras(tag, old)
+        try:
+            out = resize_in_place(prepared, self.state,
+                                  build_new=lambda cfg: self._build(cfg, empty=True))
+        except MigrationAborted as err:
+            self._record(order, "aborted", 0, 0.0, 0.0, str(err))
+            return "stay"
+        pause = out.seconds["ready"] - out.seconds["pause"]
+        self.state = out.state
+        self.generation = gen
+        if out.state is None:
+            self.layout = None
+            self._record(order, "left", plan.moved_bytes, pause,
+                         out.stats.get("data_seconds", 0.0), "", out.stats)
+            return "left"
+        self.layout = new
+        self._adopt_extras(tag, old, new, plan)
+        self._record(order, "committed", plan.moved_bytes, pause,
+                     out.stats.get("data_seconds", 0.0), "", out.stats)
+        self._log("resized %s -> %s: moved %.1f MiB (lower bound %.1f MiB), pause %.3f s, "
+                  "total %.3f s", old.config, new.config, plan.moved_bytes / 2**20,
+                  plan.lower_bound_moved_bytes / 2**20, pause, time.perf_counter() - t0)
+        return "stay"
+
+    def _plan(self, order: Resize, tag: str, old: Layout, new: Layout) -> Any:
+        catalog = self._catalog_for(tag, old)
+        proc = self._proc()
+        topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
+                    if order.gpus_per_node else proc.topology)
+        plan = _plan(catalog, old, new.config, tuple(sorted(order.pool or new.devices)),
+                     topology, proc.keep_tp_in_node)
+        if tuple(plan.new.devices) != tuple(new.devices):
+            raise ConfigError(f"the plan places the new ranks on {list(plan.new.devices)}, the "
+                              f"order on {list(new.devices)} (planner versions differ?)")
+        if order.plan_digest and order.plan_digest != plan_digest(plan):
+            raise ConfigError("this worker's plan differs from the coordinator's "
+                              f"({plan_digest(plan)[:12]} != {order.plan_digest[:12]})")
+        return plan
+
+    def _catalog_for(self, tag: str, old: Layout) -> Catalog:
+        """The live model's catalog. Old rank 0 publishes its ModelDesc under the resize's
+        tag; a joining process, which has built nothing yet, plans from it (and checks it
+        against its own model once built)."""
+        proc = self._proc()
+        if self.catalog is not None:
+            if old.devices.index(proc.vrank) == 0:
+                proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
+            return self.catalog
+        desc = ModelDesc.from_json(json.loads(proc.store.get(f"{tag}/model")), self.name)
+        return build_catalog(desc, old.config)
+
+    def _refuse(self, order: Resize, why: str) -> str:
+        """Every rank computes the same refusal: nothing moves, the old layout trains on."""
+        self._log("resize to generation %d refused: %s", order.generation, why)
+        self._record(order, "aborted", 0, 0.0, 0.0, why)
+        if self.layout is None:
+            raise ConfigError(why)
+        return "stay"
+
+    def _publish_extras(self, tag: str, old: Layout) -> None:
+        """Old ranks: trainer state (rank 0) and per-rank RNG extras into the store."""
+        proc = self._proc()
+        if self.layout is None or proc.vrank not in old.devices:
+            return
+        rank = old.devices.index(proc.vrank)
+        if rank == 0:
+            proc.store.set(f"{tag}/trainer", pickle.dumps(self._trainer_state()))
+        proc.store.set(f"{tag}/rng/{rank}", pickle.dumps(_rng_extras()))
+
+    def _trainer_state(self) -> dict:
+        state, _cfg = self._live()
+        return {"step": self.step, "consumed_samples": self.consumed_samples,
+                "scheduler": self.scheduler.state_dict(),
+                "grad_scalers": [getattr(sub, "grad_scaler", None) and
+                                 sub.grad_scaler.state_dict()
+                                 for sub in _sub_optimizers(state.optimizer)]}
+
+    def _adopt_extras(self, tag: str, old: Layout, new: Layout, plan: Any) -> None:
+        from slurm_etc.megatron.state import rng_source
+
+        proc = self._proc()
+        self._restore_trainer_state(pickle.loads(proc.store.get(f"{tag}/trainer")))
+        new_rank = new.devices.index(proc.vrank)
+        src = rng_source(old.config, new.config, new_rank, plan.catalog.model.num_layers)
+        _set_rng_extras(pickle.loads(proc.store.get(f"{tag}/rng/{src}")))
+
+    def _restore_trainer_state(self, saved: dict) -> None:
+        self.step = saved["step"]
+        self.consumed_samples = saved["consumed_samples"]
+        state, _cfg = self._live()
+        self.scheduler = self._make_scheduler(state.optimizer)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        for sub, scaler in zip(_sub_optimizers(state.optimizer), saved["grad_scalers"],
+                               strict=False):
+            if scaler is not None and getattr(sub, "grad_scaler", None) is not None:
+                sub.grad_scaler.load_state_dict(scaler)
+
+    def _record(self, order: Resize, outcome: str, moved: int, pause: float, data: float,
+                error: str, stats: dict | None = None) -> None:
+        proc = self._proc()
+        stats = stats or {}
+        self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
+                                         outcome, self.step, moved, pause, data, error))
+        proc.control.report(Resized(proc.job, order.generation, proc.vrank,
+                                    outcome,  # type: ignore[arg-type]
+                                    self.step, pause, data, int(stats.get("sent_bytes", 0)),
+                                    int(stats.get("received_bytes", 0)), error))
+
+    # -- building -------------------------------------------------------------------------
+
+    def _build(self, config: ParallelConfig, *, empty: bool) -> TrainingState:
+        """Model, DDP, optimizer (and scheduler) of ``config`` from the user's providers.
+
+        ``empty``: no initial weights drawn (a resize fills them)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
+                                                     pipeline_model_parallel_size=config.pp)
+        tf = dataclasses.replace(self.tf_template, tensor_model_parallel_size=config.tp,
+                                 pipeline_model_parallel_size=config.pp)
+        if empty:
+            tf = dataclasses.replace(tf, perform_initialization=False)
+        with skip_tied_embedding_sync(empty):
+            gpt = self.model_provider(tf, pre_process=parallel_state.is_pipeline_first_stage(),
+                                      post_process=parallel_state.is_pipeline_last_stage())
+        desc = model_desc_of(tf, gpt, self.name)
+        catalog = build_catalog(desc, config)
+        check_catalog(catalog, gpt)
+        self.catalog = catalog
+        opt_config = dataclasses.replace(self.optimizer_config,
+                                         use_distributed_optimizer=config.distributed_optimizer,
+                                         bf16=bool(tf.bf16), params_dtype=tf.params_dtype)
+        state = wrap_for_training(desc, config, gpt, tf, opt_config)
+        if not empty:
+            self.scheduler = self._make_scheduler(state.optimizer)
+        return state
+
+    def _make_scheduler(self, optimizer: Any) -> Any:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        s, gb = self.scheduler_config, self.global_batch
+        decay = s.decay_steps if s.decay_steps is not None else self.train_steps
+        return OptimizerParamScheduler(
+            optimizer, init_lr=s.init_lr, max_lr=s.max_lr, min_lr=s.min_lr,
+            lr_warmup_steps=s.warmup_steps * gb, lr_decay_steps=max(decay, 1) * gb,
+            lr_decay_style=s.decay_style, start_wd=s.start_wd, end_wd=s.end_wd,
+            wd_incr_steps=max(decay, 1) * gb, wd_incr_style=s.wd_incr_style)
+
+    def _start_group(self, prefix: str, rank: int, world: int) -> None:
+        proc = self._proc()
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, proc.store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=proc.timeout_s))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _live(self) -> tuple[TrainingState, ParallelConfig]:
+        if self.state is None or self.layout is None:
+            raise RuntimeError("this process holds no training state")
+        return self.state, self.layout.config
+
+    def _proc(self) -> WorkerProcess:
+        if self.proc is None:
+            raise RuntimeError("the trainer is not running")
+        return self.proc
+
+    def _exit(self, why: str) -> str:
+        proc = self._proc()
+        proc.control.report(Exited(proc.job, self.generation, proc.vrank, why, self.step))
+        self._log("exiting (%s) at step %d", why, self.step)
+        return why
+
+    def _log(self, fmt: str, *args: Any) -> None:
+        proc = self.proc
+        prefix = (f"[job {proc.job} gen {self.generation} vrank {proc.vrank}] " if proc
+                  else "")
+        logger.info(prefix + fmt, *args)
+
+
+# -- module helpers -----------------------------------------------------------------------
+
+@lru_cache(maxsize=16)
+def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple[int, ...],
+          topology: Topology, keep_tp_in_node: bool) -> Any:
+    return plan_migration(catalog.model, old, new_config, pool, topology,
+                          keep_tp_in_node=keep_tp_in_node, catalog=catalog)
+
+
+def plan_digest(plan: Any) -> str:
+    """sha256 over what every worker must agree on: layouts and every message."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    h.update(repr((plan.old, plan.new)).encode())
+    m = plan.messages
+    for arr in (m.src, m.dst, m.nbytes, m.round):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def _stack(samples: list) -> Any:
+    if isinstance(samples[0], dict):
+        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    return torch.stack(samples)
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
+    """The step's mean loss over micro-batches and dp ranks, on every rank (only the last
+    pipeline stage holds losses; its tp ranks hold the same value)."""
+    from megatron.core import parallel_state
+
+    local = torch.zeros(1, dtype=torch.float64)
+    if losses and parallel_state.is_pipeline_last_stage():
+        local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+    dist.all_reduce(local)
+    return float(local[0]) / (config.dp * config.tp)
+
+
+def _rng_extras() -> dict:
+    """RNG state beyond torch's CPU generator (which the migration's control exchange moves):
+    CUDA generators and megatron's tensor-parallel RNG tracker, where they exist."""
+    from megatron.core import tensor_parallel
+
+    out: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = tracker.get_states() if getattr(tracker, "is_initialized", lambda: True)() else {}
+    if states:
+        out["tracker"] = states
+    return out
+
+
+def _set_rng_extras(extras: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    if "cuda" in extras and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extras["cuda"])
+    if "tracker" in extras:
+        tensor_parallel.get_cuda_rng_tracker().set_states(extras["tracker"])
