@@ -128,7 +128,7 @@ def select_devices(available: Iterable[Device], world: int, tp: int,
     switch_rank = {s: i for i, s in enumerate(
         sorted(switch_cap, key=lambda s: (-switch_state[s], -switch_cap[s], s)))}
 
-    def key(n: str) -> tuple:
+    def key(n: str) -> tuple[bool, int, int, int, int]:
         return (not anchored[n], -usable[n], switch_rank[topology.switch(n)], -state[n],
                 topology.index(n))
 

@@ -106,7 +106,8 @@ def _param_specs(m: ModelDesc) -> list[tuple[str, tuple[int, ...], bool, int | N
     norm_bias = not m.rmsnorm
     specs: list[tuple[str, tuple[int, ...], bool, int | None, bool, str]] = []
 
-    def add(key, shape, tp_axis=None, swiglu=False, stage=LAYERS):
+    def add(key: str, shape: tuple[int, ...], tp_axis: int | None = None, swiglu: bool = False,
+            stage: str = LAYERS) -> None:
         stacked = stage == LAYERS
         full = (L, *shape) if stacked else tuple(shape)
         axis = None if tp_axis is None else tp_axis + (1 if stacked else 0)
@@ -165,12 +166,11 @@ def build_catalog(model: ModelDesc, config: ParallelConfig | bool) -> Catalog:
                for name in (("fp32_param",) if model.mixed_precision else ()) + ("exp_avg",
                                                                                   "exp_avg_sq")]
         param = StateTensor(key, p_bytes)
-        common = dict(param=key, shape=shape, stacked=stacked, tp_axis=tp_axis, swiglu=swiglu,
-                      stage=stage, order=order)
-        if dist:
-            groups.append(TensorGroup(dist=False, states=(param,), **common))
-            groups.append(TensorGroup(dist=True, states=tuple(opt), **common))
-        else:
-            groups.append(TensorGroup(dist=False, states=(param, *opt), **common))
+        cuts = ([(False, (param,)), (True, tuple(opt))] if dist
+                else [(False, (param, *opt))])
+        groups.extend(TensorGroup(param=key, shape=shape, stacked=stacked, tp_axis=tp_axis,
+                                  swiglu=swiglu, stage=stage, dist=by_dp, states=states,
+                                  order=order)
+                      for by_dp, states in cuts)
     groups.sort(key=lambda g: g.name)
     return Catalog(model=model, distributed_optimizer=dist, groups=tuple(groups))

@@ -19,7 +19,8 @@ from .errors import PlanError
 from .sketch import check_fit, node_slots
 
 
-def transport(value: np.ndarray, supply: np.ndarray, demand: np.ndarray) -> tuple[np.ndarray, float]:
+def transport(value: np.ndarray, supply: np.ndarray, demand: np.ndarray
+              ) -> tuple[np.ndarray, float]:
     """Integral x maximising sum(value * x), row sums <= supply, column sums == demand."""
     n_a, n_b = value.shape
     cells = np.arange(n_a * n_b)
@@ -99,7 +100,8 @@ def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks
 def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> csr_matrix:
     """Sparse (groups x slots): shard bytes each group's ranks could keep in the slot."""
     slot_of = np.full(cost.shape[0], -1, np.int64)
-    slot_of[(slot_first[:, None] + np.arange(tp)).ravel()] = np.repeat(np.arange(len(slot_first)), tp)
+    slot_of[(slot_first[:, None] + np.arange(tp)).ravel()] = np.repeat(
+        np.arange(len(slot_first)), tp)
     s_idx = slot_of[cost.dist_pool]
     ok = s_idx >= 0
     key = s_idx[ok] * cost.shape[1] + cost.dist_rank[ok]
@@ -135,7 +137,7 @@ def assign_classes(cost: CostMatrix) -> np.ndarray:
     placement = np.full(cost.shape[1], -1, np.int64)
     for b in range(value.shape[1]):
         ranks = np.flatnonzero(cost.rank_class == b)
-        for a in np.flatnonzero(x[:, b]):
+        for a in np.flatnonzero(x[:, b]).tolist():
             devs = free[a]
             gain = shards.block(devs, ranks).T + (ranks[:, None] == devs[None, :]) * 0.25
             r, c = pick_pairs(gain, int(x[a, b]))

@@ -16,7 +16,8 @@ from .intersect import Fragments
 from .regions import RegionTable
 
 
-def _cross(ptr_a, idx_a, ptr_b, idx_b, rows_a, rows_b):
+def _cross(ptr_a: np.ndarray, idx_a: np.ndarray, ptr_b: np.ndarray, idx_b: np.ndarray,
+           rows_a: np.ndarray, rows_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each pair k, every (x, y) with x in set_a[rows_a[k]], y in set_b[rows_b[k]]."""
     na = ptr_a[rows_a + 1] - ptr_a[rows_a]
     nb = ptr_b[rows_b + 1] - ptr_b[rows_b]

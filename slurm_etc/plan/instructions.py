@@ -40,7 +40,8 @@ class Transfers:
 
     @property
     def local(self) -> np.ndarray:
-        return self.src == self.dst
+        local: np.ndarray = self.src == self.dst
+        return local
 
 
 def needs(new_tab: RegionTable, frag: Fragments) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +99,8 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, dst_rank: np.ndarray, f: np.ndarray,
-             frag: Fragments, src_rank: np.ndarray, nbytes: np.ndarray):
+             frag: Fragments, src_rank: np.ndarray, nbytes: np.ndarray
+             ) -> Transfers:
     """Sort transfers by device pair and pack each pair's regions into one message."""
     order = np.lexsort((frag.old_row[f], frag.new_row[f], dst_rank, dst, src))
     src, dst, dst_rank, f, src_rank, nbytes = (x[order] for x in

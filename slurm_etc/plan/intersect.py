@@ -8,6 +8,7 @@ vectorised over candidate pairs.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,8 @@ class Fragments:
 
     @property
     def count(self) -> np.ndarray:
-        return self.v - self.u
+        count: np.ndarray = self.v - self.u
+        return count
 
 
 def _unravel(flat: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -60,7 +62,8 @@ def _count_below(xlo: np.ndarray, xhi: np.ndarray, point: np.ndarray) -> np.ndar
     return total
 
 
-def _restrict(tab: RegionTable, rows: np.ndarray, xlo: np.ndarray, xhi: np.ndarray):
+def _restrict(tab: RegionTable, rows: np.ndarray, xlo: np.ndarray, xhi: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
     """Interval of X's order covered by each row's interval."""
     lo, hi = tab.lo[rows], tab.hi[rows]
     size = np.prod(hi - lo, axis=1)
@@ -116,7 +119,8 @@ def intersect(old: RegionTable, new: RegionTable, chunk: int = 2_000_000) -> Fra
     return Fragments(*(x[order] for x in cat))
 
 
-def _candidates(old: RegionTable, new: RegionTable):
+def _candidates(old: RegionTable, new: RegionTable
+                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     n_layer_keys = 1 << 20
     old_layered, new_layered = old.layer >= 0, new.layer >= 0
     # per-layer rows against per-layer rows: key (group, layer)
@@ -131,7 +135,8 @@ def _candidates(old: RegionTable, new: RegionTable):
         yield oi[a], ni[b]
 
 
-def _overlap(old: RegionTable, new: RegionTable, oi: np.ndarray, ni: np.ndarray):
+def _overlap(old: RegionTable, new: RegionTable, oi: np.ndarray, ni: np.ndarray
+             ) -> tuple[np.ndarray, ...]:
     xlo = np.maximum(old.lo[oi], new.lo[ni])
     xhi = np.minimum(old.hi[oi], new.hi[ni])
     ok = np.all(xhi > xlo, axis=1)

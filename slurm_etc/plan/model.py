@@ -6,8 +6,9 @@ megatron-core's ``GPTModel.sharded_state_dict()`` reports, without building the 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -57,7 +58,8 @@ class ModelDesc:
                   "vocab_divisor"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model {self.name}: {f} must be a positive integer, got {value!r}")
+                raise ConfigError(f"model {self.name}: {f} must be a positive integer, "
+                                  f"got {value!r}")
         if self.hidden % self.num_heads:
             raise ConfigError(f"model {self.name}: num_heads ({self.num_heads}) must divide "
                               f"hidden ({self.hidden})")
@@ -90,11 +92,11 @@ class ModelDesc:
     def mixed_precision(self) -> bool:
         return self.param_dtype != "fp32"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict, name: str = "custom") -> "ModelDesc":
+    def from_json(cls, data: object, name: str = "custom") -> "ModelDesc":
         if not isinstance(data, dict):
             raise ConfigError("model description must be a JSON object")
         known = {f.name for f in fields(cls)}
@@ -109,28 +111,32 @@ class ModelDesc:
             raise ConfigError(f"model description: {exc}") from None
 
 
-_LLAMA = dict(swiglu=True, rmsnorm=True, add_bias_linear=False,
-              learned_position_embeddings=False, tied_embeddings=False)
+
+def _llama(m: ModelDesc) -> ModelDesc:
+    """The llama architecture: SwiGLU, RMSNorm, no linear biases, rotary, untied output."""
+    return replace(m, swiglu=True, rmsnorm=True, add_bias_linear=False,
+                   learned_position_embeddings=False, tied_embeddings=False)
+
 
 PRESETS: dict[str, ModelDesc] = {
     m.name: m
     for m in [
         ModelDesc("tiny", num_layers=4, hidden=64, ffn_hidden=256, num_heads=4, vocab_size=256,
                   seq_length=64, param_dtype="fp32", vocab_divisor=64),
-        ModelDesc("tiny-llama", num_layers=4, hidden=64, ffn_hidden=128, num_heads=8,
-                  num_query_groups=4, vocab_size=256, seq_length=64, param_dtype="fp32",
-                  vocab_divisor=64, **_LLAMA),
+        _llama(ModelDesc("tiny-llama", num_layers=4, hidden=64, ffn_hidden=128, num_heads=8,
+                         num_query_groups=4, vocab_size=256, seq_length=64, param_dtype="fp32",
+                         vocab_divisor=64)),
         # ~23M parameters: 280 MB of fp32 Adam training state, for benchmarks on CPU.
         ModelDesc("small", num_layers=6, hidden=512, ffn_hidden=2048, num_heads=8,
                   vocab_size=8192, seq_length=512, param_dtype="fp32"),
         ModelDesc("gpt-1.3b", num_layers=24, hidden=2048, ffn_hidden=8192, num_heads=16,
                   vocab_size=50257, seq_length=2048),
-        ModelDesc("llama-7b", num_layers=32, hidden=4096, ffn_hidden=11008, num_heads=32,
-                  vocab_size=32000, seq_length=4096, **_LLAMA),
-        ModelDesc("llama-13b", num_layers=40, hidden=5120, ffn_hidden=13824, num_heads=40,
-                  vocab_size=32000, seq_length=4096, **_LLAMA),
-        ModelDesc("llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672, num_heads=64,
-                  num_query_groups=8, vocab_size=32000, seq_length=4096, **_LLAMA),
+        _llama(ModelDesc("llama-7b", num_layers=32, hidden=4096, ffn_hidden=11008,
+                         num_heads=32, vocab_size=32000, seq_length=4096)),
+        _llama(ModelDesc("llama-13b", num_layers=40, hidden=5120, ffn_hidden=13824,
+                         num_heads=40, vocab_size=32000, seq_length=4096)),
+        _llama(ModelDesc("llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672,
+                         num_heads=64, num_query_groups=8, vocab_size=32000, seq_length=4096)),
         ModelDesc("gpt-175b", num_layers=96, hidden=12288, ffn_hidden=49152, num_heads=96,
                   vocab_size=50257, seq_length=2048),
     ]

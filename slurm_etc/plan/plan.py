@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
 from .catalog import Catalog, build_catalog
+from .classes import assign_classes, assign_classes_tp_in_node, kept_upper_bound
 from .config import Layout, ParallelConfig
 from .cost import build_cost
 from .errors import ConfigError, require
@@ -16,7 +18,6 @@ from .intersect import Fragments, intersect
 from .model import ModelDesc
 from .regions import RegionTable, region_table
 from .schedule import Topology, color_edges, round_times
-from .classes import assign_classes, assign_classes_tp_in_node, kept_upper_bound
 from .sketch import assign_tp_in_node, assign_unconstrained
 
 # Up to this many cost-matrix cells (pool devices x new ranks) the sketch is solved densely
@@ -57,7 +58,7 @@ class MigrationPlan:
     lower_bound_moved_bytes: int
     naive_moved_bytes: int
     plan_seconds: float = 0.0
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -102,7 +103,7 @@ class MigrationPlan:
         recv = np.bincount(np.unique(m.dst, return_inverse=True)[1], m.seconds)
         return float(max(send.max(), recv.max()))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The numbers `slurm-etc plan --json` prints."""
         lb, naive = self.lower_bound_moved_bytes, self.naive_moved_bytes
         moved = self.moved_bytes
@@ -277,7 +278,8 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
 
 
 def _instructions(catalog: Catalog, old: Layout, new: Layout, old_tab: RegionTable,
-                  new_tab: RegionTable, frag: Fragments, topology: Topology):
+                  new_tab: RegionTable, frag: Fragments, topology: Topology
+                  ) -> tuple[Transfers, Messages]:
     bpe = np.array([g.bytes_per_element for g in catalog.groups], np.int64)
     frag_bytes = frag.count * bpe[old_tab.group[frag.old_row]]
     f, dst_rank = needs(new_tab, frag)

@@ -12,6 +12,7 @@ into one row held by several classes.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from math import lcm
@@ -47,7 +48,8 @@ class RegionTable:
 
     @property
     def count(self) -> np.ndarray:
-        return self.e - self.s
+        count: np.ndarray = self.e - self.s
+        return count
 
     def holder_ranks(self, row: int) -> np.ndarray:
         """Ranks holding a row, ascending."""
@@ -89,6 +91,8 @@ def holds_group(g: TensorGroup, p: int, pp: int) -> bool:
 
 def tp_boxes(g: TensorGroup, t: int, tp: int) -> list[tuple[int, int]]:
     """Intervals along the tp axis held by tp rank t (two for SwiGLU, one otherwise)."""
+    if g.tp_axis is None:
+        raise ValueError(f"{g.param} is not split over tensor-parallel ranks")
     n = g.shape[g.tp_axis]
     if g.swiglu:
         half = n // 2
@@ -98,7 +102,10 @@ def tp_boxes(g: TensorGroup, t: int, tp: int) -> list[tuple[int, int]]:
     return [(t * w, (t + 1) * w)]
 
 
-def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> list[tuple[list, list]]:
+Box = tuple[list[int], list[int]]
+
+
+def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> list[Box]:
     """Boxes (lo, hi over NDIM axes) tp rank t holds of g over a layer range."""
     lo = [0] * NDIM
     hi = list(g.shape) + [1] * (NDIM - len(g.shape))
@@ -106,7 +113,7 @@ def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> lis
         lo[0], hi[0] = layers
     if g.tp_axis is None:
         return [(lo, hi)]
-    boxes = []
+    boxes: list[Box] = []
     for a, b in tp_boxes(g, t, tp):
         blo, bhi = list(lo), list(hi)
         blo[g.tp_axis], bhi[g.tp_axis] = a, b
@@ -114,20 +121,25 @@ def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> lis
     return boxes
 
 
-def _box_size(lo, hi) -> int:
+def _box_size(lo: Sequence[int], hi: Sequence[int]) -> int:
     n = 1
     for a, b in zip(lo, hi):
         n *= b - a
     return n
 
 
+# (group, layer, lo, hi, start, end, dp rank): one row of a region table
+_RowKey = tuple[int, int, tuple[int, ...], tuple[int, ...], int, int, int]
+
+
 class _Builder:
     """Collects rows, merging replicas (same region, same dp rank) across classes."""
 
     def __init__(self) -> None:
-        self.rows: dict[tuple, list[int]] = {}
+        self.rows: dict[_RowKey, list[int]] = {}
 
-    def add(self, group: int, layer: int, lo, hi, s: int, e: int, dp_rank: int, cls: int):
+    def add(self, group: int, layer: int, lo: Sequence[int], hi: Sequence[int], s: int, e: int,
+            dp_rank: int, cls: int) -> None:
         key = (group, layer, tuple(lo), tuple(hi), s, e, dp_rank)
         self.rows.setdefault(key, []).append(cls)
 
@@ -151,7 +163,8 @@ class _Builder:
         return RegionTable(config, *arrays)
 
 
-def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
+def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int
+                ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
     """The distributed optimizer's flat buffer of one model-parallel rank.
 
     Returns (entries, buckets): entries are (group index, layer, start offset) in buffer
@@ -163,7 +176,7 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
     """
     model = catalog.model
     layers = stage_layers(model.num_layers, config.pp, p)
-    held = []
+    held: list[tuple[tuple[int, int, int], int, int]] = []
     for gi, g in enumerate(catalog.groups):
         if not g.dist or not holds_group(g, p, config.pp) or _alias_of(catalog, g, config):
             continue
@@ -173,7 +186,8 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int):
             held.append((layer_order_key(g, -1), gi, -1))
     held.sort(reverse=True)
     align = lcm(config.dp, BUCKET_END_ALIGN)
-    entries, buckets = [], []
+    entries: list[tuple[int, int, int]] = []
+    buckets: list[tuple[int, int]] = []
     offset = bucket_start = 0
     in_bucket = 0
 
@@ -269,7 +283,8 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
     return b.table(config)
 
 
-def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int, p: int):
+def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int, p: int
+                   ) -> None:
     cls = t + config.tp * p
     entries, buckets = dist_buffer(catalog, config, t, p)
     starts = np.array([off for _, _, off in entries], np.int64)

@@ -8,6 +8,7 @@ message over its link (intra-node or inter-node bandwidth).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -20,7 +21,12 @@ class Topology:
     intra_node_gbps: float = 150.0
     inter_node_gbps: float = 25.0
 
-    def node(self, device):
+    @overload
+    def node(self, device: int) -> int: ...
+    @overload
+    def node(self, device: np.ndarray) -> np.ndarray: ...
+
+    def node(self, device: int | np.ndarray) -> int | np.ndarray:
         return device // self.gpus_per_node
 
     def bandwidth(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -52,9 +58,10 @@ def color_edges(u: np.ndarray, v: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return colors
 
 
-def _flip(at_u, at_v, u, v, colors, start_v: int, a: int, b: int) -> None:
+def _flip(at_u: dict[int, dict[int, int]], at_v: dict[int, dict[int, int]], u: np.ndarray,
+          v: np.ndarray, colors: np.ndarray, start_v: int, a: int, b: int) -> None:
     """Swap colours a and b along the a/b alternating path that starts at receiver start_v."""
-    path = []
+    path: list[int] = []
     side, node, want = "v", start_v, a
     while True:
         table = at_v if side == "v" else at_u

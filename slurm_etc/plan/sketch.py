@@ -44,7 +44,8 @@ def assign_unconstrained(cost: CostMatrix, c: np.ndarray) -> np.ndarray:
     return _solve(c.T, ident)
 
 
-def node_slots(pool: np.ndarray, tp: int, gpus_per_node: int):
+def node_slots(pool: np.ndarray, tp: int, gpus_per_node: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Slots for tensor-parallel groups: aligned blocks of ``tp`` pool devices in one node.
 
     Returns (slot_first, slot_node, node_start, node_size): each slot's first pool index and

@@ -142,7 +142,7 @@ def format_devices(devices: Iterable[Device]) -> str:
     parts = []
     for node, locals_ in by_node.items():
         runs, start = [], locals_[0]
-        for prev, cur in zip(locals_, locals_[1:] + [None]):
+        for prev, cur in zip(locals_, [*locals_[1:], -1]):  # -1: the run ends
             if cur != prev + 1:
                 runs.append(f"{start}" if start == prev else f"{start}-{prev}")
                 start = cur
@@ -185,16 +185,19 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
     capped = policy.max_resizes_per_hour is not None and recent >= policy.max_resizes_per_hour
     counts = list(Counter(d.node for d in usable).values())
 
-    def cost_of(config: ParallelConfig) -> int:
-        return cost(s.layout, config, _allocate(s, usable, config, policy))
-
     # Migration cost matters only when a resize can happen now (not at a first start, nor
     # for a voluntary resize the cap forbids).
-    weigh_cost = s.layout is not None and (bool(lost) or not capped)
+    cost_of: Callable[[ParallelConfig], int] | None = None
+    layout = s.layout
+    if layout is not None and (lost or not capped):
+        def cost_from_layout(config: ParallelConfig) -> int:
+            return cost(layout, config, _allocate(s, usable, config, policy))
+        cost_of = cost_from_layout
+
     try:
         choice = choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
                                allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
-                               migration_cost=cost_of if weigh_cost else None)
+                               migration_cost=cost_of)
     except ConfigError as exc:
         grow = _grow_request(s, policy, usable, None, capped)
         return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
@@ -202,7 +205,7 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
 
     actions: list[Action] = []
     target = _allocate(s, usable, choice.config, policy)
-    keep = False
+    keep: ParallelConfig | None = None  # the current configuration, if it stays
     if s.layout is None:
         forced, why = False, f"start: {choice.reason}"
         summary = f"start on {len(target.vranks)} of {len(usable)} usable devices"
@@ -213,8 +216,9 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
         current = tokens_per_second(s.job, s.layout.config, s.hardware)
         gain = choice.best.tokens_per_s / current - 1
         forced, why = False, f"+{gain:.0%} estimated throughput; {choice.reason}"
-        keep = choice.config == s.layout.config or gain < MIN_GAIN or capped
-        if not keep:
+        if choice.config == s.layout.config or gain < MIN_GAIN or capped:
+            keep = s.layout.config
+        if keep is None:
             summary = f"resize for +{gain:.0%} estimated throughput"
         elif choice.config == s.layout.config or gain < MIN_GAIN:
             summary = (f"keep {s.layout.config}: the best configuration gains "
@@ -222,8 +226,8 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
         else:
             summary = (f"keep {s.layout.config}: {recent} resizes in the last hour reach the "
                        f"policy cap ({policy.max_resizes_per_hour}); a {gain:.0%} gain waits")
-    if keep:
-        config = s.layout.config
+    if keep is not None:
+        config = keep
         target = Allocation(dict(s.vranks), tuple(sorted(usable - in_layout - s.pinned)))
     else:
         config = choice.config
@@ -304,16 +308,19 @@ def _grow_request(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
     def pays(c: Choice | None) -> bool:
         return c is not None and c.best.tokens_per_s >= (1 + MIN_GAIN) * base
 
-    if room < 1 or not pays(best_with(room)):
+    if room < 1:
         return None
-    low, high = 0, room  # pays(high) holds; find the smallest such extra
+    bigger = best_with(room)
+    if bigger is None or not pays(bigger):
+        return None
+    low, high = 0, room  # pays(high) holds, bigger = best_with(high); find the smallest extra
     while high - low > 1:
         mid = (low + high) // 2
-        if pays(best_with(mid)):
-            high = mid
+        candidate = best_with(mid)
+        if candidate is not None and pays(candidate):
+            high, bigger = mid, candidate
         else:
             low = mid
-    bigger = best_with(high)
     gain = ("enough devices to start" if not base else
             f"{bigger.config} would be {bigger.best.tokens_per_s / base - 1:.0%} faster")
     return RequestGrow(high, policy.grow_partition, policy.grow_qos, policy.preempt_grace_s,

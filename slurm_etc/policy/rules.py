@@ -7,11 +7,15 @@ them so that the stricter value of every field wins.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Iterable, Mapping
+from typing import Any
 
 SCOPE_KINDS = ("partition", "account")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# The value of one policy field: counts, tp/pp lists, the grow flag, partition/qos names.
+PolicyValue = int | bool | str | tuple[int, ...] | None
 
 
 class PolicyError(ValueError):
@@ -91,7 +95,7 @@ class ResizePolicy:
             raise PolicyError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes "
                               f"({self.max_nodes})")
 
-    def set_fields(self) -> dict:
+    def set_fields(self) -> dict[str, Any]:
         """The fields this policy sets (not None), in declaration order."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
@@ -155,7 +159,7 @@ def effective(policies: Iterable[tuple[Scope, ResizePolicy]]) -> EffectivePolicy
     return out
 
 
-def parse_assignments(items: Iterable[str]) -> dict:
+def parse_assignments(items: Iterable[str]) -> dict[str, PolicyValue]:
     """Parse ``key=value`` strings into field values (validated by ResizePolicy later).
 
     Values: integers; ``allowed_tp``/``allowed_pp`` as comma lists (``1,2,4``); ``grow`` as
@@ -164,7 +168,7 @@ def parse_assignments(items: Iterable[str]) -> dict:
     Raises:
         PolicyError: unknown key, repeated key or unparsable value, naming the valid keys.
     """
-    out: dict = {}
+    out: dict[str, PolicyValue] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -190,8 +194,11 @@ def check_keys(keys: Iterable[str]) -> list[str]:
     return out
 
 
-def updated(policy: ResizePolicy, changes: Mapping[str, object]) -> ResizePolicy:
-    """``policy`` with ``changes`` applied (None unsets), validated as a whole."""
+def updated(policy: ResizePolicy, changes: Mapping[str, Any]) -> ResizePolicy:
+    """``policy`` with ``changes`` applied (None unsets), validated as a whole.
+
+    The values are checked by ``ResizePolicy.__post_init__`` (they come from users), hence Any.
+    """
     unknown = sorted(set(changes) - set(FIELDS))
     if unknown:
         raise PolicyError(f"unknown policy key(s) {', '.join(unknown)}; valid keys: "
@@ -199,7 +206,7 @@ def updated(policy: ResizePolicy, changes: Mapping[str, object]) -> ResizePolicy
     return replace(policy, **changes)
 
 
-def _parse_value(key: str, raw: str):
+def _parse_value(key: str, raw: str) -> PolicyValue:
     if key in ("allowed_tp", "allowed_pp"):
         parts = [p for p in raw.replace(" ", "").split(",") if p]
         try:
@@ -236,9 +243,9 @@ def _parse_seconds(raw: str) -> int:
                           f"got {raw!r}") from None
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _csv(values) -> str:
+def _csv(values: Iterable[object]) -> str:
     return ",".join(map(str, values))
