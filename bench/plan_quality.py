@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from slurm_etc.plan import Layout, ParallelConfig, PRESETS, Topology, default_pool, plan_migration
+from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology, default_pool, plan_migration
 
 SUITE = [
     # model, from (dp, tp, pp), to, distributed optimizer, gpus per node

@@ -34,8 +34,14 @@ def drop_last_replicas(old, new, gpn=8):
 
 
 def run_case(model, old, new, dist):
-    from slurm_etc.plan import Layout, ParallelConfig, PRESETS, Topology, default_pool
-    from slurm_etc.plan import plan_migration
+    from slurm_etc.plan import (
+        PRESETS,
+        Layout,
+        ParallelConfig,
+        Topology,
+        default_pool,
+        plan_migration,
+    )
     oc = ParallelConfig(*old, distributed_optimizer=dist)
     nc = ParallelConfig(*new, distributed_optimizer=dist)
     layout = Layout(oc, tuple(range(oc.world)))

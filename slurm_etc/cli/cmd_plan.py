@@ -14,7 +14,7 @@ from ..plan.errors import ConfigError
 def _node_list(text: str | None) -> list[int]:
     if not text:
         return []
-    out = []
+    out: list[int] = []
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
@@ -78,9 +78,11 @@ def render(summary: dict, console: Console) -> None:
 @click.option("--add-nodes", default=None, type=click.IntRange(min=0),
               help="Nodes joining the job; default: as many as the new layout needs.")
 @click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
-@click.option("--intra-node-gbps", default=150.0, show_default=True, type=click.FloatRange(min=0.001),
+@click.option("--intra-node-gbps", default=150.0, show_default=True,
+              type=click.FloatRange(min=0.001),
               help="Per-device bandwidth inside a node (GB/s).")
-@click.option("--inter-node-gbps", default=25.0, show_default=True, type=click.FloatRange(min=0.001),
+@click.option("--inter-node-gbps", default=25.0, show_default=True,
+              type=click.FloatRange(min=0.001),
               help="Per-device bandwidth between nodes (GB/s).")
 @click.option("--no-tp-in-node", is_flag=True,
               help="Allow tensor-parallel groups to span nodes.")

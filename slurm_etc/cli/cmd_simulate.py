@@ -43,17 +43,17 @@ def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_n
     placement), and compare occupancy, fragmentation, resizes and bytes migrated."""
     if bool(trace_path) == synthetic:
         raise UserError("give exactly one of --trace FILE or --synthetic")
-    if synthetic:
-        trace = synthetic_trace(nodes=nodes, gpus_per_node=gpus_per_node, jobs=jobs,
-                                hours=hours, seed=seed, rigid_load=rigid_load)
-        source = (f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, {jobs} elastic jobs, "
-                  f"{hours:g} h, rigid load {rigid_load:g}, seed {seed}")
-    else:
+    if trace_path:
         try:
             trace = load_trace(trace_path)
         except TraceError as exc:
             raise UserError(str(exc)) from None
         source = f"trace {trace_path}"
+    else:
+        trace = synthetic_trace(nodes=nodes, gpus_per_node=gpus_per_node, jobs=jobs,
+                                hours=hours, seed=seed, rigid_load=rigid_load)
+        source = (f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, {jobs} elastic jobs, "
+                  f"{hours:g} h, rigid load {rigid_load:g}, seed {seed}")
     if save_trace:
         Path(save_trace).write_text(json.dumps(trace.to_json(), indent=1) + "\n")
     start = time.perf_counter()

@@ -386,11 +386,11 @@ def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
         by_key[sh.key] = sh
     out = []
     for sp in prog.old_specs:
-        sh = by_key.get(sp.key)
-        if sh is None:
+        held = by_key.get(sp.key)
+        if held is None:
             raise ValueError(f"old rank {prog.old_rank} must hold shard {sp.key} "
                              f"({sp.numel} elements) and was not given it")
-        t = sh.tensor
+        t = held.tensor
         if t.numel() != sp.numel or t.element_size() != sp.itemsize:
             raise ValueError(f"shard {sp.key}: {t.numel()} elements of {t.element_size()} "
                              f"bytes, the plan says {sp.numel} of {sp.itemsize}")
@@ -535,15 +535,16 @@ def execute_migration(plan, transport: Transport, device: int,
         faults.check(prog.group_rank, "start")
         mine = [sh for sh in old_shards if sh.state_key in catalog_keys]
         run.old_bytes = _check_old_shards(prog, mine, dev)
-        new_tensors = (_check_destinations(prog, destinations, dev) if destinations is not None
-                       else allocate_destinations(prog, options, dev, prefault=False))
+        slots = (_check_destinations(prog, destinations, dev) if destinations is not None
+                 else allocate_destinations(prog, options, dev, prefault=False))
         old_by_key = {sh.key: sh.tensor for sh in mine}
-        for j, i in prog.kept.items():
-            if new_tensors[j] is None:  # the old shard is the new one: no copy
-                old = old_by_key[prog.old_specs[i].key].detach().reshape(-1)
-                new_tensors[j] = old.view(_new_dtype(prog.new_specs[j], options, old.dtype))
+        for j, slot in enumerate(slots):
+            if slot is None:  # a kept shard (checked above): the old one is the new one, no copy
+                old = old_by_key[prog.old_specs[prog.kept[j]].key].detach().reshape(-1)
+                slot = old.view(_new_dtype(prog.new_specs[j], options, old.dtype))
                 run.aliased.add(j)
                 stats.kept_whole_bytes += prog.new_specs[j].nbytes
+            new_tensors.append(slot)
         run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
         send_size, recv_size = prog.staging_sizes
         n_send = sum(st.send is not None for st in steps)

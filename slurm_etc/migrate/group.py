@@ -68,7 +68,7 @@ class MigrationGroup:
             self.data = self.control = None  # backends of their own: closed when dropped
             return
         for pg in {id(self.data): self.data, id(self.control): self.control}.values():
-            if pg is not None and pg is not dist.GroupMember.WORLD:
+            if isinstance(pg, dist.ProcessGroup) and pg is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(pg)
 
 

@@ -138,8 +138,8 @@ class Segments:
                 continue
             pos = s0 + a - c0
             for lo, hi in interval_boxes((0, 0, 0), sizes, a, b):
-                sub = tuple(h - l for l, h in zip(lo, hi))
-                off = base + sum(l * st for l, st in zip(lo, strides))
+                sub = tuple(h - low for low, h in zip(lo, hi))
+                off = base + sum(low * st for low, st in zip(lo, strides))
                 yield shard, off, sub, strides, pos
                 pos += _prod(sub)
 
@@ -389,7 +389,7 @@ def _steps(rounds: np.ndarray, nbytes: np.ndarray, chunk: int, send_of_round: di
         return ()
     per_round = np.zeros(int(rounds.max()) + 1, np.int64)
     np.maximum.at(per_round, rounds, -(-nbytes // chunk))
-    steps = []
+    steps: list[Step] = []
     for r, n in enumerate(per_round.tolist()):
         for j in range(n):
             send = send_of_round.get(r)

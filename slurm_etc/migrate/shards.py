@@ -14,6 +14,7 @@ Nothing here imports torch: these functions only say which shards exist, so they
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,13 @@ class LocalShard:
 
     @property
     def key(self) -> tuple[str, Box3, Box3, int]:
-        return (self.state_key, tuple(self.lo), tuple(self.hi), int(self.s))
+        return (self.state_key, box3(self.lo), box3(self.hi), int(self.s))
+
+
+def box3(values: Sequence[int] | np.ndarray) -> Box3:
+    """Three plain ints (a live shard's corners may come as lists or numpy integers)."""
+    a, b, c = values
+    return (int(a), int(b), int(c))
 
 
 def _box_size(lo, hi) -> int:
@@ -94,8 +101,7 @@ def row_shards(catalog: Catalog, table: RegionTable, row: int) -> list[tuple[Box
     """(lo, hi, s, e) of the shards a region row stands for: one per layer for a stacked
     tensor's row that spans a layer range, else the row itself."""
     g = catalog.groups[int(table.group[row])]
-    lo = tuple(int(x) for x in table.lo[row])
-    hi = tuple(int(x) for x in table.hi[row])
+    lo, hi = box3(table.lo[row]), box3(table.hi[row])
     s, e = int(table.s[row]), int(table.e[row])
     if not g.stacked or hi[0] - lo[0] == 1:
         return [(lo, hi, s, e)]

@@ -40,6 +40,8 @@ class SimCluster:
             single = [ns for ns in by_switch.values() if len(ns) >= nodes]
             chosen = single[0][:nodes] if single else whole[:nodes]
             return [d for n in chosen for d in self.topology.devices_of(n)]
+        if gpus is None:
+            raise ValueError("a request needs gpus or nodes")
         fits = [n for n in self.topology.nodes if self.free_on[n] >= gpus]
         if not fits:
             return None
@@ -72,8 +74,9 @@ class SimCluster:
         """Take a node down; returns what each owner lost."""
         lost: dict[str, list[Device]] = defaultdict(list)
         for d in self.topology.devices_of(node):
-            if self.owner[d] not in (None, DOWN):
-                lost[self.owner[d]].append(d)
+            owner = self.owner[d]
+            if owner is not None and owner != DOWN:
+                lost[owner].append(d)
             self.owner[d] = DOWN
         self.free_on[node] = 0
         self.down.add(node)

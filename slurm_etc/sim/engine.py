@@ -25,9 +25,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from ..alloc.chooser import TrainingJob, choose_config, tokens_per_second
 from ..alloc.migration import migration_cost, placement_moved_bytes
@@ -35,8 +35,17 @@ from ..alloc.topology import ClusterTopology, Device
 from ..alloc.vranks import identity_layout, split_tp_groups
 from ..plan import Layout, Topology
 from ..plan.errors import ConfigError
-from ..policy.decide import (HOUR, MIN_GAIN, Notice, Pause, Release, RequestGrow, Resize,
-                             Snapshot, decide)
+from ..policy.decide import (
+    HOUR,
+    MIN_GAIN,
+    Notice,
+    Pause,
+    Release,
+    RequestGrow,
+    Resize,
+    Snapshot,
+    decide,
+)
 from ..policy.rules import EffectivePolicy, Scope, effective
 from .cluster import SimCluster
 from .trace import ElasticJobSpec, Event, Trace
@@ -74,6 +83,16 @@ class _Request:
     submitted: float
 
 
+_T = TypeVar("_T")
+
+
+def _need(value: _T | None, what: str) -> _T:
+    """A field the trace's validation (or the request's kind) guarantees is set."""
+    if value is None:
+        raise RuntimeError(f"simulator bug: {what} missing")
+    return value
+
+
 @dataclass
 class SimResult:
     """Time series (piecewise constant from each time to the next) and totals of one run."""
@@ -83,7 +102,7 @@ class SimResult:
     occupancy: list[float]
     idle_held: list[int]
     partial_nodes: list[int]
-    summary: dict
+    summary: dict[str, Any]
 
 
 class Simulation:
@@ -122,8 +141,11 @@ class Simulation:
             heapq.heappush(heap, (j.start, 0, self._next(), ("start", j.name)))
         for e in self.trace.events:
             heapq.heappush(heap, (e.t, 1, self._next(), e))
-        times, occ, idle, partial = [], [], [], []
-        area = Counter()
+        times: list[float] = []
+        occ: list[float] = []
+        idle: list[int] = []
+        partial: list[int] = []
+        area: defaultdict[str, float] = defaultdict(float)  # integral over time
         last_t = 0.0
         last = self._sample()
         end = self.trace.duration
@@ -161,25 +183,28 @@ class Simulation:
             return
         e: Event = item
         if e.kind == "grow":
+            owner = _need(e.job, "grow event's job")
             if self.allocator == "naive":
-                self.queue.append(_Request(self._next(), e.job, e.gpus, e.nodes, None, True, t))
+                self.queue.append(_Request(self._next(), owner, e.gpus, e.nodes, None, True, t))
             else:  # slurm-etc sizes the request itself (decide's RequestGrow)
-                self.jobs[e.job].asking = True
-                touched.add(e.job)
+                self.jobs[owner].asking = True
+                touched.add(owner)
         elif e.kind == "submit":
-            self.queue.append(_Request(self._next(), e.job, e.gpus, e.nodes, e.duration, False, t))
+            self.queue.append(_Request(self._next(), _need(e.job, "submit event's job"), e.gpus,
+                                       e.nodes, e.duration, False, t))
         elif e.kind == "preempt":
-            job = self.jobs[e.job]
+            job = self.jobs[_need(e.job, "preempt event's job")]
             members = sorted((d for d, g in job.held.items() if g > 0),
                              key=lambda d: (-job.held[d], d))[:e.gpus]
             if members:
                 name = f"preemptor-{self._next()}"
                 self.cluster.transfer(members, name)
-                self._start_rigid(name, members, t + e.duration, heap)
+                self._start_rigid(name, members, t + _need(e.duration, "preemption's duration"),
+                                  heap)
                 self._lose(job, members, "preemption", touched)
                 self.counters["preempted_gpus"] += len(members)
         elif e.kind == "fail":
-            node = self.topology.nodes[e.node]
+            node = self.topology.nodes[_need(e.node, "fail event's node")]
             for owner, devices in self.cluster.fail(node).items():
                 if owner in self.jobs:
                     self._lose(self.jobs[owner], devices, "failure", touched)
@@ -188,7 +213,7 @@ class Simulation:
                     self.cluster.release(rest, owner)
                     self.counters["rigid_killed"] += 1
         elif e.kind == "recover":
-            self.cluster.recover(self.topology.nodes[e.node])
+            self.cluster.recover(self.topology.nodes[_need(e.node, "recover event's node")])
 
     def _lose(self, job: ElasticState, devices, cause: str, touched: set[str]) -> None:
         for d in devices:
@@ -234,7 +259,7 @@ class Simulation:
             if request is None:
                 self.counters["grows_dropped"] += 1
                 continue
-            if blocked and (r.elastic or t + r.duration > shadow):
+            if blocked and (r.elastic or t + _need(r.duration, "rigid job's duration") > shadow):
                 waiting.append(r)
                 continue
             devices = self.cluster.place(request.gpus, request.nodes)
@@ -253,7 +278,8 @@ class Simulation:
                     job.held[d] = number
                 grown.add(r.owner)
             else:
-                self._start_rigid(r.owner, devices, t + r.duration, heap)
+                self._start_rigid(r.owner, devices, t + _need(r.duration, "rigid job's duration"),
+                                  heap)
                 self.waits.append(t - r.submitted)
         self.queue = waiting
         return grown
@@ -268,7 +294,7 @@ class Simulation:
                 free[d.node] += 1
                 whole += free[d.node] == self.G
                 most = max(most, free[d.node])
-            if (whole >= r.nodes) if r.nodes is not None else (most >= r.gpus):
+            if (whole >= r.nodes) if r.nodes is not None else (most >= _need(r.gpus, "gpus")):
                 return end
         return math.inf
 
@@ -289,7 +315,7 @@ class Simulation:
         if r.nodes is not None:
             nodes = min(r.nodes, room // self.G)
             return _Request(r.seq, r.owner, None, nodes, None, True, r.submitted) if nodes else None
-        gpus = min(r.gpus, room)
+        gpus = min(_need(r.gpus, "request's gpus or nodes"), room)
         return _Request(r.seq, r.owner, gpus, None, None, True, r.submitted) if gpus > 0 else None
 
     # -- allocators ----------------------------------------------------------------------
@@ -374,7 +400,7 @@ class Simulation:
 
     # -- measurements --------------------------------------------------------------------
 
-    def _sample(self) -> dict[str, float]:
+    def _sample(self) -> dict[str, int]:
         busy_on: Counter[str] = Counter()
         idle = split = elastic = 0
         for job in self.jobs.values():
@@ -383,7 +409,7 @@ class Simulation:
             elastic += len(job.active)
             idle += len(job.held) - len(job.active)
             if job.layout is not None:
-                split += split_tp_groups(self._physical(job), self.G)
+                split += split_tp_groups(self._physical(job, job.layout), self.G)
         for devices, _ in self.rigid.values():
             for d in devices:
                 busy_on[d.node] += 1
@@ -393,13 +419,14 @@ class Simulation:
                 "partial_nodes": partial, "split_tp_groups": split, "up": up,
                 "queued": len(self.queue)}
 
-    def _physical(self, job: ElasticState) -> Layout:
+    def _physical(self, job: ElasticState, layout: Layout) -> Layout:
+        """``layout`` (the job's, over virtual ranks) over the physical device ids."""
         if self.allocator == "naive":
-            return job.layout
-        ids = tuple(self.topology.device_id(job.vranks[v]) for v in job.layout.devices)
-        return Layout(job.layout.config, ids)
+            return layout
+        ids = tuple(self.topology.device_id(job.vranks[v]) for v in layout.devices)
+        return Layout(layout.config, ids)
 
-    def _summary(self, area: Counter, end: float) -> dict:
+    def _summary(self, area: dict[str, float], end: float) -> dict[str, Any]:
         up = max(area["up"], 1.0)
         return {
             "allocator": self.allocator,

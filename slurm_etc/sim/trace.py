@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..alloc.chooser import Hardware, TrainingJob
 from ..plan.errors import ConfigError
@@ -172,7 +173,9 @@ def _policy(raw, where: str) -> tuple[Scope, ResizePolicy]:
         raise TraceError(f"{where}: expected an object with scope 'partition:NAME' or "
                          "'account:NAME' and policy fields")
     kind, _, name = raw["scope"].partition(":")
-    fields_ = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k != "scope"}
+    # values straight from JSON: ResizePolicy checks their types
+    fields_: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                               for k, v in raw.items() if k != "scope"}
     unknown = sorted(set(fields_) - set(FIELDS))
     if unknown:
         raise TraceError(f"{where}: unknown policy field(s) {', '.join(unknown)}; valid: "
