@@ -241,18 +241,41 @@ def test_new_shards_take_requested_dtypes():
                for r in bad.values())
 
 
+def _vm_hwm_bytes():
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def test_memory_and_throughput_are_reported():
     plan = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 2, 2))
-    results = run_threads(plan, _old_state(plan),
-                          options=dataclasses.replace(OPTS, measure_memory=True))
+    # Raise the process's RSS high-water mark far above what this tiny migration needs, then
+    # free the memory: a peak measured from a reset high-water mark stays below that mark;
+    # one that could not be reset cannot.
+    ballast = torch.ones(64 * 2**20 // 4)
+    inflated = _vm_hwm_bytes()
+    del ballast
+    options = dataclasses.replace(OPTS, measure_memory=True)
+    results = run_threads(plan, _old_state(plan), options=options)
     for res in results.values():
         s = res.stats
-        assert s.memory_reset in (True, False)
-        assert s.memory_peak is not None and s.memory_peak_delta is not None
-        assert s.memory_bound == s.new_state_bytes + s.staging_budget
+        assert s.memory_reset == (s.memory_peak < inflated), (s.memory_peak, inflated)
+        assert s.memory_peak_delta == s.memory_peak - s.memory_base
+        new_bytes = sum(sh.tensor.numel() * sh.tensor.element_size() for sh in res.new_shards)
+        assert s.new_state_bytes == new_bytes > 0
+        assert s.staging_budget == options.staging_bytes
+        assert s.memory_bound == new_bytes + options.staging_bytes
+        assert s.peak_over_bound == s.memory_peak_delta / s.memory_bound
         assert s.data_seconds > 0 and s.total_seconds >= s.data_seconds
+        m = plan.messages
+        assert s.sent_bytes == int(m.nbytes[m.src == res.device].sum())
+        assert s.received_bytes == int(m.nbytes[m.dst == res.device].sum())
+        moved = s.sent_bytes + s.received_bytes
+        assert moved > 0
+        assert s.throughput_gibps == pytest.approx(moved / s.data_seconds / 2**30)
         d = s.as_dict()
-        assert {"throughput_gibps", "peak_over_bound", "memory_bound"} <= set(d)
+        assert (d["memory_bound"], d["peak_over_bound"], d["throughput_gibps"]) == (
+            s.memory_bound, s.peak_over_bound, s.throughput_gibps)
 
 
 def _prepared(plan, options=OPTS):

@@ -27,26 +27,21 @@ def test_catalog_matches_parameter_count():
                                  ParallelConfig(3, 1, 2, True), ParallelConfig(2, 2, 1, True)])
 @pytest.mark.parametrize("model", [TINY, LLAMA])
 def test_regions_cover_every_tensor_once_per_replica(cfg, model):
+    """Every element of every tensor is held by exactly as many ranks as replicate it."""
     cat = build_catalog(model, cfg)
     tab = region_table(cat, cfg)
-    covered = np.zeros(len(cat.groups), np.int64)
-    ranks, rows = tab.rank_rows
-    np.add.at(covered, tab.group[rows], tab.count[rows])
+    _, rows = tab.rank_rows  # a row once per rank that holds it
     for gi, g in enumerate(cat.groups):
-        replicas = cfg.world
-        if g.tp_axis is not None:
-            replicas //= cfg.tp
-        if g.stacked:
-            replicas //= cfg.pp
-        elif g.dist:
-            replicas = cfg.tp if g.tp_axis is None else 1
-        elif g.stage != "layers":
-            replicas //= cfg.pp
-        if g.dist and g.tp_axis is None:
-            replicas = cfg.tp
-        elif g.dist:
-            replicas = 1
-        assert covered[gi] == g.numel * replicas, g.name
+        if g.dist:  # one shard per dp rank: held once, or once per tp rank if not tp-split
+            replicas = 1 if g.tp_axis is not None else cfg.tp
+        else:  # every dp rank holds it; each element on one pipeline stage
+            replicas = cfg.dp * (1 if g.tp_axis is not None else cfg.tp)
+        index = np.arange(g.numel).reshape(g.shape + (1,) * (3 - len(g.shape)))
+        hits = np.zeros(g.numel, np.int64)
+        for row in rows[tab.group[rows] == gi].tolist():
+            box = index[tuple(slice(lo, hi) for lo, hi in zip(tab.lo[row], tab.hi[row]))]
+            np.add.at(hits, box.reshape(-1)[tab.s[row]:tab.e[row]], 1)
+        assert (hits == replicas).all(), (g.name, np.unique(hits))
 
 
 TRANSITIONS = [

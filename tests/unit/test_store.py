@@ -1,13 +1,22 @@
 """The SQLite store: migrations on open, policies written in short transactions."""
+import re
 import sqlite3
 import threading
 
 import pytest
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, event
 
 from slurm_etc.policy import PolicyError, ResizePolicy, Scope
-from slurm_etc.store import (default_db_path, get_policy, list_policies, open_store,
-                             set_policy, unset_policy)
-from slurm_etc.store.db import MIGRATIONS
+from slurm_etc.store import (
+    default_db_path,
+    get_policy,
+    list_policies,
+    open_store,
+    set_policy,
+    unset_policy,
+)
+from slurm_etc.store.db import MIGRATIONS, head_revision
 
 pytestmark = pytest.mark.unit
 
@@ -26,17 +35,52 @@ def test_migrations_ship_with_the_package():
     assert (MIGRATIONS / "versions" / "0001_policies.py").exists()
 
 
-def test_open_creates_the_directory_and_migrates_once(tmp_path):
-    path = tmp_path / "a" / "b" / "etc.db"
-    open_store(path).close()
+@pytest.fixture
+def sql():
+    """Every SQL statement any SQLAlchemy engine runs during the test."""
+    statements = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", record)
+    yield statements
+    event.remove(Engine, "before_cursor_execute", record)
+
+
+def _migration_writes(statements):
+    """Tables created and alembic_version stamps (one per revision applied) among
+    ``statements``."""
+    created = [m.group(1) for s in statements if (m := re.match(r"\s*CREATE TABLE (\w+)", s))]
+    stamps = [s for s in statements if re.match(r"\s*(INSERT INTO|UPDATE) alembic_version", s)]
+    return created, stamps
+
+
+def _check_migrated_once(path, statements):
+    revisions = list(ScriptDirectory(str(MIGRATIONS)).walk_revisions())
+    created, stamps = _migration_writes(statements)
+    assert len(stamps) == len(revisions), stamps  # every revision applied exactly once
+    assert len(created) == len(set(created)), created
     with sqlite3.connect(path) as db:
         assert db.execute("select version_num from alembic_version").fetchall() == \
-            [("0001_policies",)]
+            [(head_revision(),)]
+        tables = {name for (name,) in db.execute("select name from sqlite_master where "
+                                                 "type = 'table'")
+                  if not name.startswith("sqlite_")}
+        assert tables == set(created)  # each table from one CREATE TABLE
         assert db.execute("select count(*) from policies").fetchone() == (0,)
+
+
+def test_open_creates_the_directory_and_migrates_once(tmp_path, sql):
+    path = tmp_path / "a" / "b" / "etc.db"
+    open_store(path).close()
+    _check_migrated_once(path, sql)
+    sql.clear()
     open_store(path).close()  # already at head: nothing to do
+    assert _migration_writes(sql) == ([], [])
 
 
-def test_concurrent_first_opens_migrate_once(tmp_path):
+def test_concurrent_first_opens_migrate_once(tmp_path, sql):
     path = tmp_path / "etc.db"
     errors = []
 
@@ -52,6 +96,7 @@ def test_concurrent_first_opens_migrate_once(tmp_path):
     for t in threads:
         t.join()
     assert not errors
+    _check_migrated_once(path, sql)
 
 
 def test_default_path_honours_the_environment(monkeypatch, tmp_path):
