@@ -21,8 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.unit.test_catalog_megatron import check_buffers, check_model_records, from_payload
-
 from slurm_etc.megatron.shards import is_main_replica, record_numel
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import DTYPE_BYTES, PRESETS
@@ -39,6 +37,7 @@ from tests.dist.megatron_cases import (
     model_param_count,
     save_then_load,
 )
+from tests.unit.test_catalog_megatron import check_buffers, check_model_records, from_payload
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

@@ -11,8 +11,14 @@ import time
 
 import pytest
 
-from slurm_etc.pool.local import (LocalWorkers, WorkerContext, WorkerDied, WorkerError,
-                                    WorkerFailed, WorkerTimeout)
+from slurm_etc.pool.local import (
+    LocalWorkers,
+    WorkerContext,
+    WorkerDied,
+    WorkerError,
+    WorkerFailed,
+    WorkerTimeout,
+)
 from tests.dist.harness import pool_fixture
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]

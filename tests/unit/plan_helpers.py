@@ -57,7 +57,8 @@ def apply_plan(plan, tensors):
         i, j = int(frag.old_row[f]), int(frag.new_row[f])
         src = old_state[(int(t.src_rank[k]), i)]
         dst = new_state[(int(t.dst_rank[k]), j)]
-        for sub_lo, sub_hi in interval_boxes(frag.lo[f], frag.hi[f], int(frag.u[f]), int(frag.v[f])):
+        boxes = interval_boxes(frag.lo[f], frag.hi[f], int(frag.u[f]), int(frag.v[f]))
+        for sub_lo, sub_hi in boxes:
             dst[_positions(new_tab.lo[j], new_tab.hi[j], new_tab.s[j], sub_lo, sub_hi)] = \
                 src[_positions(old_tab.lo[i], old_tab.hi[i], old_tab.s[i], sub_lo, sub_hi)]
     return new_state

@@ -1,10 +1,22 @@
 """Allocator, chooser and the planner wrapper: worked examples."""
 import pytest
 
-from slurm_etc.alloc import (AllocationError, ClusterTopology, Device, Hardware, TrainingJob,
-                             allocate, capacity, choose_config, identity_layout,
-                             migration_cost, number_vranks, placement_moved_bytes,
-                             select_devices, split_tp_groups)
+from slurm_etc.alloc import (
+    AllocationError,
+    ClusterTopology,
+    Device,
+    Hardware,
+    TrainingJob,
+    allocate,
+    capacity,
+    choose_config,
+    identity_layout,
+    migration_cost,
+    number_vranks,
+    placement_moved_bytes,
+    select_devices,
+    split_tp_groups,
+)
 from slurm_etc.alloc.chooser import candidates, memory_bytes
 from slurm_etc.plan import PRESETS, ConfigError, Layout, ParallelConfig, Topology, plan_migration
 

@@ -5,8 +5,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_etc.alloc import (ClusterTopology, Hardware, TrainingJob, allocate, capacity,
-                             choose_config, identity_layout, split_tp_groups)
+from slurm_etc.alloc import (
+    ClusterTopology,
+    Hardware,
+    TrainingJob,
+    allocate,
+    capacity,
+    choose_config,
+    identity_layout,
+    split_tp_groups,
+)
 from slurm_etc.alloc.chooser import memory_bytes
 from slurm_etc.plan import PRESETS, ConfigError
 

@@ -68,7 +68,7 @@ def test_pieces_cover_a_chunk_exactly_in_stream_order(data):
     c0 = data.draw(st.integers(0, pos - 1))
     c1 = data.draw(st.integers(c0 + 1, pos))
     out = np.full(c1 - c0, -1, np.int64)
-    for shard, off, sizes, strides, p in segs.pieces(c0, c1):
+    for _shard, off, sizes, strides, p in segs.pieces(c0, c1):
         n = int(np.prod(sizes))
         assert (out[p:p + n] == -1).all(), "pieces overlap"
         out[p:p + n] = as_strided(buf[off:], shape=sizes, strides=strides).reshape(-1)
