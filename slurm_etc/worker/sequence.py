@@ -194,10 +194,14 @@ def _digest(trainer: Any) -> dict:
 
 # -- the experiment -----------------------------------------------------------------------
 
-def verify_sequence(seq: ResizeSequence, *, progress: Any = None,
-                    log_level: int = logging.WARNING, workdir: str | None = None) -> dict:
+def verify_sequence(seq: ResizeSequence, *, workers: LocalWorkers | None = None,
+                    progress: Any = None, log_level: int = logging.WARNING,
+                    workdir: str | None = None) -> dict:
     """Run both paths and compare (see the module doc). Returns the report
-    ``slurm-etc verify --sequence --json`` prints."""
+    ``slurm-etc verify --sequence --json`` prints.
+
+    ``workers``: a pool of at least ``seq.processes`` for the elastic path (default: one of
+    its own); the checkpoint path always starts fresh processes for every layout."""
     from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 
     say = progress or (lambda _m: None)
@@ -210,7 +214,13 @@ def verify_sequence(seq: ResizeSequence, *, progress: Any = None,
     job = f"verify-seq-{os.getpid()}-{time.monotonic_ns()}"
     t0 = time.perf_counter()
     say(f"elastic path: {seq.processes} processes, {' -> '.join(map(str, seq.configs))}")
-    with LocalWorkers(seq.processes, preload=PRELOAD, log_level=log_level) as workers:
+    if workers is None:
+        with LocalWorkers(seq.processes, preload=PRELOAD, log_level=log_level) as own:
+            elastic = own.run(w_elastic, seq, layouts, digests, job)
+    else:
+        if workers.size < seq.processes:
+            raise ConfigError(f"the sequence needs {seq.processes} processes, the pool has "
+                              f"{workers.size}")
         elastic = workers.run(w_elastic, seq, layouts, digests, job)
     elastic_s = time.perf_counter() - t0
     tmp = tempfile.mkdtemp(prefix="slurm-etc-seq-", dir=workdir)
