@@ -25,7 +25,8 @@ options::
     released before then they are handed back, still held then they are lost (workers
     killed, a Loss with cause ``preempted``); preempted devices never come back;
   - ``lose: N`` / ``lose: [names]``: the nodes fail now (workers killed, a Loss with cause
-    ``failure``); a lost device that the job does not hold just disappears.
+    ``failure``); by count as for preempt, nodes under notice last; a lost device that the
+    job does not hold just disappears.
 * ``grant_requests`` (default false): when true, the coordinator's requests are granted as
   soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
 
@@ -466,11 +467,13 @@ class ScriptedResources:
             return hit
         # By count: whole nodes, newest allocation first, highest node first, skipping
         # the anchor and (for preempt) nodes already under notice.
-        candidates: dict[str, tuple[int, int]] = {}
+        # A failure hits nodes under notice last (they are leaving anyway).
+        candidates: dict[str, tuple[int, int, int]] = {}
         for d, alloc in self._owner.items():
             if alloc == ANCHOR or (verb == "preempt" and d in self._noticed):
                 continue
-            rank = (self._alloc_order[alloc], self.script.topology.index(d.node))
+            rank = (0 if d in self._noticed else 1, self._alloc_order[alloc],
+                    self.script.topology.index(d.node))
             candidates[d.node] = max(candidates.get(d.node, rank), rank)
         nodes = sorted(candidates, key=lambda n: candidates[n], reverse=True)
         if len(nodes) < event.count:

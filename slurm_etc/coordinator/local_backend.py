@@ -83,6 +83,7 @@ class LocalBackend:
         self._workers: dict[int, _Worker] = {}
         self._events: list[BackendEvent] = []
         self._closed = False
+        self._take_events()  # the anchor's Grant comes first
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: object) -> "LocalBackend":
@@ -111,25 +112,7 @@ class LocalBackend:
         now = self._clock()
         self._resources.tick(now)
         self._take_events()
-        for vrank, w in sorted(self._workers.items()):
-            if w.reported:
-                continue
-            code = self._exit_code(w)
-            if code is None:
-                if w.kill_at is not None and now >= w.kill_at:
-                    logger.warning("[local] vrank %d (pid %d) ignored SIGTERM for its grace; "
-                                   "killing it", vrank, w.proc.pid)
-                    self._signal(w, signal.SIGKILL)
-                    w.kill_at = None
-                continue
-            w.reported = True
-            w.state = replace(w.state, returncode=code)
-            if w.log is not None:
-                w.log.close()
-            logger.info("[local] vrank %d (gen %d, pid %d) exited with %d", vrank,
-                        w.state.generation, w.proc.pid, code)
-            self._events.append(WorkerExited(vrank, w.state.generation, w.state.device, code,
-                                             w.state.stopping))
+        self._reap(now)
         out, self._events = self._events, []
         return out
 
@@ -155,13 +138,14 @@ class LocalBackend:
                         f": {action.reason}" if action.reason else "")
 
     def launch(self, action: LaunchWorkers) -> None:
+        self._reap(self._clock())  # a worker that ended is reported before it is replaced
         held = self._resources.held
         busy = {w.state.device: w.state.vrank for w in self._workers.values()
-                if w.state.running and not w.reported}
+                if not w.reported}
         todo = []
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
-            if current is not None and current.state.running and not current.reported:
+            if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
                                        f"already runs on {current.state.device} "
@@ -243,6 +227,28 @@ class LocalBackend:
                 w.log.close()
 
     # -- internals --------------------------------------------------------------------
+    def _reap(self, now: float) -> None:
+        """Report workers that ended; SIGKILL those whose stop grace ran out."""
+        for vrank, w in sorted(self._workers.items()):
+            if w.reported:
+                continue
+            code = self._exit_code(w)
+            if code is None:
+                if w.kill_at is not None and now >= w.kill_at:
+                    logger.warning("[local] vrank %d (pid %d) ignored SIGTERM for its grace; "
+                                   "killing it", vrank, w.proc.pid)
+                    self._signal(w, signal.SIGKILL)
+                    w.kill_at = None
+                continue
+            w.reported = True
+            w.state = replace(w.state, returncode=code)
+            if w.log is not None:
+                w.log.close()
+            logger.info("[local] vrank %d (gen %d, pid %d) exited with %d", vrank,
+                        w.state.generation, w.proc.pid, code)
+            self._events.append(WorkerExited(vrank, w.state.generation, w.state.device, code,
+                                             w.state.stopping))
+
     def _take_events(self) -> None:
         for event in self._resources.drain():
             if isinstance(event, Loss):
