@@ -1,31 +1,53 @@
-"""Opening the SQLite store: path, engine, schema migrations, short transactions.
+"""Opening the store: a SQLite file or a SQLAlchemy URL, schema migrations, short transactions.
 
 Migrations live in ``slurm_etc/store/migrations`` (shipped with the package) and are
-applied on open. A reader who cannot write never runs them: a database already at the
-newest revision opens read-only just fine.
+applied on open. A reader never runs them (``open_store_readonly``). A database that is not
+ours (not a SQLite file, or tables without our ``alembic_version``, or a revision we do not
+know) is refused with one line before anything is written.
+
+Targets: a path (SQLite), ``sqlite:///path``, or a server URL with the same migrations:
+``mysql+pymysql://user@host/db`` (MariaDB, e.g. the one slurmdbd uses) or
+``postgresql://user@host/db``.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
+import sqlite3
+import urllib.parse
 from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Connection, Engine, create_engine, event, inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+
+from .location import LocationError, check_writable_location, private_dir, private_file
+
+log = logging.getLogger(__name__)
 
 ENV_DB = "SLURM_ETC_DB"
 MIGRATIONS = Path(__file__).parent / "migrations"
 BUSY_TIMEOUT_S = 10.0
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# Set while a write transaction begins: SQLite then takes the write lock at BEGIN.
+_WRITE: ContextVar[bool] = ContextVar("slurm_etc_store_write", default=False)
 
 
 class StoreError(RuntimeError):
-    """The database cannot be opened or brought to the current schema (path and cause)."""
+    """The database cannot be opened, is not ours, or cannot be brought to the current
+    schema (one line: where and why)."""
 
 
 def default_db_path() -> Path:
@@ -36,77 +58,304 @@ def default_db_path() -> Path:
     return Path(base) / "slurm-etc" / "etc.db"
 
 
+def is_url(target: str | os.PathLike[str]) -> bool:
+    """Whether ``target`` is a SQLAlchemy URL (``scheme://...``) rather than a path."""
+    return bool(_URL.match(os.fspath(target)))
+
+
+def sqlite_path(target: str | os.PathLike[str]) -> Path | None:
+    """The file of a SQLite target (path or ``sqlite:///`` URL); None for a server URL."""
+    text = os.fspath(target)
+    if not is_url(text):
+        return Path(text).expanduser()
+    try:
+        url = make_url(text)
+    except ArgumentError:
+        return None
+    if url.get_backend_name() != "sqlite":
+        return None
+    if not url.database or url.database == ":memory:":
+        raise StoreError(f"{text}: give a SQLite file, not an in-memory database")
+    return Path(url.database).expanduser()
+
+
+def display(target: str | os.PathLike[str]) -> str:
+    """A target as it may be shown: a URL's password hidden."""
+    text = os.fspath(target)
+    if not is_url(text):
+        return text
+    try:
+        return make_url(text).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparsable URL>"
+
+
 def alembic_config(url: str) -> Config:
     """Alembic configuration for the package's own migration scripts."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    cfg.set_main_option("sqlalchemy.url", url)
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
 
-class Store:
-    """An open SQLite database at the newest schema revision."""
+@lru_cache(maxsize=1)
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config("sqlite://"))
 
-    def __init__(self, engine: Engine, path: Path) -> None:
+
+def head_revision() -> str:
+    """The newest schema revision this slurm-etc ships."""
+    head = _scripts().get_current_head()
+    if head is None:
+        raise StoreError(f"no schema migrations found in {MIGRATIONS}: a broken install")
+    return head
+
+
+def known_revisions() -> list[str]:
+    """Every revision this slurm-etc ships, oldest first."""
+    return [s.revision for s in reversed(list(_scripts().walk_revisions()))]
+
+
+class Store:
+    """An open database (SQLite file or server) at a schema revision this code knows.
+
+    Attributes:
+        engine: the SQLAlchemy engine.
+        path: the SQLite file, or None for a server URL.
+        url: where it is, for messages (password hidden).
+        readonly: opened for reading only (no migrations were run).
+        after_commit: callables run after every committed write transaction (publishing a
+            snapshot); their errors are logged, never raised: the write is done.
+    """
+
+    def __init__(self, engine: Engine, path: Path | None, url: str = "",
+                 readonly: bool = False) -> None:
         self.engine = engine
         self.path = path
+        self.url = url or (str(path) if path else str(engine.url))
+        self.readonly = readonly
+        self.after_commit: list[Callable[[], None]] = []
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @contextmanager
-    def transaction(self) -> Iterator[Session]:
-        """A short transaction: committed on success, rolled back on any error."""
+    def transaction(self, write: bool = False) -> Iterator[Session]:
+        """A short transaction: committed on success, rolled back on any error.
+
+        Args:
+            write: the transaction writes; SQLite takes the write lock at BEGIN (no
+                deadlock between a reader turning writer and another writer), and the
+                ``after_commit`` hooks run once it has committed.
+        """
+        if write and self.readonly:
+            raise StoreError(f"{self.url} was opened for reading only")
         with self._sessions.begin() as session:
+            token = _WRITE.set(write)
+            try:
+                session.connection()  # BEGIN now, with the lock this transaction needs
+            finally:
+                _WRITE.reset(token)
             yield session
+        if write:
+            for hook in self.after_commit:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - the write is committed; report only
+                    log.warning("after-commit hook %r failed", hook, exc_info=True)
+
+    def has_table(self, name: str) -> bool:
+        with self.engine.connect() as conn:
+            return inspect(conn).has_table(name)
 
     def close(self) -> None:
         self.engine.dispose()
 
 
-def open_store(path: str | os.PathLike | None = None) -> Store:
+def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = False,
+               private: bool = False, refuse_network_fs: bool = False) -> Store:
     """Open (creating it and its directory if needed) and migrate the database.
 
     Args:
-        path: the SQLite file; default ``default_db_path()``.
+        target: a SQLite file or a SQLAlchemy URL; default ``default_db_path()``.
+        wal: put a SQLite file in WAL mode (readers never block the writer); only for
+            node-local files.
+        private: create the file 0600 and its directory 0700.
+        refuse_network_fs: refuse a SQLite file on a network filesystem.
 
     Raises:
-        StoreError: the file cannot be created or opened, or needs a migration that this
-            user cannot write.
+        StoreError: the target cannot be created or opened, is not ours, is on a network
+            filesystem (with ``refuse_network_fs``), or needs a migration this user cannot
+            write. Nothing is written in any of these cases.
     """
-    db = Path(path).expanduser() if path else default_db_path()
-    if not db.exists():
-        try:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"cannot create the directory of {db}: {exc.strerror}") from None
-    engine = _engine(db)
+    target = default_db_path() if target is None else target
+    db = sqlite_path(target)
+    if db is None:
+        engine = _server_engine(os.fspath(target))
+        where = display(target)
+    else:
+        where = str(db)
+        _check_sqlite_header(db)
+        if refuse_network_fs:
+            try:
+                check_writable_location(db)
+            except LocationError as exc:
+                raise StoreError(str(exc)) from None
+        _create(db, private)
+        engine = _sqlite_engine(lambda: sqlite3.connect(db, timeout=BUSY_TIMEOUT_S,
+                                                        check_same_thread=False))
     try:
+        _check_ours(engine, where)
+        if db is not None and wal:
+            _enable_wal(engine, where)
         _migrate(engine)
-    except OperationalError as exc:
+    except (OperationalError, SQLAlchemyError) as exc:
         engine.dispose()
-        raise StoreError(f"cannot open {db}: {exc.orig}") from None
-    return Store(engine, db)
+        raise StoreError(f"cannot open {where}: {_reason(exc)}") from None
+    except StoreError:
+        engine.dispose()
+        raise
+    return Store(engine, db, where)
 
 
-def _engine(db: Path) -> Engine:
-    engine = create_engine(f"sqlite:///{db}", connect_args={"timeout": BUSY_TIMEOUT_S})
+def open_store_readonly(target: str | os.PathLike[str], *, immutable: bool = False) -> Store:
+    """Open a database for reading: no migrations, nothing created or written.
+
+    Args:
+        target: a SQLite file or a SQLAlchemy URL.
+        immutable: the file never changes in place (a published snapshot, replaced
+            atomically): SQLite reads it without any locking, safe on a network filesystem.
+
+    Raises:
+        StoreError: it does not exist, cannot be opened, or is not ours.
+    """
+    db = sqlite_path(target)
+    if db is None:
+        engine = _server_engine(os.fspath(target))
+        where = display(target)
+    else:
+        where = str(db)
+        if not db.is_file():
+            raise StoreError(f"no database at {db}")
+        _check_sqlite_header(db)
+        uri = "file:" + urllib.parse.quote(str(db.absolute())) + "?mode=ro"
+        if immutable:
+            uri += "&immutable=1"
+        engine = _sqlite_engine(lambda: sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S,
+                                                        check_same_thread=False))
+    try:
+        _check_ours(engine, where)
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        raise StoreError(f"cannot read {where}: {_reason(exc)}") from None
+    except StoreError:
+        engine.dispose()
+        raise
+    return Store(engine, db, where, readonly=True)
+
+
+def _reason(exc: SQLAlchemyError) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(orig if orig is not None else exc).splitlines()[0]
+
+
+def _check_sqlite_header(db: Path) -> None:
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        raise StoreError(f"{db} is a directory, not a database file") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read {db}: {exc.strerror}") from None
+    if head and head != SQLITE_MAGIC:
+        raise StoreError(f"{db} is not an SQLite database (not a slurm-etc store); "
+                         "nothing was written")
+
+
+def _create(db: Path, private: bool) -> None:
+    if db.exists():
+        return
+    try:
+        if private:
+            private_dir(db.parent)
+            private_file(db)
+        else:
+            db.parent.mkdir(parents=True, exist_ok=True)
+    except LocationError as exc:
+        raise StoreError(str(exc)) from None
+    except OSError as exc:
+        raise StoreError(f"cannot create the directory of {db}: {exc.strerror}") from None
+
+
+def _server_engine(url: str) -> Engine:
+    try:
+        return create_engine(url, pool_pre_ping=True)
+    except NoSuchModuleError:
+        raise StoreError(f"{display(url)}: unknown database kind; use a SQLite path, "
+                         "mysql+pymysql://... or postgresql://...") from None
+    except ModuleNotFoundError as exc:
+        raise StoreError(f"{display(url)}: its database driver is not installed "
+                         f"(pip install {exc.name})") from None
+    except ArgumentError as exc:
+        raise StoreError(f"cannot parse the database URL {display(url)}: {exc}") from None
+
+
+def _sqlite_engine(connect: Callable[[], sqlite3.Connection]) -> Engine:
+    engine = create_engine("sqlite://", creator=connect)
 
     # pysqlite's own transaction handling defers BEGIN and skips it for DDL; take control
     # (SQLAlchemy's documented recipe) so migrations and writes are real transactions.
     @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn, _record) -> None:
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         dbapi_conn.execute("PRAGMA foreign_keys=ON")
 
     @event.listens_for(engine, "begin")
-    def _begin(conn) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("write_lock") else "BEGIN")
+    def _begin(conn: Connection) -> None:
+        write = conn.info.get("write_lock") or _WRITE.get()
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
 
 
+def _check_ours(engine: Engine, where: str) -> str | None:
+    """The schema revision, None for an empty database; StoreError if it is not ours."""
+    with engine.connect() as conn:
+        try:
+            tables = set(inspect(conn).get_table_names())
+            revision = (MigrationContext.configure(conn).get_current_revision()
+                        if "alembic_version" in tables else None)
+        except OperationalError as exc:
+            raise StoreError(f"cannot read {where}: {_reason(exc)}") from None
+        finally:
+            conn.rollback()
+    if not tables - {"alembic_version"}:
+        return revision
+    if revision is None:
+        raise StoreError(f"{where} is not a slurm-etc database (it has tables but no "
+                         "alembic_version of ours); nothing was written")
+    if revision not in known_revisions():
+        raise StoreError(f"{where} is at schema revision {revision!r}, which this slurm-etc "
+                         "does not know (a newer slurm-etc, or another program's database); "
+                         "nothing was written")
+    return revision
+
+
+def _enable_wal(engine: Engine, where: str) -> None:
+    raw = engine.raw_connection()
+    try:
+        driver: Any = raw.driver_connection
+        mode = driver.execute("PRAGMA journal_mode=WAL").fetchone()
+    finally:
+        raw.close()
+    if not mode or str(mode[0]).lower() != "wal":
+        log.warning("%s: SQLite refused WAL mode (journal mode %s); readers may block the "
+                    "writer", where, mode[0] if mode else "unknown")
+
+
 def _migrate(engine: Engine) -> None:
-    cfg = alembic_config(str(engine.url))
-    head = ScriptDirectory.from_config(cfg).get_current_head()
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    head = head_revision()
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
         conn.rollback()

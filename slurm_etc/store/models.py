@@ -1,10 +1,27 @@
-"""ORM tables. The coordinator extends this module with jobs, allocations and migrations."""
+"""ORM tables: admin policies, and the job record (jobs, allocations, devices, generations
+and their vranks, events, migrations). The schema itself grows only by Alembic migrations in
+``migrations/versions``; these classes mirror it."""
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Any
 
-from sqlalchemy import CheckConstraint, DateTime, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 
 class Base(DeclarativeBase):
@@ -46,3 +63,201 @@ class PolicyRow(Base):
     max_resizes_per_hour: Mapped[int | None]
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_by: Mapped[str] = mapped_column(String(64))
+
+
+class Timestamp(TypeDecorator[datetime]):
+    """A UTC instant: aware datetimes in, aware UTC datetimes out, on every dialect.
+
+    PostgreSQL stores it as ``timestamptz``; SQLite and MariaDB/MySQL as naive UTC (with
+    microseconds: MariaDB's plain DATETIME would drop them). Naive input counts as UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        utc = value.replace(tzinfo=timezone.utc) if value.tzinfo is None \
+            else value.astimezone(timezone.utc)
+        return utc if dialect.name == "postgresql" else utc.replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None,
+                             dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None \
+            else value.astimezone(timezone.utc)
+
+
+class JobRow(Base):
+    """One elastic job: who owns it, what it trains, where its coordinator answers.
+
+    ``state`` is what the coordinator observed last (``jobs.JOB_STATES``); ``generation``
+    the number of the generation training now (None before the first).
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_owner_uid", "owner_uid"),)
+
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    owner_uid: Mapped[int] = mapped_column(Integer)
+    owner_name: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(255))
+    backend: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(255))
+    partition_name: Mapped[str | None] = mapped_column(String(64))
+    account: Mapped[str | None] = mapped_column(String(64))
+    coordinator: Mapped[str | None] = mapped_column(String(255))
+    generation: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(Timestamp())
+    updated_at: Mapped[datetime] = mapped_column(Timestamp())
+    ended_at: Mapped[datetime | None] = mapped_column(Timestamp())
+
+
+class AllocationRow(Base):
+    """One backend allocation of a job (a Slurm job id): the anchor or a member."""
+
+    __tablename__ = "allocations"
+    __table_args__ = (UniqueConstraint("job_id", "backend_id", name="uq_allocations_backend"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.job_id", name="fk_allocations_job", ondelete="CASCADE"))
+    backend_id: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16))
+    partition_name: Mapped[str | None] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    nodes: Mapped[str] = mapped_column(Text)
+    requested_at: Mapped[datetime] = mapped_column(Timestamp())
+    granted_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    lost_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    released_at: Mapped[datetime | None] = mapped_column(Timestamp())
+
+
+class DeviceRow(Base):
+    """One device a job holds or held: (node, local index), its state and allocation."""
+
+    __tablename__ = "devices"
+    __table_args__ = (
+        UniqueConstraint("job_id", "node", "local_index", name="uq_devices_node_local"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.job_id", name="fk_devices_job", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(String(255))
+    local_index: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    allocation_id: Mapped[int | None] = mapped_column(
+        Integer, ForeignKey("allocations.id", name="fk_devices_allocation",
+                            ondelete="SET NULL"))
+    updated_at: Mapped[datetime] = mapped_column(Timestamp())
+
+
+class GenerationRow(Base):
+    """One period of training under one layout (``dp=2,tp=1,pp=2,dist-opt``)."""
+
+    __tablename__ = "generations"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_generations_number"),
+        CheckConstraint("number >= 0", name="ck_generations_number"),
+        CheckConstraint("world_size >= 1", name="ck_generations_world_size"),
+        CheckConstraint("steps >= 0", name="ck_generations_steps"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.job_id", name="fk_generations_job", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    layout: Mapped[str] = mapped_column(String(255))
+    world_size: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(Timestamp())
+    ended_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    steps: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    last_loss: Mapped[float | None] = mapped_column(Double)
+    end_reason: Mapped[str | None] = mapped_column(String(255))
+
+
+class VrankRow(Base):
+    """A vrank of a generation: the device it names and the layout rank on it (None: the
+    device is in the pool but idle under this layout)."""
+
+    __tablename__ = "vranks"
+    __table_args__ = (
+        UniqueConstraint("generation_id", "vrank", name="uq_vranks_vrank"),
+        UniqueConstraint("generation_id", "device_id", name="uq_vranks_device"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("generations.id", name="fk_vranks_generation", ondelete="CASCADE"))
+    vrank: Mapped[int] = mapped_column(Integer)
+    layout_rank: Mapped[int | None] = mapped_column(Integer)
+    device_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("devices.id", name="fk_vranks_device", ondelete="CASCADE"))
+
+
+class EventRow(Base):
+    """Something that happened to a job (grant, preempt-notice, loss, ...), recorded before
+    it is acted on; ``dedup_key`` makes a repeated recording a no-op."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("job_id", "dedup_key", name="uq_events_key"),
+        Index("ix_events_pending", "job_id", "handled_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.job_id", name="fk_events_job", ondelete="CASCADE"))
+    dedup_key: Mapped[str | None] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(32))
+    source: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[str | None] = mapped_column(Text)
+    deadline: Mapped[datetime | None] = mapped_column(Timestamp())
+    received_at: Mapped[datetime] = mapped_column(Timestamp())
+    handled_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    outcome: Mapped[str | None] = mapped_column(String(255))
+
+
+class MigrationRow(Base):
+    """One state migration between generations: the plan's numbers, then what happened."""
+
+    __tablename__ = "migrations"
+    __table_args__ = (
+        CheckConstraint("moved_bytes >= 0 AND kept_bytes >= 0 AND lower_bound_bytes >= 0",
+                        name="ck_migrations_bytes"),
+        CheckConstraint("outcome IS NULL OR outcome IN ('committed', 'aborted')",
+                        name="ck_migrations_outcome"),
+        Index("ix_migrations_job", "job_id", "to_generation"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.job_id", name="fk_migrations_job", ondelete="CASCADE"))
+    event_id: Mapped[int | None] = mapped_column(
+        Integer, ForeignKey("events.id", name="fk_migrations_event", ondelete="SET NULL"))
+    from_generation: Mapped[int] = mapped_column(Integer)
+    to_generation: Mapped[int] = mapped_column(Integer)
+    plan_digest: Mapped[str] = mapped_column(String(128))
+    moved_bytes: Mapped[int] = mapped_column(BigInteger)
+    kept_bytes: Mapped[int] = mapped_column(BigInteger)
+    lower_bound_bytes: Mapped[int] = mapped_column(BigInteger)
+    messages: Mapped[int] = mapped_column(Integer)
+    rounds: Mapped[int] = mapped_column(Integer)
+    estimated_seconds: Mapped[float | None] = mapped_column(Double)
+    measured_seconds: Mapped[float | None] = mapped_column(Double)
+    pause_seconds: Mapped[float | None] = mapped_column(Double)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(Timestamp())
+    ended_at: Mapped[datetime | None] = mapped_column(Timestamp())

@@ -59,7 +59,7 @@ def set_policy(store: Store, scope: Scope, changes: Mapping[str, object],
     """
     if not changes:
         raise PolicyError("nothing to set: give key=value pairs")
-    with store.transaction() as session:
+    with store.transaction(write=True) as session:
         row = _row(session, scope)
         current = _policy(row) if row else ResizePolicy()
         try:
@@ -85,7 +85,7 @@ def unset_policy(store: Store, scope: Scope, keys: Iterable[str] | None,
     Raises:
         PolicyError: the scope has no policy.
     """
-    with store.transaction() as session:
+    with store.transaction(write=True) as session:
         row = _row(session, scope)
         if row is None:
             raise PolicyError(f"{scope} has no policy")

@@ -1,0 +1,946 @@
+"""The job record: what the coordinator writes before it acts, what ``status`` reads.
+
+Every write is one short transaction; a store opened with :func:`open_job_store` publishes
+a snapshot of the job's node-local database after each commit. Actions a restarted
+coordinator may repeat are idempotent: creating the same job, recording an event with the
+same ``key``, opening the same generation with the same layout, closing a closed generation,
+starting the same unfinished migration, finishing a migration with the same outcome.
+
+Times are aware UTC datetimes; every writer takes ``at`` (default: now) so tests and
+replays pass time in.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import wraps
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, ParamSpec, Protocol, Sequence, TypeVar
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from .db import Store, StoreError, open_store, sqlite_path
+from .location import (
+    LocationError,
+    check_job_id,
+    default_local_db,
+    default_state_dir,
+    private_dir,
+    snapshot_path,
+)
+from .models import (
+    AllocationRow,
+    DeviceRow,
+    EventRow,
+    GenerationRow,
+    JobRow,
+    MigrationRow,
+    VrankRow,
+)
+from .snapshot import Publisher, SnapshotError, ensure_state_dir, restore_snapshot
+
+JOB_STATES = ("starting", "running", "resizing", "stopping", "finished", "failed",
+              "cancelled")
+ENDED_STATES = frozenset({"finished", "failed", "cancelled"})
+BACKENDS = ("local", "slurm")
+ALLOCATION_ROLES = ("anchor", "member")
+ALLOCATION_STATES = ("requested", "granted", "preempting", "lost", "released")
+DEVICE_STATES = ("held", "leaving", "lost", "released")
+MIGRATION_OUTCOMES = ("committed", "aborted")
+# Event kinds the coordinator uses; others are stored as given.
+EVENT_KINDS = ("grant", "preempt-notice", "loss", "release", "resize-request", "stop")
+
+_ALLOCATION_TIMES = {"granted": "granted_at", "lost": "lost_at", "released": "released_at"}
+_DEVICE_ON_ALLOCATION = {"lost": "lost", "released": "released"}
+
+
+class RecordError(StoreError):
+    """A call the job record refuses: unknown job, invalid value, or a repeat that
+    contradicts what is recorded (one line; nothing was written)."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _guarded(fn: Callable[P, R]) -> Callable[P, R]:
+    """Database failures (disk full, a corrupt snapshot, a lost server) become one-line
+    StoreErrors naming the database."""
+    @wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except SQLAlchemyError as exc:
+            store = args[0] if args else None
+            where = getattr(store, "url", "the job record")
+            orig = getattr(exc, "orig", None)
+            reason = str(orig if orig is not None else exc).splitlines()[0]
+            raise StoreError(f"{where}: {reason}") from None
+    return call
+
+
+class DeviceLike(Protocol):
+    """A device as the allocator names it (``alloc.Device``): node and local index."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def local(self) -> int: ...
+
+
+# ---------------------------------------------------------------- read-side values
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One job in a listing: identity, state, the layout training now."""
+
+    job_id: str
+    name: str
+    owner_uid: int
+    owner_name: str
+    state: str
+    reason: str | None
+    backend: str
+    model: str | None
+    partition: str | None
+    account: str | None
+    coordinator: str | None
+    generation: int | None
+    layout: str | None
+    world_size: int
+    nodes: tuple[str, ...]
+    created_at: datetime
+    updated_at: datetime
+    ended_at: datetime | None
+    pending_events: int
+    migrations: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "name": self.name, "owner": self.owner_name,
+                "owner_uid": self.owner_uid, "state": self.state, "reason": self.reason,
+                "backend": self.backend, "model": self.model, "partition": self.partition,
+                "account": self.account, "coordinator": self.coordinator,
+                "generation": self.generation, "layout": self.layout,
+                "world_size": self.world_size, "nodes": list(self.nodes),
+                "created": _iso(self.created_at), "updated": _iso(self.updated_at),
+                "ended": _iso(self.ended_at), "pending_events": self.pending_events}
+
+
+@dataclass(frozen=True)
+class AllocationInfo:
+    backend_id: str
+    role: str
+    partition: str | None
+    state: str
+    nodes: tuple[str, ...]
+    requested_at: datetime
+    granted_at: datetime | None
+    lost_at: datetime | None
+    released_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend_id": self.backend_id, "role": self.role, "partition": self.partition,
+                "state": self.state, "nodes": list(self.nodes),
+                "requested": _iso(self.requested_at), "granted": _iso(self.granted_at),
+                "lost": _iso(self.lost_at), "released": _iso(self.released_at)}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    node: str
+    local_index: int
+    state: str
+    allocation: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "local_index": self.local_index, "state": self.state,
+                "allocation": self.allocation}
+
+
+@dataclass(frozen=True)
+class VrankInfo:
+    """A vrank of a generation; ``rank`` is the layout rank on it (None: idle)."""
+
+    generation: int
+    vrank: int
+    rank: int | None
+    node: str
+    local_index: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"generation": self.generation, "vrank": self.vrank, "rank": self.rank,
+                "node": self.node, "local_index": self.local_index}
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    number: int
+    layout: str
+    world_size: int
+    started_at: datetime
+    ended_at: datetime | None
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    last_loss: float | None
+    end_reason: str | None
+
+    def duration_seconds(self, now: datetime) -> float:
+        """Seconds trained under this layout (until ``now`` while it is open)."""
+        return max(0.0, ((self.ended_at or now) - self.started_at).total_seconds())
+
+    def to_json(self, now: datetime) -> dict[str, Any]:
+        return {"number": self.number, "layout": self.layout, "world_size": self.world_size,
+                "started": _iso(self.started_at), "ended": _iso(self.ended_at),
+                "duration_seconds": round(self.duration_seconds(now), 3),
+                "steps": self.steps, "first_step": self.first_step,
+                "last_step": self.last_step, "last_loss": self.last_loss,
+                "end_reason": self.end_reason}
+
+
+@dataclass(frozen=True)
+class EventInfo:
+    id: int
+    kind: str
+    source: str
+    payload: Any
+    deadline: datetime | None
+    received_at: datetime
+    handled_at: datetime | None
+    outcome: str | None
+    key: str | None
+
+    @property
+    def pending(self) -> bool:
+        return self.handled_at is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "source": self.source,
+                "payload": self.payload, "deadline": _iso(self.deadline),
+                "received": _iso(self.received_at), "handled": _iso(self.handled_at),
+                "pending": self.pending, "outcome": self.outcome, "key": self.key}
+
+
+@dataclass(frozen=True)
+class MigrationInfo:
+    id: int
+    from_generation: int
+    to_generation: int
+    plan_digest: str
+    moved_bytes: int
+    kept_bytes: int
+    lower_bound_bytes: int
+    messages: int
+    rounds: int
+    estimated_seconds: float | None
+    measured_seconds: float | None
+    pause_seconds: float | None
+    outcome: str | None
+    error: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    event_id: int | None
+
+    @property
+    def ratio_to_lower_bound(self) -> float | None:
+        """Bytes moved over the lower bound (1.0 is optimal); None when the bound is 0 but
+        bytes moved."""
+        if self.lower_bound_bytes == 0:
+            return 1.0 if self.moved_bytes == 0 else None
+        return self.moved_bytes / self.lower_bound_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        ratio = self.ratio_to_lower_bound
+        return {"id": self.id, "from_generation": self.from_generation,
+                "to_generation": self.to_generation, "plan_digest": self.plan_digest,
+                "moved_bytes": self.moved_bytes, "kept_bytes": self.kept_bytes,
+                "lower_bound_bytes": self.lower_bound_bytes,
+                "ratio_to_lower_bound": None if ratio is None else round(ratio, 4),
+                "messages": self.messages, "rounds": self.rounds,
+                "estimated_seconds": self.estimated_seconds,
+                "measured_seconds": self.measured_seconds,
+                "pause_seconds": self.pause_seconds, "outcome": self.outcome,
+                "error": self.error, "started": _iso(self.started_at),
+                "ended": _iso(self.ended_at), "event_id": self.event_id}
+
+
+@dataclass(frozen=True)
+class JobDetail:
+    """Everything recorded about one job; ``vranks`` are the current generation's."""
+
+    job: JobSummary
+    allocations: tuple[AllocationInfo, ...] = ()
+    devices: tuple[DeviceInfo, ...] = ()
+    vranks: tuple[VrankInfo, ...] = ()
+    generations: tuple[GenerationInfo, ...] = ()
+    migrations: tuple[MigrationInfo, ...] = ()
+    events: tuple[EventInfo, ...] = field(default=())
+
+    @property
+    def pending_events(self) -> tuple[EventInfo, ...]:
+        return tuple(e for e in self.events if e.pending)
+
+    def to_json(self, now: datetime | None = None) -> dict[str, Any]:
+        """The job as ``slurm-etc status --json`` prints it."""
+        now = now or _now()
+        return {**self.job.to_json(),
+                "allocations": [a.to_json() for a in self.allocations],
+                "devices": [d.to_json() for d in self.devices],
+                "vranks": [v.to_json() for v in self.vranks],
+                "generations": [g.to_json(now) for g in self.generations],
+                "migrations": [m.to_json() for m in self.migrations],
+                "events": [e.to_json() for e in self.events]}
+
+
+# ---------------------------------------------------------------- opening
+
+
+def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
+                   state_dir: str | os.PathLike[str] | None = None,
+                   publish: bool = True) -> Store:
+    """The coordinator's store for one job.
+
+    Default: a SQLite file on node-local disk (``location.default_local_db``, WAL mode,
+    0600), restored from the job's snapshot in the state directory when the local file is
+    missing (a coordinator restarted on another node), published to
+    ``<state dir>/<job>.db`` after every committed change.
+
+    Args:
+        job_id: the job (letters, digits, ``._-``).
+        db: a SQLite path (node-local; refused on a network filesystem) or a server URL
+            (``mysql+pymysql://...``, ``postgresql://...``: nothing is published).
+        state_dir: where snapshots go; default ``location.default_state_dir()``.
+        publish: publish snapshots (SQLite only).
+
+    Raises:
+        StoreError: an invalid job id, a refused location, a database that is not ours.
+    """
+    try:
+        check_job_id(job_id)
+    except LocationError as exc:
+        raise RecordError(str(exc)) from None
+    target: str | os.PathLike[str] = db if db is not None else default_local_db(job_id)
+    local = sqlite_path(target)
+    states = Path(state_dir).expanduser() if state_dir is not None else default_state_dir()
+    snapshot = snapshot_path(states, job_id)
+    if local is not None and db is None and not local.exists() and snapshot.is_file():
+        try:
+            private_dir(local.parent)
+            restore_snapshot(snapshot, local)
+        except (LocationError, SnapshotError) as exc:
+            raise StoreError(str(exc)) from None
+    store = open_store(target, wal=local is not None, private=local is not None,
+                       refuse_network_fs=local is not None)
+    if local is not None and publish:
+        try:
+            ensure_state_dir(states)
+        except SnapshotError as exc:
+            store.close()
+            raise StoreError(str(exc)) from None
+        store.after_commit.append(Publisher(local, snapshot))
+    return store
+
+
+# ---------------------------------------------------------------- writes
+
+
+@_guarded
+def create_job(store: Store, job_id: str, *, name: str, owner_uid: int, owner_name: str,
+               backend: str, model: str | None = None, partition: str | None = None,
+               account: str | None = None, coordinator: str | None = None,
+               at: datetime | None = None) -> None:
+    """Record a new job (state ``starting``). Repeating it for the same owner and backend
+    is a no-op, except that a new coordinator address replaces the old one.
+
+    Raises:
+        RecordError: invalid values, or the job exists with another owner or backend.
+    """
+    try:
+        check_job_id(job_id)
+    except LocationError as exc:
+        raise RecordError(str(exc)) from None
+    _one_of("backend", backend, BACKENDS)
+    _text("name", name, 255, empty=True)
+    _text("owner_name", owner_name, 64)
+    _text("coordinator", coordinator, 255)
+    if not isinstance(owner_uid, int) or owner_uid < 0:
+        raise RecordError(f"owner_uid must be a non-negative integer, got {owner_uid!r}")
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        row = s.get(JobRow, job_id)
+        if row is not None:
+            if (row.owner_uid, row.backend) != (owner_uid, backend):
+                raise RecordError(f"job {job_id} exists already, owned by uid {row.owner_uid} "
+                                  f"on the {row.backend} backend; nothing was written")
+            if coordinator and row.coordinator != coordinator:
+                row.coordinator = coordinator
+                row.updated_at = at
+            return
+        s.add(JobRow(job_id=job_id, name=name, owner_uid=owner_uid, owner_name=owner_name,
+                     state="starting", backend=backend, model=model, partition_name=partition,
+                     account=account, coordinator=coordinator, created_at=at, updated_at=at))
+
+
+@_guarded
+def set_job_state(store: Store, job_id: str, state: str, *, reason: str | None = None,
+                  at: datetime | None = None) -> None:
+    """Record the job's observed state (``JOB_STATES``) and why; an ended state (finished,
+    failed, cancelled) sets the end time once. Repeating it is a no-op."""
+    _one_of("state", state, JOB_STATES)
+    _text("reason", reason, 255)
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        row = _job(s, job_id)
+        if row.state == state and row.reason == reason:
+            return
+        row.state, row.reason, row.updated_at = state, reason, at
+        if state in ENDED_STATES and row.ended_at is None:
+            row.ended_at = at
+
+
+@_guarded
+def set_coordinator(store: Store, job_id: str, address: str | None,
+                    at: datetime | None = None) -> None:
+    """Where the live coordinator answers (``host:port``); None once it is gone."""
+    _text("coordinator", address, 255)
+    with store.transaction(write=True) as s:
+        row = _job(s, job_id)
+        if row.coordinator != address:
+            row.coordinator, row.updated_at = address, _at(at)
+
+
+@_guarded
+def record_event(store: Store, job_id: str, kind: str, *, source: str,
+                 payload: Mapping[str, Any] | None = None, deadline: datetime | None = None,
+                 key: str | None = None, at: datetime | None = None) -> int:
+    """Record an event before acting on it; returns its id.
+
+    Args:
+        kind: ``grant``, ``preempt-notice``, ``loss``, ... (``EVENT_KINDS``; free text).
+        source: who told us (``slurm:signal``, ``slurm:squeue``, ``local``, ...).
+        payload: JSON-serialisable details (allocation id, nodes, signal, ...).
+        deadline: when the devices concerned are taken away (a preemption's grace).
+        key: a client-chosen unique key (e.g. ``preempt:1234:USR2``): recording the same
+            key again returns the first event's id and writes nothing.
+    """
+    _text("kind", kind, 32)
+    _text("source", source, 64)
+    _text("key", key, 128)
+    try:
+        text = None if payload is None else json.dumps(payload, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"event payload is not JSON-serialisable: {exc}") from None
+    at = _at(at)
+    if key is not None:
+        found = _event_by_key(store, job_id, key)
+        if found is not None:
+            return found
+    try:
+        with store.transaction(write=True) as s:
+            _job(s, job_id)
+            row = EventRow(job_id=job_id, dedup_key=key, kind=kind, source=source,
+                           payload=text, deadline=_at(deadline) if deadline else None,
+                           received_at=at)
+            s.add(row)
+            s.flush()
+            return row.id
+    except IntegrityError:
+        if key is not None:
+            found = _event_by_key(store, job_id, key)
+            if found is not None:
+                return found
+        raise
+
+
+@_guarded
+def mark_event_handled(store: Store, event_id: int, outcome: str, *,
+                       at: datetime | None = None) -> None:
+    """Mark an event handled with its outcome (``resized to generation 4``, ``ignored:
+    ...``). An event already handled keeps its first outcome."""
+    _text("outcome", outcome, 255)
+    with store.transaction(write=True) as s:
+        row = s.get(EventRow, event_id)
+        if row is None:
+            raise RecordError(f"no event {event_id}")
+        if row.handled_at is None:
+            row.handled_at, row.outcome = _at(at), outcome
+
+
+@_guarded
+def pending_events(store: Store, job_id: str) -> list[EventInfo]:
+    """Events recorded but not handled, oldest first (what a restarted coordinator
+    resumes with)."""
+    with store.transaction() as s:
+        rows = s.scalars(select(EventRow).where(EventRow.job_id == job_id,
+                                                EventRow.handled_at.is_(None))
+                         .order_by(EventRow.id)).all()
+        return [_event(r) for r in rows]
+
+
+@_guarded
+def record_allocation(store: Store, job_id: str, backend_id: str, *, role: str = "member",
+                      partition: str | None = None, state: str = "requested",
+                      nodes: Sequence[str] = (), at: datetime | None = None) -> int:
+    """Record a backend allocation (a Slurm job id); returns its id. Recording the same
+    backend id again updates its state and nodes (as :func:`update_allocation`)."""
+    _text("backend_id", backend_id, 64)
+    _one_of("role", role, ALLOCATION_ROLES)
+    _one_of("allocation state", state, ALLOCATION_STATES)
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _job(s, job_id)
+        row = _find_allocation(s, job_id, backend_id)
+        if row is None:
+            row = AllocationRow(job_id=job_id, backend_id=backend_id, role=role,
+                                partition_name=partition, state="requested",
+                                nodes=_nodes(nodes), requested_at=at)
+            s.add(row)
+            s.flush()
+        _update_allocation(s, row, state, nodes, at)
+        return row.id
+
+
+@_guarded
+def update_allocation(store: Store, job_id: str, backend_id: str, *,
+                      state: str | None = None, nodes: Sequence[str] | None = None,
+                      at: datetime | None = None) -> None:
+    """Change an allocation's state and/or nodes. ``granted``/``lost``/``released`` set
+    their time once; ``lost``/``released`` also mark its held devices lost/released."""
+    if state is not None:
+        _one_of("allocation state", state, ALLOCATION_STATES)
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _update_allocation(s, _allocation(s, job_id, backend_id), state, nodes, at)
+
+
+@_guarded
+def set_device_state(store: Store, job_id: str, devices: Iterable[DeviceLike], state: str, *,
+                     allocation: str | None = None, at: datetime | None = None) -> None:
+    """Record devices (created if new) in ``state`` (``DEVICE_STATES``), optionally in the
+    allocation with backend id ``allocation``."""
+    _one_of("device state", state, DEVICE_STATES)
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _job(s, job_id)
+        alloc_id = _allocation(s, job_id, allocation).id if allocation else None
+        for device in devices:
+            row = _device(s, job_id, device, at)
+            row.state, row.updated_at = state, at
+            if alloc_id is not None:
+                row.allocation_id = alloc_id
+
+
+@_guarded
+def open_generation(store: Store, job_id: str, number: int, layout: str,
+                    ranks: Sequence[int], devices: Mapping[int, DeviceLike], *,
+                    first_step: int | None = None, at: datetime | None = None) -> int:
+    """Open generation ``number``: training under ``layout`` on these vranks; returns its id.
+
+    Args:
+        layout: the ParallelConfig as text, e.g. ``dp=2,tp=1,pp=2,dist-opt``.
+        ranks: the vrank of every layout rank, in rank order (``Layout.devices``).
+        devices: vrank -> device for the whole pool (``alloc.Allocation.vranks``); vranks
+            no rank uses are recorded idle.
+        first_step: the first step this generation trains.
+
+    The pool's devices become ``held`` (linked to the granted allocation listing their
+    node); devices held before and not in the pool become ``released``. A generation still
+    open is closed (``superseded by generation N``). Opening the same generation again with
+    the same layout and vranks returns its id and writes nothing.
+
+    Raises:
+        RecordError: inconsistent arguments, or generation ``number`` exists differently.
+    """
+    _text("layout", layout, 255)
+    if not isinstance(number, int) or number < 0:
+        raise RecordError(f"generation number must be a non-negative integer, got {number!r}")
+    if not ranks:
+        raise RecordError(f"generation {number} has no ranks")
+    if len(set(ranks)) != len(ranks):
+        raise RecordError(f"generation {number} places two ranks on one vrank: {list(ranks)}")
+    missing = sorted(set(ranks) - set(devices))
+    if missing:
+        raise RecordError(f"generation {number}: vranks {missing} have no device")
+    places = [(d.node, d.local) for d in devices.values()]
+    if len(set(places)) != len(places):
+        raise RecordError(f"generation {number}: two vranks name one device")
+    rank_of = {v: r for r, v in enumerate(ranks)}
+    wanted = {v: (devices[v].node, devices[v].local, rank_of.get(v)) for v in devices}
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        job = _job(s, job_id)
+        existing = s.scalars(select(GenerationRow).where(
+            GenerationRow.job_id == job_id, GenerationRow.number == number)).first()
+        if existing is not None:
+            if existing.layout == layout and _vrank_map(s, existing.id) == wanted:
+                return existing.id
+            raise RecordError(f"job {job_id} has a generation {number} already, with another "
+                              "layout or vranks; nothing was written")
+        for open_gen in s.scalars(select(GenerationRow).where(
+                GenerationRow.job_id == job_id, GenerationRow.ended_at.is_(None))):
+            open_gen.ended_at = at
+            open_gen.end_reason = open_gen.end_reason or f"superseded by generation {number}"
+        gen = GenerationRow(job_id=job_id, number=number, layout=layout,
+                            world_size=len(ranks), started_at=at, steps=0,
+                            first_step=first_step)
+        s.add(gen)
+        s.flush()
+        granted = _granted_allocations_by_node(s, job_id)
+        in_pool = set()
+        for vrank, device in sorted(devices.items()):
+            row = _device(s, job_id, device, at)
+            row.state, row.updated_at = "held", at
+            if device.node in granted:
+                row.allocation_id = granted[device.node]
+            in_pool.add(row.id)
+            s.add(VrankRow(generation_id=gen.id, vrank=vrank, layout_rank=rank_of.get(vrank),
+                           device_id=row.id))
+        for row in s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id,
+                                                     DeviceRow.state.in_(("held", "leaving")))):
+            if row.id not in in_pool:
+                row.state, row.updated_at = "released", at
+        job.generation, job.updated_at = number, at
+        s.flush()
+        return gen.id
+
+
+@_guarded
+def record_progress(store: Store, job_id: str, number: int, *, last_step: int,
+                    last_loss: float | None = None, steps: int | None = None,
+                    at: datetime | None = None) -> None:
+    """Training progress of an open generation (the last completed step, its loss).
+    ``steps`` defaults to ``last_step - first_step + 1`` when the first step is known."""
+    with store.transaction(write=True) as s:
+        gen = _generation(s, job_id, number)
+        _progress(gen, last_step, last_loss, steps)
+        _job(s, job_id).updated_at = _at(at)
+
+
+@_guarded
+def close_generation(store: Store, job_id: str, number: int, *, reason: str,
+                     last_step: int | None = None, last_loss: float | None = None,
+                     steps: int | None = None, at: datetime | None = None) -> None:
+    """End generation ``number`` with why (``resized to dp=4,...``, ``preempted``,
+    ``finished``) and its final progress. Closing a closed generation is a no-op."""
+    _text("reason", reason, 255)
+    with store.transaction(write=True) as s:
+        gen = _generation(s, job_id, number)
+        if gen.ended_at is not None:
+            return
+        if last_step is not None:
+            _progress(gen, last_step, last_loss, steps)
+        elif steps is not None:
+            gen.steps = steps
+        gen.ended_at, gen.end_reason = _at(at), reason
+
+
+@_guarded
+def record_migration_start(store: Store, job_id: str, *, from_generation: int,
+                           to_generation: int, plan_digest: str, moved_bytes: int,
+                           kept_bytes: int, lower_bound_bytes: int, messages: int, rounds: int,
+                           estimated_seconds: float | None = None,
+                           event_id: int | None = None, at: datetime | None = None) -> int:
+    """Record a migration about to run, with its plan's numbers; returns its id. The same
+    unfinished migration (generations and plan digest) recorded again returns its id."""
+    _text("plan_digest", plan_digest, 128, empty=True)
+    for name, value in (("moved_bytes", moved_bytes), ("kept_bytes", kept_bytes),
+                        ("lower_bound_bytes", lower_bound_bytes), ("messages", messages),
+                        ("rounds", rounds)):
+        if not isinstance(value, int) or value < 0:
+            raise RecordError(f"{name} must be a non-negative integer, got {value!r}")
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _job(s, job_id)
+        same = s.scalars(select(MigrationRow).where(
+            MigrationRow.job_id == job_id, MigrationRow.from_generation == from_generation,
+            MigrationRow.to_generation == to_generation, MigrationRow.plan_digest == plan_digest,
+            MigrationRow.outcome.is_(None))).first()
+        if same is not None:
+            return same.id
+        row = MigrationRow(job_id=job_id, event_id=event_id, from_generation=from_generation,
+                           to_generation=to_generation, plan_digest=plan_digest,
+                           moved_bytes=moved_bytes, kept_bytes=kept_bytes,
+                           lower_bound_bytes=lower_bound_bytes, messages=messages,
+                           rounds=rounds, estimated_seconds=estimated_seconds, started_at=at)
+        s.add(row)
+        s.flush()
+        return row.id
+
+
+@_guarded
+def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
+                            measured_seconds: float | None = None,
+                            pause_seconds: float | None = None, error: str | None = None,
+                            at: datetime | None = None) -> None:
+    """Record how a migration ended (``committed`` or ``aborted``), its measured time and
+    the training pause. Repeating the same outcome is a no-op.
+
+    Raises:
+        RecordError: unknown migration, or it ended with the other outcome already.
+    """
+    _one_of("outcome", outcome, MIGRATION_OUTCOMES)
+    with store.transaction(write=True) as s:
+        row = s.get(MigrationRow, migration_id)
+        if row is None:
+            raise RecordError(f"no migration {migration_id}")
+        if row.outcome is not None:
+            if row.outcome != outcome:
+                raise RecordError(f"migration {migration_id} is {row.outcome} already; "
+                                  f"cannot record it {outcome}")
+            return
+        row.outcome, row.measured_seconds, row.pause_seconds = (outcome, measured_seconds,
+                                                                pause_seconds)
+        row.error, row.ended_at = error, _at(at)
+
+
+# ---------------------------------------------------------------- reads
+
+
+@_guarded
+def list_jobs(store: Store, owner_uid: int | None = None) -> list[JobSummary]:
+    """Jobs, running ones first, then newest first; only ``owner_uid``'s when given. A
+    database from before the job record (policies only) has none."""
+    if not store.has_table("jobs"):
+        return []
+    with store.transaction() as s:
+        query = select(JobRow)
+        if owner_uid is not None:
+            query = query.where(JobRow.owner_uid == owner_uid)
+        rows = s.scalars(query).all()
+        out = [_summary(s, r) for r in rows]
+    return sorted(out, key=lambda j: (j.ended_at is not None, -j.created_at.timestamp(),
+                                      j.job_id))
+
+
+@_guarded
+def job_detail(store: Store, job_id: str) -> JobDetail | None:
+    """Everything recorded about one job, or None."""
+    if not store.has_table("jobs"):
+        return None
+    with store.transaction() as s:
+        row = s.get(JobRow, job_id)
+        if row is None:
+            return None
+        summary = _summary(s, row)
+        allocs = s.scalars(select(AllocationRow).where(AllocationRow.job_id == job_id)
+                           .order_by(AllocationRow.id)).all()
+        backend_of = {a.id: a.backend_id for a in allocs}
+        devices = s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id)
+                            .order_by(DeviceRow.node, DeviceRow.local_index)).all()
+        gens = s.scalars(select(GenerationRow).where(GenerationRow.job_id == job_id)
+                         .order_by(GenerationRow.number)).all()
+        migrations = s.scalars(select(MigrationRow).where(MigrationRow.job_id == job_id)
+                               .order_by(MigrationRow.id)).all()
+        events = s.scalars(select(EventRow).where(EventRow.job_id == job_id)
+                           .order_by(EventRow.id)).all()
+        return JobDetail(
+            job=summary,
+            allocations=tuple(AllocationInfo(a.backend_id, a.role, a.partition_name, a.state,
+                                             _split(a.nodes), a.requested_at, a.granted_at,
+                                             a.lost_at, a.released_at) for a in allocs),
+            devices=tuple(DeviceInfo(d.node, d.local_index, d.state,
+                                     backend_of.get(d.allocation_id)
+                                     if d.allocation_id is not None else None)
+                          for d in devices),
+            vranks=_vranks(s, job_id, row.generation),
+            generations=tuple(GenerationInfo(g.number, g.layout, g.world_size, g.started_at,
+                                             g.ended_at, g.steps, g.first_step, g.last_step,
+                                             g.last_loss, g.end_reason) for g in gens),
+            migrations=tuple(_migration(m) for m in migrations),
+            events=tuple(_event(e) for e in events))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _at(at: datetime | None) -> datetime:
+    if at is None:
+        return _now()
+    return at.replace(tzinfo=timezone.utc) if at.tzinfo is None else at.astimezone(timezone.utc)
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else t.isoformat()
+
+
+def _one_of(what: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise RecordError(f"unknown {what} {value!r}; use one of: {', '.join(allowed)}")
+
+
+def _text(what: str, value: object, limit: int, empty: bool = False) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or (not value and not empty) or len(value) > limit:
+        raise RecordError(f"{what} must be {'a' if empty else 'a non-empty'} string of at "
+                          f"most {limit} characters, got {value!r:.80}")
+
+
+def _nodes(nodes: Sequence[str]) -> str:
+    if isinstance(nodes, str):
+        raise RecordError(f"nodes must be a list of node names, got the string {nodes!r}")
+    bad = [n for n in nodes if not isinstance(n, str) or not n or "," in n]
+    if bad:
+        raise RecordError(f"invalid node names: {bad!r}")
+    return ",".join(nodes)
+
+
+def _split(nodes: str) -> tuple[str, ...]:
+    return tuple(n for n in nodes.split(",") if n)
+
+
+def _job(s: Session, job_id: str) -> JobRow:
+    row = s.get(JobRow, job_id)
+    if row is None:
+        raise RecordError(f"no job {job_id!r} in the record")
+    return row
+
+
+def _find_allocation(s: Session, job_id: str, backend_id: str) -> AllocationRow | None:
+    return s.scalars(select(AllocationRow).where(AllocationRow.job_id == job_id,
+                                                 AllocationRow.backend_id == backend_id)).first()
+
+
+def _allocation(s: Session, job_id: str, backend_id: str) -> AllocationRow:
+    row = _find_allocation(s, job_id, backend_id)
+    if row is None:
+        raise RecordError(f"job {job_id} has no allocation {backend_id!r}")
+    return row
+
+
+def _update_allocation(s: Session, row: AllocationRow, state: str | None,
+                       nodes: Sequence[str] | None, at: datetime) -> None:
+    if nodes is not None:
+        row.nodes = _nodes(nodes)
+    if state is None or state == row.state:
+        return
+    row.state = state
+    column = _ALLOCATION_TIMES.get(state)
+    if column and getattr(row, column) is None:
+        setattr(row, column, at)
+    device_state = _DEVICE_ON_ALLOCATION.get(state)
+    if device_state:
+        for dev in s.scalars(select(DeviceRow).where(DeviceRow.allocation_id == row.id,
+                                                     DeviceRow.state.in_(("held", "leaving")))):
+            dev.state, dev.updated_at = device_state, at
+
+
+def _granted_allocations_by_node(s: Session, job_id: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in s.scalars(select(AllocationRow).where(
+            AllocationRow.job_id == job_id,
+            AllocationRow.state.in_(("granted", "preempting"))).order_by(AllocationRow.id)):
+        for node in _split(a.nodes):
+            out[node] = a.id
+    return out
+
+
+def _device(s: Session, job_id: str, device: DeviceLike, at: datetime) -> DeviceRow:
+    node, local = device.node, device.local
+    if not isinstance(node, str) or not node or not isinstance(local, int) or local < 0:
+        raise RecordError(f"invalid device {node!r}:{local!r}")
+    row = s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id, DeviceRow.node == node,
+                                            DeviceRow.local_index == local)).first()
+    if row is None:
+        row = DeviceRow(job_id=job_id, node=node, local_index=local, state="held",
+                        updated_at=at)
+        s.add(row)
+        s.flush()
+    return row
+
+
+def _vrank_map(s: Session, generation_id: int) -> dict[int, tuple[str, int, int | None]]:
+    rows = s.execute(select(VrankRow.vrank, DeviceRow.node, DeviceRow.local_index,
+                            VrankRow.layout_rank)
+                     .join(DeviceRow, DeviceRow.id == VrankRow.device_id)
+                     .where(VrankRow.generation_id == generation_id)).all()
+    return {v: (node, local, rank) for v, node, local, rank in rows}
+
+
+def _vranks(s: Session, job_id: str, number: int | None) -> tuple[VrankInfo, ...]:
+    if number is None:
+        return ()
+    rows = s.execute(select(VrankRow.vrank, VrankRow.layout_rank, DeviceRow.node,
+                            DeviceRow.local_index)
+                     .join(DeviceRow, DeviceRow.id == VrankRow.device_id)
+                     .join(GenerationRow, GenerationRow.id == VrankRow.generation_id)
+                     .where(GenerationRow.job_id == job_id, GenerationRow.number == number)
+                     .order_by(VrankRow.vrank)).all()
+    return tuple(VrankInfo(number, v, rank, node, local) for v, rank, node, local in rows)
+
+
+def _generation(s: Session, job_id: str, number: int) -> GenerationRow:
+    row = s.scalars(select(GenerationRow).where(GenerationRow.job_id == job_id,
+                                                GenerationRow.number == number)).first()
+    if row is None:
+        raise RecordError(f"job {job_id} has no generation {number}")
+    return row
+
+
+def _progress(gen: GenerationRow, last_step: int, last_loss: float | None,
+              steps: int | None) -> None:
+    if not isinstance(last_step, int) or last_step < 0:
+        raise RecordError(f"last_step must be a non-negative integer, got {last_step!r}")
+    gen.last_step = last_step
+    if last_loss is not None:
+        gen.last_loss = float(last_loss)
+    if steps is not None:
+        gen.steps = steps
+    elif gen.first_step is not None:
+        gen.steps = max(0, last_step - gen.first_step + 1)
+
+
+def _event_by_key(store: Store, job_id: str, key: str) -> int | None:
+    with store.transaction() as s:
+        return s.scalars(select(EventRow.id).where(EventRow.job_id == job_id,
+                                                   EventRow.dedup_key == key)).first()
+
+
+def _summary(s: Session, row: JobRow) -> JobSummary:
+    gen = None
+    if row.generation is not None:
+        gen = s.scalars(select(GenerationRow).where(GenerationRow.job_id == row.job_id,
+                                                    GenerationRow.number == row.generation)
+                        ).first()
+    nodes: tuple[str, ...] = ()
+    if gen is not None:
+        nodes = tuple(s.scalars(select(DeviceRow.node).distinct()
+                                .join(VrankRow, VrankRow.device_id == DeviceRow.id)
+                                .where(VrankRow.generation_id == gen.id,
+                                       VrankRow.layout_rank.is_not(None))
+                                .order_by(DeviceRow.node)).all())
+    pending = s.scalar(select(func.count()).select_from(EventRow).where(
+        EventRow.job_id == row.job_id, EventRow.handled_at.is_(None))) or 0
+    migrations = s.scalar(select(func.count()).select_from(MigrationRow).where(
+        MigrationRow.job_id == row.job_id)) or 0
+    return JobSummary(row.job_id, row.name, row.owner_uid, row.owner_name, row.state,
+                      row.reason, row.backend, row.model, row.partition_name, row.account,
+                      row.coordinator, row.generation, gen.layout if gen else None,
+                      gen.world_size if gen else 0, nodes, row.created_at, row.updated_at,
+                      row.ended_at, pending, migrations)
+
+
+def _event(r: EventRow) -> EventInfo:
+    try:
+        payload = None if r.payload is None else json.loads(r.payload)
+    except ValueError:
+        payload = r.payload
+    return EventInfo(r.id, r.kind, r.source, payload, r.deadline, r.received_at, r.handled_at,
+                     r.outcome, r.dedup_key)
+
+
+def _migration(m: MigrationRow) -> MigrationInfo:
+    return MigrationInfo(m.id, m.from_generation, m.to_generation, m.plan_digest,
+                         m.moved_bytes, m.kept_bytes, m.lower_bound_bytes, m.messages,
+                         m.rounds, m.estimated_seconds, m.measured_seconds, m.pause_seconds,
+                         m.outcome, m.error, m.started_at, m.ended_at, m.event_id)

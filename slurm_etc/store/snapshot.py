@@ -1,0 +1,145 @@
+"""Publishing a job's node-local database into the shared state directory, atomically.
+
+After every committed change the coordinator copies its live (WAL-mode) database with
+SQLite's backup API into a private file beside it, switches that copy to a rollback journal
+(a WAL-mode header would make readers on a network filesystem need shared memory that
+does not work there), writes it to a temporary file in the state directory, fsyncs it and
+renames it over ``<state dir>/<job>.db``. A reader therefore sees the old snapshot or the
+new one, never a torn one, and opens it ``immutable`` (no locks on the network filesystem).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import tempfile
+import threading
+import urllib.parse
+from pathlib import Path
+
+from .location import LocationError, private_file
+
+log = logging.getLogger(__name__)
+
+_COPY_CHUNK = 1 << 20
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be written or restored (where and why, one line)."""
+
+
+def ensure_state_dir(state_dir: Path) -> Path:
+    """Create the state directory owner-only (0700) if it does not exist. An existing one
+    is used as it is (a site may share one, sticky like /tmp); snapshots are 0600."""
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise SnapshotError(f"cannot create the state directory {state_dir}: "
+                            f"{exc.strerror}") from None
+    return Path(state_dir)
+
+
+def publish_snapshot(db: Path, dest: Path) -> None:
+    """Copy the SQLite database ``db`` to ``dest`` atomically (0600, rollback journal).
+
+    Raises:
+        SnapshotError: the copy or the rename failed; ``dest`` is then unchanged.
+    """
+    db, dest = Path(db), Path(dest)
+    ensure_state_dir(dest.parent)
+    local = db.with_name(f".{db.name}.snapshot")
+    try:
+        private_file(local)
+        src = sqlite3.connect("file:" + urllib.parse.quote(str(db.absolute())) + "?mode=ro",
+                              uri=True, timeout=10.0)
+        try:
+            dst = sqlite3.connect(local)
+            try:
+                src.backup(dst)
+                dst.execute("PRAGMA journal_mode=DELETE").fetchone()
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except (sqlite3.Error, LocationError, OSError) as exc:
+        raise SnapshotError(f"cannot copy {db} for publishing: {exc}") from None
+    _replace_from(local, dest)
+
+
+def _replace_from(source: Path, dest: Path) -> None:
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as inp:
+            shutil.copyfileobj(inp, out, _COPY_CHUNK)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+        tmp = None
+    except OSError as exc:
+        raise SnapshotError(f"cannot publish {dest}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    _fsync_dir(dest.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems refuse fsync on a directory; the rename stands
+    finally:
+        os.close(fd)
+
+
+def restore_snapshot(snapshot: Path, db: Path) -> None:
+    """Start a job's node-local database from its published snapshot (a coordinator
+    restarted on another node resumes from the record). ``db`` must not exist."""
+    if db.exists():
+        raise SnapshotError(f"cannot restore {db} from {snapshot}: it exists already")
+    try:
+        private_file(db)
+        with open(snapshot, "rb") as inp, open(db, "r+b") as out:
+            shutil.copyfileobj(inp, out, _COPY_CHUNK)
+            out.flush()
+            os.fsync(out.fileno())
+    except (OSError, LocationError) as exc:
+        try:
+            db.unlink()
+        except OSError:
+            pass
+        raise SnapshotError(f"cannot restore {db} from {snapshot}: {exc}") from None
+
+
+class Publisher:
+    """Publishes one job's database after each commit; a failure is logged and the next
+    commit tries again (the record itself is safe on local disk)."""
+
+    def __init__(self, db: Path, dest: Path) -> None:
+        self.db = Path(db)
+        self.dest = Path(dest)
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            try:
+                publish_snapshot(self.db, self.dest)
+            except SnapshotError as exc:
+                self.failures += 1
+                log.warning("%s (the job record is safe in %s; retried on the next change)",
+                            exc, self.db)
+            else:
+                self.failures = 0
+
+    def __repr__(self) -> str:
+        return f"Publisher({self.db} -> {self.dest})"
