@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit bench clean
+.PHONY: setup demo lint test test-unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,13 @@ demo: $(STAMP)
 	$(BIN)/slurm-etc plan --model llama-70b --from dp=16,tp=8,pp=8 --to dp=14,tp=8,pp=8 \
 		--distributed-optimizer --drop-nodes $(DROP)
 
-test: $(STAMP)
+# Static checks first (configured in pyproject.toml): ruff over the code, tests and benchmarks;
+# mypy over the package (strict on the pure core: plan/, alloc/, policy/).
+lint: $(STAMP)
+	$(BIN)/ruff check slurm_etc tests bench
+	$(BIN)/mypy slurm_etc
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
@@ -29,4 +35,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_quality.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
