@@ -57,7 +57,8 @@ def test_fewest_nodes_even_when_state_sits_on_small_nodes():
     avail = node(0) + node(1) + node(2, range(6)) + node(3, range(2))
     state = node(2, range(6)) + node(3, range(2))
     chosen = select_devices(avail, 16, 2, TOPO, in_layout=state)
-    assert len(nodes_of(chosen)) == 2
+    # only the two full nodes give 16 devices on 2 nodes; the state's nodes would need 3
+    assert nodes_of(chosen) == ["n0000", "n0001"]
 
 
 def test_state_in_place_breaks_ties_and_switch_locality():
@@ -127,8 +128,10 @@ def test_chosen_configuration_keeps_the_batch_fits_memory_and_is_valid():
 
 def test_policy_limits_the_candidates():
     got = candidates(JOB, Hardware(), [8] * 8, allowed_tp=[2], allowed_pp=[2, 4], max_nodes=4)
-    assert got and all(c.config.tp == 2 and c.config.pp in (2, 4) and c.config.world <= 32
-                       for c in got)
+    # exactly the unrestricted candidates of 4 nodes that the policy allows
+    want = {c.config for c in candidates(JOB, Hardware(), [8] * 4)
+            if c.config.tp == 2 and c.config.pp in (2, 4)}
+    assert len(want) > 1 and {c.config for c in got} == want
 
 
 def test_no_configuration_names_what_limited_it():
@@ -153,8 +156,11 @@ def test_near_equal_candidates_are_decided_by_migration_cost():
 def test_first_fit_chooser_counts_devices_only():
     # 6 nodes with 4 free devices each: tp=8 only fits without the in-node rule.
     tp8 = candidates(JOB, Hardware(), [4] * 6, allowed_tp=[8])
-    assert not tp8
-    assert candidates(JOB, Hardware(), [24], allowed_tp=[8], tp_in_node=False)
+    assert tp8 == []
+    # without the rule only the count matters: 24 devices anywhere are 3 full nodes
+    anywhere = candidates(JOB, Hardware(), [24], allowed_tp=[8], tp_in_node=False)
+    in_nodes = candidates(JOB, Hardware(), [8] * 3, allowed_tp=[8])
+    assert len(in_nodes) > 0 and {c.config for c in anywhere} == {c.config for c in in_nodes}
 
 
 TINY = PRESETS["tiny"]

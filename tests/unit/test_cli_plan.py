@@ -5,6 +5,8 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
+from slurm_etc.plan import PRESETS
+from tests.unit.plan_helpers import make_plan
 
 KEYS = {"total_state_bytes", "kept_bytes", "moved_bytes", "moved_intra_node_bytes",
         "moved_inter_node_bytes", "lower_bound_moved_bytes", "naive_moved_bytes", "messages",
@@ -21,9 +23,14 @@ def test_json_has_the_promised_fields():
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert KEYS <= out.keys()
+    # the command prints the library's plan of the same transition, nothing else
+    want = make_plan(PRESETS["tiny"], (4, 2, 2), (3, 2, 2), dist=True, gpn=4).summary()
+    assert out.pop("plan_seconds") > 0 and want.pop("plan_seconds") > 0
+    assert out == want
     assert out["kept_bytes"] + out["moved_bytes"] == out["needed_bytes"]
     assert out["moved_bytes"] == out["moved_intra_node_bytes"] + out["moved_inter_node_bytes"]
-    assert out["moved_bytes"] >= out["lower_bound_moved_bytes"]
+    # a dp shrink in the dense regime: the plan meets the byte lower bound exactly
+    assert out["lower_bound_exact"] and out["moved_bytes"] == out["lower_bound_moved_bytes"]
 
 
 def test_human_table():
