@@ -1,10 +1,12 @@
 """`slurm-etc bench migrate`: the in-place resize against megatron's checkpoint path.
 
 Both paths run side by side in one invocation on this machine (local processes, gloo on
-127.0.0.1): downtime of each, the checkpoint path's save / restart / load parts, the data
-phase's throughput against raw gloo point-to-point measured on the same processes, and each
-migrating rank's peak memory against its new state plus the staging budget. See
-docs/verify.md for what each number means.
+127.0.0.1): downtime of each as a wall-clock span (first rank paused to last rank ready),
+the checkpoint path's save / stop / cold start / build + load parts, its cold start both
+per process core (the ratio's) and all at once, the data phase's throughput against raw
+gloo point-to-point measured on the same processes, and each migrating rank's peak memory
+against its new state plus the staging budget. See docs/verify.md for what each number
+means.
 """
 from __future__ import annotations
 
@@ -47,15 +49,24 @@ def render(s: dict, console: Console) -> None:
               f"migration group {_fmt(pre['group'], 's')}, destinations allocated and "
               f"touched {_fmt(pre['allocate'], 's')} (training continues)")
     t.add_row("checkpoint downtime", _fmt(s["checkpoint_seconds"], " s"),
-              f"save {_fmt(p['save'], 's')}, restart {_fmt(p['restart'], 's')}, "
-              f"load {_fmt(p['load'], 's')}")
-    t.add_row("  restart", _fmt(p["restart"], " s"),
-              f"stop {_fmt(p['stop'], 's')}, cold start {_fmt(p['fresh_start'], 's')}, "
-              f"build {_fmt(p['fresh_build'], 's')}")
+              f"pause -> ready: save {_fmt(p['save'], 's')}, stop {_fmt(p['stop'], 's')}, "
+              f"cold start {_fmt(p['cold_start'], 's')} (per process core), build + load "
+              f"{_fmt(p['build_load'], 's')}")
+    t.add_row("  cold start, per process core", _fmt(p["cold_start"], " s"),
+              "slowest of the fresh processes started one at a time ("
+              + ", ".join(_fmt(x, "s") for x in p["cold_start_each"]) + ")")
+    t.add_row("  cold start, all at once", _fmt(p["cold_start_all_at_once"], " s"),
+              f"{s['processes']} fresh processes started together on "
+              f"{_cpus(s)} cores")
     t.add_row("  save", _fmt(p["save"], " s"),
               f"of which extra fsync {_fmt(p['extra_fsync'], 's', 3)}; first save "
               f"{_fmt(p['save_first'], 's')}; {human_bytes(p['checkpoint_bytes'])} on disk")
-    t.add_row("ratio", _fmt(s["ratio"], "x", 1), "checkpoint / in place")
+    t.add_row("ratio", _fmt(s["ratio"], "x", 1),
+              "checkpoint / in place, cold start per process core (a node with a core per "
+              "process)")
+    t.add_row("ratio, cold start all at once", _fmt(s["ratio_all_at_once"], "x", 1),
+              f"checkpoint downtime {_fmt(s['checkpoint_seconds_all_at_once'], ' s')}, "
+              "measured in one span")
     t.add_row("data phase", _fmt(s["data_seconds"], " s"),
               f"{_fmt(s['achieved_gibps'], ' GiB/s')} moved / data seconds")
     t.add_row("raw gloo p2p (warm buffer)", _fmt(s["raw_p2p_gibps"], " GiB/s"),
@@ -76,6 +87,7 @@ def render(s: dict, console: Console) -> None:
         t.add_row(label, "-" if met is None else ("[green]met[/green]" if met
                                                   else "[red]missed[/red]"), "")
     console.print(t)
+    console.print(_load(s))
     ranks = Table(title="per migrating rank (last repeat)")
     for col in ("device", "new rank", "sent", "received", "data s", "GiB/s", "peak growth",
                 "bound", "peak/bound"):
@@ -87,6 +99,19 @@ def render(s: dict, console: Console) -> None:
                       human_bytes(r["memory_peak_delta"] or 0), human_bytes(r["memory_bound"]),
                       _fmt(r["peak_over_bound"]))
     console.print(ranks)
+
+
+def _cpus(s: dict) -> str:
+    load = s.get("load_average")
+    return str(load["cpus"]) if load else "this machine's"
+
+
+def _load(s: dict) -> str:
+    load = s.get("load_average")
+    if not load:
+        return "-"
+    return (f"load average {' '.join(f'{x:.2f}' for x in load['before'])} before, "
+            f"{' '.join(f'{x:.2f}' for x in load['after'])} after, {load['cpus']} cores")
 
 
 @click.group()

@@ -15,9 +15,22 @@ from typing import Any
 from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
-from .experiments import Progress, first as _first, no_progress as _no_progress
-from .phases import (PRELOAD, Transition, batch_for, w_build, w_digest, w_load, w_prepare,
-                     w_raw_p2p, w_raw_pattern, w_resize, w_save)
+from .experiments import Progress
+from .experiments import first as _first
+from .experiments import no_progress as _no_progress
+from .phases import (
+    PRELOAD,
+    Transition,
+    batch_for,
+    w_build,
+    w_digest,
+    w_load,
+    w_prepare,
+    w_raw_p2p,
+    w_raw_pattern,
+    w_resize,
+    w_save,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +53,14 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
     * checkpoint: ``tr.old.world`` workers build the same state; megatron saves a warm-up
       checkpoint (its first save starts a multiprocessing Manager: ``save_first_seconds``),
       then the timed one (fsynced); the processes stop; ``tr.new.world`` fresh processes
-      start (cold import), build the new layout and load.
+      start (cold import), build the new layout and load, twice: started all at once, and
+      one at a time (see ``COLD_STARTS`` and :func:`checkpoint_spans`).
+
+    Both downtimes are wall-clock spans over processes, from the first rank's pause to the
+    last new rank ready to train. The ratio uses the checkpoint path's per-process-core
+    cold start (``ratio_cold_start``); ``ratio_all_at_once`` is the one with the fresh
+    processes sharing this machine's cores. ``load_average`` (1/5/15 min, before and
+    after) says how busy the machine was.
 
     The in-place repeats run first, then the checkpoint repeats: on this machine, writing a
     few hundred MiB of files slows every first-touch page fault for seconds afterwards
@@ -48,11 +68,12 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
     follows it. Both new states are compared by digest where megatron can reshard the
     optimizer.
     """
+    load_before = os.getloadavg()
     plan = tr.plan()
     gb = batch_for(tr.old, tr.new)
     seq = min(tr.model.seq_length, 64)
-    common = dict(seed=seed, steps=steps, seq=seq, gb=gb, progress=progress,
-                  log_level=log_level)
+    common = {"seed": seed, "steps": steps, "seq": seq, "gb": gb, "progress": progress,
+              "log_level": log_level}
     in_place, digests = [], None
     for i in range(repeat):
         progress(f"in place, repeat {i + 1}/{repeat}")
@@ -66,7 +87,10 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
         run = _bench_checkpoint(tr, plan, workdir=workdir, digests=digests,
                                 tag=f"bench-b{i}", **common)
         runs.append({**in_place[i], **run})
-    return _bench_summary(tr, plan, runs)
+    summary = _bench_summary(tr, plan, runs)
+    summary["load_average"] = {"before": list(load_before), "after": list(os.getloadavg()),
+                               "cpus": os.cpu_count()}
+    return summary
 
 
 def _span(results: Sequence[dict | None], start: str = "pause", end: str = "ready") -> float:
@@ -109,10 +133,22 @@ def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: in
     return out, digests
 
 
+# The two ways the checkpoint path's fresh processes are started, in the order they run.
+# ``per_process_core`` starts them one at a time and counts the slowest: what a node with a
+# core per process pays (its processes start side by side without sharing a core); the
+# ratio uses it. ``all_at_once`` starts them together on this machine's cores, as a plain
+# restart here does.
+COLD_STARTS = ("all_at_once", "per_process_core")
+
+
 def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: int, gb: int,
                       progress: Progress, workdir: str | None, digests: Any, tag: str,
                       log_level: int) -> dict:
-    """One run of the checkpoint path: save, stop, fresh processes, build, load."""
+    """One run of the checkpoint path: save, stop, fresh processes, build, load.
+
+    The fresh processes are started twice from the same checkpoint, first all at once, then
+    one at a time (see ``COLD_STARTS``); each set builds the new layout and loads.
+    """
     tag = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
     tmp = tempfile.mkdtemp(prefix="slurm-etc-bench-", dir=workdir)
     compare = megatron_reshards_optimizer(tr.old, tr.new)
@@ -120,6 +156,7 @@ def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: 
     try:
         progress(f"checkpoint: starting {tr.old.world} processes (the running job)")
         job = LocalWorkers(tr.old.world, preload=PRELOAD, log_level=log_level)
+        saved: list[dict] = []
         try:
             job.start()
             progress(f"checkpoint: building the same state under {tr.old}")
@@ -129,36 +166,80 @@ def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: 
             first = [r for r in job.run(w_save, os.path.join(tmp, "warmup")) if r]
             out["save_first_seconds"] = max(r["seconds"] for r in first)
             shutil.rmtree(os.path.join(tmp, "warmup"), ignore_errors=True)
-            progress("checkpoint: timed save, fsynced")
+            progress("checkpoint: pause, timed save (fsynced)")
             saved = [r for r in job.run(w_save, os.path.join(tmp, "ckpt")) if r]
-            out["save"] = {"seconds": max(r["seconds"] for r in saved),
-                           "megatron_save": max(r["save"] for r in saved),
-                           "extra_fsync": max(r["fsync"] for r in saved),
-                           "bytes": sum(r["bytes"] for r in saved)}
         finally:
             progress("checkpoint: stopping the job's processes")
-            out["stop_seconds"] = job.close()
-        progress(f"checkpoint: starting {tr.new.world} fresh processes (cold import)")
-        fresh = LocalWorkers(tr.new.world, preload=PRELOAD, log_level=log_level)
-        try:
-            out["fresh_start_seconds"] = fresh.start()
-            progress("checkpoint: build the new layout and load")
-            loaded = [r for r in fresh.run(w_load, tr.model, tr.new,
-                                           os.path.join(tmp, "ckpt"), optimizer=compare,
-                                           name="state", tag=f"{tag}/fresh") if r]
-            out["fresh_build"] = max(r["group"] + r["build"] for r in loaded)
-            out["load_seconds"] = max(r["load"] for r in loaded)
-            if compare and digests is not None:
-                out["same_state"] = _same_digests(plan, digests, fresh.run(w_digest))
-        finally:
-            fresh.close()
+            job.close()
+            stopped = time.time()
+        out["save"] = {"pause": min(r["pause"] for r in saved),
+                       "saved": max(r["saved"] for r in saved), "stopped": stopped,
+                       "megatron_save": max(r["save"] for r in saved),
+                       "extra_fsync": max(r["fsync"] for r in saved),
+                       "bytes": sum(r["bytes"] for r in saved)}
+        for how in COLD_STARTS:
+            alone = how == "per_process_core"
+            progress(f"checkpoint: starting {tr.new.world} fresh processes "
+                     f"{'one at a time' if alone else 'all at once'} (cold import)")
+            fresh = LocalWorkers(tr.new.world, preload=PRELOAD, log_level=log_level)
+            try:
+                fresh.start(one_at_a_time=alone)
+                progress("checkpoint: build the new layout and load")
+                loaded = [r for r in fresh.run(w_load, tr.model, tr.new,
+                                               os.path.join(tmp, "ckpt"), optimizer=compare,
+                                               name="state", tag=f"{tag}/fresh-{how}") if r]
+                out[how] = {"start_seconds": fresh.start_seconds,
+                            "start_each": list(fresh.start_seconds_each),
+                            "begin": min(r["begin"] for r in loaded),
+                            "ready": max(r["ready"] for r in loaded),
+                            **{k: max(r[k] for r in loaded) for k in ("group", "build",
+                                                                       "load")}}
+                if compare and digests is not None:
+                    same = _same_digests(plan, digests, fresh.run(w_digest))
+                    out["same_state"] = out.get("same_state", True) and same
+            finally:
+                fresh.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    out["restart_seconds"] = (out["stop_seconds"] + out["fresh_start_seconds"]
-                              + out["fresh_build"])
-    out["checkpoint_seconds"] = (out["save"]["seconds"] + out["restart_seconds"]
-                                 + out["load_seconds"])
+    out.update(checkpoint_spans(out["save"], out["all_at_once"], out["per_process_core"]))
     return out
+
+
+def checkpoint_spans(save: dict, all_at_once: dict, per_process_core: dict) -> dict:
+    """The checkpoint path's downtime as wall-clock spans (``time.time()`` of every process).
+
+    ``save``: ``pause`` (first rank entered the save), ``saved`` (last rank done),
+    ``stopped`` (the last old process exited); each cold start: ``start_seconds`` (the
+    whole start-up), ``start_each`` (per process, spawn to ready), ``begin`` (first new rank
+    starts its group) and ``ready`` (last new rank loaded).
+
+    * ``seconds_all_at_once`` = last new rank ready - first rank paused, measured in one
+      piece: the fresh processes were started all at once right after the stop.
+    * ``seconds`` (per process core) = the same span with its cold start replaced by the
+      slowest of the processes started one at a time: (first pause -> last old process
+      exited) + max(start_each) + (first new rank begins -> last loaded), the last part
+      measured on those processes. The parent's hand-offs between the parts (``handoffs``
+      in the all-at-once span, milliseconds) are left out.
+    """
+    to_stopped = save["stopped"] - save["pause"]
+    per_core = max(per_process_core["start_each"])
+    build_load = per_process_core["ready"] - per_process_core["begin"]
+    measured = all_at_once["ready"] - save["pause"]
+    build_load_all = all_at_once["ready"] - all_at_once["begin"]
+    composed_all = to_stopped + all_at_once["start_seconds"] + build_load_all
+    return {
+        "checkpoint_seconds": to_stopped + per_core + build_load,
+        "checkpoint_seconds_all_at_once": measured,
+        "spans": {
+            "save": save["saved"] - save["pause"],
+            "stop": save["stopped"] - save["saved"],
+            "cold_start": per_core,
+            "build_load": build_load,
+            "cold_start_all_at_once": all_at_once["start_seconds"],
+            "build_load_all_at_once": build_load_all,
+            "handoffs_all_at_once": measured - composed_all,
+        },
+    }
 
 
 def _same_digests(plan: Any, etc: Sequence[dict | None], fresh: Sequence[dict | None]) -> bool:
@@ -209,6 +290,7 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
 
     etc = med([r["etc"]["seconds"] for r in runs])
     ckpt = med([r["checkpoint_seconds"] for r in runs])
+    ckpt_all = med([r["checkpoint_seconds_all_at_once"] for r in runs])
     raw = med([r["raw_p2p"]["gibps"] for r in runs])
     raw_fresh = med([r["raw_p2p"]["fresh_gibps"] for r in runs])
     achieved = med([r["etc"]["achieved_gibps"] for r in runs])
@@ -216,6 +298,8 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
     data = med([r["etc"]["data_seconds"] for r in runs])
     peaks = [p["peak_over_bound"] for r in runs for p in r["etc"]["per_rank"]
              if p["peak_over_bound"] is not None]
+    spans = {name: med([r["spans"][name] for r in runs]) for name in runs[0]["spans"]}
+    per_core = [r["per_process_core"] for r in runs]
     return {
         "model": tr.model.name, "from": str(tr.old), "to": str(tr.new),
         "processes": tr.processes, "repeat": len(runs),
@@ -223,13 +307,15 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
         "kept_bytes": plan.kept_bytes, "messages": len(plan.messages), "rounds": plan.rounds,
         "etc_seconds": etc,
         "checkpoint_seconds": ckpt,
+        "checkpoint_seconds_all_at_once": ckpt_all,
         "checkpoint_parts": {
-            "save": med([r["save"]["seconds"] for r in runs]),
-            "restart": med([r["restart_seconds"] for r in runs]),
-            "load": med([r["load_seconds"] for r in runs]),
-            "stop": med([r["stop_seconds"] for r in runs]),
-            "fresh_start": med([r["fresh_start_seconds"] for r in runs]),
-            "fresh_build": med([r["fresh_build"] for r in runs]),
+            **spans,
+            "cold_start_each": [med(list(v)) for v in zip(*(c["start_each"] for c in per_core))],
+            "cold_start_each_all_at_once": [
+                med(list(v)) for v in zip(*(r["all_at_once"]["start_each"] for r in runs))],
+            "cold_start_one_at_a_time_total": med([c["start_seconds"] for c in per_core]),
+            **{name: med([c[name] for c in per_core]) for name in ("group", "build", "load")},
+            "megatron_save": med([r["save"]["megatron_save"] for r in runs]),
             "extra_fsync": med([r["save"]["extra_fsync"] for r in runs]),
             "save_first": med([r["save_first_seconds"] for r in runs]),
             "checkpoint_bytes": runs[0]["save"]["bytes"],
@@ -239,6 +325,11 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
         "prepare_parts": {name: med([r["prepare"][name] for r in runs])
                           for name in runs[0]["prepare"]},
         "ratio": ckpt / etc if etc else None,
+        "ratio_all_at_once": ckpt_all / etc if etc else None,
+        "ratio_cold_start": "per_process_core",
+        "ratios": [r["checkpoint_seconds"] / r["etc"]["seconds"] for r in runs],
+        "ratios_all_at_once": [r["checkpoint_seconds_all_at_once"] / r["etc"]["seconds"]
+                               for r in runs],
         "data_seconds": data,
         "achieved_gibps": achieved,
         "raw_p2p_gibps": raw,

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from slurm_etc.plan import Layout, ParallelConfig, Topology, default_pool, plan_migration
+from slurm_etc.plan import (
+    Layout,
+    ParallelConfig,
+    Topology,
+    default_pool,
+    plan_migration,
+)
 from slurm_etc.plan.catalog import build_catalog
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
@@ -125,8 +131,17 @@ def w_digest(ctx: WorkerContext, name: str = "state") -> dict | None:
 
 
 def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | None:
+    """Ranks with a state: megatron's checkpoint save (``checkpoint.save_checkpoint``).
+
+    ``pause`` (entry) and ``saved`` (return) are ``time.time()``: the checkpoint path's
+    downtime is a wall-clock span across processes, as the in-place path's is.
+    """
     state = ctx.objects.get("state")
-    return None if state is None else save_checkpoint(state, directory, fsync=fsync)
+    if state is None:
+        return None
+    pause = time.time()
+    out = save_checkpoint(state, directory, fsync=fsync)
+    return {**out, "pause": pause, "saved": time.time()}
 
 
 def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
@@ -202,7 +217,9 @@ def w_load(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, directo
 
     With ``tag`` the worker starts the group first (fresh processes); otherwise it uses the
     default group it is in (after a resize), skipping workers outside ``config``.
+    ``begin`` (entry) and ``ready`` (loaded) are ``time.time()``, for wall-clock spans.
     """
+    begin = time.time()
     import torch.distributed as dist
 
     from . import cpu_compat
@@ -222,7 +239,8 @@ def w_load(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, directo
     timing = load_checkpoint(state, directory, optimizer=optimizer)
     ctx.objects[name] = state
     return {"group": t1 - t0, "build": t2 - t1, "load": timing["seconds"],
-            "step": optimizer_step(state) if optimizer else None}
+            "step": optimizer_step(state) if optimizer else None,
+            "begin": begin, "ready": time.time()}
 
 
 def w_train_step(ctx: WorkerContext, name: str, *, seed: int, seq: int,

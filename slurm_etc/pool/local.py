@@ -53,7 +53,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Self
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -259,18 +262,25 @@ class LocalWorkers:
         self.default_group = default_group
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
-        self._store = None
+        self._store: TCPStore | None = None
         self.start_seconds: float | None = None
+        self.start_seconds_each: list[float] = []
 
     @property
     def pids(self) -> list[int]:
         """PIDs of the live workers, in worker order."""
-        return [proc.pid for proc in self._procs]
+        return [proc.pid for proc in self._procs if proc.pid is not None]
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> float:
+    def start(self, *, one_at_a_time: bool = False) -> float:
         """Start the workers; returns seconds until every one has imported and joined.
+
+        ``one_at_a_time`` starts each worker only after the previous one is ready, so each
+        cold start runs alone on the machine, as it would on a node with a core per
+        process (the checkpoint baseline of ``bench migrate``). Either way
+        ``start_seconds_each[i]`` is worker ``i``'s own time from its spawn to its ready
+        message.
 
         A start-up in which a worker dies is retried (``START_ATTEMPTS`` in all), so one
         flaky start does not fail everything that follows; the seconds are the last
@@ -281,7 +291,7 @@ class LocalWorkers:
         attempt = 1
         while True:
             try:
-                self.start_seconds = self._spawn()
+                self.start_seconds = self._spawn(one_at_a_time)
                 return self.start_seconds
             except WorkerDied as exc:
                 if attempt == START_ATTEMPTS:
@@ -290,30 +300,41 @@ class LocalWorkers:
                 logger.warning("%s; retrying the start-up (attempt %d of %d)", exc, attempt,
                                START_ATTEMPTS)
 
-    def _spawn(self) -> float:
+    def _spawn(self, one_at_a_time: bool = False) -> float:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.timeout_s))
+        store = self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                            wait_for_workers=False,
+                                            timeout=timedelta(seconds=self.timeout_s))
         mp = multiprocessing.get_context("spawn")
-        for index in range(self.size):
-            parent_conn, child_conn = mp.Pipe(duplex=True)
-            proc = mp.Process(target=_worker_main, name=f"slurm-etc-worker-{index}",
-                              args=(index, self.size, self._store.port, child_conn,
-                                    os.getpid(), self.preload, self.timeout_s,
-                                    self.log_level, self.default_group))
-            proc.start()
-            child_conn.close()
-            self._procs.append(proc)
-            self._conns.append(parent_conn)
+        spawned: list[float] = []
+        ready: dict[int, float] = {}
+        bound = max(self.timeout_s, START_TIMEOUT_S)
         try:
-            self._collect("start-up", time.monotonic() + max(self.timeout_s, START_TIMEOUT_S))
+            for index in range(self.size):
+                parent_conn, child_conn = mp.Pipe(duplex=True)
+                proc = mp.Process(target=_worker_main, name=f"slurm-etc-worker-{index}",
+                                  args=(index, self.size, store.port, child_conn,
+                                        os.getpid(), self.preload, self.timeout_s,
+                                        self.log_level, self.default_group))
+                spawned.append(time.perf_counter())
+                proc.start()
+                child_conn.close()
+                self._procs.append(proc)
+                self._conns.append(parent_conn)
+                if one_at_a_time:
+                    self._collect("start-up", time.monotonic() + bound, indices=[index],
+                                  arrived=ready)
+            if not one_at_a_time:
+                self._collect("start-up", time.monotonic() + bound, arrived=ready)
         except BaseException:
             self.close(graceful=False)
             raise
         seconds = time.perf_counter() - t0
-        logger.info("started %d workers in %.1f s", self.size, seconds)
+        self.start_seconds_each = [ready[i] - spawned[i] for i in range(self.size)]
+        logger.info("started %d workers in %.1f s%s", self.size, seconds,
+                    " (one at a time)" if one_at_a_time else "")
         return seconds
 
     def close(self, graceful: bool = True) -> float:
@@ -345,7 +366,7 @@ class LocalWorkers:
         self._store = None
         return time.perf_counter() - t0
 
-    def __enter__(self) -> LocalWorkers:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -385,11 +406,15 @@ class LocalWorkers:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         return self._collect(what, time.monotonic() + timeout)
 
-    def _collect(self, what: str, deadline: float) -> list[Any]:
+    def _collect(self, what: str, deadline: float, *, indices: Sequence[int] | None = None,
+                 arrived: dict[int, float] | None = None) -> list[Any]:
+        """Answers of ``indices`` (default: every worker), in that order; ``arrived`` gets
+        each answer's arrival (``time.perf_counter()``)."""
+        indices = list(range(len(self._conns))) if indices is None else list(indices)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        pending = {conn: index for index, conn in enumerate(self._conns)}
-        sentinels = {proc.sentinel: index for index, proc in enumerate(self._procs)}
+        pending = {self._conns[index]: index for index in indices}
+        sentinels = {self._procs[index].sentinel: index for index in indices}
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -401,6 +426,8 @@ class LocalWorkers:
                         status, payload = obj.recv()
                     except EOFError:
                         self._died(index, what)
+                    if arrived is not None:
+                        arrived[index] = time.perf_counter()
                     if status == "error":
                         errors[index] = payload
                         deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
@@ -426,7 +453,7 @@ class LocalWorkers:
             self._fail(dump=missing)
             raise WorkerTimeout(f"workers {missing} did not answer {what} in time (answered: "
                                 f"{answered}); their stacks are dumped on stderr above")
-        return [results[index] for index in range(self.size)]
+        return [results[index] for index in indices]
 
     def _died(self, index: int, what: str) -> NoReturn:
         proc = self._procs[index]
@@ -439,7 +466,7 @@ class LocalWorkers:
         """Dump the stacks of stuck workers, then stop all; the next call starts new ones."""
         for index in dump:
             proc = self._procs[index]
-            if proc.is_alive():
+            if proc.is_alive() and proc.pid is not None:
                 try:
                     os.kill(proc.pid, signal.SIGUSR1)
                 except ProcessLookupError:

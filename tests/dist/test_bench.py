@@ -1,7 +1,8 @@
 """`slurm-etc bench migrate` on tiny: both paths run and the report is complete and sane.
 
 No timing assertions (the machine is shared): only that every number exists, is positive
-where it must be, adds up, and that both paths end in the same state.
+where it must be, fits the spans measured around it, and that both paths end in the same
+state.
 """
 from __future__ import annotations
 
@@ -32,12 +33,34 @@ def test_bench_tiny_reports_both_paths():
                 "raw_pattern_seconds", "peak_over_bound_max"):
         assert s[key] is not None and s[key] > 0, key
     parts = s["checkpoint_parts"]
-    assert parts["save"] + parts["restart"] + parts["load"] == pytest.approx(
-        s["checkpoint_seconds"])
-    assert parts["restart"] == pytest.approx(parts["stop"] + parts["fresh_start"]
-                                             + parts["fresh_build"])
+    # both downtimes are wall-clock spans, first rank paused to last rank ready; the ratio's
+    # is the one with the cold start of a node with a core per process
+    assert s["ratio_cold_start"] == "per_process_core"
+    assert s["checkpoint_seconds"] == pytest.approx(
+        parts["save"] + parts["stop"] + parts["cold_start"] + parts["build_load"])
+    assert parts["cold_start"] == pytest.approx(max(parts["cold_start_each"]))
+    assert len(parts["cold_start_each"]) == len(parts["cold_start_each_all_at_once"]) == 4
+    # started one at a time, each start is inside the pool's whole start-up, one after the
+    # other: a start measured from the pool's beginning instead of its own spawn fails this
+    assert sum(parts["cold_start_each"]) <= parts["cold_start_one_at_a_time_total"]
+    # all at once, every process's start is inside the pool's
+    assert max(parts["cold_start_each_all_at_once"]) <= parts["cold_start_all_at_once"]
+    # the all-at-once downtime is measured in one piece: its parts, measured separately on
+    # every process's clock, fit inside it, leaving only the parent's hand-offs (a part
+    # counted twice, or a sum of per-rank maxima over overlapping phases, fails this)
+    assert 0 <= parts["handoffs_all_at_once"] < 1.0
+    assert s["checkpoint_seconds_all_at_once"] == pytest.approx(
+        parts["save"] + parts["stop"] + parts["cold_start_all_at_once"]
+        + parts["build_load_all_at_once"] + parts["handoffs_all_at_once"])
+    # inside build + load, the slowest rank's group, build and load follow one another
+    assert parts["group"] + parts["build"] + parts["load"] <= parts["build_load"] + 1e-6
+    assert parts["megatron_save"] + parts["extra_fsync"] <= parts["save"] + 1e-6
     assert parts["checkpoint_bytes"] >= s["state_bytes"]
     assert s["ratio"] == pytest.approx(s["checkpoint_seconds"] / s["etc_seconds"])
+    assert s["ratio_all_at_once"] == pytest.approx(
+        s["checkpoint_seconds_all_at_once"] / s["etc_seconds"])
+    load = s["load_average"]
+    assert load["cpus"] >= 1 and len(load["before"]) == len(load["after"]) == 3
     assert set(s["etc_parts"]) == {"resume", "migrate", "train_group", "rebuild", "install"}
     # connected and allocated before the pause, not part of the downtime
     assert set(s["prepare_parts"]) == {"group", "allocate"}
@@ -57,3 +80,25 @@ def test_bench_tiny_reports_both_paths():
         assert 0 < sum(p["phases"].values()) <= p["span"] <= s["etc_seconds"] + 1e-6, p
     assert all(p["phases"]["migrate"] > 0 for p in ranks)
     assert run["raw_p2p"]["ok"]
+
+
+def test_checkpoint_downtime_is_a_span_not_a_sum_of_maxima():
+    """Synthetic clocks: the downtime runs from the first pause to the last rank ready, the
+    slowest process started alone replaces the all-at-once cold start, and the parent's
+    hand-offs between the parts show up only in the all-at-once span, measured in one
+    piece."""
+    from slurm_etc.megatron.bench import checkpoint_spans
+
+    save = {"pause": 100.0, "saved": 103.0, "stopped": 103.5}
+    all_at_once = {"start_seconds": 7.5, "start_each": [7.2, 7.5, 7.4, 7.3],
+                   "begin": 111.1, "ready": 112.1}
+    per_core = {"start_seconds": 14.0, "start_each": [3.4, 3.5, 3.45, 3.3],
+                "begin": 130.0, "ready": 131.25}
+    out = checkpoint_spans(save, all_at_once, per_core)
+    spans = out["spans"]
+    assert spans["save"] == 3.0 and spans["stop"] == 0.5
+    assert spans["cold_start"] == 3.5 and spans["cold_start_all_at_once"] == 7.5
+    assert spans["build_load"] == 1.25 and spans["build_load_all_at_once"] == pytest.approx(1.0)
+    assert out["checkpoint_seconds"] == pytest.approx(3.0 + 0.5 + 3.5 + 1.25)
+    assert out["checkpoint_seconds_all_at_once"] == pytest.approx(12.1)
+    assert spans["handoffs_all_at_once"] == pytest.approx(12.1 - (3.0 + 0.5 + 7.5 + 1.0))

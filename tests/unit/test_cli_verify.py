@@ -117,18 +117,26 @@ def test_run_failure_is_exit_3(monkeypatch):
 BENCH = {
     "model": "tiny", "from": "dp=1,tp=2,pp=2", "to": "dp=2,tp=1,pp=2", "processes": 4,
     "repeat": 1, "state_bytes": 2_646_528, "moved_bytes": 2_727_936, "kept_bytes": 2_900_000,
-    "messages": 4, "rounds": 1, "etc_seconds": 0.5, "checkpoint_seconds": 9.0,
-    "checkpoint_parts": {"save": 0.3, "restart": 8.4, "load": 0.3, "stop": 0.1,
-                         "fresh_start": 8.0, "fresh_build": 0.3, "extra_fsync": 0.01,
+    "messages": 4, "rounds": 1, "etc_seconds": 0.5, "checkpoint_seconds": 4.7,
+    "checkpoint_seconds_all_at_once": 8.8,
+    "checkpoint_parts": {"save": 0.3, "stop": 0.1, "cold_start": 3.5, "build_load": 0.8,
+                         "cold_start_all_at_once": 7.5, "build_load_all_at_once": 0.9,
+                         "handoffs_all_at_once": 0.01, "cold_start_each": [3.4, 3.5, 3.3, 3.4],
+                         "cold_start_each_all_at_once": [7.4, 7.5, 7.3, 7.4],
+                         "cold_start_one_at_a_time_total": 13.7, "group": 0.05, "build": 0.3,
+                         "load": 0.3, "megatron_save": 0.28, "extra_fsync": 0.01,
                          "save_first": 6.0, "checkpoint_bytes": 3_000_000},
     "etc_parts": {"resume": 0.01, "migrate": 0.1, "train_group": 0.07, "rebuild": 0.3,
                   "install": 0.02},
     "prepare_parts": {"group": 0.02, "allocate": 0.15},
-    "ratio": 18.0, "data_seconds": 0.05, "achieved_gibps": 0.05, "raw_p2p_gibps": 2.0,
+    "ratio": 9.4, "ratio_all_at_once": 17.6, "ratio_cold_start": "per_process_core",
+    "ratios": [9.4], "ratios_all_at_once": [17.6],
+    "data_seconds": 0.05, "achieved_gibps": 0.05, "raw_p2p_gibps": 2.0,
     "raw_p2p_fresh_gibps": 1.4, "data_over_raw_p2p": 0.025, "data_over_raw_p2p_fresh": 0.04,
     "raw_pattern_seconds": 0.01, "data_over_raw_pattern": 0.2, "peak_over_bound_max": 0.02,
     "same_state": True, "checkpoint_complete": True,
-    "targets": {"ratio_ge_10": True, "throughput_ge_80pct_raw": False,
+    "load_average": {"before": [1.5, 1.2, 1.0], "after": [2.0, 1.4, 1.1], "cpus": 2},
+    "targets": {"ratio_ge_10": False, "throughput_ge_80pct_raw": False,
                 "peak_le_bound_plus_10pct": True},
     "runs": [{"etc": {"per_rank": [{"device": 0, "new_rank": 0, "sent_bytes": 1,
                                     "received_bytes": 1, "data_seconds": 0.05,
@@ -148,12 +156,13 @@ def test_bench_json_and_table(monkeypatch):
     r = run("bench", "migrate", "--model", "tiny", "--from", "dp=1,tp=2,pp=2", "--to",
             "dp=2,tp=1,pp=2", "--repeat", "2", "--staging-mb", "16", "--p2p-mb", "8", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["ratio"] == 18.0
+    assert json.loads(r.stdout)["ratio"] == 9.4
     assert seen[0]["repeat"] == 2 and seen[0]["staging_bytes"] == 16 << 20
     assert seen[0]["p2p_bytes"] == 8 << 20
     r = run("bench", "migrate", "--model", "tiny", "--from", "dp=1,tp=2,pp=2", "--to",
             "dp=2,tp=1,pp=2")
     assert r.exit_code == 0, r.output
     for label in ("in-place downtime", "checkpoint downtime", "ratio", "raw gloo p2p",
-                  "peak memory", "missed", "per migrating rank"):
+                  "peak memory", "missed", "per migrating rank", "cold start, per process core",
+                  "cold start, all at once", "9.4x", "17.6x", "load average 1.50"):
         assert label in r.stdout
