@@ -612,3 +612,15 @@ def test_no_secret_in_logs_or_reprs(tmp_path, caplog: pytest.LogCaptureFixture) 
         for form in forms:
             assert form not in text
     assert isinstance(s, JobSecret) and "key=" not in repr(s)
+
+
+def test_rejections_are_counted_but_logged_rate_limited(
+        coordinator: CoordinatorChannel, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="slurm_etc.coordinator.channel")
+    s = raw_dealer(coordinator)
+    for _ in range(50):
+        s.send_multipart([os.urandom(64), os.urandom(32)])
+    recv_until_rejected(coordinator, "mac", 50)
+    lines = [r for r in caplog.records if "dropped a message (mac)" in r.getMessage()]
+    assert len(lines) == 1
+    s.close()

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator import env as envvars
@@ -453,3 +455,58 @@ def test_relaunch_after_an_unreported_exit(backend: LocalBackend) -> None:
     assert events == [Grant("a0", devs("n0:0", "n0:1")),
                       WorkerExited(0, 0, d("n0:0"), 3, False)]
     assert backend.workers()[0].pid != first and backend.workers()[0].running
+
+
+WORKER = """
+from slurm_etc.coordinator.channel import WorkerChannel
+from slurm_etc.worker.control import Exited
+with WorkerChannel.from_env() as w:
+    welcome = w.join(timeout_s=60)
+    order = w.wait(60)
+    w.report(Exited(w.job, order.generation, w.vrank, f"{order.reason} via {welcome.store}"))
+"""
+
+
+def test_launched_workers_join_the_channel(tmp_path: Path) -> None:
+    """The seams fit: the backend launches workers that find the channel from their
+    environment, are welcomed with the rendezvous store, take an order and report."""
+    from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
+    from slurm_etc.worker.control import Exited, Hello, Stop
+
+    secret = create_secret("demo", tmp_path / "secrets")
+    with CoordinatorChannel("demo", secret, rendezvous=("127.0.0.1", 29400)) as channel, \
+            LocalBackend(parse_script(json.dumps(EXAMPLE)), log_dir=tmp_path / "logs") as b:
+        b.launch(LaunchWorkers(0, (WorkerSpec(0, d("n0:0")), WorkerSpec(1, d("n0:1"))),
+                               (sys.executable, "-c", WORKER), channel.worker_env()))
+        hellos: set[int] = set()
+        deadline = time.monotonic() + 60
+        while hellos != {0, 1}:
+            assert time.monotonic() < deadline, (tmp_path / "logs").glob("*")
+            got = channel.recv(0.5)
+            if got is not None and isinstance(got[1], Hello):
+                hellos.add(got[0])
+        assert channel.broadcast(Stop("demo", 0, "done"), [0, 1]) == []
+        reports = {}
+        while len(reports) < 2:
+            assert time.monotonic() < deadline
+            got = channel.recv(0.5)
+            if got is not None and isinstance(got[1], Exited):
+                reports[got[0]] = got[1].reason
+        assert reports == {0: "done via 127.0.0.1:29400", 1: "done via 127.0.0.1:29400"}
+        events = wait_for(b, lambda ev: len(exits(ev)) == 2, timeout_s=60)
+        assert sorted((e.vrank, e.returncode) for e in exits(events)) == [(0, 0), (1, 0)]
+        assert sum(channel.rejected.values()) == 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300) | st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 40) | st.floats() | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(
+        st.sampled_from(["nodes", "gpus_per_node", "initial_nodes", "events", "at_step",
+                         "grant", "preempt", "lose", "grace_s", "reason", "x"]), c, max_size=6),
+    max_leaves=25).map(lambda o: json.dumps(o).encode()))
+def test_fuzz_script_parser_raises_only_script_errors(data: bytes) -> None:
+    try:
+        parse_script(data, "fuzz.json")
+    except ScriptError as e:
+        assert "\n" not in str(e) and str(e).startswith("fuzz.json: ")
