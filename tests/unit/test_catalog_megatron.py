@@ -6,6 +6,7 @@ distributed optimizer's flat buffer layout (parameter order, offsets, buckets, d
 """
 import json
 import pathlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -108,14 +109,22 @@ def test_dp_ranges_cover_megatron_optimizer_shards(path):
         config.pp == 1 and catalog.groups[g].param.endswith(TIED_SUFFIX)) for g in table.group])
     for rank_data in data["ranks"]:
         mine = rows[(ranks == rank_data["rank"]) & is_dist[rows]]
-        held = int(table.count[mine].sum())
+        # elements held per (parameter, layer), not only in total: a range cut at the wrong
+        # parameter would keep the total
+        held = Counter()
+        for row in mine.tolist():
+            key = catalog.groups[table.group[row]].param.removesuffix(TIED_SUFFIX)
+            layer = int(table.layer[row])
+            held[(key, None if layer < 0 else layer)] += int(table.count[row])
         (buffer,) = rank_data["buffers"]
-        params = {(p["key"], p["layer"]): p for p in buffer["params"]}
         d = rank_data["coords"]["d"]
-        expect = 0
+        expect = Counter()
         for b in buffer["buckets"]:
             shard = b["numel"] // config.dp
             lo, hi = b["offset"] + d * shard, b["offset"] + (d + 1) * shard
-            expect += sum(max(0, min(hi, p["end"]) - max(lo, p["start"]))
-                          for p in params.values())
-        assert held == expect
+            for p in buffer["params"]:
+                overlap = min(hi, p["end"]) - max(lo, p["start"])
+                if overlap > 0:
+                    expect[(p["key"], p["layer"])] += overlap
+        assert held == expect, rank_data["rank"]
+        assert len(expect) > 1
