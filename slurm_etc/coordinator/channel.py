@@ -100,6 +100,8 @@ DEFAULT_QUEUE: Final = 1000
 LOG_INTERVAL_S: Final = 10.0
 # A worker waiting for orders looks at its outbox this often (reports never wait for it).
 _WAIT_SLICE_S: Final = 0.02
+# A process that exits without close() must not hang on messages nobody will take.
+_DEFAULT_LINGER_MS: Final = 1000
 
 COORDINATOR: Final = "coordinator"
 Peer: TypeAlias = int | Literal["coordinator"]
@@ -514,6 +516,7 @@ class CoordinatorChannel:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._closed = False
         try:
+            self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)
@@ -607,6 +610,8 @@ class CoordinatorChannel:
         """The next accepted report as ``(vrank, report)``, or None after ``timeout_s``.
 
         Rejected messages are counted and skipped; nothing a peer sends raises here."""
+        if self._closed:
+            raise ChannelError(f"the control channel of job {self.job} is closed")
         deadline = time.monotonic() + max(0.0, timeout_s)
         late = 0
         while True:
@@ -693,6 +698,7 @@ class WorkerChannel:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
+            self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
@@ -772,6 +778,8 @@ class WorkerChannel:
         while True:
             if self._inbox:
                 return self._inbox.popleft()
+            if self._closed:
+                return None
             remaining = deadline - time.monotonic()
             with self._lock:
                 self._pump(min(max(remaining, 0.0), _WAIT_SLICE_S))
@@ -816,7 +824,7 @@ class WorkerChannel:
         next_hello = 0.0
         while self._welcome is None:
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or self._closed:
                 raise ChannelError(
                     f"{self._rejects.label} no welcome from the coordinator at "
                     f"{self.address} within {timeout_s:g} s (is it running and reachable, "
@@ -852,6 +860,8 @@ class WorkerChannel:
             self._outbox.popleft()
 
     def _pump(self, timeout_s: float) -> None:
+        if self._closed:
+            return
         self._flush()
         if not self._sock.poll(int(timeout_s * 1000)):
             return

@@ -624,3 +624,15 @@ def test_rejections_are_counted_but_logged_rate_limited(
     lines = [r for r in caplog.records if "dropped a message (mac)" in r.getMessage()]
     assert len(lines) == 1
     s.close()
+
+
+def test_closed_channels_fail_cleanly(coordinator: CoordinatorChannel, key: bytes) -> None:
+    w = worker(coordinator, key)
+    w.close()
+    w.close()
+    assert w.poll() is None and w.wait(0.1) is None
+    w.report(Hello(JOB, 0, 0, "h", 1))  # dropped, no exception
+    coordinator.close()
+    with pytest.raises(ChannelError, match="closed"):
+        coordinator.recv(0.1)
+    assert coordinator.send(0, Stop(JOB, 0)) is False
