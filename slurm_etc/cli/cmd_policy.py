@@ -92,15 +92,22 @@ def slurm_admin_check() -> AdminVerdict:
     return verdict(user, uid, answer)
 
 
-def _scope(partition: str | None, account: str | None, required: bool) -> Scope | None:
+def _scope(partition: str | None, account: str | None) -> Scope | None:
+    """The one scope given, or None."""
     if partition and account:
         raise UserError("give --partition or --account, not both")
-    if not (partition or account):
-        if required:
-            raise UserError("give the policy's scope: --partition NAME or --account NAME")
-        return None
-    return (_make_scope("partition", partition) if partition
-            else _make_scope("account", account))
+    if partition:
+        return _make_scope("partition", partition)
+    if account:
+        return _make_scope("account", account)
+    return None
+
+
+def _required_scope(partition: str | None, account: str | None) -> Scope:
+    scope = _scope(partition, account)
+    if scope is None:
+        raise UserError("give the policy's scope: --partition NAME or --account NAME")
+    return scope
 
 
 def _make_scope(kind: str, name: str) -> Scope:
@@ -183,8 +190,10 @@ def policy(ctx: click.Context, db_path: str | None) -> None:
 def show(ctx: click.Context, partition: str | None, account: str | None, as_json: bool) -> None:
     """Show policies: all, one scope's, or (with both options) what binds a job there."""
     both = bool(partition and account)
-    scopes = ([_make_scope("partition", partition), _make_scope("account", account)] if both
-              else [s for s in [_scope(partition, account, required=False)] if s])
+    if partition and account:
+        scopes = [_make_scope("partition", partition), _make_scope("account", account)]
+    else:
+        scopes = [s for s in [_scope(partition, account)] if s]
     store = _store_to_read(ctx)
     found = []
     if store is not None:
@@ -223,7 +232,7 @@ def set_(ctx: click.Context, partition: str | None, account: str | None, as_json
          assignments: tuple[str, ...]) -> None:
     """Set policy fields, e.g. min_nodes=2 max_nodes=32 allowed_tp=2,4,8 grow=yes
     grow_partition=preempt grow_qos=scavenger preempt_grace_s=2m max_resizes_per_hour=6."""
-    scope = _scope(partition, account, required=True)
+    scope = _required_scope(partition, account)
     try:
         changes = parse_assignments(assignments)
     except PolicyError as exc:
@@ -248,7 +257,7 @@ def set_(ctx: click.Context, partition: str | None, account: str | None, as_json
 def unset(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
           keys: tuple[str, ...]) -> None:
     """Unset policy fields (defaults apply again); without keys, remove the whole policy."""
-    scope = _scope(partition, account, required=True)
+    scope = _required_scope(partition, account)
     try:
         names = check_keys(keys)
     except PolicyError as exc:
