@@ -187,7 +187,7 @@ def test_report_from_another_thread_while_waiting(coordinator: CoordinatorChanne
             for step in range(20):
                 t = time.monotonic()
                 w.report(Progress(JOB, 0, 2, step, 1.0, 0.1, step, "dp=1,tp=1,pp=1"))
-                assert time.monotonic() - t < 0.1
+                assert time.monotonic() - t < 0.5  # a waiting reader never holds it up
             done.set()
 
         t = threading.Thread(target=reporter)

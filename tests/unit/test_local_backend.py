@@ -317,7 +317,11 @@ def test_stop_terminates_then_kills(backend: LocalBackend, clock: FakeClock) -> 
                 "time.sleep(60)")
     backend.launch(LaunchWorkers(0, (WorkerSpec(0, d("n0:0")),), SLEEP))
     backend.launch(LaunchWorkers(0, (WorkerSpec(1, d("n0:1")),), stubborn))
-    time.sleep(0.5)  # let the stubborn one install its handler
+    log = backend.log_dir / "gen0-vrank1.log"  # type: ignore[operator]
+    deadline = time.monotonic() + 20
+    while not (log.exists() and "ready" in log.read_text()):  # its handler is installed
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     pids = {v: s.pid for v, s in backend.workers().items()}
     assert all(s.running for s in backend.workers().values())
     perform(backend, StopWorkers((0, 1), grace_s=5.0, reason="done"))
