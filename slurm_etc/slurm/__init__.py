@@ -1,0 +1,28 @@
+"""Slurm adapter: pure command builders (:mod:`.commands`), pure parsers (:mod:`.parsers`),
+one runner (:mod:`.runner`) and the :class:`SlurmClient` protocol with its command-line
+implementation (:mod:`.client`). Slurm states map to :class:`JobState`/:class:`NodeState`
+by tables in :mod:`.model`.
+
+Works with Slurm 22.05 (Debian 12) and 24.11 (Debian 13). There is no pyslurm-backed client:
+no pyslurm release matching these Slurm versions installs from PyPI (see :mod:`.client`).
+"""
+from .client import CliSlurmClient, SlurmClient
+from .model import (
+    Command,
+    JobInfo,
+    JobSpec,
+    JobState,
+    NodeAdminState,
+    NodeInfo,
+    NodeState,
+    SlurmError,
+    SlurmSpecError,
+    StepSpec,
+)
+from .runner import Result, SlurmRunner
+
+__all__ = [
+    "CliSlurmClient", "Command", "JobInfo", "JobSpec", "JobState", "NodeAdminState", "NodeInfo",
+    "NodeState", "Result", "SlurmClient", "SlurmError", "SlurmRunner", "SlurmSpecError",
+    "StepSpec",
+]
