@@ -40,11 +40,12 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import cmd_bench, cmd_plan, cmd_policy, cmd_simulate, cmd_verify
+    from . import cmd_bench, cmd_plan, cmd_policy, cmd_simulate, cmd_status, cmd_verify
 
     cli.add_command(cmd_plan.plan)
     cli.add_command(cmd_policy.policy)
     cli.add_command(cmd_simulate.simulate_cmd)
+    cli.add_command(cmd_status.status)
     cli.add_command(cmd_verify.verify)
     cli.add_command(cmd_bench.bench)
 

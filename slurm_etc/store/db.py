@@ -126,6 +126,8 @@ class Store:
         readonly: opened for reading only (no migrations were run).
         after_commit: callables run after every committed write transaction (publishing a
             snapshot); their errors are logged, never raised: the write is done.
+        on_flush: callables that wait for work the hooks started (``flush``).
+        on_close: callables that stop it (``close``, after a flush).
     """
 
     def __init__(self, engine: Engine, path: Path | None, url: str = "",
@@ -135,6 +137,8 @@ class Store:
         self.url = url or (str(path) if path else str(engine.url))
         self.readonly = readonly
         self.after_commit: list[Callable[[], None]] = []
+        self.on_flush: list[Callable[[], object]] = []
+        self.on_close: list[Callable[[], object]] = []
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @contextmanager
@@ -166,8 +170,19 @@ class Store:
         with self.engine.connect() as conn:
             return inspect(conn).has_table(name)
 
+    def flush(self) -> None:
+        """Wait for what the after-commit hooks started (a snapshot being published)."""
+        for wait in self.on_flush:
+            wait()
+
     def close(self) -> None:
-        self.engine.dispose()
+        """Finish pending publications, then release the database."""
+        try:
+            self.flush()
+            for stop in self.on_close:
+                stop()
+        finally:
+            self.engine.dispose()
 
 
 def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = False,

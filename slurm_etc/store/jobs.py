@@ -309,7 +309,8 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
     Default: a SQLite file on node-local disk (``location.default_local_db``, WAL mode,
     0600), restored from the job's snapshot in the state directory when the local file is
     missing (a coordinator restarted on another node), published to
-    ``<state dir>/<job>.db`` after every committed change.
+    ``<state dir>/<job>.db`` after every committed change (by a background thread that
+    coalesces quick changes; ``store.flush()`` waits for it, ``store.close()`` finishes it).
 
     Args:
         job_id: the job (letters, digits, ``._-``).
@@ -343,7 +344,10 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
         except SnapshotError as exc:
             store.close()
             raise StoreError(str(exc)) from None
-        store.after_commit.append(Publisher(local, snapshot))
+        publisher = Publisher(local, snapshot)
+        store.after_commit.append(publisher)
+        store.on_flush.append(publisher.flush)
+        store.on_close.append(publisher.close)
     return store
 
 

@@ -121,25 +121,77 @@ def restore_snapshot(snapshot: Path, db: Path) -> None:
 
 
 class Publisher:
-    """Publishes one job's database after each commit; a failure is logged and the next
-    commit tries again (the record itself is safe on local disk)."""
+    """Publishes one job's database after each commit, off the writer's path.
+
+    A commit only asks for a publication (microseconds); a background thread copies the
+    newest committed state, so several commits in quick succession coalesce into one copy
+    and the coordinator never waits on the network filesystem's fsync. A failure is logged
+    and the next commit tries again (the record itself is safe on local disk).
+    """
 
     def __init__(self, db: Path, dest: Path) -> None:
         self.db = Path(db)
         self.dest = Path(dest)
         self.failures = 0
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._requested = 0  # publications asked for
+        self._attempted = 0  # the request number the last finished attempt covered
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def __call__(self) -> None:
-        with self._lock:
+        with self._cond:
+            if self._closed:
+                return
+            self._requested += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"publish {self.dest.name}")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every change committed so far has been published (or tried).
+
+        Returns:
+            True if the last attempt succeeded and nothing is pending.
+        """
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._attempted >= self._requested, timeout)
+            return done and self.failures == 0
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Publish what is pending, then stop the thread."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._requested > self._attempted)
+                if self._requested <= self._attempted:
+                    return  # closed with nothing pending
+                target = self._requested
             try:
                 publish_snapshot(self.db, self.dest)
             except SnapshotError as exc:
-                self.failures += 1
+                ok = False
                 log.warning("%s (the job record is safe in %s; retried on the next change)",
                             exc, self.db)
+            except Exception:  # noqa: BLE001 - the thread must survive to publish again
+                ok = False
+                log.exception("publishing %s failed", self.dest)
             else:
-                self.failures = 0
+                ok = True
+            with self._cond:
+                self.failures = 0 if ok else self.failures + 1
+                self._attempted = target
+                self._cond.notify_all()
 
     def __repr__(self) -> str:
         return f"Publisher({self.db} -> {self.dest})"

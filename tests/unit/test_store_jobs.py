@@ -373,12 +373,32 @@ def test_list_jobs_filters_by_owner(tmp_path):
 # ---------------------------------------------------------------- snapshots and files
 
 
+def test_commits_are_published_off_the_writers_path_and_coalesce(tmp_path):
+    store = open_job_store(JOB, db=tmp_path / "l" / "j.db", state_dir=tmp_path / "s")
+    try:
+        _job(store)
+        started = time.monotonic()
+        for i in range(20):
+            record_event(store, JOB, "grant", source="test", key=f"k{i}")
+        writing = time.monotonic() - started
+        store.flush()
+        publisher = store.after_commit[0]
+        assert publisher.failures == 0 and publisher._attempted == 21
+        reader = open_store_readonly(tmp_path / "s" / f"{JOB}.db", immutable=True)
+        assert len(job_detail(reader, JOB).events) == 20  # the last commit is published
+        reader.close()
+        assert writing < 20 * 0.5
+    finally:
+        store.close()
+
+
 def test_every_commit_publishes_an_atomic_owner_only_snapshot(tmp_path):
     state = tmp_path / "state"
     local = tmp_path / "local" / "jobs"
     store = open_job_store(JOB, db=local / f"{JOB}.db", state_dir=state)
     try:
         _job(store)
+        store.flush()
         snap = state / f"{JOB}.db"
         assert snap.stat().st_mode & 0o777 == 0o600
         assert state.stat().st_mode & 0o777 == 0o700
@@ -389,6 +409,7 @@ def test_every_commit_publishes_an_atomic_owner_only_snapshot(tmp_path):
         with sqlite3.connect(local / f"{JOB}.db") as db:
             assert db.execute("pragma journal_mode").fetchone() == ("wal",)
         record_event(store, JOB, "grant", source="test")
+        store.flush()
         reader = open_store_readonly(snap, immutable=True)
         assert len(job_detail(reader, JOB).events) == 1
         reader.close()
@@ -423,10 +444,12 @@ def test_a_failed_publish_never_fails_the_write(tmp_path, caplog):
         state.write_text("in the way")
         with caplog.at_level(logging.WARNING):
             _job(store)
+            store.flush()
         assert "cannot" in caplog.text and "retried on the next change" in caplog.text
         assert [j.job_id for j in list_jobs(store)] == [JOB]
         state.unlink()
         set_job_state(store, JOB, "running")
+        store.flush()
         assert (state / f"{JOB}.db").exists()
     finally:
         store.close()

@@ -1,0 +1,407 @@
+"""`slurm-etc status [JOBID]`: elastic jobs, their layouts, generations and migrations.
+
+Without ``--db`` it reads every job snapshot in the state directory (what coordinators
+publish from compute nodes after each change); with ``--db`` a SQLite file or a server URL.
+A user sees the jobs of their real uid (``os.getuid()``, never $USER); root and Slurm
+Operators/Administrators see all. Tests inject ``ctx.obj["uid"]`` and
+``ctx.obj["sees_all_jobs"]`` (a callable of the uid), ``ctx.obj["now"]`` and
+``ctx.obj["watch_frames"]`` (how many redraws ``--watch`` makes before returning).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable
+
+import click
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ..store import (
+    JobDetail,
+    StoreError,
+    default_state_dir,
+    is_url,
+    job_detail,
+    list_jobs,
+    open_store_readonly,
+)
+from ..store.location import on_network_fs
+from .main import UserError
+
+SACCTMGR_TIMEOUT_S = 5
+SACCTMGR_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin")
+ADMIN_LEVELS = ("operator", "administrator")
+DEFAULT_WATCH_S = 2.0
+
+
+# ---------------------------------------------------------------- who sees what
+
+
+def slurm_operator(uid: int) -> bool:
+    """root, or Slurm's accounting says this uid's user is an Operator or Administrator.
+
+    The user name comes from the password database for the real uid; ``sacctmgr`` is taken
+    from the system directories only. Any failure (no sacctmgr, no slurmdbd, a timeout)
+    answers no: the user then sees their own jobs.
+    """
+    if uid == 0:
+        return True
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    sacctmgr = shutil.which("sacctmgr", path=os.pathsep.join(SACCTMGR_DIRS))
+    if not sacctmgr:
+        return False
+    try:
+        done = subprocess.run([sacctmgr, "-nP", "show", "user", user,
+                               "format=user,adminlevel"], capture_output=True, text=True,
+                              timeout=SACCTMGR_TIMEOUT_S, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and parse_adminlevel(done.stdout, user)
+
+
+def parse_adminlevel(output: str, user: str) -> bool:
+    """Whether ``sacctmgr -nP show user U format=user,adminlevel`` names ``user`` as an
+    Operator or Administrator (a line for another user counts for nothing)."""
+    for line in output.splitlines():
+        name, _, level = line.strip().partition("|")
+        if name == user and level.strip().lower() in ADMIN_LEVELS:
+            return True
+    return False
+
+
+@dataclass
+class Viewer:
+    """The real uid asking, and whether it may see other users' jobs (asked only once, and
+    only when another user's job is there to hide)."""
+
+    uid: int
+    check: Callable[[int], bool]
+    _all: bool | None = field(default=None, init=False)
+
+    def sees(self, owner_uid: int) -> bool:
+        if owner_uid == self.uid:
+            return True
+        if self._all is None:
+            self._all = bool(self.check(self.uid))
+        return self._all
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class Found:
+    jobs: list[JobDetail]
+    where: str
+    warnings: list[str]
+
+
+def _details(store_target: str | Path, viewer: Viewer, job_id: str | None,
+             immutable: bool, file_owner: int | None) -> list[JobDetail]:
+    store = open_store_readonly(store_target, immutable=immutable)
+    try:
+        out = []
+        for job in list_jobs(store):
+            if job_id is not None and job.job_id != job_id:
+                continue
+            # A snapshot claims its owner; a file another user wrote cannot speak for you.
+            if file_owner is not None and file_owner not in (0, job.owner_uid):
+                continue
+            if not viewer.sees(job.owner_uid):
+                continue
+            detail = job_detail(store, job.job_id)
+            if detail is not None:
+                out.append(detail)
+        return out
+    finally:
+        store.close()
+
+
+def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None) -> Found:
+    """The jobs this viewer may see, from ``db`` or from every snapshot in ``state_dir``.
+
+    Raises:
+        UserError: ``db`` cannot be read or is not ours.
+    """
+    if db:
+        immutable = False
+        if not is_url(db):
+            path = Path(db).expanduser()
+            immutable = path.is_file() and on_network_fs(path)
+        try:
+            return Found(_details(db, viewer, job_id, immutable, None), db, [])
+        except StoreError as exc:
+            raise UserError(str(exc)) from None
+    warnings: list[str] = []
+    newest: dict[str, JobDetail] = {}
+    for snapshot in _snapshots(state_dir):
+        try:
+            owner = snapshot.stat().st_uid
+            found = _details(snapshot, viewer, job_id, True, owner)
+        except (StoreError, OSError) as exc:
+            warnings.append(f"skipped {snapshot.name}: {exc}")
+            continue
+        for detail in found:
+            seen = newest.get(detail.job.job_id)
+            if seen is None or detail.job.updated_at > seen.job.updated_at:
+                newest[detail.job.job_id] = detail
+    jobs = sorted(newest.values(), key=lambda d: (d.job.ended_at is not None,
+                                                  -d.job.created_at.timestamp(),
+                                                  d.job.job_id))
+    return Found(jobs, f"the state directory {state_dir}", warnings)
+
+
+def _snapshots(state_dir: Path) -> list[Path]:
+    try:
+        names = sorted(p for p in state_dir.iterdir()
+                       if p.suffix == ".db" and not p.name.startswith(".") and p.is_file())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise UserError(f"cannot read the state directory {state_dir}: {exc.strerror}") from None
+    return names
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    if days:
+        return f"{days}d {h:02d}h"
+    return f"{h}h {m:02d}m" if hours else f"{m}m {s:02d}s"
+
+
+def _when(t: datetime | None) -> str:
+    return "-" if t is None else f"{t:%Y-%m-%d %H:%M:%S}"
+
+
+def _short_when(t: datetime | None) -> str:
+    return "-" if t is None else f"{t:%m-%d %H:%M:%S}"
+
+
+def _table(title: str, columns: str) -> Table:
+    """A compact table. Columns: ``<name`` left, ``>name`` right (neither wraps), ``~name``
+    left and wrapping (free text takes what space is left)."""
+    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True, padding=(0, 1))
+    for spec in columns.split("|"):
+        kind, name = spec[0], spec[1:]
+        t.add_column(name, justify="right" if kind == ">" else "left", no_wrap=kind != "~",
+                     overflow="fold" if kind == "~" else "ellipsis",
+                     min_width=max(len(name), 6) if kind == "~" else None)
+    return t
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _owner(d: JobDetail) -> str:
+    return f"{d.job.owner_name} ({d.job.owner_uid})"
+
+
+def jobs_table(jobs: list[JobDetail], now: datetime) -> Table:
+    """One row per job."""
+    t = _table("elastic jobs", "<job|<name|<owner|<state|>gen|<layout|>devs|>resizes|"
+                               ">pending|>age")
+    for d in jobs:
+        j = d.job
+        committed = sum(1 for m in d.migrations if m.outcome == "committed")
+        t.add_row(j.job_id, j.name, j.owner_name, j.state,
+                  "-" if j.generation is None else str(j.generation), j.layout or "-",
+                  str(j.world_size), str(committed),
+                  str(j.pending_events),
+                  _duration(((j.ended_at or now) - j.created_at).total_seconds()))
+    return t
+
+
+def job_view(d: JobDetail, now: datetime) -> RenderableType:
+    """Everything about one job: header, devices and vranks per node, generations,
+    migrations, pending events."""
+    j = d.job
+    head = Text()
+    head.append(f"job {j.job_id}", style="bold")
+    head.append(f"  {j.name}  owner {_owner(d)}  state ")
+    head.append(j.state, style="bold")
+    if j.reason:
+        head.append(f" ({j.reason})")
+    head.append("\n")
+    gen = "-" if j.generation is None else str(j.generation)
+    head.append(f"generation {gen}  layout {j.layout or '-'} on {j.world_size} devices, "
+                f"{len(j.nodes)} nodes\n")
+    head.append(f"backend {j.backend}  partition {j.partition or '-'}  account "
+                f"{j.account or '-'}  model {j.model or '-'}  coordinator "
+                f"{j.coordinator or '-'}\n")
+    head.append(f"created {_when(j.created_at)} UTC  updated {_when(j.updated_at)} UTC"
+                + (f"  ended {_when(j.ended_at)} UTC" if j.ended_at else ""))
+    parts: list[RenderableType] = [head]
+
+    placed = {(v.node, v.local_index): v for v in d.vranks}
+    nodes = _table(f"devices and vranks per node (generation {gen})",
+                   "<node|>device|<state|>vrank|>rank|~allocation")
+    for dev in d.devices:
+        v = placed.get((dev.node, dev.local_index))
+        nodes.add_row(dev.node, str(dev.local_index), dev.state,
+                      "-" if v is None else str(v.vrank),
+                      "-" if v is None else ("idle" if v.rank is None else str(v.rank)),
+                      dev.allocation or "-")
+    parts.append(nodes)
+
+    gens = _table("generations", ">gen|<layout|>devs|>started|>took|>steps|>span|>loss|"
+                                 "~ended because")
+    for g in d.generations:
+        span = ("-" if g.first_step is None and g.last_step is None
+                else f"{g.first_step if g.first_step is not None else '?'}.."
+                     f"{g.last_step if g.last_step is not None else '?'}")
+        gens.add_row(str(g.number), g.layout, str(g.world_size), f"{g.started_at:%H:%M:%S}",
+                     _duration(g.duration_seconds(now)), str(g.steps), span,
+                     "-" if g.last_loss is None else f"{g.last_loss:.4g}",
+                     g.end_reason or ("training" if g.ended_at is None else "-"))
+    parts.append(gens)
+
+    if d.migrations:
+        mig = _table("migrations (bytes moved against the lower bound; seconds)",
+                     "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>pause|"
+                     "~outcome")
+        for m in d.migrations:
+            ratio = m.ratio_to_lower_bound
+            outcome = m.outcome or "running"
+            if m.error:
+                outcome += f": {m.error}"
+            mig.add_row(f"{m.from_generation}->{m.to_generation}", _bytes(m.moved_bytes),
+                        _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
+                        _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
+                        _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
+                        _seconds(m.pause_seconds), outcome)
+        parts.append(mig)
+
+    pending = d.pending_events
+    if pending:
+        ev = _table("pending events", ">id|<kind|<source|>received UTC|<deadline|~payload")
+        for e in pending:
+            if e.deadline is None:
+                left = "-"
+            elif e.deadline > now:
+                left = f"in {_duration((e.deadline - now).total_seconds())}"
+            else:
+                left = f"passed {_short_when(e.deadline)}"
+            ev.add_row(str(e.id), e.kind, e.source, _short_when(e.received_at), left,
+                       "-" if e.payload is None else json.dumps(e.payload, sort_keys=True))
+        parts.append(ev)
+    else:
+        parts.append(Text("no pending events", style="dim"))
+    return Group(*parts)
+
+
+def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
+    if job_id is not None:
+        return job_view(found.jobs[0], now)
+    if not found.jobs:
+        return Text(f"no jobs of yours in {found.where}", style="dim")
+    return jobs_table(found.jobs, now)
+
+
+# ---------------------------------------------------------------- command
+
+
+@click.command("status")
+@click.argument("job_id", required=False, metavar="[JOBID]")
+@click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL",
+              help="Read this database (SQLite file, mysql+pymysql://... or "
+                   "postgresql://...) instead of the state directory's snapshots.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              envvar="SLURM_ETC_STATE_DIR",
+              help="Where coordinators publish job snapshots (default: $SLURM_ETC_STATE_DIR "
+                   "or ~/.local/share/slurm-etc/jobs).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", type=click.FloatRange(min=0.2), is_flag=False,
+              flag_value=DEFAULT_WATCH_S, default=None, metavar="[SECONDS]",
+              help=f"Redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C.")
+@click.pass_context
+def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Path | None,
+           as_json: bool, watch: float | None) -> None:
+    """Elastic jobs: layout and generation, devices and vranks per node, generations,
+    migrations (bytes moved against the lower bound, pause), pending events. Without JOBID,
+    one line per job; you see your own jobs (root and Slurm operators see all)."""
+    if watch is not None and as_json:
+        raise UserError("--watch redraws tables; leave it out to get --json once")
+    obj = ctx.obj or {}
+    viewer = Viewer(obj.get("uid", os.getuid()), obj.get("sees_all_jobs", slurm_operator))
+    clock: Callable[[], datetime] = obj.get("now", lambda: datetime.now(timezone.utc))
+    states = state_dir.expanduser() if state_dir else default_state_dir()
+
+    def look() -> Found:
+        found = gather(db, states, viewer, job_id)
+        if job_id is not None and not found.jobs:
+            raise UserError(f"no job {job_id} of yours in {found.where}")
+        return found
+
+    found = look()
+    _warn(found.warnings)
+    if as_json:
+        now = clock()
+        click.echo(json.dumps({"jobs": [d.to_json(now) for d in found.jobs]}, indent=2))
+        return
+    console = Console()
+    if watch is None:
+        if job_id is None and not found.jobs:
+            click.echo(f"no jobs of yours in {found.where}", err=True)
+            return
+        console.print(render(found, job_id, clock()))
+        return
+    frames = obj.get("watch_frames")
+    with Live(render(found, job_id, clock()), console=console, auto_refresh=False) as live:
+        try:
+            for _ in _count(frames):
+                time.sleep(watch)
+                try:
+                    view = render(look(), job_id, clock())
+                except UserError as exc:
+                    view = Text(exc.format_message(), style="red")
+                live.update(view, refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+def _count(limit: int | None) -> Iterable[int]:
+    i = 0
+    while limit is None or i < limit:
+        yield i
+        i += 1
+
+
+def _warn(warnings: list[str]) -> None:
+    for w in warnings:
+        click.echo(f"slurm-etc: warning: {w}", err=True)
