@@ -330,7 +330,7 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
     local = sqlite_path(target)
     states = Path(state_dir).expanduser() if state_dir is not None else default_state_dir()
     snapshot = snapshot_path(states, job_id)
-    if local is not None and db is None and not local.exists() and snapshot.is_file():
+    if local is not None and not local.exists() and snapshot.is_file():
         try:
             private_dir(local.parent)
             restore_snapshot(snapshot, local)
@@ -447,7 +447,7 @@ def record_event(store: Store, job_id: str, kind: str, *, source: str,
             return found
     try:
         with store.transaction(write=True) as s:
-            _job(s, job_id)
+            _touch(s, job_id, at)
             row = EventRow(job_id=job_id, dedup_key=key, kind=kind, source=source,
                            payload=text, deadline=_at(deadline) if deadline else None,
                            received_at=at)
@@ -473,7 +473,9 @@ def mark_event_handled(store: Store, event_id: int, outcome: str, *,
         if row is None:
             raise RecordError(f"no event {event_id}")
         if row.handled_at is None:
-            row.handled_at, row.outcome = _at(at), outcome
+            when = _at(at)
+            row.handled_at, row.outcome = when, outcome
+            _touch(s, row.job_id, when)
 
 
 @_guarded
@@ -498,7 +500,7 @@ def record_allocation(store: Store, job_id: str, backend_id: str, *, role: str =
     _one_of("allocation state", state, ALLOCATION_STATES)
     at = _at(at)
     with store.transaction(write=True) as s:
-        _job(s, job_id)
+        _touch(s, job_id, at)
         row = _find_allocation(s, job_id, backend_id)
         if row is None:
             row = AllocationRow(job_id=job_id, backend_id=backend_id, role=role,
@@ -521,6 +523,7 @@ def update_allocation(store: Store, job_id: str, backend_id: str, *,
     at = _at(at)
     with store.transaction(write=True) as s:
         _update_allocation(s, _allocation(s, job_id, backend_id), state, nodes, at)
+        _touch(s, job_id, at)
 
 
 @_guarded
@@ -531,7 +534,7 @@ def set_device_state(store: Store, job_id: str, devices: Iterable[DeviceLike], s
     _one_of("device state", state, DEVICE_STATES)
     at = _at(at)
     with store.transaction(write=True) as s:
-        _job(s, job_id)
+        _touch(s, job_id, at)
         alloc_id = _allocation(s, job_id, allocation).id if allocation else None
         for device in devices:
             row = _device(s, job_id, device, at)
@@ -623,7 +626,7 @@ def record_progress(store: Store, job_id: str, number: int, *, last_step: int,
     with store.transaction(write=True) as s:
         gen = _generation(s, job_id, number)
         _progress(gen, last_step, last_loss, steps)
-        _job(s, job_id).updated_at = _at(at)
+        _touch(s, job_id, _at(at))
 
 
 @_guarded
@@ -641,7 +644,9 @@ def close_generation(store: Store, job_id: str, number: int, *, reason: str,
             _progress(gen, last_step, last_loss, steps)
         elif steps is not None:
             gen.steps = steps
-        gen.ended_at, gen.end_reason = _at(at), reason
+        when = _at(at)
+        gen.ended_at, gen.end_reason = when, reason
+        _touch(s, job_id, when)
 
 
 @_guarded
@@ -672,6 +677,7 @@ def record_migration_start(store: Store, job_id: str, *, from_generation: int,
                            moved_bytes=moved_bytes, kept_bytes=kept_bytes,
                            lower_bound_bytes=lower_bound_bytes, messages=messages,
                            rounds=rounds, estimated_seconds=estimated_seconds, started_at=at)
+        _touch(s, job_id, at)
         s.add(row)
         s.flush()
         return row.id
@@ -700,7 +706,9 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
             return
         row.outcome, row.measured_seconds, row.pause_seconds = (outcome, measured_seconds,
                                                                 pause_seconds)
-        row.error, row.ended_at = error, _at(at)
+        when = _at(at)
+        row.error, row.ended_at = error, when
+        _touch(s, row.job_id, when)
 
 
 # ---------------------------------------------------------------- reads
@@ -807,6 +815,15 @@ def _job(s: Session, job_id: str) -> JobRow:
     row = s.get(JobRow, job_id)
     if row is None:
         raise RecordError(f"no job {job_id!r} in the record")
+    return row
+
+
+def _touch(s: Session, job_id: str, at: datetime) -> JobRow:
+    """The job, its ``updated_at`` moved to ``at`` (never back): which of two snapshots of
+    a job is newer."""
+    row = _job(s, job_id)
+    if at > row.updated_at:
+        row.updated_at = at
     return row
 
 

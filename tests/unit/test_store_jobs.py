@@ -170,6 +170,29 @@ def test_models_match_the_migrations(tmp_path):
     assert head_revision() == "0002_jobs"
 
 
+@pytest.mark.parametrize("url,stamp", [
+    ("mysql+pymysql://u@h/db", "created_at DATETIME(6) NOT NULL"),
+    ("mariadb+pymysql://u@h/db", "created_at DATETIME(6) NOT NULL"),
+    ("postgresql://u@h/db", "created_at TIMESTAMP WITH TIME ZONE NOT NULL"),
+])
+def test_the_migrations_compile_for_server_databases(url, stamp):
+    import io
+
+    from alembic import command
+
+    from slurm_etc.store.db import alembic_config
+
+    cfg = alembic_config(url)
+    cfg.output_buffer = io.StringIO()
+    command.upgrade(cfg, "head", sql=True)  # offline: DDL for the dialect, no server
+    ddl = cfg.output_buffer.getvalue()
+    for table in ("jobs", "allocations", "devices", "generations", "vranks", "events",
+                  "migrations", "policies"):
+        assert f"CREATE TABLE {table} " in ddl, table
+    assert stamp in ddl and "moved_bytes BIGINT NOT NULL" in ddl
+    assert "'0002_jobs'" in ddl
+
+
 def test_a_policies_only_database_is_upgraded_and_keeps_its_policies(tmp_path):
     from alembic import command
 
@@ -251,6 +274,7 @@ def test_a_resize_is_recorded_end_to_end(store):
     assert j.nodes == ("n001", "n002", "n003", "n004")
     assert j.reason is None and j.pending_events == 1 and j.migrations == 1
     assert j.created_at == T0 and j.created_at.tzinfo is not None
+    assert j.updated_at == T0 + timedelta(minutes=8)  # every write moves it: newest snapshot
     assert [g.number for g in d.generations] == [0, 1]
     g0 = d.generations[0]
     assert (g0.steps, g0.first_step, g0.last_step, g0.last_loss) == (121, 0, 120, 2.4)
