@@ -27,6 +27,7 @@ from .db import Store, StoreError, open_store, sqlite_path
 from .location import (
     LocationError,
     check_job_id,
+    check_writable_location,
     default_local_db,
     default_state_dir,
     private_dir,
@@ -332,6 +333,7 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
     snapshot = snapshot_path(states, job_id)
     if local is not None and not local.exists() and snapshot.is_file():
         try:
+            check_writable_location(local)  # before writing anything there
             private_dir(local.parent)
             restore_snapshot(snapshot, local)
         except (LocationError, SnapshotError) as exc:

@@ -486,6 +486,12 @@ def test_a_sqlite_file_on_a_network_filesystem_is_refused(tmp_path, monkeypatch)
         open_job_store(JOB, db=tmp_path / "home" / "j.db", state_dir=tmp_path / "s")
     assert "network filesystem (lustre)" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "home").exists()  # nothing written
+    state = tmp_path / "s2"
+    state.mkdir()
+    (state / f"{JOB}.db").write_bytes(b"")  # a snapshot to restore from: still refused
+    with pytest.raises(StoreError, match="lustre"):
+        open_job_store(JOB, db=tmp_path / "home" / "j.db", state_dir=state)
+    assert not (tmp_path / "home").exists()
 
 
 def _foreign_sqlite(path):
