@@ -385,7 +385,7 @@ def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
 _OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
-def reinit_global_deterministic(gpt: torch.nn.Module, *, seed: int, num_layers: int) -> None:
+def reinit_global_deterministic(gpt: Any, *, seed: int, num_layers: int) -> None:
     """Re-draw every randomly initialised weight from its global value, independent of tp/pp.
 
     For each ShardedTensor of ``gpt.sharded_state_dict()`` with two or more dimensions per
@@ -396,8 +396,9 @@ def reinit_global_deterministic(gpt: torch.nn.Module, *, seed: int, num_layers: 
     """
     scaled_std = INIT_METHOD_STD / math.sqrt(2.0 * num_layers)
     with torch.no_grad():
-        for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):
-            layer_shape = sh.global_shape[sh.prepend_axis_num:]
+        sharded = gpt.sharded_state_dict()  # gpt: Any (a megatron module)
+        for _path, sh in iter_sharded_tensors(sharded):
+            layer_shape = tuple(sh.global_shape[sh.prepend_axis_num:])
             if len(layer_shape) < 2:
                 continue
             std = scaled_std if sh.key.endswith(_OUTPUT_PROJECTIONS) else INIT_METHOD_STD

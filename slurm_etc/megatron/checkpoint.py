@@ -42,7 +42,7 @@ def _checkpoint_state_dict(state: Any, *, loading: bool, optimizer: bool) -> dic
 def _fsync_tree(directory: str) -> int:
     """fsync every file and directory under ``directory``; returns the bytes in files."""
     total = 0
-    for root, dirs, files in os.walk(directory):
+    for root, _dirs, files in os.walk(directory):
         for name in files:
             path = os.path.join(root, name)
             fd = os.open(path, os.O_RDONLY)

@@ -96,7 +96,8 @@ class _Patches:
         self._mode = CudaToCpuMode()
 
     def apply(self) -> None:
-        torch.cuda.current_device = lambda: "cpu"
+        # megatron passes the result as device=: "cpu" is what makes its buffers CPU ones
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
         torch.cuda.synchronize = lambda device=None: None
         self._random.CudaRNGStatesTracker.fork = _null_fork
         self._mode.__enter__()

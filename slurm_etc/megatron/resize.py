@@ -19,8 +19,15 @@ from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 
 from .build import TrainingState
-from .state import (ResumeState, build_empty_state, exchange_resume_state, install_shards,
-                    local_shards, resume_state)
+from .state import (
+    ResumeState,
+    build_empty_state,
+    exchange_resume_state,
+    install_shards,
+    local_shards,
+    resume_state,
+)
+
 
 @dataclass
 class PreparedResize:
@@ -46,7 +53,7 @@ class PreparedResize:
     tag: str
     group: Any
     program: Any
-    destinations: list[torch.Tensor]
+    destinations: list[torch.Tensor | None]
     options: Any
     memory: Any
     group_timeout_s: float

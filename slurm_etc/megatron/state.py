@@ -88,7 +88,7 @@ def _box(sh: Any) -> tuple[Box3, Box3]:
         raise StateError(f"{sh.key}: {len(lo)} axes, the catalog has at most 3")
     lo += [0] * (3 - len(lo))
     hi += [1] * (3 - len(hi))
-    return tuple(lo), tuple(hi)  # type: ignore[return-value]
+    return (lo[0], lo[1], lo[2]), (hi[0], hi[1], hi[2])
 
 
 def _locate(data: torch.Tensor, params: Sequence[torch.Tensor], key: str) -> tuple[Any, int]:
@@ -154,7 +154,7 @@ def _sub_optimizers(optimizer: Any) -> list[Any]:
 def _opt_entries(state: TrainingState) -> dict[int, _OptEntry]:
     """id(model parameter) -> its optimizer entry, for every parameter with state here."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     entries: dict[int, _OptEntry] = {}
     for sub in _sub_optimizers(state.optimizer):
@@ -216,12 +216,19 @@ class _Target:
         self.kind, self.param, self.entry = kind, param, entry
 
     @property
+    def opt(self) -> _OptEntry:
+        """The optimizer entry of an optimizer-state target."""
+        if self.entry is None:
+            raise StateError(f"a {self.kind} target without an optimizer entry")
+        return self.entry
+
+    @property
     def shape(self) -> torch.Size:
-        return self.param.shape if self.kind == "param" else self.entry.main.shape
+        return self.param.shape if self.kind == "param" else self.opt.main.shape
 
     @property
     def numel(self) -> int:
-        return self.param.numel() if self.kind == "param" else self.entry.main.numel()
+        return self.param.numel() if self.kind == "param" else self.opt.main.numel()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -232,8 +239,8 @@ class _Target:
         if self.kind == "param":
             return self.param
         if self.kind == FP32_PARAM:
-            return self.entry.main
-        return self.entry.inner.state.get(self.entry.main, {}).get(self.kind)
+            return self.opt.main
+        return self.opt.inner.state.get(self.opt.main, {}).get(self.kind)
 
     def flat(self, key: Any) -> torch.Tensor:
         base = self.base()
@@ -256,14 +263,14 @@ class _Target:
         if self.kind == "param":
             self.param.data = value
         elif self.kind == FP32_PARAM:
-            self.entry.main.data = value
+            self.opt.main.data = value
         else:
-            self.entry.inner.state[self.entry.main][self.kind] = value
+            self.opt.inner.state[self.opt.main][self.kind] = value
 
     def allocate(self) -> None:
         """Fresh (uninitialised) Adam moment; every element is then written."""
         if self.base() is None:
-            self.entry.inner.state[self.entry.main][self.kind] = torch.empty(
+            self.opt.inner.state[self.opt.main][self.kind] = torch.empty(
                 self.shape, dtype=torch.float32)
 
 

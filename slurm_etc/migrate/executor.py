@@ -468,7 +468,7 @@ def execute_migration(plan, transport: Transport, device: int,
                       options: MigrationOptions | None = None,
                       faults: FaultInjector | None = None,
                       program: Program | None = None,
-                      destinations: Sequence[torch.Tensor] | None = None) -> MigrationResult:
+                      destinations: Sequence[torch.Tensor | None] | None = None) -> MigrationResult:
     """Run this process's part of ``plan`` (see module docstring).
 
     Args:

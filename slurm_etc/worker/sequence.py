@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,11 @@ def parse_sequence(text: str, distributed_optimizer: bool = False) -> list[Paral
 
 @dataclass(frozen=True)
 class ResizeSequence:
-    """A model trained ``steps`` steps in each of ``configs``, resized in between."""
+    """A model trained ``steps`` steps in each of ``configs``, resized in between.
+
+    ``factory(train_steps)`` makes the ElasticTrainer (a module-level function: it travels
+    to the workers by reference); default: the preset trainer of ``model``.
+    """
 
     model: ModelDesc
     configs: tuple[ParallelConfig, ...]
@@ -55,6 +60,7 @@ class ResizeSequence:
     global_batch: int
     micro_batch: int = 1
     seed: int = 1234
+    factory: Callable[[int], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -101,6 +107,13 @@ def default_global_batch(configs: list[ParallelConfig], micro_batch: int = 1,
 def _trainer(seq: ResizeSequence) -> Any:
     from .gpt import preset_trainer
 
+    if seq.factory is not None:
+        trainer = seq.factory(seq.train_steps)
+        if (trainer.global_batch, trainer.micro_batch) != (seq.global_batch, seq.micro_batch):
+            raise ConfigError(f"the trainer's batch ({trainer.global_batch}, micro "
+                              f"{trainer.micro_batch}) is not the sequence's "
+                              f"({seq.global_batch}, micro {seq.micro_batch})")
+        return trainer
     return preset_trainer(seq.model, distributed_optimizer=seq.configs[0].distributed_optimizer,
                           seed=seq.seed, global_batch=seq.global_batch,
                           micro_batch=seq.micro_batch, train_steps=seq.train_steps)
@@ -122,6 +135,10 @@ def _script(seq: ResizeSequence, job: str, layouts: list[Layout], digests: list[
     return out
 
 
+def _clock(trainer: Any) -> Callable[[], int]:
+    return lambda: int(trainer.step)
+
+
 def w_elastic(ctx: WorkerContext, seq: ResizeSequence, layouts: list[Layout],
               digests: list[str], job: str) -> dict:
     """Every worker: its stints in the sequence (a process may leave and join again)."""
@@ -137,7 +154,7 @@ def w_elastic(ctx: WorkerContext, seq: ResizeSequence, layouts: list[Layout],
         if start is None:
             return out
         trainer = _trainer(seq)
-        control = ScriptedControl(script, ctx.index, clock=lambda t=trainer: t.step,
+        control = ScriptedControl(script, ctx.index, clock=_clock(trainer),
                                   after_generation=after)
         proc = WorkerProcess(job, ctx.index, ctx.store, control,
                              layout=layouts[0] if start == 0 else None,
@@ -169,7 +186,7 @@ def w_checkpoint_segment(ctx: WorkerContext, seq: ResizeSequence, generation: in
     trainer = _trainer(seq)
     end = seq.steps * (generation + 1)
     script = [ScriptEntry(end, Stop(job, generation + 1, "end of segment"))]
-    control = ScriptedControl(script, ctx.index, clock=lambda: trainer.step)
+    control = ScriptedControl(script, ctx.index, clock=_clock(trainer))
     proc = WorkerProcess(job, ctx.index, ctx.store, control,
                          layout=Layout(cfg, tuple(range(cfg.world))), generation=generation,
                          timeout_s=ctx.timeout_s)
@@ -280,7 +297,7 @@ def _compare(seq: ResizeSequence, layouts: list[Layout], elastic: list[dict],
                 mismatches.append({"new_rank": rank, "shard": key,
                                    "problem": "missing" if key not in got else
                                    "unexpected" if key not in want else "differs"})
-    resizes = {}
+    resizes: dict[int, dict] = {}
     for r in elastic:
         for rz in r["resizes"]:
             entry = resizes.setdefault(rz["generation"], {**rz, "pause_seconds": 0.0,

@@ -3,7 +3,7 @@
 The user hands over what a Megatron training script already has::
 
     trainer = ElasticTrainer(
-        model_provider=model_provider,      # (TransformerConfig, pre_process, post_process) -> GPTModel
+        model_provider=model_provider,      # (tf_config, pre_process, post_process) -> GPTModel
         forward_step=forward_step,          # (data_iterator, model) -> (output, loss_func)
         dataset_provider=dataset_provider,  # () -> map-style dataset of samples
         transformer_config=tf_config,       # template; tp/pp are set per layout
@@ -53,8 +53,18 @@ from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
 
-from .control import (ENCODER, ORDER_DECODER, Abort, Control, Exited, Order, Progress,
-                      Resize, Resized, Stop)
+from .control import (
+    ENCODER,
+    ORDER_DECODER,
+    Abort,
+    Control,
+    Exited,
+    Order,
+    Progress,
+    Resize,
+    Resized,
+    Stop,
+)
 from .data import check_batch, microbatch_samples
 
 logger = logging.getLogger(__name__)
@@ -218,10 +228,10 @@ class ElasticTrainer:
             self._log("training %s on %d processes from step %d", proc.layout.config,
                       proc.layout.config.world, self.step)
         else:
-            order = self._first_order(proc)
-            if isinstance(order, Stop):
+            first = self._first_order(proc)
+            if isinstance(first, Stop):
                 return self._exit("stopped")
-            if self._resize(order) == "left":
+            if self._resize(first) == "left":
                 return self._exit("left")
         while True:
             order = self._agree()
@@ -318,7 +328,7 @@ class ElasticTrainer:
 
     # -- orders ---------------------------------------------------------------------------
 
-    def _first_order(self, proc: WorkerProcess) -> Order:
+    def _first_order(self, proc: WorkerProcess) -> Resize | Stop:
         """A joining process waits for the resize that brings it in."""
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
@@ -352,7 +362,7 @@ class ElasticTrainer:
         if best < 0:
             return None
         src = int((flags == best).nonzero()[0])
-        payload = [ENCODER.encode(self._pending) if rank == src else None]
+        payload: list[bytes] = [ENCODER.encode(self._pending) if rank == src else b""]
         dist.broadcast_object_list(payload, src=src)
         self._pending = None
         return ORDER_DECODER.decode(payload[0])
@@ -513,6 +523,8 @@ class ElasticTrainer:
         opt_config = dataclasses.replace(self.optimizer_config,
                                          use_distributed_optimizer=config.distributed_optimizer,
                                          bf16=bool(tf.bf16), params_dtype=tf.params_dtype)
+        if opt_config.min_lr is None:  # megatron's param groups read it: the schedule's
+            opt_config = dataclasses.replace(opt_config, min_lr=self.scheduler_config.min_lr)
         state = wrap_for_training(desc, config, gpt, tf, opt_config)
         if not empty:
             self.scheduler = self._make_scheduler(state.optimizer)

@@ -14,8 +14,13 @@ import pytest
 
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.pool.local import LocalWorkers
-from slurm_etc.worker.sequence import (PRELOAD, ResizeSequence, default_global_batch,
-                                       parse_sequence, verify_sequence)
+from slurm_etc.worker.sequence import (
+    PRELOAD,
+    ResizeSequence,
+    default_global_batch,
+    parse_sequence,
+    verify_sequence,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 

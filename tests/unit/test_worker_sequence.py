@@ -8,8 +8,15 @@ import pytest
 from slurm_etc.plan import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import PRESETS
-from slurm_etc.worker.control import (ENCODER, ORDER_DECODER, REPORT_DECODER, LayoutSpec,
-                                      Progress, Resize, Stop)
+from slurm_etc.worker.control import (
+    ENCODER,
+    ORDER_DECODER,
+    REPORT_DECODER,
+    LayoutSpec,
+    Progress,
+    Resize,
+    Stop,
+)
 from slurm_etc.worker.data import BatchError, check_batch, microbatch_samples
 from slurm_etc.worker.scripted import ScriptedControl, ScriptEntry
 from slurm_etc.worker.sequence import ResizeSequence, default_global_batch, parse_sequence
