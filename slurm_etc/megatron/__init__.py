@@ -8,9 +8,10 @@
 * :mod:`.resize`: the in-place resize (``prepare_resize`` before the pause,
   ``resize_in_place`` at it).
 * :mod:`.checkpoint`: megatron's checkpoint path (save/load), the baseline and a reference.
-* :mod:`.oracles`, :mod:`.phases`, :mod:`.verify`, :mod:`.bench` (shared bits:
-  :mod:`.experiments`): ``slurm-etc verify`` and ``slurm-etc bench migrate`` on local
-  worker processes.
+* :mod:`.reference`: verify's oracles, reading state through megatron-core and torch only
+  (never through :mod:`.state`); :mod:`.oracles`: shard helpers over the adapter's view.
+* :mod:`.phases`, :mod:`.verify`, :mod:`.bench` (shared bits: :mod:`.experiments`):
+  ``slurm-etc verify`` and ``slurm-etc bench migrate`` on local worker processes.
 
 Submodules import megatron-core lazily (inside functions); this package imports nothing.
 """

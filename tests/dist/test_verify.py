@@ -2,12 +2,15 @@
 
 One pool of 4 worker processes (``LocalWorkers``, the same runner the CLI uses) serves every
 case: each builds tiny / tiny-llama (fp32 or bf16 mixed precision) under the old layout,
-trains 2 Adam steps, saves megatron's checkpoint, resizes in place with the executor and
-compares each new rank's shards with megatron's checkpoint resharding (model always; the
-optimizer where megatron can reshard it), with the global-gather oracle and with the state
-read back after installing; the step, the RNG state and the loss of one more training step
-must agree too. Transitions cover dp, tp and pp changes, grow and shrink, dp=3, with and
-without the distributed optimizer.
+trains 2 Adam steps, saves megatron's checkpoint, resizes in place with the executor, and
+checks the new layout through megatron-core and torch alone (``reference.py``): its full
+tensors against the old layout's (``megatron-gather``), each rank against megatron's own
+checkpoint resharding (``megatron-checkpoint``: the model always, the optimizer where megatron
+reshards it), the Adam step of every parameter, each rank's generator, and the losses of
+three more training steps (against the checkpoint-loaded state, bit for bit, or the old
+layout trained on). Transitions cover dp, tp and pp changes, grow and shrink, dp=3, with and
+without the distributed optimizer. tests/dist/test_planted_bugs.py shows these checks fail
+on a faulty migration.
 """
 from __future__ import annotations
 
@@ -16,9 +19,14 @@ import dataclasses
 import pytest
 
 from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
-from slurm_etc.megatron.verify import (ORACLE_CHECKPOINT, ORACLE_GATHER, ORACLE_INSTALL,
-                                            verify_transition)
 from slurm_etc.megatron.phases import PRELOAD, Transition
+from slurm_etc.megatron.verify import (
+    AFTER_STEPS,
+    LOSS_RTOL,
+    ORACLE_CHECKPOINT,
+    ORACLE_GATHER,
+    verify_transition,
+)
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.pool.local import LocalWorkers
 
@@ -57,40 +65,81 @@ def workers():
         yield pool
 
 
+def _param_keys(model) -> set[str]:
+    """What megatron-core calls the parameters of ``model`` (its sharded_state_dict keys;
+    the layer norms are saved under the linear layer they precede)."""
+    keys = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    layer = ["self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+             "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight",
+             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if not model.rmsnorm:
+        keys.add("decoder.final_layernorm.bias")
+        layer += ["self_attention.linear_qkv.layer_norm_bias", "mlp.linear_fc1.layer_norm_bias"]
+    if model.add_bias_linear:
+        layer += ["self_attention.linear_qkv.bias", "self_attention.linear_proj.bias",
+                  "mlp.linear_fc1.bias", "mlp.linear_fc2.bias"]
+    if model.learned_position_embeddings:
+        keys.add("embedding.position_embeddings.weight")
+    if not model.tied_embeddings:
+        keys.add("output_layer.weight")
+    return keys | {f"decoder.layers.{name}" for name in layer}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_migrated_state_is_bit_identical(workers, name):
     model, old, new = CASES[name]
     tr = Transition(model, old, new)
     report = verify_transition(tr, workers=workers)
     assert report["verified"], (report["first_mismatch"], report["old_state_problems"],
-                                report["step"], report["loss_after"])
+                                report["step"], report["rng"], report["loss_after"])
     assert report["mismatches"] == 0 and report["first_mismatch"] is None
-    assert report["shards"] > 0 and report["bytes"] > 0
-    assert report["step"] == {"old": [2], "migrated": [2],
-                              "checkpoint": [2] if megatron_reshards_optimizer(old, new) else [],
-                              "ok": True}
-    assert report["rng_installed"]
-    # every tensor is checked by the gather oracle and read back after installing; megatron's
-    # checkpoint covers all of them, or the parameters where it cannot reshard the optimizer
-    oracles = report["oracles"]
-    assert oracles[ORACLE_GATHER] == oracles[ORACLE_INSTALL] == report["tensors"]
-    params = sum(1 for t in report["per_tensor"] if not t["tensor"].startswith("optimizer."))
-    expected = report["tensors"] if megatron_reshards_optimizer(old, new) else params
-    assert oracles[ORACLE_CHECKPOINT] == expected
-    if megatron_reshards_optimizer(old, new):
-        assert report["loss_after"]["checkpoint"] == report["loss_after"]["migrated"]
+    # every parameter, with its Adam moments (and fp32 main copy in mixed precision), is
+    # checked, element by element, on every new rank
+    params = _param_keys(model)
+    states = ["exp_avg", "exp_avg_sq"] + (["fp32_param"] if model.param_dtype == "bf16" else [])
+    expected = params | {f"optimizer.state.{s}.{k}" for s in states for k in params}
+    seen = {t["tensor"]: t for t in report["per_tensor"]}
+    assert set(seen) == expected
+    assert report["tensors"] == len(expected) and not report["unchecked_tensors"]
+    assert all(t["shards"] > 0 and t["bytes"] > 0 for t in seen.values())
+    assert report["shards"] == report["coverage"]["new_shards"]
+    reshards = megatron_reshards_optimizer(old, new)
+    checked_by_ckpt = expected if reshards else params
+    assert {k for k, t in seen.items() if ORACLE_CHECKPOINT in t["oracles"]} == checked_by_ckpt
+    assert all(ORACLE_GATHER in t["oracles"] for t in seen.values())
+    assert report["oracles"] == {ORACLE_GATHER: len(expected),
+                                 ORACLE_CHECKPOINT: len(checked_by_ckpt)}
+    assert report["step"] == {"expected": 2, "old": [2], "migrated": [2],
+                              "checkpoint": [2] if reshards else [], "ok": True}
+    rng = report["rng"]
+    assert rng["ok"] and not rng["wrong_ranks"] and sorted(rng["sources"]) == list(range(new.world))
+    assert sorted(rng["checked_against_checkpoint"]) == (
+        sorted(r for r, s in rng["sources"].items() if s == 0) if reshards else [])
+    loss = report["loss_after"]
+    assert loss["ok"] and loss["steps"] == AFTER_STEPS == len(loss["migrated"])
+    if reshards:
+        assert loss["compared_with"] == "checkpoint"
+        assert loss["checkpoint"] == loss["migrated"]
+    else:
+        assert loss["compared_with"] == "old-layout"
+        assert len(loss["old_layout"]) == AFTER_STEPS
+        assert loss["max_relative_difference"] <= LOSS_RTOL[model.param_dtype]
 
 
 def test_a_flipped_bit_is_named(workers):
-    """The comparison is not vacuous: one flipped bit in a migrated shard is reported, with
-    its tensor and region, by every oracle."""
+    """Comparator self-test (``--corrupt``): one bit flipped in the copy of new rank 0's state
+    the oracles read is reported, with its tensor and region, by both oracles, and as a
+    disagreement with its data-parallel replica on new rank 1. (That a faulty migration is
+    caught is shown by tests/dist/test_planted_bugs.py.)"""
     tr = Transition(TINY, P(1, 2, 2), P(2, 1, 2))
-    report = verify_transition(tr, workers=workers, corrupt=True, train_after=False)
+    report = verify_transition(tr, workers=workers, corrupt=True, after_steps=0)
     assert not report["verified"]
-    assert report["mismatches"] == 3  # gather, checkpoint and install round trip
+    assert report["mismatches"] == 3
     first = report["first_mismatch"]
-    assert first["new_rank"] == 0 and first["differing"] == 1 and first["first"] == 0
+    assert first["oracle"] == ORACLE_GATHER and first["new_rank"] == 0
+    assert first["differing"] == 1 and first["first"] == 0
     assert first["got"] ^ first["expected"] == 1
+    assert report["step"]["ok"] and report["rng"]["ok"]
 
 
 def _resize_expecting_abort(ctx, faults):
@@ -105,12 +154,22 @@ def _resize_expecting_abort(ctx, faults):
     return {"aborted": False}
 
 
+def _view_digest(ctx):
+    """Worker: sha1 of every shard of the live state, read through megatron-core."""
+    import hashlib
+
+    from slurm_etc.megatron.reference import w_megatron_view
+
+    view = w_megatron_view(ctx)
+    return None if view is None else {k: hashlib.sha1(v.tobytes()).hexdigest()
+                                      for k, v in view["shards"].items()}
+
+
 def test_abort_keeps_the_old_layout_training(workers):
     """A migration that fails half-way (rank 2 while unpacking round 0) aborts on every
-    process; the old state is bit for bit what it was and trains on in the old layout, with
-    the same loss as an untouched copy of it."""
-    from slurm_etc.megatron.phases import (batch_for, w_build, w_digest, w_drop, w_prepare,
-                                             w_train_step)
+    process; the old state is bit for bit what it was (read through megatron-core) and trains
+    on in the old layout, with the same loss as an untouched copy of it."""
+    from slurm_etc.megatron.phases import batch_for, w_build, w_drop, w_prepare, w_train_step
     from slurm_etc.migrate.faults import FaultInjector
 
     tr = Transition(TINY, P(1, 2, 2), P(2, 1, 2))
@@ -118,13 +177,14 @@ def test_abort_keeps_the_old_layout_training(workers):
     common = dict(seed=7, steps=2, seq=seq, global_batch=gb)
     try:
         workers.run(w_build, tr.model, tr.old, tag="abort-a", **common)
-        before = workers.run(w_digest)
+        before = workers.run(_view_digest)
         workers.run(w_prepare, tr, tag="abort-a/resize", staging_bytes=None)
         seen = workers.run(_resize_expecting_abort, FaultInjector().fail(rank=2, at="unpack"))
         assert all(s["aborted"] and s["has_state"] for s in seen), seen
         assert all("rank 2" in s["message"] and "injected fault" in s["message"]
                    for s in seen), seen
-        assert workers.run(w_digest) == before
+        after = workers.run(_view_digest)
+        assert after == before and all(d for d in before[:tr.old.world])
         after_abort = workers.run(w_train_step, "state", seed=7, seq=seq, global_batch=gb)
         workers.run(w_drop)
         workers.run(w_build, tr.model, tr.old, tag="abort-b", **common)

@@ -16,23 +16,28 @@ from slurm_etc.cli.main import cli
 from slurm_etc.megatron import bench, verify
 from slurm_etc.pool.local import WorkerError
 
-MISMATCH = {"oracle": "global-gather", "new_rank": 1,
+MISMATCH = {"oracle": "megatron-gather", "new_rank": 1,
             "state_key": "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight",
-            "lo": [2, 0, 0], "hi": [3, 256, 64], "s": 0, "differing": 1, "of": 16384,
+            "lo": [2, 0, 0], "hi": [3, 256, 64], "differing": 1, "of": 16384,
             "first": 7, "got": 1065353217, "expected": 1065353216}
 
 
 def report(verified: bool = True, **extra) -> dict:
     out = {"model": "tiny", "from": "dp=2,tp=1,pp=1", "to": "dp=1,tp=2,pp=1", "processes": 2,
-           "tensors": 51, "shards": 159, "bytes": 2_912_256, "moved_bytes": 1_000_000,
+           "tensors": 48, "shards": 159, "bytes": 2_912_256, "moved_bytes": 1_000_000,
            "mismatches": 0 if verified else 1, "verified": verified,
            "first_mismatch": None if verified else MISMATCH, "old_state_problems": [],
-           "oracles": {"global-gather": 51, "install-roundtrip": 51,
-                       "megatron-checkpoint": 51},
+           "unchecked_tensors": [],
+           "oracles": {"megatron-gather": 48, "megatron-checkpoint": 48},
            "oracle_tensors": {}, "per_tensor": [], "optimizer_oracle": "megatron-checkpoint",
-           "step": {"old": [2], "migrated": [2], "checkpoint": [2], "ok": True},
-           "rng_installed": True, "loss_after": {"migrated": 5.5, "checkpoint": 5.5,
-                                                  "ok": True},
+           "coverage": {"old_shards": 159, "new_shards": 159, "checkpoint_shards": 159},
+           "step": {"expected": 2, "old": [2], "migrated": [2], "checkpoint": [2], "ok": True},
+           "rng_installed": True,
+           "rng": {"ok": True, "sources": {0: 0, 1: 0}, "wrong_ranks": [],
+                   "checked_against_checkpoint": [0, 1]},
+           "loss_after": {"migrated": [5.5, 5.4, 5.3], "checkpoint": [5.5, 5.4, 5.3],
+                          "steps": 3, "compared_with": "checkpoint", "tolerance": 0.0,
+                          "ok": True},
            "seconds": 3.0}
     out.update(extra)
     return out
@@ -70,9 +75,62 @@ def test_mismatch_exit_1_names_tensor_and_region(calls):
     assert r.exit_code == 1
     assert "MISMATCH" in r.stdout  # the table's result row
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("slurm-etc: verify: MISMATCH: optimizer.state.exp_avg.decoder"
-                           ".layers.mlp.linear_fc1.weight (box lo=(2, 0, 0) hi=(3, 256, 64)")
-    assert "new rank 1" in line and "global-gather" in line
+    assert line == ("slurm-etc: verify: MISMATCH: optimizer.state.exp_avg.decoder.layers.mlp."
+                    "linear_fc1.weight (box lo=(2, 0, 0) hi=(3, 256, 64)) on new rank 1, checked "
+                    "by megatron-gather: 1 of 16384 elements differ, first at 7: bits "
+                    "1065353217 instead of 1065353216")
+
+
+BAD_STEP = {"step": {"expected": 2, "old": [2], "migrated": [1], "checkpoint": [2],
+                     "ok": False}}
+BAD_RNG = {"rng_installed": False,
+           "rng": {"ok": False, "sources": {0: 0, 1: 0, 2: 2}, "wrong_ranks": [1],
+                   "checked_against_checkpoint": []}}
+BAD_LOSS = {"loss_after": {"migrated": [5.5, float("nan")], "old_layout": [5.5, 5.4],
+                           "steps": 2, "compared_with": "old-layout", "tolerance": 1e-6,
+                           "ok": False}}
+MISSING = {"mismatches": 1, "first_mismatch": {
+    "oracle": "megatron-checkpoint", "new_rank": 0, "state_key": "decoder.layers.mlp.fc2.weight",
+    "lo": [0, 0, 0], "hi": [1, 64, 256],
+    "problem": "shard (replica (0, 0, 0)) missing in the migrated state"}}
+HOLE = {"mismatches": 1, "first_mismatch": {
+    "oracle": "megatron-gather", "side": "new layout",
+    "state_key": "embedding.word_embeddings.weight",
+    "problem": "64 of 8192 elements held by no rank"}}
+
+
+@pytest.mark.parametrize("extra, named", [
+    (BAD_STEP, "Adam step: every parameter must be at step 2; old [2], migrated [1]"),
+    (BAD_RNG, "RNG: new rank(s) [1] do not continue the CPU generator of their source old "
+              "rank(s) {1: 0}"),
+    (BAD_LOSS, "loss after the resize: migrated [5.5, nan], old-layout [5.5, 5.4]"),
+    (MISSING, "decoder.layers.mlp.fc2.weight (box lo=(0, 0, 0) hi=(1, 64, 256)) on new rank 0, "
+              "checked by megatron-checkpoint: shard (replica (0, 0, 0)) missing in the "
+              "migrated state"),
+    (HOLE, "embedding.word_embeddings.weight, checked by megatron-gather: 64 of 8192 elements "
+           "held by no rank"),
+    ({"unchecked_tensors": ["output_layer.weight"]},
+     "tensors no oracle checked: output_layer.weight"),
+])
+def test_every_failure_is_exit_1_and_named(monkeypatch, extra, named):
+    monkeypatch.setattr(verify, "verify_transition",
+                        lambda tr, **kw: report(verified=False, **{"first_mismatch": None,
+                                                                   **extra}))
+    r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1,tp=2", "--json")
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["verified"] is False
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("slurm-etc: verify: MISMATCH: ") and named in line, line
+
+
+def test_corrupt_is_described_as_a_comparator_self_test():
+    r = run("verify", "--help")
+    assert r.exit_code == 0
+    assert "--corrupt" not in r.stdout  # hidden: a self-test, not a user feature
+    from slurm_etc.cli.cmd_verify import verify as command
+
+    (option,) = [p for p in command.params if p.name == "corrupt"]
+    assert "Comparator self-test" in option.help and "does not" in option.help
 
 
 def test_options_reach_the_experiment(calls):
