@@ -56,13 +56,17 @@ def transition_from_options(model_spec: str, from_spec: str, to_spec: str,
     return tr
 
 
+class RunFailed(click.ClickException):
+    """The run itself failed (a worker raised or died), not the state: exit code 3."""
+
+    exit_code = RUN_FAILED
+
+
 def run_failed(exc: Exception) -> click.ClickException:
     """A failure of the run itself (not of the state): one line, exit code 3."""
     lines = [x for x in str(exc).strip().splitlines() if x.strip()]
-    err = click.ClickException(f"{lines[0]} ... {lines[-1].strip()}" if len(lines) > 1
-                               else (lines[0] if lines else type(exc).__name__))
-    err.exit_code = RUN_FAILED
-    return err
+    return RunFailed(f"{lines[0]} ... {lines[-1].strip()}" if len(lines) > 1
+                     else (lines[0] if lines else type(exc).__name__))
 
 
 def describe_mismatch(m: dict) -> str:
