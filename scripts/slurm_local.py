@@ -167,6 +167,14 @@ def slurm_version() -> str:
     return out.split()[-1] if out.split() else "unknown"
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def daemon_env(p: Paths) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["SLURM_CONF"] = str(p.conf)
@@ -248,7 +256,7 @@ def write_config(p: Paths, params: dict) -> None:
         "AccountingStorageHost=127.0.0.1",
         f"AccountingStoragePort={port['slurmdbd']}",
         # Connections to slurmdbd take their munge socket from here, not from AuthInfo.
-        f"AccountingStoragePass=socket={p.munge_socket}",
+        f"AccountingStoragePass={p.munge_socket}",
         "AccountingStorageEnforce=associations",
         "AccountingStorageTRES=gres/gpu",
         "JobCompType=jobcomp/none",
@@ -282,6 +290,14 @@ def write_config(p: Paths, params: dict) -> None:
                           f" Name=gpu File={files}")
     p.gres.write_text("\n".join(gres_lines) + "\n")
     p.plugstack.write_text("")
+    cgroup = p.etc / "cgroup.conf"
+    if version_tuple(slurm_version()) >= (24, 5):
+        # proctrack/linuxproc + task/none need no cgroups, but slurmd 24.x initialises its
+        # cgroup plugin anyway, which fails in containers; "disabled" exists from 24.05 on
+        # (22.05 rejects it).
+        cgroup.write_text("CgroupPlugin=disabled\n")
+    else:
+        cgroup.unlink(missing_ok=True)
     p.dbd_conf.write_text("\n".join([
         "AuthType=auth/munge",
         f"AuthInfo=socket={p.munge_socket}",
@@ -662,6 +678,10 @@ def cmd_status(p: Paths) -> int:
     st = read_json(p.status) or {}
     pid = supervisor_pid(p)
     if pid is None:
+        left = [f"{n} {d}" for n, d in (read_json(p.pids) or {}).items() if alive(d)]
+        if left:
+            print(f"stale: supervisor gone, daemons left ({', '.join(left)}); run down")
+            return 2
         print(f"down ({p.root})")
         return 1
     params = read_json(p.params) or {}
@@ -694,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="slurmctld port; slurmdbd +1, MariaDB +2, slurmd +11..")
     down = sub.add_parser("down", help="stop everything the cluster started")
     down.add_argument("--purge", action="store_true", help="also delete the directory")
-    sub.add_parser("status", help="exit 0 when up and ready")
+    sub.add_parser("status", help="exit 0 when up and ready, 1 when down, 2 otherwise")
     sub.add_parser("env", help="print the export line")
     sv = sub.add_parser("supervise", help=argparse.SUPPRESS)
     sv.add_argument("--dir", dest="sdir", required=True)
