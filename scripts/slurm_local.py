@@ -584,16 +584,18 @@ def stop_stale(p: Paths) -> None:
     p.pids.unlink(missing_ok=True)
 
 
-def cmd_up(p: Paths, params: dict) -> int:
+def cmd_up(p: Paths, params: dict, asked: dict) -> int:
+    """Starts the cluster; when it is already up, only options given explicitly (``asked``)
+    must match the running cluster's."""
     t0 = time.monotonic()
     p.root.mkdir(parents=True, exist_ok=True)
     if is_up(p):
         running = read_json(p.params) or {}
-        diff = {k: (running.get(k), v) for k, v in params.items() if running.get(k) != v}
+        diff = {k: (running.get(k), v) for k, v in asked.items() if running.get(k) != v}
         if diff:
             what = ", ".join(f"{k}={a} (asked {b})" for k, (a, b) in diff.items())
             raise Fail(f"cluster in {p.root} is already up with {what}; run `down` first")
-        log(f"already up in {p.root}")
+        log(f"already up in {p.root} ({', '.join(f'{k}={v}' for k, v in running.items())})")
         print(exports(p))
         return 0
     pid = supervisor_pid(p)
@@ -602,6 +604,13 @@ def cmd_up(p: Paths, params: dict) -> int:
             "stopping it first")
         stop_supervisor(p, pid)
     stop_stale(p)
+    port = ports(params)
+    wanted = [port["slurmctld"], port["slurmdbd"], port["mysql"]] + [
+        port["slurmd0"] + i + 1 for i in range(params["nodes"])]
+    busy = [n for n in wanted if tcp_open(n)]
+    if busy:
+        raise Fail(f"ports {busy} on 127.0.0.1 are in use by another program; choose other "
+                   "ports with --port-base or SLURM_ETC_PORT_BASE")
     write_config(p, params)
     init_mysql(p)
     write_json(p.plan, {"steps": build_plan(p, params)})
@@ -701,17 +710,20 @@ def main(argv: list[str] | None = None) -> int:
                                   "/tmp/slurm-etc-cluster)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the cluster (no-op when it is already up)")
-    up.add_argument("--nodes", type=int, default=DEFAULTS["nodes"])
-    up.add_argument("--gpus-per-node", type=int, default=DEFAULTS["gpus_per_node"])
-    up.add_argument("--cpus-per-node", type=int, default=DEFAULTS["cpus_per_node"])
-    up.add_argument("--memory-mb", type=int, default=DEFAULTS["memory_mb"])
-    up.add_argument("--grace-time", type=int, default=DEFAULTS["grace_time"],
-                    help="GraceTime of the scavenge partition (s)")
-    up.add_argument("--kill-wait", type=int, default=DEFAULTS["kill_wait"],
-                    help="KillWait (s): SIGTERM to SIGKILL")
+    up.add_argument("--nodes", type=int, default=None, help="slurmd count (default 4)")
+    up.add_argument("--gpus-per-node", type=int, default=None,
+                    help="fake GPUs per node (default 2)")
+    up.add_argument("--cpus-per-node", type=int, default=None,
+                    help="CPUs each node declares (default 4)")
+    up.add_argument("--memory-mb", type=int, default=None,
+                    help="RealMemory each node declares (default 4096)")
+    up.add_argument("--grace-time", type=int, default=None,
+                    help="GraceTime of the scavenge partition (default 30 s)")
+    up.add_argument("--kill-wait", type=int, default=None,
+                    help="KillWait: SIGTERM to SIGKILL (default 30 s)")
     up.add_argument("--port-base", type=int,
-                    default=int(os.environ.get("SLURM_ETC_PORT_BASE", DEFAULTS["port_base"])),
-                    help="slurmctld port; slurmdbd +1, MariaDB +2, slurmd +11..")
+                    default=None, help="slurmctld port; slurmdbd +1, MariaDB +2, slurmd +11.. "
+                    "(default $SLURM_ETC_PORT_BASE or 16800)")
     down = sub.add_parser("down", help="stop everything the cluster started")
     down.add_argument("--purge", action="store_true", help="also delete the directory")
     sub.add_parser("status", help="exit 0 when up and ready, 1 when down, 2 otherwise")
@@ -733,10 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(p.lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one up/down at a time per directory
         if args.cmd == "up":
-            if not 1 <= args.nodes <= 89:
-                raise Fail(f"--nodes must be 1..89 (got {args.nodes})")
-            params = {k: getattr(args, k) for k in DEFAULTS}
-            return cmd_up(p, params)
+            # Options given on the command line; the rest take their defaults.
+            asked = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
+            if "port_base" not in asked and os.environ.get("SLURM_ETC_PORT_BASE"):
+                asked["port_base"] = int(os.environ["SLURM_ETC_PORT_BASE"])
+            params = {**DEFAULTS, **asked}
+            if not 1 <= params["nodes"] <= 89:
+                raise Fail(f"--nodes must be 1..89 (got {params['nodes']})")
+            return cmd_up(p, params, asked)
         return cmd_down(p, args.purge)
 
 
