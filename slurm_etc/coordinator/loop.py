@@ -1,0 +1,454 @@
+"""The coordinator of one elastic job: a reconcile loop from resource events to resizes.
+
+Observed state comes from the backend (grants, preemption notices, losses, worker exits) and
+from the workers over the control channel (progress, resize outcomes, exits); desired state
+from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a time:
+
+* every event is a row in the store before it is acted on; every decision is logged with its
+  one-line reason when the reason changes;
+* a first start launches the workers of the first layout (their layout in their
+  environment); a resize plans the migration (the workers plan the same and check the
+  digest), launches the processes that join, and orders every worker of old ∪ new to move
+  at the next step boundary; devices leave the job (released, or their notice honoured)
+  only once the migration committed;
+* a preemption notice starts the resize at once (its reaction time is measured), and the
+  plan's estimate is held against the grace: a resize that cannot finish in time is logged
+  and recorded as such;
+* a loss without grace tells the planner which old devices are dead; where every shard they
+  held has a surviving replica the resize proceeds in memory, otherwise the job stops with
+  one line saying so.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from slurm_etc.alloc.chooser import Hardware, TrainingJob
+from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
+from slurm_etc.plan.errors import ConfigError
+from slurm_etc.policy.decide import Notice, Pause, Release, RequestGrow, Snapshot, decide
+from slurm_etc.policy.decide import Resize as ResizeDecision
+from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.store import jobs as record
+from slurm_etc.worker.control import Exited, Hello, LayoutSpec, Progress, Resize, Resized, Stop
+from slurm_etc.worker.entry import GPUS_PER_NODE, LAYOUT, TIMEOUT, format_layout
+from slurm_etc.worker.trainer import plan_digest
+
+from .backend import (
+    Backend,
+    Grant,
+    LaunchWorkers,
+    Loss,
+    PreemptNotice,
+    ReleaseDevices,
+    RequestNodes,
+    StopWorkers,
+    WorkerExited,
+    WorkerSpec,
+    perform,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the coordinator runs.
+
+    Attributes:
+        job_id, name: the job's id and name.
+        argv: the worker command (the user's training script ending in ``run_worker``).
+        job: model and batch (what the configuration chooser and the planner need).
+        policy: the admin's resize policy for the job's partition/account.
+        hardware: device and link figures for the chooser's estimates.
+        worker_timeout_s: bound of every worker collective and of a resize.
+        env: extra environment for every worker.
+    """
+
+    job_id: str
+    name: str
+    argv: tuple[str, ...]
+    job: TrainingJob
+    policy: EffectivePolicy
+    hardware: Hardware
+    worker_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Inflight:
+    """A resize ordered and not yet settled."""
+
+    order: Resize
+    plan: Any
+    migration_id: int
+    participants: set[int]
+    joiners: set[int]
+    vranks: dict[int, Device]
+    release: set[Device]
+    started: float
+    reports: dict[int, Resized] = field(default_factory=dict)
+    told: set[int] = field(default_factory=set)
+
+
+class JobStopped(RuntimeError):
+    """The job cannot go on (one line: why)."""
+
+
+class Coordinator:
+    """One job's reconcile loop (see the module doc). ``run`` returns the job's end state."""
+
+    def __init__(self, spec: JobSpec, backend: Backend, store: Any, channel: Any,
+                 topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
+                 progress: Callable[[dict], None] | None = None) -> None:
+        self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
+        self.topology = topology
+        self.clock = clock
+        self.progress = progress or (lambda _s: None)
+        self.held: dict[Device, str] = {}
+        self.pinned: set[Device] = set()
+        self.notices: dict[Device, tuple[float, str]] = {}
+        self.lost: set[Device] = set()
+        self.layout: Layout | None = None
+        self.vranks: dict[int, Device] = {}
+        self.generation = 0
+        self.step = 0
+        self.loss: float | None = None
+        self.inflight: _Inflight | None = None
+        self.release_later: set[Device] = set()
+        self.resize_times: list[float] = []
+        self.growing = 0
+        self.requests = 0
+        self.done: set[int] = set()
+        self.dirty = True
+        self.reason = ""
+        self.reaction_s: list[float] = []
+        self._noticed_at: float | None = None
+        self._event_ids: list[int] = []
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, *, deadline_s: float | None = None) -> str:
+        """Reconcile until the workers finished training, the job failed, or
+        ``deadline_s`` passed. Returns ``finished``, ``failed`` or ``timeout``."""
+        t_end = None if deadline_s is None else time.monotonic() + deadline_s
+        record.set_job_state(self.store, self.spec.job_id, "running")
+        try:
+            while True:
+                self._observe_backend()
+                self._observe_workers()
+                if self.inflight is not None:
+                    self._settle()
+                elif self.layout is not None and self.done >= set(self.layout.devices):
+                    return self._end("finished", f"trained to step {self.step}")
+                elif self.dirty:
+                    self._decide()
+                if t_end is not None and time.monotonic() > t_end:
+                    return self._end("failed", f"no end within {deadline_s:.0f} s", "timeout")
+        except JobStopped as err:
+            logger.error("job %s stops: %s", self.spec.job_id, err)
+            return self._end("failed", str(err))
+
+    def _end(self, state: str, reason: str, result: str | None = None) -> str:
+        if self.layout is not None:
+            live = set(self.layout.devices) - self.done
+            if live:
+                self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1, reason), live)
+            record.close_generation(self.store, self.spec.job_id, self.generation,
+                                    reason=reason, last_step=self.step, last_loss=self.loss)
+        record.set_job_state(self.store, self.spec.job_id, state, reason=reason)
+        logger.info("job %s %s: %s", self.spec.job_id, state, reason)
+        return result or state
+
+    # -- observing ------------------------------------------------------------------------
+
+    def _observe_backend(self) -> None:
+        for event in self.backend.poll():
+            now = self.clock()
+            match event:
+                case Grant():
+                    for d in event.devices:
+                        self.held[d] = event.allocation
+                    if not self.pinned and event.request is None and self.layout is None:
+                        self.pinned = set(event.devices)  # the anchor
+                    if event.request is not None:
+                        self.growing = 0
+                    record.record_allocation(self.store, self.spec.job_id, event.allocation,
+                                             role="anchor" if set(event.devices) <= self.pinned
+                                             else "member", state="granted",
+                                             nodes=event.nodes)
+                    self._event("grant", event, f"{len(event.devices)} devices "
+                                f"({', '.join(event.nodes)})")
+                case PreemptNotice():
+                    for d in event.devices:
+                        self.notices[d] = (event.deadline, "preemption")
+                    self._noticed_at = time.perf_counter()
+                    record.update_allocation(self.store, self.spec.job_id, event.allocation,
+                                             state="preempting")
+                    self._event("preempt-notice", event,
+                                f"{len(event.devices)} devices, {event.deadline - now:.0f} s "
+                                "of grace", deadline=event.deadline)
+                case Loss():
+                    for d in event.devices:
+                        self.lost.add(d)
+                        self.notices[d] = (now, "failure" if event.cause == "failure"
+                                           else "preemption")
+                    record.update_allocation(self.store, self.spec.job_id, event.allocation,
+                                             state="lost")
+                    self._event("loss", event, f"{len(event.devices)} devices "
+                                f"({event.cause})")
+                case WorkerExited():
+                    if event.returncode != 0 and not event.stopped and \
+                            event.vrank not in self.done:
+                        self._event("worker-exit", event, f"vrank {event.vrank} exited with "
+                                    f"{event.returncode}")
+            self.dirty = True
+
+    def _event(self, kind: str, event: Any, summary: str, deadline: float | None = None
+               ) -> None:
+        payload = {"summary": summary, "allocation": getattr(event, "allocation", None),
+                   "devices": [str(d) for d in getattr(event, "devices", ())]}
+        eid = record.record_event(self.store, self.spec.job_id, kind, source="backend",
+                                  payload=payload, deadline=_dt(deadline))
+        self._event_ids.append(eid)
+        logger.info("event: %s %s", kind, summary)
+
+    def _observe_workers(self) -> None:
+        deadline = time.monotonic() + POLL_S
+        while (got := self.channel.recv(max(0.0, deadline - time.monotonic()))) is not None:
+            vrank, report = got
+            match report:
+                case Progress():
+                    if report.step > self.step:
+                        self.step, self.loss = report.step, report.loss
+                        self.backend.on_step(report.step)
+                        record.record_progress(self.store, self.spec.job_id, report.generation,
+                                               last_step=report.step, last_loss=report.loss)
+                        self.progress({"step": report.step, "loss": report.loss,
+                                       "lr": report.lr, "layout": report.layout,
+                                       "generation": report.generation})
+                case Resized():
+                    if self.inflight and report.generation == self.inflight.order.generation:
+                        self.inflight.reports[vrank] = report
+                case Exited():
+                    if report.reason == "done":
+                        self.done.add(vrank)
+                case Hello():
+                    self._tell_joiner(vrank)
+
+    # -- deciding -------------------------------------------------------------------------
+
+    def _snapshot(self) -> Snapshot:
+        layout_vranks = ({v: self.vranks[v] for v in self.layout.devices}
+                         if self.layout is not None else {})
+        by_deadline: dict[tuple[float, str], set[Device]] = {}
+        for d, key in self.notices.items():
+            if d in self.held:
+                by_deadline.setdefault(key, set()).add(d)
+        return Snapshot(
+            now=self.clock(), job=self.spec.job, hardware=self.spec.hardware,
+            topology=self.topology, held=frozenset(self.held), layout=self.layout,
+            vranks=layout_vranks,
+            notices=tuple(Notice(frozenset(ds), deadline, cause)
+                          for (deadline, cause), ds in sorted(by_deadline.items())),
+            resizes=tuple(self.resize_times), growing=self.growing,
+            pinned=frozenset(self.pinned))
+
+    def _decide(self) -> None:
+        self.dirty = False
+        if not self.held:
+            return
+        decision = decide(self._snapshot(), self.spec.policy)
+        text = " | ".join(decision.lines())
+        if text != self.reason:
+            self.reason = text
+            for line in decision.lines():
+                logger.info("decision: %s", line)
+        for action in decision.actions:
+            match action:
+                case ResizeDecision():
+                    if self.layout is None:
+                        self._start(action)
+                    else:
+                        self._resize(action)
+                case Release():
+                    self.release_later |= set(action.devices)
+                case RequestGrow():
+                    if not self.growing:
+                        self.requests += 1
+                        self.growing = action.nodes
+                        perform(self.backend, RequestNodes(action.nodes,
+                                                           f"grow-{self.requests}",
+                                                           action.reason))
+                case Pause():
+                    logger.warning("paused: %s", action.reason)
+        if self.inflight is None:
+            self._release_now()
+        for eid in self._event_ids:
+            record.mark_event_handled(self.store, eid, decision.reason[:200])
+        self._event_ids.clear()
+
+    def _release_now(self) -> None:
+        in_layout = set(self.vranks[v] for v in self.layout.devices) if self.layout else set()
+        leaving = {d for d in self.held if d in self.notices and d not in in_layout}
+        free = (self.release_later | leaving) - in_layout - self.pinned
+        free &= set(self.held)
+        self.release_later.clear()
+        if not free:
+            return
+        perform(self.backend, ReleaseDevices(tuple(sorted(free)), "not in the layout"))
+        for d in free:
+            self.held.pop(d, None)
+            self.notices.pop(d, None)
+        record.set_device_state(self.store, self.spec.job_id, sorted(free), "released")
+
+    # -- acting ---------------------------------------------------------------------------
+
+    def _worker_env(self) -> dict[str, str]:
+        return {**self.spec.env, **self.channel.worker_env(),
+                GPUS_PER_NODE: str(self.topology.gpus_per_node),
+                TIMEOUT: str(self.spec.worker_timeout_s)}
+
+    def _start(self, action: ResizeDecision) -> None:
+        from slurm_etc.alloc.vranks import identity_layout
+
+        layout = identity_layout(action.config, action.allocation.pool)
+        self.vranks = dict(action.allocation.vranks)
+        self.layout, self.generation = layout, 0
+        workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
+        perform(self.backend, LaunchWorkers(0, workers, self.spec.argv,
+                                            {**self._worker_env(), LAYOUT: format_layout(layout)}))
+        record.open_generation(self.store, self.spec.job_id, 0, str(layout.config),
+                               layout.devices, self.vranks, first_step=0)
+        logger.info("generation 0: %s on vranks %s", layout.config, list(layout.devices))
+
+    def _resize(self, action: ResizeDecision) -> None:
+        assert_layout = self.layout
+        if assert_layout is None:
+            return
+        old = assert_layout
+        lost = sorted(v for v in old.devices if self.vranks[v] in self.lost)
+        topo = Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
+                        self.spec.hardware.inter_node_gbps)
+        try:
+            plan = plan_migration(self.spec.job.model, old, action.config,
+                                  action.allocation.pool, topo, keep_tp_in_node=True,
+                                  **({"lost": tuple(lost)} if lost else {}))
+        except (PlanError, ConfigError, TypeError) as err:
+            if lost:
+                raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
+                                 f"failed and their state cannot be rebuilt in memory: "
+                                 f"{err}") from None
+            raise
+        gen = self.generation + 1
+        new = plan.new
+        vranks = dict(action.allocation.vranks)
+        for v in old.devices:
+            vranks.setdefault(v, self.vranks[v])
+        joiners = set(new.devices) - set(old.devices)
+        order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
+                       plan_digest(plan), pool=tuple(action.allocation.pool),
+                       gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
+                       reason=action.reason[:200])
+        if action.deadline is not None and plan.est_seconds > action.deadline - self.clock():
+            logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
+                           plan.est_seconds, action.deadline - self.clock())
+        mid = record.record_migration_start(
+            self.store, self.spec.job_id, from_generation=self.generation,
+            to_generation=gen, plan_digest=order.plan_digest, moved_bytes=plan.moved_bytes,
+            kept_bytes=plan.kept_bytes, lower_bound_bytes=plan.lower_bound_moved_bytes,
+            messages=len(plan.messages), rounds=plan.rounds,
+            estimated_seconds=plan.est_seconds)
+        participants = (set(old.devices) | set(new.devices)) - set(lost)
+        self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
+                                  set(self.release_later), time.monotonic())
+        self.channel.generation = gen
+        if joiners:
+            workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
+            perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
+                                                self._worker_env()))
+        told = set(old.devices) - set(lost)
+        missed = self.channel.broadcast(order, told)
+        self.inflight.told = told - set(missed)
+        if self._noticed_at is not None:
+            self.reaction_s.append(time.perf_counter() - self._noticed_at)
+            self._noticed_at = None
+        logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
+                    "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
+                    action.reason, plan.moved_bytes / 2**20,
+                    plan.lower_bound_moved_bytes / 2**20, len(plan.messages), plan.rounds)
+
+    def _tell_joiner(self, vrank: int) -> None:
+        fl = self.inflight
+        if fl is not None and vrank in fl.joiners and vrank not in fl.told:
+            if self.channel.send(vrank, fl.order):
+                fl.told.add(vrank)
+
+    def _settle(self) -> None:
+        fl = self.inflight
+        assert fl is not None
+        outcomes = {v: r.outcome for v, r in fl.reports.items()}
+        timed_out = time.monotonic() - fl.started > 2 * self.spec.worker_timeout_s
+        if not timed_out and not fl.participants <= set(outcomes):
+            return
+        aborted = [r for r in fl.reports.values() if r.outcome == "aborted"]
+        pause = max((r.pause_seconds for r in fl.reports.values()), default=0.0)
+        wall = time.monotonic() - fl.started
+        if aborted or timed_out:
+            why = aborted[0].error if aborted else "no answer from " + ", ".join(
+                str(v) for v in sorted(fl.participants - set(outcomes)))
+            record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+                                           measured_seconds=wall, error=why[:500])
+            perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "resize aborted"))
+            logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
+            self.inflight = None
+            raise JobStopped(f"resize to generation {fl.order.generation} aborted: {why}")
+        record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
+                                       measured_seconds=wall, pause_seconds=pause)
+        record.close_generation(self.store, self.spec.job_id, self.generation,
+                                reason=fl.order.reason[:200] or "resized",
+                                last_step=self.step, last_loss=self.loss)
+        new = fl.order.new.layout()
+        self.layout, self.generation = new, fl.order.generation
+        self.vranks = {v: fl.vranks[v] for v in new.devices}
+        gone = {d for d in self.lost}
+        for d in gone:
+            self.held.pop(d, None)
+            self.notices.pop(d, None)
+        record.open_generation(self.store, self.spec.job_id, self.generation, str(new.config),
+                               new.devices, self.vranks, first_step=self.step)
+        self.resize_times.append(self.clock())
+        self.inflight = None
+        self.release_later |= fl.release
+        self._release_now()
+        self.dirty = True
+        logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
+                    self.generation, new.config, list(new.devices), pause, wall)
+
+
+def _dt(t: float | None) -> Any:
+    from datetime import UTC, datetime
+
+    return None if t is None else datetime.fromtimestamp(t, UTC)
+
+
+def owner() -> tuple[int, str]:
+    """The real uid and its name (never the environment)."""
+    import pwd
+
+    uid = os.getuid()
+    try:
+        return uid, pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return uid, str(uid)
+
+
+def devices_of(held: Iterable[Device]) -> str:
+    return ", ".join(str(d) for d in sorted(held))

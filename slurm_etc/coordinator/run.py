@@ -1,0 +1,52 @@
+"""Start one job's coordinator: its record, secret, control channel and rendezvous store,
+around a backend, then the reconcile loop (:mod:`.loop`)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.store import jobs as record
+
+from .backend import Backend
+from .channel import CoordinatorChannel, create_secret
+from .loop import Coordinator, JobSpec, owner
+
+logger = logging.getLogger(__name__)
+
+
+def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
+            backend_name: str = "local", db: str | None = None, state_dir: str | None = None, bind: str = "127.0.0.1",
+            advertise: str | None = None, secret_dir: Path | None = None,
+            deadline_s: float | None = None,
+            progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Run the job to its end; returns ``{"state", "reaction_s", "db"}``.
+
+    The record is created before anything starts; the backend is closed (every worker
+    stopped) whatever happens.
+    """
+    import torch.distributed as dist
+
+    store = record.open_job_store(spec.job_id, db=db, state_dir=state_dir)
+    secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
+    uid, name = owner()
+    record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
+                      backend=backend_name, model=spec.job.model.name)
+    host = advertise or bind
+    rendezvous = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=spec.worker_timeout_s))
+    channel = CoordinatorChannel(spec.job_id, secret, bind, advertise=advertise)
+    channel.set_rendezvous(host, rendezvous.port)
+    record.set_coordinator(store, spec.job_id, channel.address)
+    coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
+    try:
+        state = coordinator.run(deadline_s=deadline_s)
+    finally:
+        backend.close()
+        channel.close()
+        store.close()
+    return {"state": state, "reaction_s": coordinator.reaction_s,
+            "generation": coordinator.generation, "step": coordinator.step}

@@ -1,0 +1,81 @@
+"""A worker process launched by the coordinator's backend (a local process or an srun task).
+
+The user's training script ends with ``sys.exit(run_worker(make_trainer(...)))``. The
+backend's environment says who the process is (``SLURM_ETC_JOB``, ``_VRANK``,
+``_GENERATION``, the channel's address and the path of the job's secret file); the worker
+joins the control channel, is welcomed with the address of the job's rendezvous store, and
+trains: from the start in ``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it
+waits for the resize that brings it in.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from datetime import timedelta
+from typing import Any
+
+from slurm_etc.plan import Layout, ParallelConfig, Topology
+from slurm_etc.plan.errors import ConfigError
+
+from .trainer import ElasticTrainer, WorkerProcess
+
+logger = logging.getLogger(__name__)
+
+LAYOUT = "SLURM_ETC_LAYOUT"          # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
+GPUS_PER_NODE = "SLURM_ETC_GPUS_PER_NODE"
+TIMEOUT = "SLURM_ETC_TIMEOUT_S"
+JOIN_TIMEOUT_S = 120.0
+
+
+def format_layout(layout: Layout) -> str:
+    return f"{layout.config}@{','.join(map(str, layout.devices))}"
+
+
+def parse_layout(text: str) -> Layout:
+    """Inverse of :func:`format_layout` (ConfigError when malformed)."""
+    config, sep, devices = text.partition("@")
+    if not sep:
+        raise ConfigError(f"{LAYOUT}={text!r}: expected <config>@<vrank,...>")
+    dist_opt = config.endswith(",dist-opt")
+    cfg = ParallelConfig.parse(config.removesuffix(",dist-opt"), dist_opt)
+    try:
+        ranks = tuple(int(v) for v in devices.split(","))
+    except ValueError:
+        raise ConfigError(f"{LAYOUT}={text!r}: vranks must be integers") from None
+    return Layout(cfg, ranks)
+
+
+def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
+    """Join the job described by the environment and train; the exit status.
+
+    The preemption signal of a member allocation goes to the coordinator, which orders the
+    resize: a worker ignores SIGUSR2 so that it trains on until the migration committed.
+    """
+    import torch.distributed as dist
+
+    from slurm_etc.coordinator.channel import WorkerChannel
+
+    env = os.environ if environ is None else environ
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    timeout = float(env.get(TIMEOUT, "300"))
+    control = WorkerChannel.from_env(env)
+    try:
+        welcome = control.join(JOIN_TIMEOUT_S, pid=os.getpid())
+        store = dist.TCPStore(welcome.store_host, welcome.store_port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        layout = parse_layout(env[LAYOUT]) if env.get(LAYOUT) else None
+        proc = WorkerProcess(
+            job=env["SLURM_ETC_JOB"], vrank=int(env["SLURM_ETC_VRANK"]), store=store,
+            control=control, layout=layout,
+            generation=int(env.get("SLURM_ETC_GENERATION", "0")),
+            topology=Topology(gpus_per_node=int(env.get(GPUS_PER_NODE, "1"))),
+            keep_tp_in_node=True, timeout_s=timeout)
+        why = trainer.run(proc)
+        trainer.close()
+        logger.info("worker vrank %s finished: %s", proc.vrank, why)
+        return 0
+    finally:
+        control.close()

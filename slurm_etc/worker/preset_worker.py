@@ -1,0 +1,36 @@
+"""A worker that trains a model preset: what ``slurm-etc demo`` launches.
+
+``python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8 --train-steps 30``
+builds :func:`~slurm_etc.worker.gpt.preset_trainer` and hands it to
+:func:`~slurm_etc.worker.entry.run_worker` (the job, vrank and channel come from the
+environment the backend sets).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slurm_etc.plan import load_model
+
+from .entry import run_worker
+from .gpt import preset_trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slurm_etc.worker.preset_worker")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--train-steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--distributed-optimizer", action="store_true")
+    args = p.parse_args(argv)
+    trainer = preset_trainer(load_model(args.model),
+                             distributed_optimizer=args.distributed_optimizer, seed=args.seed,
+                             global_batch=args.global_batch, micro_batch=args.micro_batch,
+                             train_steps=args.train_steps)
+    return run_worker(trainer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
