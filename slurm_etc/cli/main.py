@@ -40,7 +40,16 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 
 def _register() -> None:
-    from . import cmd_bench, cmd_plan, cmd_policy, cmd_simulate, cmd_status, cmd_verify
+    from . import (
+        cmd_bench,
+        cmd_demo,
+        cmd_plan,
+        cmd_policy,
+        cmd_run,
+        cmd_simulate,
+        cmd_status,
+        cmd_verify,
+    )
 
     cli.add_command(cmd_plan.plan)
     cli.add_command(cmd_policy.policy)
@@ -48,6 +57,8 @@ def _register() -> None:
     cli.add_command(cmd_status.status)
     cli.add_command(cmd_verify.verify)
     cli.add_command(cmd_bench.bench)
+    cli.add_command(cmd_run.run)
+    cli.add_command(cmd_demo.demo)
 
 
 _register()

@@ -356,7 +356,7 @@ class Coordinator:
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(action.allocation.pool),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
-                       reason=action.reason[:200])
+                       lost=tuple(lost), reason=action.reason[:200])
         if action.deadline is not None and plan.est_seconds > action.deadline - self.clock():
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
                            plan.est_seconds, action.deadline - self.clock())

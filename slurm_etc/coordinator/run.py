@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
-            backend_name: str = "local", db: str | None = None, state_dir: str | None = None, bind: str = "127.0.0.1",
+            backend_name: str = "local", db: str | None = None,
+            state_dir: str | None = None, bind: str = "127.0.0.1",
             advertise: str | None = None, secret_dir: Path | None = None,
             deadline_s: float | None = None,
             progress: Callable[[dict], None] | None = None) -> dict[str, Any]:

@@ -44,8 +44,10 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
 
     ``pool`` is the devices the coordinator planned the new layout on (empty: exactly
     ``new.devices``) and ``gpus_per_node`` its topology (0: the worker's own): every worker
-    plans with the same inputs. ``deadline`` (unix seconds) is when the devices leaving are
-    taken away (a preemption's grace); ``plan_digest`` is the coordinator's plan digest.
+    plans with the same inputs. ``lost`` are old vranks that died without notice: they take
+    no part, and what they held comes from surviving replicas. ``deadline`` (unix seconds)
+    is when the devices leaving are taken away (a preemption's grace); ``plan_digest`` is
+    the coordinator's plan digest.
     """
 
     job: str
@@ -55,6 +57,7 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     plan_digest: str = ""
     pool: tuple[int, ...] = ()
     gpus_per_node: int = 0
+    lost: tuple[int, ...] = ()
     deadline: float | None = None
     reason: str = ""
 

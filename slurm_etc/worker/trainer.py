@@ -198,6 +198,7 @@ class ElasticTrainer:
         self.resizes: list[ResizeRecord] = []
         self._dataset: Any = None
         self._pending: Order | None = None
+        self._lost: frozenset[int] = frozenset()
         self.proc: WorkerProcess | None = None
 
     # -- the loop -------------------------------------------------------------------------
@@ -234,16 +235,40 @@ class ElasticTrainer:
             if self._resize(first) == "left":
                 return self._exit("left")
         while True:
-            order = self._agree()
+            try:
+                order = self._agree()
+                if order is None and self.step < self.train_steps:
+                    self.train_step()
+                    continue
+            except RuntimeError as err:  # a peer died inside a collective
+                order = self._recover(err)
             if isinstance(order, Stop):
                 return self._exit("stopped")
             if isinstance(order, Resize):
                 if self._resize(order) == "left":
                     return self._exit("left")
                 continue
-            if self.step >= self.train_steps:
-                return self._exit("done")
-            self.train_step()
+            return self._exit("done")
+
+    def _recover(self, err: RuntimeError) -> Order:
+        """A collective failed (a peer died, e.g. its node failed). The step did not
+        complete anywhere it failed, so this rank's state is the last step's. Drop the
+        training groups at once (peers blocked on this rank fail fast too) and wait for the
+        coordinator's resize that names the dead; without one within the timeout, the
+        original error stands."""
+        proc = self._proc()
+        self._log("a collective failed at step %d (%s); waiting for the coordinator",
+                  self.step, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        deadline = time.monotonic() + proc.timeout_s
+        while time.monotonic() < deadline:
+            order = proc.control.wait(min(1.0, deadline - time.monotonic()))
+            if isinstance(order, Stop) and order.generation > self.generation:
+                return order
+            if isinstance(order, Resize) and order.generation > self.generation and order.lost:
+                return order
+        raise err
 
     def close(self) -> None:
         """Drop the state and this process's groups (after :meth:`run` returned)."""
@@ -377,6 +402,7 @@ class ElasticTrainer:
         proc = self._proc()
         old, new = order.old.layout(), order.new.layout()
         gen = order.generation
+        self._lost = frozenset(order.lost)
         tag = f"{proc.job}/g{gen}"
         if self.layout is not None and old != self.layout:
             return self._refuse(order, f"order's old layout {old.config} on {old.devices} is "
@@ -420,7 +446,7 @@ class ElasticTrainer:
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
                     if order.gpus_per_node else proc.topology)
         plan = _plan(catalog, old, new.config, tuple(sorted(order.pool or new.devices)),
-                     topology, proc.keep_tp_in_node)
+                     topology, proc.keep_tp_in_node, tuple(sorted(order.lost)))
         if tuple(plan.new.devices) != tuple(new.devices):
             raise ConfigError(f"the plan places the new ranks on {list(plan.new.devices)}, the "
                               f"order on {list(new.devices)} (planner versions differ?)")
@@ -435,11 +461,16 @@ class ElasticTrainer:
         against its own model once built)."""
         proc = self._proc()
         if self.catalog is not None:
-            if old.devices.index(proc.vrank) == 0:
+            if proc.vrank == self._publisher(old):
                 proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
             return self.catalog
         desc = ModelDesc.from_json(json.loads(proc.store.get(f"{tag}/model")), self.name)
         return build_catalog(desc, old.config)
+
+    def _publisher(self, old: Layout) -> int:
+        """The old vrank that publishes what every old rank holds alike: the lowest
+        surviving one."""
+        return next(v for v in old.devices if v not in self._lost)
 
     def _refuse(self, order: Resize, why: str) -> str:
         """Every rank computes the same refusal: nothing moves, the old layout trains on."""
@@ -455,7 +486,7 @@ class ElasticTrainer:
         if self.layout is None or proc.vrank not in old.devices:
             return
         rank = old.devices.index(proc.vrank)
-        if rank == 0:
+        if proc.vrank == self._publisher(old):
             proc.store.set(f"{tag}/trainer", pickle.dumps(self._trainer_state()))
         proc.store.set(f"{tag}/rng/{rank}", pickle.dumps(_rng_extras()))
 
@@ -474,6 +505,8 @@ class ElasticTrainer:
         self._restore_trainer_state(pickle.loads(proc.store.get(f"{tag}/trainer")))
         new_rank = new.devices.index(proc.vrank)
         src = rng_source(old.config, new.config, new_rank, plan.catalog.model.num_layers)
+        if old.devices[src] in self._lost:
+            src = _surviving_peer(old, src, self._lost)
         _set_rng_extras(pickle.loads(proc.store.get(f"{tag}/rng/{src}")))
 
     def _restore_trainer_state(self, saved: dict) -> None:
@@ -575,9 +608,20 @@ class ElasticTrainer:
 
 @lru_cache(maxsize=16)
 def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple[int, ...],
-          topology: Topology, keep_tp_in_node: bool) -> Any:
+          topology: Topology, keep_tp_in_node: bool, lost: tuple[int, ...] = ()) -> Any:
     return plan_migration(catalog.model, old, new_config, pool, topology,
-                          keep_tp_in_node=keep_tp_in_node, catalog=catalog)
+                          keep_tp_in_node=keep_tp_in_node, catalog=catalog,
+                          **({"lost": lost} if lost else {}))
+
+
+def _surviving_peer(old: Layout, rank: int, lost: frozenset[int]) -> int:
+    """The surviving old rank with ``rank``'s tensor and pipeline coordinates and the lowest
+    dp (its replica), else the lowest surviving rank."""
+    t, _d, p = old.config.coords(rank)
+    same = [old.config.rank(t, d, p) for d in range(old.config.dp)]
+    alive = [r for r in same if old.devices[r] not in lost] or \
+        [r for r in range(old.config.world) if old.devices[r] not in lost]
+    return alive[0]
 
 
 def plan_digest(plan: Any) -> str:

@@ -1,0 +1,94 @@
+"""`slurm-etc demo`: the README's first command (see slurm_etc/coordinator/demo.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.table import Table
+
+from ..plan import load_model
+
+
+def _line(timeline, started: float) -> Table:
+    t = Table.grid(padding=(0, 2))
+    if timeline.steps:
+        _at, step, loss, layout, gen = timeline.steps[-1]
+        t.add_row(f"[bold]step {step}[/bold]", f"loss {loss:.4f}", f"generation {gen}",
+                  layout, f"{time.time() - started:.0f} s")
+    else:
+        t.add_row("starting workers (cold import of megatron-core) ...",
+                  f"{time.time() - started:.0f} s")
+    return t
+
+
+@click.command()
+@click.option("--db", type=click.Path(dir_okay=False),
+              help="Where the job's record goes (default: ./slurm-etc-demo/demo.db).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("slurm-etc-demo"), show_default=True,
+              help="Directory for the record, worker logs and the timeline PNG.")
+@click.option("--model", "model_spec", default="tiny", show_default=True)
+@click.option("--steps", type=click.IntRange(min=12), default=24, show_default=True,
+              help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them).")
+@click.pass_context
+def demo(ctx, db, out_dir, model_spec, steps):
+    """Train a small GPT through a grow, a preemption and a node loss on local processes,
+    with the coordinator, its SQLite record and in-place resizes; then show the record."""
+    from ..coordinator.demo import Timeline, demo_script, demo_spec, timeline_png
+    from ..coordinator.local_backend import LocalBackend
+    from ..coordinator.run import run_job
+    from ..store import jobs as record
+    from ..store.db import open_store_readonly
+    from .cmd_status import job_view
+
+    model = load_model(model_spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    db_path = Path(db) if db else out_dir / "demo.db"
+    if db_path.exists():
+        db_path.unlink()  # each demo is a fresh job
+    job_id = f"demo-{os.getpid()}"
+    console = Console(stderr=True)
+    root = logging.getLogger("slurm_etc")
+    handler = RichHandler(console=console, show_path=False, show_level=False)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.getLogger("slurm_etc.coordinator.channel").setLevel(logging.WARNING)
+    timeline = Timeline()
+    started = time.time()
+    backend = LocalBackend(demo_script(steps), log_dir=out_dir / "workers")
+    try:
+        with Live(_line(timeline, started), console=console, refresh_per_second=2) as live:
+            def progress(p: dict) -> None:
+                timeline.progress(p)
+                live.update(_line(timeline, started))
+
+            out = run_job(demo_spec(job_id, model, steps), backend, backend.topology,
+                          db=str(db_path), state_dir=str(out_dir / "state"),
+                          progress=progress)
+    finally:
+        root.removeHandler(handler)
+    store = open_store_readonly(db_path)
+    try:
+        detail = record.job_detail(store, job_id)
+    finally:
+        store.close()
+    if detail is None:
+        raise click.ClickException(f"the demo's record {db_path} has no job {job_id}")
+    from datetime import UTC, datetime
+
+    Console().print(job_view(detail, datetime.now(UTC)))
+    png = out_dir / "timeline.png"
+    timeline_png(png, detail, timeline)
+    reaction = ", ".join(f"{x * 1000:.0f} ms" for x in out["reaction_s"]) or "-"
+    click.echo(f"job {job_id}: {out['state']} at step {out['step']}, generation "
+               f"{out['generation']}; reaction to the preemption notice: {reaction}")
+    click.echo(f"timeline: {png}   record: {db_path}   worker logs: {out_dir / 'workers'}")
+    click.echo(f"see it again: slurm-etc status {job_id} --db {db_path}")
+    if out["state"] != "finished":
+        ctx.exit(1)
