@@ -1,7 +1,8 @@
 """Fine-grained instructions: which device sends which region to which new rank.
 
 Every fragment a new rank needs either is already on its device (a local copy) or gets one
-source among all old devices holding a replica: same-node holders first, then the holder
+source among all surviving old devices holding a replica (lost devices send nothing):
+same-node holders first, then the holder
 with the least bytes to send so far (longest-first greedy, which keeps the most loaded
 sender close to the minimum). Transfers between one pair of devices are then coalesced into
 one message whose offset table says where each region is packed.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import Layout
+from .errors import PlanError
 from .intersect import Fragments, _join
 from .regions import RegionTable
 
@@ -59,11 +61,18 @@ def holder_keys(old_tab: RegionTable) -> np.ndarray:
 
 def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_bytes: np.ndarray,
                    f: np.ndarray, dst_rank: np.ndarray, dst_dev: np.ndarray,
-                   gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+                   gpus_per_node: int, alive: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Source (device, old rank) for every (fragment, new rank) pair.
 
     Local when the destination device holds the fragment's old row; otherwise greedy
-    longest-first balancing of bytes sent, same-node holders preferred.
+    longest-first balancing of bytes sent, same-node holders preferred. ``alive`` (per old
+    rank; default all) limits the sources to surviving ranks: destinations are never lost
+    devices, so a local copy is always from a survivor.
+
+    Raises:
+        PlanError: a fragment has no surviving holder (``lost.require_survivors`` rules
+            that out first, with the tensors named).
     """
     old_dev = np.asarray(old.devices, np.int64)
     dev_to_old = np.full(max(int(old_dev.max()), int(dst_dev.max(initial=0))) + 1, -1, np.int64)
@@ -78,6 +87,9 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
     remote = np.flatnonzero(~local)
     if len(remote):
         ranks, rows = old_tab.rank_rows
+        if alive is not None:
+            keep = alive[ranks]
+            ranks, rows = ranks[keep], rows[keep]
         by_row = np.lexsort((ranks, rows))
         rows_sorted, ranks_sorted = rows[by_row], ranks[by_row]
         start = np.searchsorted(rows_sorted, np.arange(len(old_tab)))
@@ -90,6 +102,9 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
         dst_node = dst_dev[order] // gpus_per_node
         for idx, row, node in zip(order.tolist(), rows_of.tolist(), dst_node.tolist()):
             cand = ranks_sorted[start[row]:end[row]]
+            if not len(cand):
+                raise PlanError(f"invalid migration plan: old row {row} has no surviving "
+                                "holder")
             near = cand[node_of[cand] == node]
             pick = near if len(near) else cand
             best = int(pick[np.argmin(load[pick])])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ from .cost import build_cost
 from .errors import ConfigError, require
 from .instructions import Transfers, balance_stats, choose_sources, coalesce, needs
 from .intersect import Fragments, intersect
+from .lost import alive_ranks, check_lost, require_survivors
 from .model import ModelDesc
 from .regions import RegionTable, region_table
 from .schedule import Topology, color_edges, round_times
@@ -43,7 +44,11 @@ class Messages:
 
 @dataclass(frozen=True)
 class MigrationPlan:
-    """Everything one resize moves, validated at construction (see ``_validate``)."""
+    """Everything one resize moves, validated at construction (see ``_validate``).
+
+    ``lost``: devices of the old layout that died (sorted); they send nothing, hold no new
+    rank and take no part (``participants``).
+    """
 
     catalog: Catalog
     old: Layout
@@ -59,9 +64,21 @@ class MigrationPlan:
     naive_moved_bytes: int
     plan_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    lost: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        """Devices that take part in the migration, sorted: old ∪ new, minus the lost."""
+        return tuple(sorted((set(self.old.devices) | set(self.new.devices)) - set(self.lost)))
+
+    @property
+    def lost_old_ranks(self) -> tuple[int, ...]:
+        """Old ranks whose device is lost, ascending."""
+        lost = set(self.lost)
+        return tuple(r for r, d in enumerate(self.old.devices) if d in lost)
 
     @property
     def assignment(self) -> tuple[int, ...]:
@@ -130,6 +147,8 @@ class MigrationPlan:
             "seconds_over_lower_bound": _ratio(self.est_seconds, self.lower_bound_seconds),
             "plan_seconds": self.plan_seconds,
         }
+        if self.lost:
+            out["lost_devices"] = list(self.lost)
         out.update(self.stats)
         return out
 
@@ -175,6 +194,15 @@ def _validate(plan: MigrationPlan) -> None:
     require(bool(np.all(held[pos] == probe)), "a source sends a region it does not hold")
     src_dev = np.asarray(plan.old.devices, np.int64)[t.src_rank]
     require(bool(np.all(src_dev == t.src)), "a transfer's source device is not its old rank's")
+    if plan.lost:
+        lost = np.asarray(plan.lost, np.int64)
+        require(list(plan.lost) == sorted(set(plan.lost))
+                and set(plan.lost) <= set(plan.old.devices),
+                f"lost devices {list(plan.lost)} are not distinct old devices, sorted")
+        dead_src = np.unique(t.src[np.isin(t.src, lost)])
+        require(len(dead_src) == 0, f"transfers come from lost device(s) {dead_src.tolist()}")
+        dead_dst = sorted(set(plan.new.devices) & set(plan.lost))
+        require(not dead_dst, f"new ranks placed on lost device(s) {dead_dst}")
     # element counts and packing
     bpe = np.array([g.bytes_per_element for g in plan.catalog.groups], np.int64)
     expect = frag.count[t.frag] * bpe[plan.old_regions.group[frag.old_row[t.frag]]]
@@ -222,7 +250,7 @@ def default_pool(old: Layout, new: ParallelConfig, topology: Topology,
 def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
                    new_devices: Sequence[int], topology: Topology = Topology(),
                    keep_tp_in_node: bool = True, catalog: Catalog | None = None,
-                   ) -> MigrationPlan:
+                   lost: Collection[int] = ()) -> MigrationPlan:
     """Plan moving the training state from ``old`` to ``new_config`` on ``new_devices``.
 
     Args:
@@ -232,9 +260,17 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
         new_devices: pool the new ranks may run on (at least new_config.world devices).
         topology: node size and link bandwidths.
         keep_tp_in_node: every tensor-parallel group of the new layout inside one node.
+        catalog: the model's shard catalog (built from ``model`` unless given).
+        lost: devices of the old layout that died without notice: they send nothing, hold
+            no new rank and are no participants; only surviving replicas are sources, and
+            the bytes they held are neither kept nor movable (the byte lower bound counts
+            survivors only).
 
     Raises:
-        ConfigError: configurations that cannot run the model or do not fit the devices.
+        ConfigError: configurations that cannot run the model or do not fit the devices;
+            lost devices that are not old devices, or that are in ``new_devices``.
+        StateLostError: (a ConfigError) some state is held only by lost devices (dp=1, the
+            distributed optimizer's shards, every replica lost); names the tensors.
     """
     t0 = time.perf_counter()
     old.config.validate_for(model)
@@ -243,6 +279,7 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
         raise ConfigError("the distributed optimizer must be on in both configurations or in "
                           "neither")
     pool = np.unique(np.asarray(list(new_devices), np.int64))
+    lost_devices = check_lost(old, lost, pool.tolist())
     if len(pool) < new_config.world:
         raise ConfigError(f"{new_config} needs {new_config.world} devices, {len(pool)} given")
     if keep_tp_in_node and topology.gpus_per_node % new_config.tp:
@@ -250,6 +287,10 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
                           f"({topology.gpus_per_node}) to keep tensor-parallel groups in a node")
     catalog = catalog or build_catalog(model, old.config)
     old_tab = region_table(catalog, old.config)
+    alive = None
+    if lost_devices:
+        alive = alive_ranks(old, lost_devices)
+        require_survivors(catalog, old, old_tab, alive)
     new_tab = region_table(catalog, new_config)
     frag = intersect(old_tab, new_tab)
     cost = build_cost(catalog, old, new_config, pool, old_tab, new_tab, frag)
@@ -268,24 +309,25 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
                      if constrained else assign_classes(cost))
     naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
     new = Layout(new_config, tuple(int(d) for d in pool[placement]))
-    transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology)
+    transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology,
+                                        alive)
     plan_seconds = time.perf_counter() - t0
     return MigrationPlan(catalog, old, new, topology, old_tab, new_tab, frag, transfers,
                          messages, cost.needed_bytes, lower_bound, naive, plan_seconds,
                          stats={**balance_stats(transfers), "sketch": "dense" if exact
                                 else "classes", "lower_bound_exact": exact or not
-                                catalog.distributed_optimizer})
+                                catalog.distributed_optimizer}, lost=lost_devices)
 
 
 def _instructions(catalog: Catalog, old: Layout, new: Layout, old_tab: RegionTable,
-                  new_tab: RegionTable, frag: Fragments, topology: Topology
-                  ) -> tuple[Transfers, Messages]:
+                  new_tab: RegionTable, frag: Fragments, topology: Topology,
+                  alive: np.ndarray | None = None) -> tuple[Transfers, Messages]:
     bpe = np.array([g.bytes_per_element for g in catalog.groups], np.int64)
     frag_bytes = frag.count * bpe[old_tab.group[frag.old_row]]
     f, dst_rank = needs(new_tab, frag)
     dst = np.asarray(new.devices, np.int64)[dst_rank]
     src, src_rank = choose_sources(old, old_tab, frag, frag_bytes, f, dst_rank, dst,
-                                   topology.gpus_per_node)
+                                   topology.gpus_per_node, alive)
     t = coalesce(src, dst, dst_rank, f, frag, src_rank, frag_bytes[f])
     remote = np.flatnonzero(~t.local)
     if len(remote):
