@@ -4,6 +4,11 @@
 migration group, this process's program, destination tensors with their pages touched);
 :func:`resize_in_place` is the pause: shards -> step and RNG -> execute -> commit -> new
 training group -> new model/optimizer -> install. See docs/verify.md.
+
+Both are collective over the plan's participants (``plan.participants``: old ∪ new devices
+minus the devices the plan lists as ``lost``). After a loss without grace the dead processes
+call nothing: the survivors connect, exchange step and RNG, migrate and commit among
+themselves (docs/migrate.md, "Devices lost without notice").
 """
 from __future__ import annotations
 
@@ -63,11 +68,12 @@ class PreparedResize:
 def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
                    group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
     """What an in-place resize can do while the old layout still trains (collective over
-    old ∪ new): connect the migration group from ``store`` (keys under ``tag``; the training
-    groups stay untouched), compile this process's part of the plan, allocate the tensors the
-    new shards arrive in and touch their pages (``prefault``). Nothing of the training state
-    is read: training may go on until the pause. Memory is measured from here to the commit:
-    the destinations are the new state the two-phase migration holds beside the old one.
+    ``plan.participants``: old ∪ new minus lost devices): connect the migration group from
+    ``store`` (keys under ``tag``; the training groups stay untouched), compile this
+    process's part of the plan, allocate the tensors the new shards arrive in and touch
+    their pages (``prefault``). Nothing of the training state is read: training may go on
+    until the pause. Memory is measured from here to the commit: the destinations are the
+    new state the two-phase migration holds beside the old one.
     """
     import torch.distributed as dist
 
@@ -76,6 +82,9 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     from slurm_etc.migrate.memory import PeakMemory
     from slurm_etc.migrate.program import compile_program
 
+    if device in getattr(plan, "lost", ()):
+        raise ValueError(f"device {device} is lost in this plan (lost devices {plan.lost}): "
+                         "a lost device takes no part in the resize")
     options = options or MigrationOptions()
     seconds: dict[str, float] = {}
     memory = PeakMemory(torch.device("cpu"))
@@ -119,14 +128,15 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                     ) -> ResizeOutcome:
     """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
 
-    Every process of old ∪ new calls it at the same step boundary after
-    :func:`prepare_resize`: old ranks with their ``state`` (built under ``plan.old.config``
-    in the current default group), joining processes with None. Phases: read the shards
-    (views) and ResumeState; exchange step and RNG; run the executor into the prepared
-    destinations (two-phase: raises ``MigrationAborted`` everywhere if anything failed, the
-    old state and its training groups untouched, training can go on); drop the old training
-    groups and state; on new ranks start the new training group, build the new model and
-    optimizer around the received tensors (adopted where megatron allows, else copied).
+    Every participant (``plan.participants``: old ∪ new minus lost devices) calls it at the
+    same step boundary after :func:`prepare_resize`: surviving old ranks with their
+    ``state`` (built under ``plan.old.config`` in the current default group), joining
+    processes with None. Phases: read the shards (views) and ResumeState; exchange step and
+    RNG; run the executor into the prepared destinations (two-phase: raises
+    ``MigrationAborted`` everywhere if anything failed, the old state and its training
+    groups untouched, training can go on); drop the old training groups and state; on new
+    ranks start the new training group, build the new model and optimizer around the
+    received tensors (adopted where megatron allows, else copied).
 
     Args:
         prepared: this process's :func:`prepare_resize`.

@@ -29,7 +29,7 @@ megatron-core is imported lazily; on CPU install :mod:`.cpu_compat` first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -490,12 +490,36 @@ _RESUME_HEADER = 16  # has-state flag (8 bytes) + step (8 bytes)
 
 
 def rng_source(old: ParallelConfig, new: ParallelConfig, new_rank: int,
-               num_layers: int) -> int:
+               num_layers: int, *, lost_ranks: Collection[int] = ()) -> int:
     """The old rank whose generator a new rank continues: same tp and dp coordinates (modulo
-    the old degrees), on the old stage that held the new stage's first layer."""
+    the old degrees), on the old stage that held the new stage's first layer.
+
+    If that old rank is in ``lost_ranks`` (its device died: it sent no generator), the new
+    rank continues the generator of the surviving old rank with the same tp and pp
+    coordinates and the lowest dp coordinate.
+
+    Raises:
+        StateError: every old rank with those tp and pp coordinates is lost (the planner
+            refuses such a resize first: their model shard is lost too).
+    """
     t, d, p = new.coords(new_rank)
     first_layer = p * (num_layers // new.pp)
-    return old.rank(t % old.tp, d % old.dp, first_layer // (num_layers // old.pp))
+    ot, op = t % old.tp, first_layer // (num_layers // old.pp)
+    src = old.rank(ot, d % old.dp, op)
+    if src not in lost_ranks:
+        return src
+    for od in range(old.dp):
+        if old.rank(ot, od, op) not in lost_ranks:
+            return old.rank(ot, od, op)
+    raise StateError(f"new rank {new_rank}: every old rank with tp={ot}, pp={op} of {old} is "
+                     f"lost (old ranks {sorted(lost_ranks)}): no generator to continue")
+
+
+def plan_rng_source(plan: Any, new_rank: int) -> int:
+    """:func:`rng_source` of a new rank of ``plan``, around the plan's lost devices."""
+    return rng_source(plan.old.config, plan.new.config, new_rank,
+                      plan.catalog.model.num_layers,
+                      lost_ranks=frozenset(getattr(plan, "lost_old_ranks", ())))
 
 
 def exchange_resume_state(plan: Any, transport: Any, device: int, local: ResumeState | None,
@@ -503,8 +527,10 @@ def exchange_resume_state(plan: Any, transport: Any, device: int, local: ResumeS
     """Share step and RNG over the migration group; returns this process's new ResumeState.
 
     Collective over the migration group (one fixed-size allgather on its control channel).
-    Every old rank contributes its state; the steps must all be equal. A new rank gets that
-    step and the generator of its :func:`rng_source`; departing processes get None.
+    Every surviving old rank contributes its state; the steps must all be equal. Lost old
+    ranks (``plan.lost``) take no part and send nothing. A new rank gets that step and the
+    generator of its :func:`plan_rng_source` (a surviving old rank); departing processes
+    get None.
 
     Raises:
         StateError: old ranks disagree on the step (they were not paused at one boundary).
@@ -514,10 +540,13 @@ def exchange_resume_state(plan: Any, transport: Any, device: int, local: ResumeS
         payload[:16] = np.frombuffer(np.array([1, local.step], "<i8").tobytes(), np.uint8)
         payload[16:] = np.frombuffer(local.rng, np.uint8)
     table = transport.allgather(torch.from_numpy(payload), timeout_s).numpy()
-    devices = tuple(sorted(set(plan.old.devices) | set(plan.new.devices)))
+    devices = tuple(plan.participants)
+    lost = set(getattr(plan, "lost", ()))
     heads = table[:, :16].copy().view("<i8")
     old_steps = {}
     for old_rank, dev in enumerate(plan.old.devices):
+        if dev in lost:
+            continue
         flag, step = heads[devices.index(dev)]
         if not flag:
             raise StateError(f"old rank {old_rank} (device {dev}) sent no step/RNG state")
@@ -527,7 +556,7 @@ def exchange_resume_state(plan: Any, transport: Any, device: int, local: ResumeS
     if device not in plan.new.devices:
         return None
     new_rank = plan.new.devices.index(device)
-    src = rng_source(plan.old.config, plan.new.config, new_rank, plan.catalog.model.num_layers)
+    src = plan_rng_source(plan, new_rank)
     row = table[devices.index(plan.old.devices[src])]
     return ResumeState(old_steps[src], row[16:].tobytes())
 

@@ -7,7 +7,7 @@ processes, two-phase, with bounded staging memory. See docs/migrate.md.
 * :mod:`.transport`: the transport seam; ``TorchTransport`` (batch_isend_irecv, gloo/NCCL),
   ``BackendTransport`` (gloo backends outside the default group) and ``ThreadTransport``
   (in-process).
-* :mod:`.group`: the migration group over old ∪ new processes.
+* :mod:`.group`: the migration group over the plan's participants (old ∪ new, minus lost).
 * :mod:`.executor`: ``execute_migration`` (two-phase; ``MigrationAborted`` on every rank).
 * :mod:`.faults`, :mod:`.fake`, :mod:`.memory`, :mod:`.threads`: fault injection, fake state
   with known values, peak memory, in-process runs.

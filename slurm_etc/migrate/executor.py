@@ -474,7 +474,8 @@ def execute_migration(plan, transport: Transport, device: int,
     Args:
         plan: the MigrationPlan, identical on every process of the migration group.
         transport: this process's transport; its rank must be the position of ``device`` in
-            the sorted union of old and new devices.
+            ``plan.participants`` (the sorted union of old and new devices, minus the
+            lost ones).
         device: this process's device id.
         old_shards: the shards the process's old rank holds (empty for a process that joins);
             read only. Shards of state keys the plan does not know are ignored.

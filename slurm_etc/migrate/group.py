@@ -1,10 +1,12 @@
 """The migration group: every process of the old and the new layout, for one resize.
 
-Its rank of a process is the position of the process's device in ``sorted(old devices ∪ new
-devices)``. Processes that join hold nothing before; processes that leave take part until the
-commit vote and exit afterwards. Two process groups span it: the data group (gloo on CPU,
-NCCL on GPU) that carries the state, and a gloo control group for the votes (gloo closes a
-pair's connection when a wait on it times out; votes must survive that to report it).
+Its rank of a process is the position of the process's device in ``plan.participants``
+(``sorted(old devices ∪ new devices)`` minus the devices the plan lists as lost: dead
+processes take no part). Processes that join hold nothing before; processes that leave take
+part until the commit vote and exit afterwards. Two process groups span it: the data group
+(gloo on CPU, NCCL on GPU) that carries the state, and a gloo control group for the votes
+(gloo closes a pair's connection when a wait on it times out; votes must survive that to
+report it).
 
 Two ways to build it:
 
@@ -31,10 +33,11 @@ DEFAULT_GROUP_TIMEOUT_S = 300.0
 
 @dataclass
 class MigrationGroup:
-    """Process groups over the union of old and new devices, seen from one process.
+    """Process groups over the plan's participants, seen from one process.
 
     Attributes:
-        devices: the union of old and new devices, sorted (migration rank = position).
+        devices: the participants (old ∪ new minus lost), sorted (migration rank =
+            position).
         device: this process's device.
         members: global rank (default group) of each migration rank (None: the groups are
             backends of their own, see :func:`connect_migration_group`).
@@ -88,7 +91,9 @@ def new_migration_group(plan, device: int | None, *,
 
     Collective: every process of the default group must call it, in the same order as its
     other ``new_group`` calls, with the same plan. Processes whose device takes no part in
-    the migration (``device`` None or not in old ∪ new) get None.
+    the migration (``device`` None or not in ``plan.participants``) get None. A plan with
+    lost devices is the exception: the dead processes cannot call anything, so only the
+    participants call it (``use_local_synchronization``) and the others must not.
 
     Args:
         plan: the MigrationPlan.
@@ -102,6 +107,15 @@ def new_migration_group(plan, device: int | None, *,
     devices = group_devices(plan)
     members = _members(devices, rank_of_device)
     timeout = timedelta(seconds=timeout_s)
+    if plan.lost:
+        if device is None or device not in devices:
+            return None
+        data = dist.new_group(members, timeout=timeout, backend=backend,
+                              use_local_synchronization=True)
+        control = dist.new_group(members, timeout=timeout, backend="gloo",
+                                 use_local_synchronization=True)
+        _warm_up(data)
+        return MigrationGroup(devices, device, tuple(members), data, control)
     data = dist.new_group(members, timeout=timeout, backend=backend)
     control = dist.new_group(members, timeout=timeout, backend="gloo")
     if device is None or device not in devices:
@@ -124,8 +138,9 @@ def connect_migration_group(plan, device: int, store, *,
                             timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
     """Connect the migration group of ``plan`` from a rendezvous ``store`` (gloo).
 
-    Every participant of old ∪ new calls it (collective; it returns when all have
-    connected); its rank is the position of ``device`` in the union. The groups are gloo
+    Every participant (``plan.participants``: old ∪ new minus lost devices) calls it
+    (collective; it returns when all have connected); its rank is the position of
+    ``device`` among them. Lost devices do not call it. The groups are gloo
     backends of their own: the default process group, if any, is neither needed nor touched,
     so a running job connects while it trains and keeps its training groups until the pause.
     """

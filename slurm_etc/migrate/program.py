@@ -240,8 +240,9 @@ class Program:
 
 
 def group_devices(plan) -> tuple[int, ...]:
-    """Devices of the migration group: old ∪ new, sorted (group rank = position)."""
-    return tuple(sorted(set(plan.old.devices) | set(plan.new.devices)))
+    """Devices of the migration group: ``plan.participants`` (old ∪ new minus the lost
+    devices, sorted; group rank = position)."""
+    return tuple(plan.participants)
 
 
 def plan_digest(plan, chunk_bytes: int, direct_min: int = DIRECT_MIN_BYTES) -> int:
@@ -249,6 +250,8 @@ def plan_digest(plan, chunk_bytes: int, direct_min: int = DIRECT_MIN_BYTES) -> i
     h = hashlib.blake2b(digest_size=8)
     h.update(repr((plan.old.config, plan.old.devices, plan.new.config, plan.new.devices,
                    plan.catalog.model.name, chunk_bytes, direct_min)).encode())
+    if plan.lost:  # (absent without losses: digests of such plans stay what they were)
+        h.update(repr(("lost", tuple(plan.lost))).encode())
     t, m = plan.transfers, plan.messages
     for arr in (t.src, t.dst, t.frag, t.nbytes, t.offset, m.src, m.dst, m.nbytes, m.round):
         h.update(np.ascontiguousarray(arr, np.int64).tobytes())
@@ -318,7 +321,8 @@ def compile_program(plan, device: int, staging_bytes: int = DEFAULT_STAGING_BYTE
     devices = group_devices(plan)
     if device not in devices:
         raise ValueError(f"device {device} takes no part in this migration "
-                         f"(old devices {plan.old.devices}, new devices {plan.new.devices})")
+                         f"(old devices {plan.old.devices}, new devices {plan.new.devices}"
+                         + (f", lost devices {plan.lost}" if plan.lost else "") + ")")
     chunk = chunk_bytes_for(staging_bytes)
     old_rank = _layout_rank(plan.old.devices, device)
     new_rank = _layout_rank(plan.new.devices, device)

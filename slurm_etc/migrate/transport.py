@@ -1,7 +1,8 @@
 """Transport seam of the executor: point-to-point exchanges plus a small control allgather.
 
 The executor only needs three things from a transport, all in migration-group ranks
-(position of a process's device in the sorted union of old and new devices):
+(position of a process's device in ``plan.participants``: the sorted union of old and new
+devices, minus lost ones):
 
 * ``exchange(sends, recvs, tag)``: post one step's sends and receives at once (at most one of
   each per rank and step in a migration) and get one :class:`Pending` per op, sends first;
