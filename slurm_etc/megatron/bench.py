@@ -72,8 +72,8 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
     plan = tr.plan()
     gb = batch_for(tr.old, tr.new)
     seq = min(tr.model.seq_length, 64)
-    common = {"seed": seed, "steps": steps, "seq": seq, "gb": gb, "progress": progress,
-              "log_level": log_level}
+    common: dict[str, Any] = {"seed": seed, "steps": steps, "seq": seq, "gb": gb,
+                              "progress": progress, "log_level": log_level}
     in_place, digests = [], None
     for i in range(repeat):
         progress(f"in place, repeat {i + 1}/{repeat}")

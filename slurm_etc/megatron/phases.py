@@ -8,6 +8,7 @@ save and load megatron's checkpoint, train a step, and measure raw gloo point-to
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -154,8 +155,9 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
     plan = tr.plan()
     if ctx.index not in set(plan.old.devices) | set(plan.new.devices):
         return None
-    options = MigrationOptions(**({"staging_bytes": staging_bytes} if staging_bytes else {}),
-                               timeout_s=ctx.timeout_s)
+    options = MigrationOptions(timeout_s=ctx.timeout_s)
+    if staging_bytes:
+        options = dataclasses.replace(options, staging_bytes=staging_bytes)
     prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag, options=options,
                               group_timeout_s=ctx.timeout_s)
     ctx.objects["prepared"] = prepared
