@@ -15,6 +15,7 @@ from .model import (
     NodeAdminState,
     NodeInfo,
     NodeState,
+    PartitionInfo,
     SlurmError,
     SlurmSpecError,
     StepSpec,
@@ -23,6 +24,6 @@ from .runner import Result, SlurmRunner
 
 __all__ = [
     "CliSlurmClient", "Command", "JobInfo", "JobSpec", "JobState", "NodeAdminState", "NodeInfo",
-    "NodeState", "Result", "SlurmClient", "SlurmError", "SlurmRunner", "SlurmSpecError",
-    "StepSpec",
+    "NodeState", "PartitionInfo", "Result", "SlurmClient", "SlurmError", "SlurmRunner",
+    "SlurmSpecError", "StepSpec",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from . import commands, parsers
-from .model import JobInfo, JobSpec, NodeAdminState, NodeInfo, SlurmError
+from .model import JobInfo, JobSpec, NodeAdminState, NodeInfo, PartitionInfo, SlurmError
 from .runner import SlurmRunner
 
 
@@ -44,6 +44,10 @@ class SlurmClient(Protocol):
 
     def nodes(self, names: Sequence[str] = ()) -> list[NodeInfo]:
         """Nodes (all, or the named ones): state, GRES, reason, partitions."""
+        ...
+
+    def partition(self, name: str) -> PartitionInfo:
+        """One partition's settings (GraceTime, PreemptMode...)."""
         ...
 
     def signal(self, job_id: str, signal: str, *, batch: bool = False,
@@ -103,6 +107,15 @@ class CliSlurmClient:
 
     def nodes(self, names: Sequence[str] = ()) -> list[NodeInfo]:
         return parsers.parse_sinfo_nodes(self.runner.run(commands.sinfo_nodes(names)).stdout)
+
+    def partition(self, name: str) -> PartitionInfo:
+        cmd = commands.scontrol_show_partition(name)
+        res = self.runner.run(cmd, check=False)
+        info = parsers.parse_scontrol_partition(res.stdout) if res.returncode == 0 else None
+        if info is None:
+            # scontrol prints "Partition X not found" on stdout.
+            raise SlurmError(cmd.argv, res.returncode, res.stderr or res.stdout, res.stdout)
+        return info
 
     def signal(self, job_id: str, signal: str, *, batch: bool = False,
                full: bool = False) -> None:

@@ -124,6 +124,11 @@ def scontrol_show_job(job_id: str | None = None) -> Command:
     return Command(tuple(argv))
 
 
+def scontrol_show_partition(name: str) -> Command:
+    """Every field of one partition (GraceTime, PreemptMode, PriorityTier...), one line."""
+    return Command(("scontrol", "--oneliner", "show", "partition", name))
+
+
 def sinfo_nodes(nodes: Sequence[str] = ()) -> Command:
     """Node states, one ``|``-separated line per (node, partition) (:data:`SINFO_FIELDS`)."""
     argv = ["sinfo", "--noheader", "--Node", f"--Format={_fields(SINFO_FIELDS)}"]

@@ -229,6 +229,21 @@ class NodeInfo:
         return self.state.schedulable and self.responding
 
 
+@dataclass(frozen=True)
+class PartitionInfo:
+    """One partition as ``scontrol show partition`` reports it.
+
+    ``grace_time`` is the seconds between a job being picked for preemption (its signal,
+    where the site sets ``preempt_send_user_signal``) and its end (0: none)."""
+
+    name: str
+    grace_time: int = 0
+    preempt_mode: str = ""
+    priority_tier: int = 0
+    max_nodes: int | None = None  # None: UNLIMITED
+    fields: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 

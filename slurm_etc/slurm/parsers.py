@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from .commands import SEP, SINFO_FIELDS, SQUEUE_FIELDS
-from .model import JobInfo, NodeInfo, job_state, node_state
+from .model import JobInfo, NodeInfo, PartitionInfo, job_state, node_state
 
 _NONE = {"", "none", "(null)", "n/a", "unknown", "none assigned"}
 
@@ -165,6 +165,39 @@ def job_from_record(r: Mapping[str, str]) -> JobInfo:
         user=user,
         fields=dict(r),
     )
+
+
+def parse_scontrol_partition(stdout: str) -> PartitionInfo | None:
+    """The partition from ``scontrol -o show partition NAME`` (None when the output has
+    none)."""
+    for line in stdout.splitlines():
+        if "PartitionName=" in line:
+            r = parse_scontrol_record(line)
+            max_nodes = r.get("MaxNodes", "").strip()
+            return PartitionInfo(
+                name=r["PartitionName"],
+                grace_time=_int(r.get("GraceTime", "")),
+                preempt_mode=r.get("PreemptMode", ""),
+                priority_tier=_int(r.get("PriorityTier", "")),
+                max_nodes=int(max_nodes) if max_nodes.isdigit() else None,
+                fields=r,
+            )
+    return None
+
+
+def gpus_per_node_of_job(job: JobInfo) -> int | None:
+    """GPUs the job holds on each node, from its ``TresPerNode`` (``gres:gpu:2`` on 22.05,
+    ``gres/gpu:2`` later) or, failing that, its ``TRES`` total over its nodes; None when
+    neither says (the job asked for no GPUs, or the record is from squeue)."""
+    per_node = job.fields.get("TresPerNode", "")
+    for part in per_node.split(","):
+        m = re.fullmatch(r"gres[:/]gpu(?::[^:]+)?:(\d+)", part.strip())
+        if m:
+            return int(m.group(1))
+    m = re.search(r"(?:^|,)gres/gpu=(\d+)", job.fields.get("TRES", ""))
+    if m and job.num_nodes:
+        return int(m.group(1)) // job.num_nodes
+    return None
 
 
 _GPU = re.compile(r"(?:^|,)gpu(?::[^:(,]+)?:(\d+)")

@@ -110,6 +110,9 @@ def main() -> None:
         cap("squeue_requeued", commands.squeue(jobs))
         cap("scontrol_job_requeued", commands.scontrol_show_job(member))
         cap("scontrol_jobs_all", commands.scontrol_show_job())
+        cap("scontrol_partition_scavenge", commands.scontrol_show_partition("scavenge"))
+        cap("scontrol_partition_unknown", commands.scontrol_show_partition("nosuch"),
+            check=False)
     finally:
         for job in jobs:
             subprocess.run(["scancel", job])

@@ -1,0 +1,831 @@
+"""The Slurm backend: an anchor job plus member allocations, workers as ``srun`` steps.
+
+It implements :class:`~slurm_etc.coordinator.backend.Backend`. The coordinator runs in the
+anchor job's batch script (the policy's minimum, in a normal partition); this backend:
+
+- **anchor**: reads its own allocation (``SLURM_JOB_ID``, its nodes from Slurm) and reports
+  it as the first :class:`Grant` (allocation = the Slurm job id, devices = ``node:i`` for each
+  GPU of each node; GPUs per node from the job's ``TresPerNode``, the node's GRES, or the
+  constructor). The anchor is never released.
+- **request** (:class:`RequestNodes`): submits a member allocation with sbatch
+  (:func:`member_job_spec`): ``--exclusive`` whole nodes with ``--gres=gpu:<N>`` in the member
+  partition/QOS, ``--signal=B:<SIG>@<lead>`` (default USR2: some NCCL versions catch
+  SIGUSR1), ``--no-requeue`` (a preempted member is gone; the coordinator asks again with a
+  new key when its policy wants nodes: a requeued member that came back by itself would be
+  a grant nobody asked for), ``--comment=slurm-etc:<key>`` and the job name
+  ``etc-<anchor>-member``, so that a restarted coordinator finds its members with squeue.
+  A key seen before submits nothing. The member's batch script is
+  ``python -m slurm_etc.slurm.member``: it waits and turns the notice signal (or SIGTERM)
+  into a file in the run directory's ``notices/`` at once.
+- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``.
+- **preemption**: a notice file (written within a second of the signal) ->
+  :class:`PreemptNotice` with ``deadline = signal time + GraceTime - margin``; squeue's
+  ``PreemptTime`` is the backup (same deadline from that time); a granted member leaving
+  RUNNING -> :class:`Loss` (``preempted`` when noticed or preempted, else ``failure``).
+- **losses**: a held node DOWN, DRAIN(ED/ING), FAIL or not responding; a member cancelled,
+  timed out or failed; the anchor ending. ``srun`` exits 0 even when its step was killed:
+  losses come from Slurm's state, worker exits from the task wrapper's report.
+- **launch** (:class:`LaunchWorkers`): one step per (allocation, node) and launch:
+  ``srun --jobid=<allocation> -N1 -w <node> --ntasks=<k> --overlap --input=all
+  python -m slurm_etc.slurm.task <payload>`` (:func:`worker_step_spec`): a step spanning
+  several nodes is killed on every node when one of them is lost, and one step per worker
+  would cost one srun process per GPU on the coordinator's node. The task wrapper
+  (:mod:`.task`) picks its worker by ``SLURM_LOCALID``, narrows ``CUDA_VISIBLE_DEVICES`` to
+  the worker's GPU and reports start and exit on stdout. The coordinator's SLURM_* variables
+  (the anchor's node list, GPUs, job name...) are removed from the step's environment
+  (SLURM_CONF kept).
+- **stop** (:class:`StopWorkers`): ``stop <vrank>`` on the step's stdin (srun broadcasts it
+  to its tasks; the wrapper signals its worker with the stop signal), ``kill <vrank>`` after
+  the grace, and ``scancel --signal=KILL <job>.<step>`` as the last resort.
+- **release** (:class:`ReleaseDevices`): a whole member -> ``scancel``; whole nodes at the end
+  of a member's node list -> ``scontrol update JobId=<member> NumNodes=<k>`` (Slurm keeps the
+  first nodes); anything else stays allocated (idle) until the rest of that member is
+  released: Slurm cannot free chosen GPUs of a node, nor (by NumNodes) chosen nodes.
+
+Signals. The notice reaches the member's batch shell only (``B:``); without ``B:`` Slurm
+would send it to every step, i.e. to the workers. Workers run with the notice signal
+ignored (the wrapper sets SIG_IGN before it starts them; the worker entry point ignores
+SIGUSR2 as well), so nothing dies on a notice before the migration committed. Where the site
+has no ``preempt_send_user_signal``, Slurm sends SIGTERM to every process of the member
+when the grace starts: configure ``notice_signal="TERM"``; the workers on members then run
+with SIGTERM ignored, are stopped with SIGINT instead, and die by SIGKILL at the deadline.
+
+Every Slurm command goes through the :class:`~slurm_etc.slurm.client.SlurmClient` with a
+timeout; a failed action raises :class:`BackendError` with one line; a failed query in
+:meth:`SlurmBackend.poll` is logged and retried at the next interval.
+
+``poll`` queries Slurm at most every ``poll_interval_s`` (one squeue for the job's
+allocations, one sinfo for its nodes) and reads the notice directory and the steps' output
+on every call; it blocks only for a Slurm query (bounded by the client's timeout).
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, TypeVar
+
+from slurm_etc.alloc.topology import Device
+from slurm_etc.coordinator import env as envvars
+from slurm_etc.coordinator.backend import (
+    BackendError,
+    BackendEvent,
+    Grant,
+    LaunchWorkers,
+    Loss,
+    PreemptNotice,
+    ReleaseDevices,
+    RequestNodes,
+    StopWorkers,
+    WorkerExited,
+    WorkerState,
+)
+
+from . import commands, parsers
+from .client import CliSlurmClient, SlurmClient
+from .member import NOTICES
+from .model import JobInfo, JobSpec, JobState, NodeState, SlurmError, StepSpec, check_signal
+from .runner import SlurmRunner
+from .task import MARK, encode_payload
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+COMMENT_PREFIX = "slurm-etc:"
+# How long close() waits for stopped workers before it kills them.
+CLOSE_GRACE_S = 5.0
+# After `kill <vrank>`, how long before the step itself is killed with scancel.
+KILL_BACKSTOP_S = 5.0
+LOST_NODE_STATES = (NodeState.DOWN, NodeState.FAIL, NodeState.DRAINED, NodeState.DRAINING)
+
+
+# --------------------------------------------------------------------------- pure builders
+
+
+def member_job_name(anchor_job: str) -> str:
+    return f"etc-{anchor_job}-member"
+
+
+def member_comment(key: str) -> str:
+    """``slurm-etc:<key>``, the key percent-encoded (no spaces, no ``=``: scontrol prints the
+    comment as one ``key=value`` field)."""
+    return COMMENT_PREFIX + urllib.parse.quote(key, safe="-_.~:/@+")
+
+
+def key_of_comment(comment: str) -> str | None:
+    if not comment.startswith(COMMENT_PREFIX):
+        return None
+    return urllib.parse.unquote(comment[len(COMMENT_PREFIX):])
+
+
+def member_script(python: str, run_dir: str, notice_signal: str) -> str:
+    """The member's batch script: ``exec`` so that the Python process is the batch shell
+    (``--signal=B:`` signals that process only)."""
+    import shlex
+
+    return ("#!/bin/sh\n"
+            "# slurm-etc member allocation: holds its nodes for the coordinator's srun steps\n"
+            f"exec {shlex.quote(python)} -m slurm_etc.slurm.member"
+            f" --run-dir {shlex.quote(run_dir)} --signal {check_signal(notice_signal)}\n")
+
+
+def member_job_spec(*, anchor_job: str, key: str, nodes: int, gpus_per_node: int,
+                    run_dir: str, python: str, partition: str | None = "scavenge",
+                    qos: str | None = None, account: str | None = None,
+                    time_limit: str | None = None, notice_signal: str = "USR2",
+                    signal_lead_s: int = 120, output: str | None = None,
+                    extra: Sequence[str] = ()) -> JobSpec:
+    """The sbatch description of a member allocation for request ``key``."""
+    return JobSpec(
+        script=member_script(python, run_dir, notice_signal),
+        name=member_job_name(anchor_job),
+        partition=partition,
+        qos=qos,
+        account=account,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node or None,
+        exclusive=True,
+        time_limit=time_limit,
+        signal=f"{check_signal(notice_signal)}@{signal_lead_s}",
+        signal_batch_only=True,
+        requeue=False,
+        output=output or os.path.join(run_dir, "member-%j.out"),
+        extra=(f"--comment={member_comment(key)}", *extra),
+    )
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One worker of a step: task ``i`` of the step runs ``tasks[i]``."""
+
+    vrank: int
+    local: int
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def worker_step_spec(*, allocation: str, node: str, tasks: Sequence[TaskSpec],
+                     argv: Sequence[str], python: str, ignore: Sequence[str] = ("USR2",),
+                     stop_signal: str = "TERM", error: str | None = None) -> StepSpec:
+    """The srun step of ``tasks`` (workers on one node of one allocation)."""
+    payload = {
+        "argv": list(argv),
+        "ignore": [check_signal(s) for s in ignore],
+        "stop_signal": check_signal(stop_signal),
+        "tasks": [{"vrank": t.vrank, "local": t.local, "env": dict(t.env)} for t in tasks],
+    }
+    return StepSpec(
+        job_id=allocation, nodes=1, ntasks=len(tasks), nodelist=(node,), overlap=True,
+        label=True, error=error,
+        # stdin to every task (stop/kill lines); one task ending leaves the others running.
+        extra=("--input=all", "--kill-on-bad-exit=0", "--wait=0"),
+        argv=(python, "-m", "slurm_etc.slurm.task", encode_payload(payload)),
+    )
+
+
+def devices_of(nodes: Iterable[str], gpus_per_node: int) -> tuple[Device, ...]:
+    return tuple(Device(n, i) for n in nodes for i in range(gpus_per_node))
+
+
+def clean_shrink(nodes: Sequence[str], released: set[str]) -> int | None:
+    """The NumNodes that releases exactly ``released`` (Slurm keeps a shrinking job's first
+    nodes), or None when ``released`` is not a tail of ``nodes`` (or is all of them)."""
+    keep = len(nodes) - len(released)
+    if not released or keep < 1 or set(nodes[keep:]) != released:
+        return None
+    return keep
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+@dataclass
+class _Alloc:
+    job_id: str
+    key: str | None  # None: the anchor
+    nodes: tuple[str, ...] = ()
+    granted: bool = False
+    noticed: bool = False
+    gone: bool = False  # ended, lost or released as a whole: no more events
+    released: set[Device] = field(default_factory=set)
+
+    @property
+    def anchor(self) -> bool:
+        return self.key is None
+
+
+@dataclass
+class _Step:
+    allocation: str
+    node: str
+    generation: int
+    proc: subprocess.Popen[bytes]
+    vranks: tuple[int, ...]
+    log: IO[bytes] | None
+    step_id: str | None = None
+    buf: bytes = b""
+    done: bool = False
+
+
+@dataclass
+class _Worker:
+    state: WorkerState
+    step: _Step
+    kill_at: float | None = None
+    backstop_at: float | None = None
+    code: int | None = None  # from the wrapper's exit line
+    reported: bool = False
+
+
+class SlurmBackend:
+    """Allocations and workers of one elastic job on Slurm.
+
+    Args:
+        run_dir: the job's directory on a filesystem shared by the anchor and the members
+            (notices/ and member logs go there).
+        anchor_job: the anchor's job id (default: ``SLURM_JOB_ID``: the coordinator runs in
+            the anchor's batch script).
+        client: the Slurm client (default: the command-line one, with the coordinator's
+            SLURM_* variables removed from the commands' environment, SLURM_CONF kept).
+        gpus_per_node: GPUs per node (default: the anchor's ``TresPerNode``, else the node's
+            GRES).
+        member_partition, member_qos, member_account, member_time: where members go.
+        member_extra: further sbatch options for members.
+        notice_signal: the preemption signal (``USR2``; ``TERM`` where the site sends
+            only SIGTERM, i.e. has no ``preempt_send_user_signal``).
+        signal_lead_s: the ``@<seconds>`` of ``--signal`` (before the time limit).
+        grace_s: seconds from notice to loss (default: the member partition's GraceTime).
+        notice_margin_s: taken off the grace in a notice's deadline.
+        poll_interval_s: the least time between two Slurm queries in :meth:`poll`.
+        python: the interpreter for the member script and the task wrapper (default: this
+            one; it must exist at the same path on every node).
+        log_dir: each step's stderr (the workers' output, ``--label``ed) goes to
+            ``<log_dir>/gen<G>-<node>-<allocation>.log``; None: the coordinator's stderr.
+        recover: look for members of this anchor that a previous coordinator submitted.
+        clock: unix seconds (deadlines); injectable for tests.
+    """
+
+    def __init__(self, run_dir: str | Path, *, anchor_job: str | None = None,
+                 client: SlurmClient | None = None, gpus_per_node: int | None = None,
+                 member_partition: str | None = "scavenge", member_qos: str | None = None,
+                 member_account: str | None = None, member_time: str | None = None,
+                 member_extra: Sequence[str] = (), notice_signal: str = "USR2",
+                 signal_lead_s: int = 120, grace_s: float | None = None,
+                 notice_margin_s: float = 5.0, poll_interval_s: float = 2.0,
+                 python: str = sys.executable, log_dir: str | Path | None = None,
+                 recover: bool = True, clock: Callable[[], float] = time.time) -> None:
+        self.run_dir = Path(run_dir).absolute()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / NOTICES).mkdir(exist_ok=True)
+        anchor = anchor_job or os.environ.get("SLURM_JOB_ID")
+        if not anchor:
+            raise BackendError("the Slurm backend runs inside the anchor job (SLURM_JOB_ID is "
+                               "not set) or needs anchor_job=<job id>")
+        self.anchor_job = str(anchor)
+        self.client: SlurmClient = client or CliSlurmClient(
+            SlurmRunner(timeout=30.0, env=commands.step_environment(os.environ)))
+        self.member_partition = member_partition
+        self.member_qos = member_qos
+        self.member_account = member_account
+        self.member_time = member_time
+        self.member_extra = tuple(member_extra)
+        self.notice_signal = check_signal(notice_signal)
+        self.signal_lead_s = signal_lead_s
+        self.notice_margin_s = notice_margin_s
+        self.poll_interval_s = poll_interval_s
+        self.python = python
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._clock = clock
+        self._grace_s = grace_s
+        self._allocs: dict[str, _Alloc] = {}
+        self._held: dict[Device, str] = {}
+        self._keys: dict[str, str] = {}  # request key -> member job id
+        self._workers: dict[int, _Worker] = {}
+        self._steps: list[_Step] = []
+        self._events: list[BackendEvent] = []
+        self._seen_notices: set[str] = set()
+        self._next_query = 0.0
+        self._last_error: str | None = None
+        self._closed = False
+
+        job = self._ask(lambda: self.client.job(self.anchor_job), "read the anchor job")
+        if job is None or job.state is not JobState.RUNNING or not job.nodes:
+            raise BackendError(f"anchor job {self.anchor_job} is not running "
+                               f"({job.slurm_state if job else 'unknown to Slurm'})")
+        self.gpus_per_node = gpus_per_node or self._gpus_of(job)
+        a = _Alloc(self.anchor_job, None)
+        self._allocs[a.job_id] = a
+        self._grant(a, job.nodes)
+        if recover:
+            self._recover()
+
+    def __enter__(self) -> "SlurmBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def held(self) -> Mapping[Device, str]:
+        """Devices the job holds now, with their allocation (Slurm job id)."""
+        return dict(self._held)
+
+    @property
+    def members(self) -> Mapping[str, str]:
+        """Request key -> member job id, for every member submitted (or recovered)."""
+        return dict(self._keys)
+
+    @property
+    def grace_s(self) -> float:
+        """Seconds from a notice to the loss: the constructor's, else the member partition's
+        GraceTime (asked once)."""
+        if self._grace_s is None:
+            grace = 0.0
+            if self.member_partition:
+                try:
+                    grace = float(self.client.partition(self.member_partition).grace_time)
+                except SlurmError as e:
+                    logger.warning("[slurm] GraceTime of %s unknown (%s); deadlines are the "
+                                   "notice time", self.member_partition, e)
+            self._grace_s = grace
+        return self._grace_s
+
+    # -- Backend ----------------------------------------------------------------------
+    def poll(self) -> list[BackendEvent]:
+        now = self._clock()
+        self._read_notices()
+        if time.monotonic() >= self._next_query:
+            self._next_query = time.monotonic() + self.poll_interval_s
+            self._query()
+        self._read_steps(now)
+        out, self._events = self._events, []
+        return out
+
+    def on_step(self, step: int) -> None:
+        """Slurm's events do not depend on the job's step."""
+
+    def request(self, action: RequestNodes) -> None:
+        if action.key in self._keys:
+            return
+        spec = member_job_spec(
+            anchor_job=self.anchor_job, key=action.key, nodes=action.nodes,
+            gpus_per_node=self.gpus_per_node, run_dir=str(self.run_dir), python=self.python,
+            partition=self.member_partition, qos=self.member_qos,
+            account=self.member_account, time_limit=self.member_time,
+            notice_signal=self.notice_signal, signal_lead_s=self.signal_lead_s,
+            extra=self.member_extra)
+        job_id = self._act(lambda: self.client.submit(spec),
+                           f"request {action.key!r} ({action.nodes} node(s))")
+        self._keys[action.key] = job_id
+        self._allocs[job_id] = _Alloc(job_id, action.key)
+        self._next_query = 0.0  # look for the grant at the next poll
+        logger.info("[slurm] request %s: member job %s for %d node(s) in %s%s", action.key,
+                    job_id, action.nodes, self.member_partition or "the default partition",
+                    f": {action.reason}" if action.reason else "")
+
+    def release(self, action: ReleaseDevices) -> None:
+        by_alloc: dict[str, list[Device]] = {}
+        for d in action.devices:
+            if d in self._held:
+                by_alloc.setdefault(self._held[d], []).append(d)
+        for job_id, devices in by_alloc.items():
+            a = self._allocs[job_id]
+            if a.anchor:
+                logger.warning("[slurm] not releasing %s: the anchor job %s is never released",
+                               ",".join(map(str, devices)), job_id)
+                continue
+            self._kill_on(set(devices), "released")
+            for d in devices:
+                del self._held[d]
+            a.released.update(devices)
+            left = [d for d, j in self._held.items() if j == job_id]
+            if not left:
+                a.gone = True
+                self._act(functools.partial(self.client.cancel, job_id),
+                          f"release member {job_id}")
+                logger.info("[slurm] released member %s (scancel)%s", job_id,
+                            f": {action.reason}" if action.reason else "")
+                continue
+            self._shrink(a)
+
+    def launch(self, action: LaunchWorkers) -> None:
+        self._read_steps(self._clock())  # an exit not yet seen is reported first
+        busy = {w.state.device: w.state.vrank for w in self._workers.values()
+                if not w.reported}
+        groups: dict[tuple[str, str], list[TaskSpec]] = {}
+        for spec in action.workers:
+            current = self._workers.get(spec.vrank)
+            if current is not None and not current.reported:
+                if current.state.device != spec.device:
+                    raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
+                                       f"already runs on {current.state.device}")
+                continue
+            if spec.device not in self._held:
+                held = ",".join(map(str, self._held)) or "nothing"
+                raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: the job "
+                                   f"does not hold {spec.device} (held: {held})")
+            if spec.device in busy:
+                raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: vrank "
+                                   f"{busy[spec.device]} runs there")
+            task_env = {**action.env, **spec.env,
+                        envvars.VRANK: str(spec.vrank),
+                        envvars.GENERATION: str(action.generation),
+                        envvars.NODE: spec.device.node,
+                        envvars.LOCAL_INDEX: str(spec.device.local),
+                        envvars.DEVICE: str(spec.device)}
+            key = (self._held[spec.device], spec.device.node)
+            groups.setdefault(key, []).append(TaskSpec(spec.vrank, spec.device.local, task_env))
+        for (job_id, node), tasks in groups.items():
+            self._start_step(action, job_id, node, tasks)
+
+    def stop(self, action: StopWorkers) -> None:
+        now = self._clock()
+        for vrank in action.vranks:
+            w = self._workers.get(vrank)
+            if w is None or w.reported or w.code is not None or w.step.done:
+                continue
+            kill_at = now + action.grace_s
+            if w.state.stopping and w.kill_at is not None and w.kill_at <= kill_at:
+                continue
+            w.state = replace(w.state, stopping=True)
+            w.kill_at = kill_at
+            self._tell(w.step, f"stop {vrank}")
+            logger.info("[slurm] stopping vrank %d (step %s.%s on %s)%s", vrank,
+                        w.step.allocation, w.step.step_id or "?", w.step.node,
+                        f": {action.reason}" if action.reason else "")
+
+    def workers(self) -> Mapping[int, WorkerState]:
+        return {v: w.state for v, w in sorted(self._workers.items())}
+
+    def close(self) -> None:
+        """Stops every worker (stop, then kill after CLOSE_GRACE_S, then the steps) and
+        cancels every member; the anchor is left alone (the coordinator runs in it)."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [v for v, w in self._workers.items() if not w.reported and not w.step.done]
+        if live:
+            self.stop(StopWorkers(tuple(live), grace_s=CLOSE_GRACE_S, reason="closing"))
+        deadline = time.monotonic() + CLOSE_GRACE_S + KILL_BACKSTOP_S
+        while time.monotonic() < deadline and any(not s.done for s in self._steps):
+            self._read_steps(self._clock())
+            time.sleep(0.05)
+        for s in self._steps:
+            if not s.done:
+                self._cancel_step(s)
+                try:
+                    s.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+                    s.proc.wait()
+            self._finish_step(s)
+        for a in self._allocs.values():
+            if not a.anchor and not a.gone:
+                a.gone = True
+                try:
+                    self.client.cancel(a.job_id)
+                except SlurmError as e:
+                    logger.error("[slurm] could not cancel member %s: %s", a.job_id, e)
+
+    # -- allocations ------------------------------------------------------------------
+    def _gpus_of(self, job: JobInfo) -> int:
+        gpus = parsers.gpus_per_node_of_job(job)
+        if gpus:
+            return gpus
+        nodes = self._ask(lambda: self.client.nodes(job.nodes[:1]), "read the anchor's nodes")
+        if nodes and nodes[0].gpus:
+            return nodes[0].gpus
+        raise BackendError(f"anchor job {job.job_id} holds no GPUs that Slurm reports "
+                           "(submit it with --gres=gpu:N, or pass gpus_per_node)")
+
+    def _grant(self, a: _Alloc, nodes: Sequence[str]) -> None:
+        a.granted, a.nodes = True, tuple(nodes)
+        devices = devices_of(nodes, self.gpus_per_node)
+        for d in devices:
+            self._held[d] = a.job_id
+        self._events.append(Grant(a.job_id, devices, a.key))
+        logger.info("[slurm] %s %s granted: %s", "anchor" if a.anchor else "member", a.job_id,
+                    ",".join(nodes))
+
+    def _recover(self) -> None:
+        """Members a previous coordinator of this anchor submitted (pending or running)."""
+        try:
+            found = self.client.jobs(name=member_job_name(self.anchor_job))
+        except SlurmError as e:
+            logger.warning("[slurm] could not look for earlier members: %s", e)
+            return
+        for j in found:
+            try:
+                detail = self.client.job(j.job_id)
+            except SlurmError as e:
+                logger.warning("[slurm] could not read member %s: %s", j.job_id, e)
+                continue
+            key = key_of_comment(detail.fields.get("Comment", "")) if detail else None
+            if key is None or key in self._keys:
+                continue
+            self._keys[key] = j.job_id
+            self._allocs[j.job_id] = _Alloc(j.job_id, key)
+            logger.info("[slurm] found member %s of request %s (%s)", j.job_id, key,
+                        j.slurm_state)
+
+    def _query(self) -> None:
+        live = [a for a in self._allocs.values() if not a.gone]
+        if not live:
+            return
+        try:
+            jobs = {j.job_id: j for j in self.client.jobs([a.job_id for a in live])}
+            held_nodes = list(dict.fromkeys(d.node for d in self._held))
+            nodes = self.client.nodes(held_nodes) if held_nodes else []
+        except SlurmError as e:
+            if str(e) != self._last_error:
+                logger.warning("[slurm] query failed (retrying every %.1f s): %s",
+                               self.poll_interval_s, e)
+            self._last_error = str(e)
+            return
+        self._last_error = None
+        for a in live:
+            self._observe(a, jobs.get(a.job_id))
+        for n in nodes:
+            if n.state in LOST_NODE_STATES or not n.responding:
+                lost = [d for d in self._held if d.node == n.name]
+                for job_id in dict.fromkeys(self._held[d] for d in lost):
+                    self._lose(self._allocs[job_id],
+                               [d for d in lost if self._held.get(d) == job_id], "failure",
+                               f"node {n.name} is {n.slurm_state}"
+                               + (f" ({n.reason})" if n.reason else ""))
+
+    def _observe(self, a: _Alloc, job: JobInfo | None) -> None:
+        state = job.state if job is not None else None
+        if job is not None and job.slurm_state.upper().startswith("SIGNALING"):
+            # Transient, while Slurm delivers a signal (e.g. the preemption notice): the job
+            # still runs.
+            state = JobState.RUNNING
+        if not a.granted:
+            if job is not None and state is JobState.RUNNING and job.nodes:
+                self._grant(a, job.nodes)
+                if job.preempt_time is not None:
+                    self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
+            elif job is None or state is None or state.finished or state in (
+                    JobState.REQUEUED, JobState.ENDING):
+                a.gone = True
+                logger.warning("[slurm] member %s of request %s ended before it started (%s)",
+                               a.job_id, a.key, job.slurm_state if job else "gone")
+            return
+        if state is not JobState.RUNNING or job is None:
+            if state in (JobState.NODE_FAIL, JobState.FAILED, JobState.TIMEOUT,
+                         JobState.COMPLETED):
+                preempted = False  # a SIGTERM notice before it was the failure's
+            else:
+                preempted = a.noticed or state in (JobState.PREEMPTED, JobState.REQUEUED) or (
+                    job is not None and job.preempt_time is not None)
+            self._lose(a, [d for d, j in self._held.items() if j == a.job_id],
+                       "preempted" if preempted else "failure",
+                       f"job {a.job_id} is {job.slurm_state if job else 'gone'}")
+            a.gone = True
+            if not a.anchor and state is JobState.PENDING:
+                # Requeued although submitted with --no-requeue (the site forces it).
+                try:
+                    self.client.cancel(a.job_id)
+                except SlurmError as e:
+                    logger.warning("[slurm] could not cancel requeued member %s: %s",
+                                   a.job_id, e)
+            return
+        if job.preempt_time is not None and not a.noticed:
+            self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
+        missing = set(a.nodes) - set(job.nodes)
+        if missing:  # shrunk by someone else
+            self._lose(a, [d for d, j in self._held.items() if j == a.job_id
+                           and d.node in missing], "failure",
+                       f"job {a.job_id} no longer holds {','.join(sorted(missing))}")
+            a.nodes = tuple(n for n in a.nodes if n not in missing)
+
+    def _notice(self, a: _Alloc, since: float, source: str) -> None:
+        if a.noticed or a.gone or a.anchor:
+            return
+        a.noticed = True
+        devices = tuple(d for d, j in self._held.items() if j == a.job_id)
+        deadline = since + max(0.0, self.grace_s - self.notice_margin_s)
+        self._events.append(PreemptNotice(a.job_id, devices, deadline))
+        logger.info("[slurm] member %s will be preempted (%s): deadline in %.1f s", a.job_id,
+                    source, deadline - self._clock())
+
+    def _lose(self, a: _Alloc, devices: Sequence[Device], cause: str, why: str) -> None:
+        devices = tuple(d for d in devices if self._held.get(d) == a.job_id)
+        if not devices:
+            return
+        self._kill_on(set(devices), why)
+        for d in devices:
+            del self._held[d]
+        self._events.append(Loss(a.job_id, devices,
+                                 "preempted" if cause == "preempted" else "failure"))
+        logger.warning("[slurm] lost %s of %s (%s): %s", ",".join(map(str, devices)),
+                       a.job_id, cause, why)
+
+    def _read_notices(self) -> None:
+        try:
+            names = sorted(os.listdir(self.run_dir / NOTICES))
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(".") or name in self._seen_notices:
+                continue
+            m = re.fullmatch(r"(\d+(?:_\d+)?)\.(\d+)\.([A-Z0-9]+)\.json", name)
+            if not m:
+                self._seen_notices.add(name)
+                continue
+            a = self._allocs.get(m.group(1))
+            if a is None or a.gone:
+                self._seen_notices.add(name)
+                continue
+            if not a.granted:
+                continue  # signalled before we saw it running: handled once granted
+            self._seen_notices.add(name)
+            try:
+                since = os.stat(self.run_dir / NOTICES / name).st_mtime
+            except OSError:
+                since = self._clock()
+            self._notice(a, since, f"SIG{m.group(3)} in its batch shell")
+
+    def _shrink(self, a: _Alloc) -> None:
+        """Frees the member's nodes whose every device was released, where NumNodes can."""
+        freed = {n for n in a.nodes
+                 if all(d in a.released for d in devices_of([n], self.gpus_per_node))}
+        keep = clean_shrink(a.nodes, freed)
+        if keep is None:
+            if freed:
+                logger.info("[slurm] member %s keeps %s until all of it is released (Slurm "
+                            "shrinks a job by its last nodes only)", a.job_id,
+                            ",".join(sorted(freed)))
+            return
+        self._act(lambda: self.client.resize(a.job_id, keep),
+                  f"shrink member {a.job_id} to {keep} node(s)")
+        a.nodes = a.nodes[:keep]
+        logger.info("[slurm] member %s shrunk to %s", a.job_id, ",".join(a.nodes))
+
+    # -- steps ------------------------------------------------------------------------
+    def _start_step(self, action: LaunchWorkers, job_id: str, node: str,
+                    tasks: list[TaskSpec]) -> None:
+        log: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"gen{action.generation}-{node}-{job_id}.log", "ab")
+        on_member = not self._allocs[job_id].anchor
+        term_is_notice = self.notice_signal == "TERM" and on_member
+        spec = worker_step_spec(
+            allocation=job_id, node=node, tasks=tasks, argv=action.argv, python=self.python,
+            ignore=(self.notice_signal, *(("TERM",) if term_is_notice else ())),
+            stop_signal="INT" if term_is_notice else "TERM")
+        cmd = commands.srun(spec)
+        env = {**commands.step_environment(os.environ), **action.env}
+        try:
+            proc = subprocess.Popen(cmd.argv, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log,
+                                    start_new_session=True)
+        except OSError as e:
+            if log is not None:
+                log.close()
+            raise BackendError(f"launch on {node} ({job_id}): cannot start srun: "
+                               f"{e.strerror}") from None
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        step = _Step(job_id, node, action.generation, proc, tuple(t.vrank for t in tasks), log)
+        self._steps.append(step)
+        for t in tasks:
+            state = WorkerState(t.vrank, action.generation, Device(node, t.local), proc.pid)
+            self._workers[t.vrank] = _Worker(state, step)
+        logger.info("[slurm] launched vranks %s (gen %d) on %s in %s: srun pid %d",
+                    ",".join(map(str, step.vranks)), action.generation, node, job_id,
+                    proc.pid)
+
+    def _read_steps(self, now: float) -> None:
+        for step in self._steps:
+            if step.done:
+                continue
+            self._read_output(step)
+            if step.proc.poll() is not None:
+                self._read_output(step)
+                self._finish_step(step)
+        if any(not w.reported and not w.state.stopping
+               and ((w.code is not None and w.code < 0) or (w.code is None and w.step.done))
+               for w in self._workers.values()):
+            # A worker killed by a signal nobody here sent: Slurm's (end of a preemption
+            # grace, node lost...). Ask Slurm now, so that the Loss comes first and the exit
+            # counts as stopped, as it would had the loss been seen first.
+            self._next_query = time.monotonic() + self.poll_interval_s
+            self._query()
+        for vrank, w in sorted(self._workers.items()):
+            if w.reported:
+                continue
+            if w.code is not None or w.step.done:
+                code = w.code if w.code is not None else -9
+                w.reported = True
+                w.state = replace(w.state, returncode=code)
+                logger.info("[slurm] vrank %d (gen %d) on %s exited with %d%s", vrank,
+                            w.state.generation, w.state.device, code,
+                            "" if w.code is not None else " (its step ended without a word)")
+                self._events.append(WorkerExited(vrank, w.state.generation, w.state.device,
+                                                 code, w.state.stopping))
+                continue
+            if w.kill_at is not None and now >= w.kill_at:
+                logger.warning("[slurm] vrank %d ignored its stop for the grace; killing it",
+                               vrank)
+                self._tell(w.step, f"kill {vrank}")
+                w.kill_at = None
+                w.backstop_at = now + KILL_BACKSTOP_S
+            elif w.backstop_at is not None and now >= w.backstop_at:
+                w.backstop_at = None
+                self._cancel_step(w.step)
+
+    def _read_output(self, step: _Step) -> None:
+        assert step.proc.stdout is not None
+        while True:
+            try:
+                chunk = os.read(step.proc.stdout.fileno(), 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                break
+            if not chunk:
+                break
+            step.buf += chunk
+        *lines, step.buf = step.buf.split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            # srun --label prefixes "<task>: "
+            _, _, rest = line.partition(MARK)
+            words = rest.split()
+            if not words:
+                continue
+            w = self._workers.get(int(words[1])) if len(words) > 1 and words[1].isdigit() \
+                else None
+            if w is None or w.step is not step:
+                continue
+            if words[0] == "start" and len(words) >= 4:
+                step.step_id = step.step_id or (words[3] if words[3] != "?" else None)
+            elif words[0] == "exit" and len(words) >= 3:
+                w.code = int(words[2])
+
+    def _finish_step(self, step: _Step) -> None:
+        if step.done:
+            return
+        step.done = True
+        if step.proc.stdin is not None:
+            try:
+                step.proc.stdin.close()
+            except OSError:
+                pass
+        if step.proc.stdout is not None:
+            step.proc.stdout.close()
+        if step.log is not None:
+            step.log.close()
+
+    def _tell(self, step: _Step, line: str) -> None:
+        if step.done or step.proc.stdin is None:
+            return
+        try:
+            step.proc.stdin.write(line.encode() + b"\n")
+            step.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+
+    def _cancel_step(self, step: _Step) -> None:
+        if step.done or step.step_id is None:
+            return
+        try:
+            self.client.signal(f"{step.allocation}.{step.step_id}", "KILL")
+        except SlurmError as e:
+            logger.warning("[slurm] could not kill step %s.%s: %s", step.allocation,
+                           step.step_id, e)
+
+    def _kill_on(self, devices: set[Device], why: str) -> None:
+        for vrank, w in sorted(self._workers.items()):
+            if w.reported or w.step.done or w.state.device not in devices:
+                continue
+            logger.info("[slurm] %s: killing vrank %d on %s", why, vrank, w.state.device)
+            w.state = replace(w.state, stopping=True)
+            w.kill_at = None
+            w.backstop_at = self._clock() + KILL_BACKSTOP_S
+            self._tell(w.step, f"kill {vrank}")
+
+    # -- Slurm calls ------------------------------------------------------------------
+    @staticmethod
+    def _ask(call: Callable[[], _T], what: str) -> _T:
+        try:
+            return call()
+        except SlurmError as e:
+            raise BackendError(f"cannot {what}: {e}") from None
+
+    def _act(self, call: Callable[[], str | None], what: str) -> str:
+        try:
+            return call() or ""
+        except SlurmError as e:
+            raise BackendError(f"{what} failed: {e}") from None

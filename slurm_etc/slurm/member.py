@@ -1,0 +1,103 @@
+"""The batch script of a member allocation: ``python -m slurm_etc.slurm.member``.
+
+A member allocation only lends its nodes to the job: the coordinator (in the anchor job)
+launches workers into it with ``srun --jobid``. Its batch shell (this process, ``exec``'d by
+the script the backend submits) does nothing but wait and pass Slurm's preemption notice on
+to the coordinator, at once:
+
+- the notice signal (``--signal=B:USR2@<lead>``, the default; configurable) or SIGTERM
+  (sites without ``preempt_send_user_signal`` send only SIGTERM when the grace starts)
+  writes ``<run-dir>/notices/<job>.<restart>.<SIGNAL>.json`` (atomically: temporary file,
+  then rename), with the job, the signal and the time; the coordinator's backend polls that
+  directory. A shared filesystem directory works wherever the coordinator runs (the anchor's
+  batch host is another node than the member's) and needs no open port;
+- after SIGTERM it asks Slurm whether the job is being cancelled (the coordinator released
+  it, or a user ran scancel) and then exits; a job being preempted keeps its batch shell
+  alive to the end of the grace, since the allocation (and the workers in it) ends when the
+  batch shell ends.
+
+Python handlers, not a bash trap: a bash trap can miss a USR2 arriving together with
+SIGCONT (NOTES).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+NOTICES = "notices"
+
+
+def notice_path(run_dir: Path, job_id: str, restart: str, signame: str) -> Path:
+    return run_dir / NOTICES / f"{job_id}.{restart}.{signame}.json"
+
+
+def write_notice(run_dir: Path, job_id: str, restart: str, signame: str,
+                 when: float) -> Path:
+    """Writes one notice file atomically; returns its path."""
+    path = notice_path(run_dir, job_id, restart, signame)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"job": job_id, "restart": restart, "signal": signame,
+                               "time": when, "host": os.uname().nodename}))
+    tmp.replace(path)
+    return path
+
+
+def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
+    """True when Slurm says the job is cancelled or ending without a preemption; False when
+    it is being preempted, or Slurm cannot be asked (stay: the grace is the safe guess)."""
+    from .client import CliSlurmClient
+    from .model import JobState, SlurmError
+    from .runner import SlurmRunner
+
+    try:
+        job = CliSlurmClient(SlurmRunner(timeout=timeout)).job(job_id)
+    except SlurmError as e:
+        print(f"slurm-etc member: cannot ask Slurm about job {job_id}: {e}", file=sys.stderr,
+              flush=True)
+        return False
+    if job is None:
+        return True
+    if job.preempt_time is not None:
+        return False
+    return job.state in (JobState.CANCELLED, JobState.ENDING) or job.state.finished
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m slurm_etc.slurm.member",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path,
+                    help="the job's shared run directory (notices/ goes there)")
+    ap.add_argument("--signal", default="USR2", help="the preemption signal (default USR2)")
+    args = ap.parse_args(argv)
+    job_id = os.environ.get("SLURM_JOB_ID", "unknown")
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    notice_sig = signal.Signals["SIG" + args.signal.upper().removeprefix("SIG")]
+    got: list[signal.Signals] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        sig = signal.Signals(signum)
+        got.append(sig)
+        write_notice(args.run_dir, job_id, restart, sig.name.removeprefix("SIG"),
+                     time.time())
+
+    signal.signal(notice_sig, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"slurm-etc member {job_id}: holding {os.environ.get('SLURM_JOB_NODELIST', '?')} "
+          f"for the coordinator; notices go to {args.run_dir / NOTICES}", flush=True)
+    while True:
+        time.sleep(0.5)
+        if signal.SIGTERM in got:
+            got.clear()
+            if being_cancelled(job_id):
+                print(f"slurm-etc member {job_id}: cancelled; exiting", flush=True)
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
