@@ -93,7 +93,8 @@ def new_migration_group(plan, device: int | None, *,
     other ``new_group`` calls, with the same plan. Processes whose device takes no part in
     the migration (``device`` None or not in ``plan.participants``) get None. A plan with
     lost devices is the exception: the dead processes cannot call anything, so only the
-    participants call it (``use_local_synchronization``) and the others must not.
+    participants build the groups (``use_local_synchronization``); any other process may
+    call it and gets None at once.
 
     Args:
         plan: the MigrationPlan.
