@@ -72,9 +72,9 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
-from slurm_etc.alloc.topology import Device
+from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator import env as envvars
 from slurm_etc.coordinator.backend import (
     BackendError,
@@ -127,7 +127,7 @@ def key_of_comment(comment: str) -> str | None:
     return urllib.parse.unquote(comment[len(COMMENT_PREFIX):])
 
 
-def member_script(python: str, run_dir: str, notice_signal: str) -> str:
+def member_script(python: str, run_dir: str, notice_signal: str, anchor_job: str) -> str:
     """The member's batch script: ``exec`` so that the Python process is the batch shell
     (``--signal=B:`` signals that process only)."""
     import shlex
@@ -135,7 +135,8 @@ def member_script(python: str, run_dir: str, notice_signal: str) -> str:
     return ("#!/bin/sh\n"
             "# slurm-etc member allocation: holds its nodes for the coordinator's srun steps\n"
             f"exec {shlex.quote(python)} -m slurm_etc.slurm.member"
-            f" --run-dir {shlex.quote(run_dir)} --signal {check_signal(notice_signal)}\n")
+            f" --run-dir {shlex.quote(run_dir)} --signal {check_signal(notice_signal)}"
+            f" --anchor {shlex.quote(anchor_job)}\n")
 
 
 def member_job_spec(*, anchor_job: str, key: str, nodes: int, gpus_per_node: int,
@@ -146,7 +147,7 @@ def member_job_spec(*, anchor_job: str, key: str, nodes: int, gpus_per_node: int
                     extra: Sequence[str] = ()) -> JobSpec:
     """The sbatch description of a member allocation for request ``key``."""
     return JobSpec(
-        script=member_script(python, run_dir, notice_signal),
+        script=member_script(python, run_dir, notice_signal, anchor_job),
         name=member_job_name(anchor_job),
         partition=partition,
         qos=qos,
@@ -315,17 +316,71 @@ class SlurmBackend:
         self._next_query = 0.0
         self._last_error: str | None = None
         self._closed = False
+        self._topology: ClusterTopology | None = None
 
         job = self._ask(lambda: self.client.job(self.anchor_job), "read the anchor job")
         if job is None or job.state is not JobState.RUNNING or not job.nodes:
             raise BackendError(f"anchor job {self.anchor_job} is not running "
                                f"({job.slurm_state if job else 'unknown to Slurm'})")
         self.gpus_per_node = gpus_per_node or self._gpus_of(job)
+        self._anchor_partition = job.partition
         a = _Alloc(self.anchor_job, None)
         self._allocs[a.job_id] = a
         self._grant(a, job.nodes)
         if recover:
             self._recover()
+
+    @classmethod
+    def from_environment(cls, job_id: str | None = None, policy: Any = None,
+                         **kwargs: Any) -> "SlurmBackend":
+        """The backend of the coordinator running in the anchor's batch script.
+
+        The anchor is ``SLURM_JOB_ID``. Members go to the admin policy's ``grow_partition``
+        and ``grow_qos`` where it names them, else to ``SLURM_ETC_MEMBER_PARTITION`` /
+        ``SLURM_ETC_MEMBER_QOS`` (else Slurm's default partition); the notice signal is
+        ``SLURM_ETC_NOTICE_SIGNAL`` (USR2); the policy's ``preempt_grace_s`` is the signal's
+        lead time. The run directory (shared by every node) is ``SLURM_ETC_RUN_DIR``, else
+        ``$SLURM_SUBMIT_DIR/.slurm-etc/<anchor>``; step logs go to its ``logs/``.
+        ``job_id`` (the coordinator's name of the job) is not the anchor's id.
+        """
+        env = os.environ
+        anchor = env.get("SLURM_JOB_ID")
+        if not anchor:
+            raise BackendError("--backend slurm runs inside the anchor job's batch script "
+                               "(SLURM_JOB_ID is not set): submit scripts/elastic.sbatch")
+        run_dir = Path(env.get("SLURM_ETC_RUN_DIR")
+                       or Path(env.get("SLURM_SUBMIT_DIR", os.getcwd())) / ".slurm-etc" / anchor)
+        lead = int(getattr(policy, "preempt_grace_s", 0) or 0)
+        options: dict[str, Any] = {
+            "anchor_job": anchor,
+            "member_partition": getattr(policy, "grow_partition", None)
+            or env.get("SLURM_ETC_MEMBER_PARTITION") or None,
+            "member_qos": getattr(policy, "grow_qos", None)
+            or env.get("SLURM_ETC_MEMBER_QOS") or None,
+            "notice_signal": env.get("SLURM_ETC_NOTICE_SIGNAL", "USR2"),
+            "signal_lead_s": lead or 120,
+            "log_dir": run_dir / "logs",
+        }
+        options.update(kwargs)
+        return cls(run_dir, **options)
+
+    @property
+    def topology(self) -> ClusterTopology:
+        """The nodes this job may ever hold, in Slurm's order: those of the anchor's and the
+        member partition with at least ``gpus_per_node`` GPUs (asked once), and the anchor's
+        own. No switch topology (Slurm's topology.conf is not read)."""
+        if self._topology is None:
+            wanted = {p for p in (self._anchor_partition, self.member_partition) if p}
+            try:
+                nodes = self.client.nodes()
+            except SlurmError as e:
+                raise BackendError(f"cannot list the cluster's nodes: {e}") from None
+            names = [n.name for n in nodes if n.gpus >= self.gpus_per_node
+                     and (not wanted or wanted & set(n.partitions))]
+            anchor_nodes = self._allocs[self.anchor_job].nodes
+            names += [n for n in anchor_nodes if n not in names]
+            self._topology = ClusterTopology(self.gpus_per_node, tuple(names))
+        return self._topology
 
     def __enter__(self) -> "SlurmBackend":
         return self

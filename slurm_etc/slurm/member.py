@@ -11,7 +11,11 @@ to the coordinator, at once:
   then rename), with the job, the signal and the time; the coordinator's backend polls that
   directory. A shared filesystem directory works wherever the coordinator runs (the anchor's
   batch host is another node than the member's) and needs no open port;
-- after SIGTERM it asks Slurm whether the job is being cancelled (the coordinator released
+- every 30 s it asks Slurm whether the anchor job still runs, and ends when it does not: a
+  coordinator killed before it could cancel its members leaves no allocation behind;
+- a SIGTERM after the notice is the end of the grace: it exits (the node is freed at once,
+  not KillWait later). A SIGTERM with no notice before it: it asks Slurm whether the job is
+  being cancelled (the coordinator released
   it, or a user ran scancel) and then exits; a job being preempted keeps its batch shell
   alive to the end of the grace, since the allocation (and the workers in it) ends when the
   batch shell ends.
@@ -68,12 +72,29 @@ def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
     return job.state in (JobState.CANCELLED, JobState.ENDING) or job.state.finished
 
 
+def anchor_gone(anchor: str, timeout: float = 10.0) -> bool:
+    """True when Slurm says the anchor job ended (or forgot it); False while it runs or when
+    Slurm cannot be asked."""
+    from .client import CliSlurmClient
+    from .model import SlurmError
+    from .runner import SlurmRunner
+
+    try:
+        found = CliSlurmClient(SlurmRunner(timeout=timeout)).jobs([anchor])
+    except SlurmError:
+        return False
+    return not found or found[0].state.finished
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m slurm_etc.slurm.member",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True, type=Path,
                     help="the job's shared run directory (notices/ goes there)")
     ap.add_argument("--signal", default="USR2", help="the preemption signal (default USR2)")
+    ap.add_argument("--anchor", help="the anchor's job id: the member ends when it ends")
+    ap.add_argument("--anchor-check-s", type=float, default=30.0,
+                    help="how often to ask Slurm whether the anchor still runs")
     args = ap.parse_args(argv)
     job_id = os.environ.get("SLURM_JOB_ID", "unknown")
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -90,10 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     print(f"slurm-etc member {job_id}: holding {os.environ.get('SLURM_JOB_NODELIST', '?')} "
           f"for the coordinator; notices go to {args.run_dir / NOTICES}", flush=True)
+    next_check = time.monotonic() + args.anchor_check_s
     while True:
         time.sleep(0.5)
+        if args.anchor and time.monotonic() >= next_check:
+            next_check = time.monotonic() + args.anchor_check_s
+            if anchor_gone(args.anchor):
+                print(f"slurm-etc member {job_id}: anchor job {args.anchor} ended; exiting",
+                      flush=True)
+                return 0
         if signal.SIGTERM in got:
-            got.clear()
+            noticed_before = notice_sig != signal.SIGTERM and notice_sig in got
+            got[:] = [sig for sig in got if sig != signal.SIGTERM]
+            if noticed_before:
+                # The notice came first: this SIGTERM is the end of the grace. Nothing is
+                # left to protect; ending now frees the node KillWait sooner.
+                print(f"slurm-etc member {job_id}: grace over; exiting", flush=True)
+                return 0
             if being_cancelled(job_id):
                 print(f"slurm-etc member {job_id}: cancelled; exiting", flush=True)
                 return 0

@@ -244,21 +244,46 @@ def test_shrink_node_down_release_recover(client, jobs, anchor, tmp_path):
         backend.close()
         if down:
             client.set_node_state(down, NodeAdminState.RESUME)
+            # Back in service (responding, no reason) before the next test uses it.
+            wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
+                     f"{down} back in service", timeout=60)
     assert all(j.state is not JobState.RUNNING for j in client.jobs(list(backend.members.values())))
 
 
-def test_bad_anchor_and_bad_request(client, tmp_path):
+def test_bad_anchor_and_member_watch(client, tmp_path, monkeypatch):
     from slurm_etc.coordinator.backend import BackendError
 
     with pytest.raises(BackendError, match="anchor job 999999 is not running"):
         SlurmBackend(tmp_path, anchor_job="999999")
-    env = dict(os.environ)
-    env.pop("SLURM_JOB_ID", None)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(BackendError, match="SLURM_JOB_ID is not set"):
-        old = os.environ.pop("SLURM_JOB_ID", None)
-        try:
-            SlurmBackend(tmp_path)
-        finally:
-            if old is not None:
-                os.environ["SLURM_JOB_ID"] = old
-    subprocess.run(["true"])
+        SlurmBackend(tmp_path)
+    with pytest.raises(BackendError, match="SLURM_JOB_ID is not set"):
+        SlurmBackend.from_environment()
+    # A member whose anchor is gone ends by itself (its coordinator died without scancel).
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "slurm_etc.slurm.member", "--run-dir",
+                          str(tmp_path), "--anchor", "999999", "--anchor-check-s", "0.2"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "anchor job 999999 ended" in res.stdout, res
+    assert time.monotonic() - t0 < 20
+
+
+def test_from_environment_and_topology(client, anchor, tmp_path, monkeypatch):
+    from slurm_etc.policy.rules import EffectivePolicy
+
+    monkeypatch.setenv("SLURM_JOB_ID", anchor)
+    monkeypatch.setenv("SLURM_ETC_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("SLURM_ETC_MEMBER_PARTITION", "scavenge")
+    backend = SlurmBackend.from_environment(
+        "my-job", EffectivePolicy(grow_qos="normal", preempt_grace_s=90))
+    try:
+        assert backend.anchor_job == anchor and backend.member_partition == "scavenge"
+        assert backend.member_qos == "normal" and backend.signal_lead_s == 90
+        assert backend.log_dir == tmp_path / "run" / "logs"
+        topo = backend.topology
+        assert topo.gpus_per_node == 2 and topo.nodes[:4] == ("n1", "n2", "n3", "n4")
+        policy = EffectivePolicy(grow_partition="high")
+        assert SlurmBackend.from_environment(None, policy).member_partition == "high"
+    finally:
+        backend.close()

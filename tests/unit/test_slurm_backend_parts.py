@@ -133,31 +133,49 @@ def test_task_wrapper_stop_signal_int_where_term_is_the_notice(tmp_path):
     assert last[:3] == [MARK, "exit", "3"] and int(last[3]) in (1, -2)  # KeyboardInterrupt
 
 
-def test_member_writes_notices(tmp_path):
+def _member(tmp_path: Path) -> subprocess.Popen:
     env = {**os.environ, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0",
            "SLURM_CONF": str(tmp_path / "no-such-slurm.conf")}
     proc = subprocess.Popen([sys.executable, "-m", "slurm_etc.slurm.member", "--run-dir",
                              str(tmp_path), "--signal", "USR2"], env=env,
                             stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and "holding" in proc.stdout.readline()
+    return proc
+
+
+def _wait_file(path: Path) -> dict:
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def test_member_notice_then_end_of_grace(tmp_path):
+    proc = _member(tmp_path)
     try:
-        assert proc.stdout is not None and "holding" in proc.stdout.readline()
         t0 = time.time()
         proc.send_signal(signal.SIGUSR2)
-        path = notice_path(tmp_path, "4242", "0", "USR2")
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        notice = json.loads(path.read_text())
+        notice = _wait_file(notice_path(tmp_path, "4242", "0", "USR2"))
         assert notice["job"] == "4242" and notice["signal"] == "USR2"
         assert t0 - 1 < notice["time"] < time.time()
-        # SIGTERM counts as a notice too; Slurm cannot be asked here, so it stays (the
-        # grace is the safe guess).
+        time.sleep(0.7)
+        assert proc.poll() is None  # a notice does not end the allocation
+        # SIGTERM after the notice: the grace is over; it exits.
         proc.send_signal(signal.SIGTERM)
-        term = notice_path(tmp_path, "4242", "0", "TERM")
-        deadline = time.monotonic() + 10
-        while not term.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert term.exists()
+        assert proc.wait(10) == 0
+        assert notice_path(tmp_path, "4242", "0", "TERM").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_member_term_is_a_notice_too(tmp_path):
+    # Sites without preempt_send_user_signal: SIGTERM starts the grace. Slurm cannot be asked
+    # here (whether it is a cancel), so it stays: the grace is the safe guess.
+    proc = _member(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert _wait_file(notice_path(tmp_path, "4242", "0", "TERM"))["signal"] == "TERM"
         time.sleep(1.0)
         assert proc.poll() is None
     finally:

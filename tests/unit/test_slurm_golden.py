@@ -80,3 +80,22 @@ def test_golden(name):
     if os.environ.get("SLURM_ETC_UPDATE_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text(), f"{path} differs; see the module docstring"
+
+
+def test_elastic_sbatch_wrapper():
+    """scripts/elastic.sbatch: valid bash, every #SBATCH line where sbatch reads it (before
+    the first command), and the anchor's essentials."""
+    import subprocess
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "elastic.sbatch"
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    lines = path.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines)
+                         if line.strip() and not line.startswith("#"))
+    options = [line.split()[1] for line in lines if line.startswith("#SBATCH")]
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    assert {"--partition=main", "--exclusive", "--requeue"} <= set(options)
+    assert any(o.startswith("--gres=gpu:") for o in options)
+    text = path.read_text()
+    assert "slurm-etc run --backend slurm" in text and "TRAIN_CMD=" in text
+    assert "SLURM_ETC_NOTICE_SIGNAL=${SLURM_ETC_NOTICE_SIGNAL:-USR2}" in text
