@@ -416,10 +416,10 @@ class SlurmBackend:
     # -- Backend ----------------------------------------------------------------------
     def poll(self) -> list[BackendEvent]:
         now = self._clock()
-        self._read_notices()
         if time.monotonic() >= self._next_query:
             self._next_query = time.monotonic() + self.poll_interval_s
             self._query()
+        self._read_notices()
         self._read_steps(now)
         out, self._events = self._events, []
         return out
