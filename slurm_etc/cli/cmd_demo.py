@@ -58,6 +58,7 @@ def demo(ctx, db, out_dir, model_spec, steps):
     handler = RichHandler(console=console, show_path=False, show_level=False)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    root.propagate = False
     logging.getLogger("slurm_etc.coordinator.channel").setLevel(logging.WARNING)
     timeline = Timeline()
     started = time.time()
@@ -73,6 +74,7 @@ def demo(ctx, db, out_dir, model_spec, steps):
                           progress=progress)
     finally:
         root.removeHandler(handler)
+        root.propagate = True
     store = open_store_readonly(db_path)
     try:
         detail = record.job_detail(store, job_id)

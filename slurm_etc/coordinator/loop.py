@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +35,19 @@ from slurm_etc.policy.decide import Notice, Pause, Release, RequestGrow, Snapsho
 from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
-from slurm_etc.worker.control import Exited, Hello, LayoutSpec, Progress, Resize, Resized, Stop
-from slurm_etc.worker.entry import GPUS_PER_NODE, LAYOUT, TIMEOUT, format_layout
+from slurm_etc.worker.control import (
+    GPUS_PER_NODE,
+    LAYOUT,
+    TIMEOUT,
+    Exited,
+    Hello,
+    LayoutSpec,
+    Progress,
+    Resize,
+    Resized,
+    Stop,
+    format_layout,
+)
 from slurm_etc.worker.trainer import plan_digest
 
 from .backend import (
@@ -157,6 +168,7 @@ class Coordinator:
             return self._end("failed", str(err))
 
     def _end(self, state: str, reason: str, result: str | None = None) -> str:
+        reason = reason[:250]
         if self.layout is not None:
             live = set(self.layout.devices) - self.done
             if live:
@@ -229,8 +241,10 @@ class Coordinator:
                     if report.step > self.step:
                         self.step, self.loss = report.step, report.loss
                         self.backend.on_step(report.step)
-                        record.record_progress(self.store, self.spec.job_id, report.generation,
-                                               last_step=report.step, last_loss=report.loss)
+                        if report.generation == self.generation:  # else not committed yet
+                            record.record_progress(self.store, self.spec.job_id,
+                                                   report.generation, last_step=report.step,
+                                                   last_loss=report.loss)
                         self.progress({"step": report.step, "loss": report.loss,
                                        "lr": report.lr, "layout": report.layout,
                                        "generation": report.generation})
@@ -335,13 +349,17 @@ class Coordinator:
             return
         old = assert_layout
         lost = sorted(v for v in old.devices if self.vranks[v] in self.lost)
+        pool_map = reserve_vranks(action.allocation.vranks,
+                                  {v: self.vranks[v] for v in old.devices},
+                                  self.topology.gpus_per_node)
+        vranks = {**{v: self.vranks[v] for v in old.devices}, **pool_map}
         topo = Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
                         self.spec.hardware.inter_node_gbps)
         try:
             plan = plan_migration(self.spec.job.model, old, action.config,
-                                  action.allocation.pool, topo, keep_tp_in_node=True,
-                                  **({"lost": tuple(lost)} if lost else {}))
-        except (PlanError, ConfigError, TypeError) as err:
+                                  sorted(pool_map), topo, keep_tp_in_node=True,
+                                  lost=tuple(lost))
+        except (PlanError, ConfigError) as err:
             if lost:
                 raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
                                  f"failed and their state cannot be rebuilt in memory: "
@@ -349,12 +367,9 @@ class Coordinator:
             raise
         gen = self.generation + 1
         new = plan.new
-        vranks = dict(action.allocation.vranks)
-        for v in old.devices:
-            vranks.setdefault(v, self.vranks[v])
         joiners = set(new.devices) - set(old.devices)
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
-                       plan_digest(plan), pool=tuple(action.allocation.pool),
+                       plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
                        lost=tuple(lost), reason=action.reason[:200])
         if action.deadline is not None and plan.est_seconds > action.deadline - self.clock():
@@ -431,6 +446,24 @@ class Coordinator:
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
+
+
+def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
+                   gpus_per_node: int) -> dict[int, Device]:
+    """``pool`` renumbered so that no vrank of the current layout names another device.
+
+    A vrank is the planner's identity of the device that holds a shard. The allocator may
+    give a leaving device's vrank to a new device (a grant and a notice in one decision);
+    until the migration is done the old device still holds that vrank's state, so the
+    new device's whole node slot moves to fresh vranks past every slot in use (node slots
+    stay whole: vrank // gpus_per_node is the node)."""
+    clash = {v // gpus_per_node for v, d in pool.items() if v in layout and layout[v] != d}
+    if not clash:
+        return dict(pool)
+    top = max([*pool, *layout]) // gpus_per_node + 1
+    fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
+    return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
+             if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
 
 
 def _dt(t: float | None) -> Any:

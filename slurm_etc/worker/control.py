@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 import msgspec
 
 from slurm_etc.plan.config import Layout, ParallelConfig
+from slurm_etc.plan.errors import ConfigError
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -152,3 +153,28 @@ class Control(Protocol):
     def report(self, message: Report) -> None:
         """Send a report to the coordinator (best effort, never blocks training)."""
         ...
+
+
+# -- what a launched worker finds in its environment (besides the channel's) -------------
+
+LAYOUT = "SLURM_ETC_LAYOUT"          # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
+GPUS_PER_NODE = "SLURM_ETC_GPUS_PER_NODE"
+TIMEOUT = "SLURM_ETC_TIMEOUT_S"
+
+
+def format_layout(layout: Layout) -> str:
+    return f"{layout.config}@{','.join(map(str, layout.devices))}"
+
+
+def parse_layout(text: str) -> Layout:
+    """Inverse of :func:`format_layout` (ConfigError when malformed)."""
+    config, sep, devices = text.partition("@")
+    if not sep:
+        raise ConfigError(f"{LAYOUT}={text!r}: expected <config>@<vrank,...>")
+    dist_opt = config.endswith(",dist-opt")
+    cfg = ParallelConfig.parse(config.removesuffix(",dist-opt"), dist_opt)
+    try:
+        ranks = tuple(int(v) for v in devices.split(","))
+    except ValueError:
+        raise ConfigError(f"{LAYOUT}={text!r}: vranks must be integers") from None
+    return Layout(cfg, ranks)

@@ -15,35 +15,14 @@ import signal
 from datetime import timedelta
 from typing import Any
 
-from slurm_etc.plan import Layout, ParallelConfig, Topology
-from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan import Topology
 
+from .control import GPUS_PER_NODE, LAYOUT, TIMEOUT, parse_layout
 from .trainer import ElasticTrainer, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
-LAYOUT = "SLURM_ETC_LAYOUT"          # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
-GPUS_PER_NODE = "SLURM_ETC_GPUS_PER_NODE"
-TIMEOUT = "SLURM_ETC_TIMEOUT_S"
 JOIN_TIMEOUT_S = 120.0
-
-
-def format_layout(layout: Layout) -> str:
-    return f"{layout.config}@{','.join(map(str, layout.devices))}"
-
-
-def parse_layout(text: str) -> Layout:
-    """Inverse of :func:`format_layout` (ConfigError when malformed)."""
-    config, sep, devices = text.partition("@")
-    if not sep:
-        raise ConfigError(f"{LAYOUT}={text!r}: expected <config>@<vrank,...>")
-    dist_opt = config.endswith(",dist-opt")
-    cfg = ParallelConfig.parse(config.removesuffix(",dist-opt"), dist_opt)
-    try:
-        ranks = tuple(int(v) for v in devices.split(","))
-    except ValueError:
-        raise ConfigError(f"{LAYOUT}={text!r}: vranks must be integers") from None
-    return Layout(cfg, ranks)
 
 
 def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:

@@ -51,7 +51,10 @@ class ResizeSequence:
     """A model trained ``steps`` steps in each of ``configs``, resized in between.
 
     ``factory(train_steps)`` makes the ElasticTrainer (a module-level function: it travels
-    to the workers by reference); default: the preset trainer of ``model``.
+    to the workers by reference); default: the preset trainer of ``model``. ``ends``: the
+    step at which each layout ends, when the layouts do not train ``steps`` steps each (a
+    run the coordinator resized when its events came); ``total_steps``: the trainer's
+    ``train_steps`` when not ``steps * len(configs)``.
     """
 
     model: ModelDesc
@@ -61,6 +64,8 @@ class ResizeSequence:
     micro_batch: int = 1
     seed: int = 1234
     factory: Callable[[int], Any] | None = None
+    ends: tuple[int, ...] = ()
+    total_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -78,7 +83,13 @@ class ResizeSequence:
 
     @property
     def train_steps(self) -> int:
-        return self.steps * len(self.configs)
+        return self.total_steps or self.steps * len(self.configs)
+
+    def end_of(self, generation: int) -> int:
+        """The step at which ``generation``'s layout stops training."""
+        if self.ends:
+            return self.ends[generation]
+        return self.steps * (generation + 1)
 
     def layouts(self) -> tuple[list[Layout], list[str]]:
         """The layout of every generation (the planner places each new layout on the
@@ -184,7 +195,7 @@ def w_checkpoint_segment(ctx: WorkerContext, seq: ResizeSequence, generation: in
     if ctx.index >= cfg.world:
         return None
     trainer = _trainer(seq)
-    end = seq.steps * (generation + 1)
+    end = seq.end_of(generation)
     script = [ScriptEntry(end, Stop(job, generation + 1, "end of segment"))]
     control = ScriptedControl(script, ctx.index, clock=_clock(trainer))
     proc = WorkerProcess(job, ctx.index, ctx.store, control,
@@ -240,8 +251,19 @@ def verify_sequence(seq: ResizeSequence, *, workers: LocalWorkers | None = None,
                               f"{workers.size}")
         elastic = workers.run(w_elastic, seq, layouts, digests, job)
     elastic_s = time.perf_counter() - t0
+    ckpt = checkpoint_path(seq, job, progress=say, log_level=log_level, workdir=workdir)
+    return _compare(seq, layouts, elastic, ckpt, elastic_s, time.perf_counter() - t0)
+
+
+def checkpoint_path(seq: ResizeSequence, job: str, *, progress: Any = None,
+                    log_level: int = logging.WARNING, workdir: str | None = None
+                    ) -> list[dict]:
+    """The sequence through megatron's checkpoint-restart: for every layout, fresh
+    processes build (first) or load the previous layout's checkpoint, train to the
+    layout's end and save. Returns each segment's worker results."""
+    say = progress or (lambda _m: None)
     tmp = tempfile.mkdtemp(prefix="slurm-etc-seq-", dir=workdir)
-    ckpt: list[dict] = []
+    out: list[dict] = []
     try:
         for g, cfg in enumerate(seq.configs):
             say(f"checkpoint path: fresh processes for {cfg}"
@@ -249,11 +271,17 @@ def verify_sequence(seq: ResizeSequence, *, workers: LocalWorkers | None = None,
             load = os.path.join(tmp, f"g{g - 1}") if g else None
             save = os.path.join(tmp, f"g{g}") if g + 1 < len(seq.configs) else None
             with LocalWorkers(cfg.world, preload=PRELOAD, log_level=log_level) as fresh:
-                ckpt.append({"results": fresh.run(w_checkpoint_segment, seq, g, load, save,
-                                                  f"{job}-ckpt{g}")})
+                out.append({"results": fresh.run(w_checkpoint_segment, seq, g, load, save,
+                                                 f"{job}-ckpt{g}")})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _compare(seq, layouts, elastic, ckpt, elastic_s, time.perf_counter() - t0)
+    return out
+
+
+def checkpoint_losses(seq: ResizeSequence, **kwargs: Any) -> dict[int, dict]:
+    """step -> {loss, lr, consumed_samples, layout} of the checkpoint-restart path."""
+    segments = checkpoint_path(seq, f"ref-{os.getpid()}-{time.monotonic_ns()}", **kwargs)
+    return _steps([h for seg in segments for r in seg["results"] if r for h in r["history"]])
 
 
 def _steps(history: list[dict]) -> dict[int, dict]:

@@ -631,7 +631,7 @@ def plan_digest(plan: Any) -> str:
     import numpy as np
 
     h = hashlib.sha256()
-    h.update(repr((plan.old, plan.new)).encode())
+    h.update(repr((plan.old, plan.new, tuple(getattr(plan, "lost", ())))).encode())
     m = plan.messages
     for arr in (m.src, m.dst, m.nbytes, m.round):
         h.update(np.ascontiguousarray(arr).tobytes())
