@@ -65,6 +65,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,9 @@ COMMENT_PREFIX = "slurm-etc:"
 CLOSE_GRACE_S = 5.0
 # After `kill <vrank>`, how long before the step itself is killed with scancel.
 KILL_BACKSTOP_S = 5.0
+# A worker killed by SIGTERM/SIGKILL that nobody here sent is reported up to this late, so
+# that the Loss that explains it (Slurm's state lags its signals) comes first.
+EXIT_HOLD_S = 5.0
 LOST_NODE_STATES = (NodeState.DOWN, NodeState.FAIL, NodeState.DRAINED, NodeState.DRAINING)
 
 
@@ -242,6 +246,7 @@ class _Worker:
     step: _Step
     kill_at: float | None = None
     backstop_at: float | None = None
+    hold_until: float | None = None  # an unexplained kill waits this long for its Loss
     code: int | None = None  # from the wrapper's exit line
     reported: bool = False
 
@@ -769,18 +774,28 @@ class SlurmBackend:
             if step.proc.poll() is not None:
                 self._read_output(step)
                 self._finish_step(step)
-        if any(not w.reported and not w.state.stopping
-               and ((w.code is not None and w.code < 0) or (w.code is None and w.step.done))
-               for w in self._workers.values()):
-            # A worker killed by a signal nobody here sent: Slurm's (end of a preemption
-            # grace, node lost...). Ask Slurm now, so that the Loss comes first and the exit
-            # counts as stopped, as it would had the loss been seen first.
+        unexpected = [w for w in self._workers.values() if not w.reported
+                      and not w.state.stopping and (w.code is not None or w.step.done)
+                      and w.code in (None, -signal.SIGTERM, -signal.SIGKILL)]
+        if any(w.hold_until is None for w in unexpected):
+            # Killed by a signal nobody here sent: Slurm's (the end of a preemption grace, a
+            # node lost...). Ask Slurm now, so that the Loss comes first and the exit counts
+            # as stopped, as it would had the loss been seen first.
             self._next_query = time.monotonic() + self.poll_interval_s
             self._query()
+        held_back = {id(w) for w in unexpected}
+        for w in unexpected:
+            if w.hold_until is None:
+                w.hold_until = now + EXIT_HOLD_S
+            # Slurm may show the job RUNNING for a moment after its signal: look again soon.
+            self._next_query = min(self._next_query, time.monotonic() + 0.5)
         for vrank, w in sorted(self._workers.items()):
             if w.reported:
                 continue
             if w.code is not None or w.step.done:
+                if (id(w) in held_back and not w.state.stopping and w.hold_until is not None
+                        and now < w.hold_until):
+                    continue  # held back for the Loss that explains it
                 code = w.code if w.code is not None else -9
                 w.reported = True
                 w.state = replace(w.state, returncode=code)
@@ -863,10 +878,12 @@ class SlurmBackend:
 
     def _kill_on(self, devices: set[Device], why: str) -> None:
         for vrank, w in sorted(self._workers.items()):
-            if w.reported or w.step.done or w.state.device not in devices:
+            if w.reported or w.state.device not in devices:
+                continue
+            w.state = replace(w.state, stopping=True)  # its exit is the loss's
+            if w.step.done or w.code is not None:
                 continue
             logger.info("[slurm] %s: killing vrank %d on %s", why, vrank, w.state.device)
-            w.state = replace(w.state, stopping=True)
             w.kill_at = None
             w.backstop_at = self._clock() + KILL_BACKSTOP_S
             self._tell(w.step, f"kill {vrank}")
