@@ -141,14 +141,22 @@ def render(report: dict, console: Console) -> None:
 @click.command()
 @click.option("--model", "model_spec", required=True,
               help="Preset (tiny, tiny-llama, small, ...) or a JSON model description file.")
-@click.option("--from", "from_spec", required=True, help="Current layout, e.g. dp=1,tp=2,pp=2.")
-@click.option("--to", "to_spec", required=True, help="Next layout, e.g. dp=2,tp=1,pp=2.")
+@click.option("--from", "from_spec", help="Current layout, e.g. dp=1,tp=2,pp=2.")
+@click.option("--to", "to_spec", help="Next layout, e.g. dp=2,tp=1,pp=2.")
+@click.option("--sequence", help="Instead of --from/--to: the elastic trainer through "
+                                 "several layouts against megatron's checkpoint-restart at "
+                                 "every resize, e.g. 'dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> "
+                                 "dp=3,tp=1,pp=1' (--steps: steps in each layout).")
+@click.option("--global-batch", type=click.IntRange(min=1),
+              help="With --sequence: the global batch every layout keeps (default: the "
+                   "least multiple of every dp that is >= 8).")
 @click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
 @click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="Override the model's parameter dtype (bf16: mixed precision).")
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--steps", default=2, show_default=True, type=click.IntRange(min=1),
-              help="Adam steps before the resize (moments must be non-zero).")
+              help="Adam steps before the resize (moments must be non-zero); with "
+                   "--sequence, steps in each layout.")
 @click.option("--max-processes", default=8, show_default=True, type=click.IntRange(min=1),
               help="Refuse transitions that need more local processes.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
@@ -158,14 +166,24 @@ def render(report: dict, console: Console) -> None:
                    "show that a faulty migration is caught (tests/dist/test_planted_bugs.py "
                    "does).")
 @click.pass_context
-def verify(ctx, model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, seed,
-           steps, max_processes, as_json, corrupt):
+def verify(ctx, model_spec, from_spec, to_spec, sequence, global_batch, distributed_optimizer,
+           param_dtype, seed, steps, max_processes, as_json, corrupt):
     """Migrate a real megatron-core state in place and compare every tensor bit for bit.
 
     The references read state through megatron-core and torch only: the old layout's full
     tensors, megatron's own checkpoint resharding, Adam step, RNG, and three more training
-    steps' losses. Exit 0 verified, 1 a mismatch, 2 bad input, 3 the run failed.
+    steps' losses. With --sequence, the elastic trainer's losses, LR, consumed samples and
+    final state against megatron's checkpoint-restart at every resize.
+    Exit 0 verified, 1 a mismatch, 2 bad input, 3 the run failed.
     """
+    if sequence is not None:
+        if from_spec or to_spec:
+            raise ConfigError("give either --sequence or --from/--to, not both")
+        _verify_sequence(ctx, model_spec, sequence, distributed_optimizer, param_dtype, steps,
+                         global_batch, seed, max_processes, as_json)
+        return
+    if not (from_spec and to_spec):
+        raise ConfigError("give --from and --to (one resize) or --sequence (several)")
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
     from ..megatron.experiments import json_default
@@ -185,4 +203,29 @@ def verify(ctx, model_spec, from_spec, to_spec, distributed_optimizer, param_dty
         render(report, Console())
     if not report["verified"]:
         click.echo(f"slurm-etc: verify: MISMATCH: {describe_failure(report)}", err=True)
+        ctx.exit(1)
+
+
+def _verify_sequence(ctx, model_spec, text, distributed_optimizer, param_dtype, steps,
+                     global_batch, seed, max_processes, as_json) -> None:
+    from ..megatron.experiments import json_default
+    from ..pool.local import WorkerFailed
+    from ..worker.sequence import verify_sequence
+    from .verify_sequence import describe_sequence_failure, render_sequence, sequence_from_options
+
+    seq = sequence_from_options(model_spec, text, distributed_optimizer, param_dtype, steps,
+                                global_batch, seed, max_processes)
+    level = logging.getLogger().getEffectiveLevel()
+    try:
+        report = verify_sequence(seq, progress=progress_printer(), log_level=level)
+    except WorkerFailed as exc:
+        logging.getLogger(__name__).info("worker failure: %s", exc)
+        raise run_failed(exc) from None
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=json_default))
+    else:
+        render_sequence(report, Console())
+    if not report["verified"]:
+        click.echo(f"slurm-etc: verify: MISMATCH: {describe_sequence_failure(report)}",
+                   err=True)
         ctx.exit(1)

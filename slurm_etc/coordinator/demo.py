@@ -55,8 +55,11 @@ def demo_script(steps: int, grace_s: float = 60.0) -> EventsScript:
 def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8) -> JobSpec:
     argv = (sys.executable, "-m", "slurm_etc.worker.preset_worker", "--model", model.name,
             "--global-batch", str(global_batch), "--train-steps", str(steps))
+    # one thread per worker process: several share a core here (and the reference path's
+    # workers run so too, so losses compare bit for bit)
     return JobSpec(job_id, "demo", argv, TrainingJob(model, global_batch, 1, False),
-                   EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0)
+                   EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
+                   env={"OMP_NUM_THREADS": "1"})
 
 
 def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:

@@ -372,9 +372,10 @@ class Coordinator:
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
                        lost=tuple(lost), reason=action.reason[:200])
-        if action.deadline is not None and plan.est_seconds > action.deadline - self.clock():
+        left = None if action.deadline is None else action.deadline - self.clock()
+        if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
-                           plan.est_seconds, action.deadline - self.clock())
+                           plan.est_seconds, left)
         mid = record.record_migration_start(
             self.store, self.spec.job_id, from_generation=self.generation,
             to_generation=gen, plan_digest=order.plan_digest, moved_bytes=plan.moved_bytes,

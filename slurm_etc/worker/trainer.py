@@ -252,15 +252,15 @@ class ElasticTrainer:
 
     def _recover(self, err: RuntimeError) -> Order:
         """A collective failed (a peer died, e.g. its node failed). The step did not
-        complete anywhere it failed, so this rank's state is the last step's. Drop the
-        training groups at once (peers blocked on this rank fail fast too) and wait for the
+        complete anywhere it failed, so this rank's state is the last step's. Wait for the
         coordinator's resize that names the dead; without one within the timeout, the
-        original error stands."""
+        original error stands. The training groups stay until the resize has read this
+        rank's shards (megatron's sharded_state_dict asks them for tp/pp ranks); a
+        surviving peer still blocked on this rank in another collective fails at the
+        group's timeout."""
         proc = self._proc()
         self._log("a collective failed at step %d (%s); waiting for the coordinator",
                   self.step, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
             order = proc.control.wait(min(1.0, deadline - time.monotonic()))
