@@ -287,3 +287,33 @@ def test_from_environment_and_topology(client, anchor, tmp_path, monkeypatch):
         assert SlurmBackend.from_environment(None, policy).member_partition == "high"
     finally:
         backend.close()
+
+
+def test_elastic_sbatch_end_to_end(client, jobs, tmp_path):
+    """scripts/elastic.sbatch as users submit it: the coordinator in the anchor grows the job
+    with a member and runs workers in it (protocol-speaking stand-ins, bench/fake_worker.py);
+    cancelling the anchor leaves no member behind."""
+    repo = Path(__file__).resolve().parents[2]
+    wait_free(client, ["n1", "n2", "n3", "n4"])
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "TRAIN_CMD": f"{sys.executable} {repo / 'bench' / 'fake_worker.py'}",
+           "MODEL": "llama-7b", "GLOBAL_BATCH": "64", "STATE_DIR": str(tmp_path / "state")}
+    res = subprocess.run(["sbatch", "--parsable", "--nodelist=n1",
+                          str(repo / "scripts" / "elastic.sbatch")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True)
+    anchor = res.stdout.strip()
+    jobs.append(anchor)
+    name = member_job_name(anchor)
+    try:
+        member = wait_for(lambda: [j for j in client.jobs(name=name)
+                                   if j.state is JobState.RUNNING], "a running member", 60)[0]
+        jobs.append(member.job_id)
+        logs = tmp_path / ".slurm-etc" / anchor / "logs"
+        wait_for(lambda: list(logs.glob(f"gen*-*-{member.job_id}.log")),
+                 "workers launched into the member", 60)
+    finally:
+        client.cancel(anchor)
+    # The anchor's shell cancels every member, running or pending.
+    wait_for(lambda: not client.jobs(name=name), "no member left", 30)
+    out = (tmp_path / f"slurm-etc-{anchor}.out").read_text()
+    assert f"[slurm] request grow-1: member job {member.job_id}" in out, out[-2000:]
