@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo lint test test-unit bench clean
+.PHONY: setup demo plan-demo lint test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,17 +14,22 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the elastic demo exists: a real-size plan. Preemption takes the last two nodes of
-# each of the 8 pipeline stages of a 1,024-GPU llama-70b job (dp 16 -> 14).
-DROP := 14-15,30-31,46-47,62-63,78-79,94-95,110-111,126-127
+# The elastic demo: a small GPT through a grow, a preemption and a node loss on local
+# processes, with the coordinator and its SQLite record (slurm-etc demo --help).
 demo: $(STAMP)
+	$(BIN)/slurm-etc demo
+
+# A real-size plan: preemption takes the last two nodes of each of the 8 pipeline stages of
+# a 1,024-GPU llama-70b job (dp 16 -> 14).
+DROP := 14-15,30-31,46-47,62-63,78-79,94-95,110-111,126-127
+plan-demo: $(STAMP)
 	$(BIN)/slurm-etc plan --model llama-70b --from dp=16,tp=8,pp=8 --to dp=14,tp=8,pp=8 \
 		--distributed-optimizer --drop-nodes $(DROP)
 
 # Static checks first (configured in pyproject.toml): ruff over the code, tests and benchmarks;
 # mypy over the package (strict on the pure core: plan/, alloc/, policy/).
 lint: $(STAMP)
-	$(BIN)/ruff check slurm_etc tests bench
+	$(BIN)/ruff check slurm_etc tests bench examples
 	$(BIN)/mypy slurm_etc
 
 test: lint
