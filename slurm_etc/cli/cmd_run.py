@@ -64,11 +64,14 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
     policy = job_policy(policy_partition, account, policy_db)
     if backend == "local":
-        from ..coordinator.events import load_script, script_from_options
+        from ..coordinator.events import ScriptError, load_script, script_from_options
         from ..coordinator.local_backend import LocalBackend
 
-        script = (load_script(events_file) if events_file
-                  else script_from_options(nodes, gpus_per_node))
+        try:
+            script = (load_script(events_file) if events_file
+                      else script_from_options(nodes, gpus_per_node))
+        except ScriptError as err:
+            raise ConfigError(str(err)) from None
         be = LocalBackend(script)
         topology = be.topology
     else:

@@ -67,6 +67,9 @@ from .backend import (
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02
+# An order not yet answered is sent again (a worker drops messages older than its replay
+# window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
+RESEND_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class _Inflight:
     started: float
     reports: dict[int, Resized] = field(default_factory=dict)
     told: set[int] = field(default_factory=set)
+    stayers: set[int] = field(default_factory=set)
+    sent_at: float = 0.0
 
 
 class JobStopped(RuntimeError):
@@ -240,7 +245,10 @@ class Coordinator:
                 case Progress():
                     if report.step > self.step:
                         self.step, self.loss = report.step, report.loss
-                        self.backend.on_step(report.step)
+                        if self.inflight is None:
+                            # a scripted cluster's events wait for a resize to settle (a
+                            # loss during a migration is the faults issue's case)
+                            self.backend.on_step(report.step)
                         if report.generation == self.generation:  # else not committed yet
                             record.record_progress(self.store, self.spec.job_id,
                                                    report.generation, last_step=report.step,
@@ -390,16 +398,28 @@ class Coordinator:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                                 self._worker_env()))
-        told = set(old.devices) - set(lost)
-        missed = self.channel.broadcast(order, told)
-        self.inflight.told = told - set(missed)
-        if self._noticed_at is not None:
-            self.reaction_s.append(time.perf_counter() - self._noticed_at)
-            self._noticed_at = None
+        # The old layout pauses at its next step boundary and waits in the resize's
+        # rendezvous for the joining processes to start (a cold import of torch and
+        # megatron-core takes seconds on a busy node): letting it train on meanwhile is the
+        # pause issue's "prepare the new world before the pause".
+        self.inflight.stayers = set(old.devices) - set(lost)
+        self._order_stayers()
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
                     plan.lower_bound_moved_bytes / 2**20, len(plan.messages), plan.rounds)
+
+    def _order_stayers(self) -> None:
+        """Send the order to the workers of the old layout (the pause starts at their next
+        step boundary)."""
+        fl = self.inflight
+        assert fl is not None
+        missed = self.channel.broadcast(fl.order, fl.stayers)
+        fl.told |= fl.stayers - set(missed)
+        fl.sent_at = time.monotonic()
+        if self._noticed_at is not None:
+            self.reaction_s.append(time.perf_counter() - self._noticed_at)
+            self._noticed_at = None
 
     def _tell_joiner(self, vrank: int) -> None:
         fl = self.inflight
@@ -411,6 +431,9 @@ class Coordinator:
         fl = self.inflight
         assert fl is not None
         outcomes = {v: r.outcome for v, r in fl.reports.items()}
+        if fl.sent_at and time.monotonic() - fl.sent_at > RESEND_S:
+            self.channel.broadcast(fl.order, fl.told - set(outcomes))
+            fl.sent_at = time.monotonic()
         timed_out = time.monotonic() - fl.started > 2 * self.spec.worker_timeout_s
         if not timed_out and not fl.participants <= set(outcomes):
             return
@@ -442,8 +465,11 @@ class Coordinator:
                                new.devices, self.vranks, first_step=self.step)
         self.resize_times.append(self.clock())
         self.inflight = None
+        if self._noticed_at is not None:  # a notice that came during this resize waited
+            self._noticed_at = time.perf_counter()
         self.release_later |= fl.release
         self._release_now()
+        self.backend.on_step(self.step)
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)

@@ -263,11 +263,12 @@ class ElasticTrainer:
                   self.step, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
-            order = proc.control.wait(min(1.0, deadline - time.monotonic()))
-            if isinstance(order, Stop) and order.generation > self.generation:
-                return order
-            if isinstance(order, Resize) and order.generation > self.generation and order.lost:
-                return order
+            self._take_orders()
+            if isinstance(self._pending, Stop) or self._names_the_dead(self._pending):
+                order, self._pending = self._pending, None
+                if order is not None:
+                    return order
+            time.sleep(0.05)
         raise err
 
     def close(self) -> None:
@@ -364,8 +365,9 @@ class ElasticTrainer:
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
 
-    def _agree(self) -> Order | None:
-        """Collective at a step boundary: the newest order any rank holds, on every rank."""
+    def _take_orders(self) -> None:
+        """Drain the control seam into ``_pending`` (the newest order; an Abort cancels the
+        pending resize of its generation)."""
         proc = self._proc()
         while (order := proc.control.poll()) is not None:
             if order.generation <= self.generation:
@@ -378,19 +380,45 @@ class ElasticTrainer:
                 continue
             if self._pending is None or order.generation >= self._pending.generation:
                 self._pending = order
-        world, rank = dist.get_world_size(), dist.get_rank()
-        flags = torch.full((world,), -1, dtype=torch.int64)
-        if self._pending is not None:
-            flags[rank] = self._pending.generation
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        best = int(flags.max())
-        if best < 0:
-            return None
-        src = int((flags == best).nonzero()[0])
-        payload: list[bytes] = [ENCODER.encode(self._pending) if rank == src else b""]
-        dist.broadcast_object_list(payload, src=src)
+
+    def _agree(self) -> Order | None:
+        """At a step boundary, every rank of the layout learns the newest order any of them
+        holds (one rank being told is enough).
+
+        Through the rendezvous store rather than a collective: each rank writes what it
+        holds under this step's key and waits for the others' keys while it keeps reading
+        its own orders. A peer that died never writes; the coordinator's resize naming the
+        dead then ends the wait on every survivor, which no blocked collective could."""
+        proc = self._proc()
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("agreement without a layout")
+        self._take_orders()
+        rank = layout.devices.index(proc.vrank)
+        base = f"{proc.job}/g{self.generation}/agree"
+        keys = [f"{base}/{self.step}/{r}" for r in range(layout.config.world)]
+        proc.store.set(keys[rank], ENCODER.encode(self._pending) if self._pending else b"-")
+        if self.step >= 2:  # every peer read it before the step after it could start
+            proc.store.delete_key(f"{base}/{self.step - 2}/{rank}")
+        deadline = time.monotonic() + proc.timeout_s
+        while not proc.store.check(keys):
+            self._take_orders()
+            if self._names_the_dead(self._pending):
+                order, self._pending = self._pending, None
+                return order
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
+                                   f"within {proc.timeout_s:.0f} s")
+            time.sleep(0.002)
+        values = proc.store.multi_get(keys)
         self._pending = None
-        return ORDER_DECODER.decode(payload[0])
+        orders = [ORDER_DECODER.decode(v) for v in values if v != b"-"]
+        return max(orders, key=lambda o: o.generation) if orders else None
+
+    def _names_the_dead(self, order: Order | None) -> bool:
+        """A resize away from this layout that names some of its devices as lost."""
+        return (isinstance(order, Resize) and bool(order.lost) and self.layout is not None
+                and order.old.layout() == self.layout)
 
     # -- resize ---------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ migration the script implies.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -62,6 +65,19 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
         assert m.pause_seconds is not None and m.pause_seconds > 0
     assert gens[-1].last_step == STEPS
     assert out["reaction_s"] and max(out["reaction_s"]) < 5.0
+
+    # what a user sees: `slurm-etc status --json` in a process of its own
+    shown = subprocess.run(
+        [sys.executable, "-c", "from slurm_etc.cli.main import main; main()", "status",
+         job_id, "--db", str(tmp_path / "job.db"), "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    (job,) = json.loads(shown.stdout)["jobs"]
+    assert job["job_id"] == job_id and job["state"] == "finished"
+    assert len(job["generations"]) == 5
+    committed = [m for m in job["migrations"] if m["outcome"] == "committed"]
+    assert len(committed) == 4
+    assert all(m["moved_bytes"] >= m["lower_bound_bytes"] for m in committed)
+    assert {e["kind"] for e in job["events"]} >= {"grant", "preempt-notice", "loss"}
 
     # the losses of the coordinated run equal checkpoint-restart through the same layouts,
     # resized at the same steps
