@@ -27,6 +27,6 @@ def json_default(value: Any) -> Any:
     """For ``json.dumps``: tuples and sets as lists."""
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -197,7 +197,7 @@ def w_resize(ctx: WorkerContext, *, keep_bits: bool, corrupt: bool = False,
     result: dict[str, Any] = {"stats": out.stats, "seconds": out.seconds,
                               "new_rank": plan.new.devices.index(ctx.index)
                               if out.state is not None else None}
-    if out.state is not None:
+    if out.state is not None and out.resume is not None:
         ctx.objects["state"] = out.state
         result["step"] = out.resume.step
         result["rng_installed"] = bytes(torch.get_rng_state().numpy().tobytes()) == out.resume.rng
