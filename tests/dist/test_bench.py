@@ -52,9 +52,11 @@ def test_bench_tiny_reports_both_paths():
     assert s["checkpoint_seconds_all_at_once"] == pytest.approx(
         parts["save"] + parts["stop"] + parts["cold_start_all_at_once"]
         + parts["build_load_all_at_once"] + parts["handoffs_all_at_once"])
-    # inside build + load, the slowest rank's group, build and load follow one another
-    assert parts["group"] + parts["build"] + parts["load"] <= parts["build_load"] + 1e-6
-    assert parts["megatron_save"] + parts["extra_fsync"] <= parts["save"] + 1e-6
+    # the slowest rank's group, build and load each lie inside the build + load span, and
+    # megatron's save and the extra fsync inside the save span (their sum need not: the
+    # slowest rank of one part is not always the slowest of the next)
+    assert max(parts["group"], parts["build"], parts["load"]) <= parts["build_load"] + 1e-6
+    assert max(parts["megatron_save"], parts["extra_fsync"]) <= parts["save"] + 1e-6
     assert parts["checkpoint_bytes"] >= s["state_bytes"]
     assert s["ratio"] == pytest.approx(s["checkpoint_seconds"] / s["etc_seconds"])
     assert s["ratio_all_at_once"] == pytest.approx(

@@ -239,6 +239,23 @@ def test_a_uid_without_a_name_is_refused(run, sacctmgr, monkeypatch):
     assert sacctmgr.asked() == []
 
 
+def _traversable_tmp():
+    """A temporary directory whose every ancestor others may enter (the second user must
+    reach the fake sacctmgr), or None."""
+    import stat
+
+    for base in (tempfile.gettempdir(), "/var/tmp", "/tmp", "/dev/shm"):
+        path, ok = Path(base).resolve(), True
+        for p in (path, *path.parents):
+            try:
+                ok = ok and bool(p.stat().st_mode & stat.S_IXOTH)
+            except OSError:
+                ok = False
+        if ok and os.access(path, os.W_OK):
+            return str(path)
+    return None
+
+
 def _spoof_as(uid, gid, db, sacctmgr_dir):
     """Child of a fork: become uid/gid for real, claim to be admin, run ``policy set``."""
     os.setgroups([])
@@ -259,10 +276,13 @@ def _spoof_as(uid, gid, db, sacctmgr_dir):
 def test_a_real_second_user_spoofing_admin_is_refused():
     """A real local user (created here, removed after) runs ``policy set`` with
     LOGNAME=USER=admin: refused under its own name; sacctmgr was asked about it."""
+    base = _traversable_tmp()
+    if base is None:
+        pytest.skip("no temporary directory that another user can reach")
     name = f"slurmetc-t{os.getpid()}"
     subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
                     "/usr/sbin/nologin", name], check=True, capture_output=True)
-    work = tempfile.mkdtemp(prefix="slurm-etc-spoof-")
+    work = tempfile.mkdtemp(prefix="slurm-etc-spoof-", dir=base)
     try:
         os.chmod(work, 0o777)
         entry = pwd.getpwnam(name)
