@@ -177,6 +177,7 @@ def private_dir(path: Path) -> Path:
         LocationError: the directory cannot be created or is not safely ours.
     """
     path = Path(path)
+    existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         path.mkdir(mode=0o700, exist_ok=True)
@@ -189,7 +190,9 @@ def private_dir(path: Path) -> Path:
     if st.st_uid != os.getuid():
         raise LocationError(f"{path} belongs to uid {st.st_uid}, not to you "
                             f"(uid {os.getuid()}); remove it or choose another location")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    # A directory we create is owner-only; one that was there (e.g. /tmp, a shared project
+    # directory) keeps its mode: the files in it are created 0600.
+    if not existed and stat.S_IMODE(st.st_mode) & 0o077:
         try:
             os.chmod(path, 0o700)
         except OSError as exc:

@@ -565,3 +565,19 @@ def test_readers_never_block_the_writer(tmp_path):
             t.join()
         store.close()
     assert not errors
+
+
+def test_a_db_in_an_existing_shared_directory_leaves_its_mode_alone(tmp_path):
+    """``--db /tmp/x.db`` must not make /tmp owner-only (the file itself is 0600)."""
+    import os
+    import stat
+
+    from slurm_etc.store import jobs
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    store = jobs.open_job_store("shared-dir-job", db=shared / "job.db", publish=False)
+    store.close()
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777
+    assert stat.S_IMODE(os.stat(shared / "job.db").st_mode) & 0o077 == 0
