@@ -3,6 +3,8 @@ around a backend, then the reconcile loop (:mod:`.loop`)."""
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -43,11 +45,31 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     channel.set_rendezvous(host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
+    # SIGTERM (scancel, the time limit, a requeue) ends the loop through the same clean
+    # close as any other end: workers stopped, members cancelled, the record closed.
+    previous = _on_sigterm(_terminate)
     try:
         state = coordinator.run(deadline_s=deadline_s)
     finally:
-        backend.close()
-        channel.close()
-        store.close()
+        _on_sigterm(signal.SIG_IGN)  # a second SIGTERM does not cut the close short
+        try:
+            backend.close()
+            channel.close()
+            store.close()
+        finally:
+            _on_sigterm(previous)
     return {"state": state, "reaction_s": coordinator.reaction_s,
             "generation": coordinator.generation, "step": coordinator.step}
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    logger.warning("coordinator: got SIGTERM; stopping the workers and closing")
+    raise SystemExit(128 + signum)
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM (main thread only; elsewhere nothing), returning the
+    previous one."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
