@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # How long close() waits after SIGTERM before it kills.
 CLOSE_GRACE_S = 5.0
+# How long a launch waits for a killed process whose vrank it reuses.
+STOPPING_WAIT_S = 10.0
 
 
 @dataclass
@@ -145,6 +147,15 @@ class LocalBackend:
         todo = []
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
+            if (current is not None and not current.reported
+                    and current.state.device != spec.device and current.state.stopping):
+                # a vrank given to a new device while its old process is being killed (its
+                # device was released or lost): let it go first
+                try:
+                    current.proc.wait(timeout=STOPPING_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._reap(self._clock())
             if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
