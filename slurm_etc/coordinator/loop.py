@@ -144,6 +144,7 @@ class Coordinator:
         self.requests = 0
         self.done: set[int] = set()
         self.dirty = True
+        self.dirty_at_first_step = False
         self.reason = ""
         self.reaction_s: list[float] = []
         self._noticed_at: float | None = None
@@ -245,6 +246,8 @@ class Coordinator:
                 case Progress():
                     if report.step > self.step:
                         self.step, self.loss = report.step, report.loss
+                        if self.dirty_at_first_step:
+                            self.dirty, self.dirty_at_first_step = True, False
                         if self.inflight is None:
                             # a scripted cluster's events wait for a resize to settle (a
                             # loss during a migration is the faults issue's case)
@@ -298,6 +301,10 @@ class Coordinator:
                 case ResizeDecision():
                     if self.layout is None:
                         self._start(action)
+                    elif self.step < 1 and not action.forced:
+                        # the optimizer has no state to move before the first step: a grant
+                        # that came while the first workers were starting waits for it
+                        self.dirty_at_first_step = True
                     else:
                         self._resize(action)
                 case Release():
@@ -422,8 +429,11 @@ class Coordinator:
             self._noticed_at = None
 
     def _tell_joiner(self, vrank: int) -> None:
+        """A worker said hello: it gets the resize in flight if it has not had it — a joiner,
+        or a worker of the old layout still starting when the order went out (on Slurm a
+        member can be granted before the first layout's processes finished importing)."""
         fl = self.inflight
-        if fl is not None and vrank in fl.joiners and vrank not in fl.told:
+        if fl is not None and vrank in fl.participants and vrank not in fl.told:
             if self.channel.send(vrank, fl.order):
                 fl.told.add(vrank)
 

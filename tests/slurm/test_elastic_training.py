@@ -1,0 +1,267 @@
+"""Real training on the local Slurm cluster: grow, preemption and node loss, in memory.
+
+The coordinator runs in an anchor job (n1, partition ``main``) as scripts/elastic.sbatch runs
+it (tests/slurm/elastic_job.py says how it differs); its workers are the preset trainer
+(``tiny``, megatron-core GPT on CPU, one process per "GPU"), launched as srun steps. The
+admin policy of ``main`` (set with ``slurm-etc policy set`` into a policy database of the
+test's own) lets the job grow by one node in ``scavenge``. A blocker job holds n4, so the
+members land on n2 and n3:
+
+1. the coordinator starts on n1 (dp=2), requests a member and grows into it (dp=2,tp=2);
+2. a job in ``high`` takes the member's node: preemption notice -> shrink back to n1 inside
+   the grace, the member released; the coordinator asks again and grows into n3;
+3. n3 is set DOWN: loss without notice -> the survivors on n1 (a full dp replica) resize in
+   memory.
+
+After each resize training goes on with exactly the losses of megatron-core's
+checkpoint-restart through the same layouts resized at the same steps (computed here on
+local processes); no checkpoint is written; ``slurm-etc status --json``, a process outside
+the job, shows the generations, the committed migrations and the events. Run twice: with the
+default per-job SQLite record (read from the published snapshot) and with the record in a
+MariaDB database beside slurmdbd's.
+
+``pytest tests/slurm/test_elastic_training.py -s`` prints the timings the README quotes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_etc.slurm import JobSpec, JobState, NodeAdminState
+from slurm_etc.slurm.backend import member_job_name
+
+from .test_client import partition, running, wait_for, wait_free
+
+pytestmark = pytest.mark.timeout(900)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).resolve().parent / "elastic_job.py"
+VENV_BIN = Path(sys.executable).parent
+STEPS = 48
+PACE_S = 0.25  # per forward pass while paced: 4 micro-batches a step -> ~1 s a step
+MYSQL_PORT = int(os.environ.get("SLURM_ETC_PORT_BASE", "16800")) + 2
+
+
+def _cluster_dir() -> Path:
+    return Path(os.environ.get("SLURM_ETC_CLUSTER_DIR", "/tmp/slurm-etc-cluster"))
+
+
+def _mysql_url() -> str:
+    """A database and a user of their own on the cluster's MariaDB (beside slurmdbd's)."""
+    sock = _cluster_dir() / "run" / "mysqld.sock"
+    client = shutil.which("mariadb") or shutil.which("mysql")
+    if client is None or not sock.exists():
+        pytest.fail(f"no MariaDB client or socket ({sock})", pytrace=False)
+    password = secrets.token_hex(12)
+    sql = ("CREATE DATABASE IF NOT EXISTS slurm_etc_test; "
+           "CREATE USER IF NOT EXISTS 'etc_test'@'127.0.0.1' IDENTIFIED BY 'x'; "
+           f"ALTER USER 'etc_test'@'127.0.0.1' IDENTIFIED BY '{password}'; "
+           "GRANT ALL ON slurm_etc_test.* TO 'etc_test'@'127.0.0.1'; FLUSH PRIVILEGES;")
+    subprocess.run([client, "--no-defaults", "-S", str(sock), "-u", "root", "-e", sql],
+                   check=True, capture_output=True, text=True, timeout=30)
+    return f"mysql+pymysql://etc_test:{password}@127.0.0.1:{MYSQL_PORT}/slurm_etc_test"
+
+
+def _ts(text: str | None) -> float:
+    from datetime import UTC, datetime
+
+    assert text is not None
+    when = datetime.fromisoformat(text)
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _world(progress: dict) -> int:
+    from slurm_etc.plan import ParallelConfig
+
+    return ParallelConfig.parse(progress["layout"]).world
+
+
+def _progress(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _first_step_of(path: Path, generation: int) -> dict | None:
+    return next((p for p in _progress(path) if p["generation"] == generation), None)
+
+
+def _running_member(client, anchor: str, exclude: set[str]):
+    jobs = [j for j in client.jobs(name=member_job_name(anchor))
+            if j.state is JobState.RUNNING and j.job_id not in exclude and j.nodes]
+    return jobs[0] if jobs else None
+
+
+@pytest.mark.parametrize("store", ["sqlite", "mariadb"])
+def test_grow_preempt_and_node_down_train_exactly(client, jobs, tmp_path, store):
+    from slurm_etc.plan import ParallelConfig
+    from slurm_etc.plan.model import PRESETS
+    from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
+
+    nodes = ["n1", "n2", "n3", "n4"]
+    wait_free(client, nodes)
+    grace = int(partition("scavenge")["GraceTime"])
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    policy_db = tmp_path / "policy.db"
+    subprocess.run(["slurm-etc", "policy", "set", "--partition", "main", "min_nodes=1",
+                    "max_nodes=2", "grow=yes", "grow_partition=scavenge",
+                    "preempt_grace_s=60"], env={**env, "SLURM_ETC_DB": str(policy_db)},
+                   check=True, capture_output=True, text=True, timeout=60)
+    db_url = _mysql_url() if store == "mariadb" else None
+    state_dir, run_dir = tmp_path / "state", tmp_path / "run"
+    progress, pace = tmp_path / "progress.jsonl", tmp_path / "pace"
+    pace.touch()
+    down: list[str] = []
+    t: dict[str, float] = {}
+    # n4 is taken for the whole test: members go to n2, then n3, then none is free.
+    blocker = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
+                                    partition="main", nodes=1, exclusive=True,
+                                    nodelist=("n4",), output=str(tmp_path / "blocker.out")))
+    jobs.append(blocker)
+    wait_for(running(client, blocker), "blocker RUNNING")
+    script = (
+        "#!/bin/bash\n"
+        f"export SLURM_ETC_RUN_DIR={run_dir} SLURM_ETC_MEMBER_PARTITION=scavenge\n"
+        f"export PATH={VENV_BIN}:$PATH\n"
+        f"exec {sys.executable} {JOB} anchor --state-dir {state_dir} --policy-db {policy_db}"
+        f" --progress {progress} --train-steps {STEPS} --pace-file {pace} --pace-s {PACE_S}"
+        + (f" --db '{db_url}'" if db_url else "") + "\n")
+    anchor = client.submit(JobSpec(script=script, name="elastic", partition="main", nodes=1,
+                                   gpus_per_node=2, exclusive=True, nodelist=("n1",),
+                                   output=str(tmp_path / "anchor.out"), workdir=str(tmp_path)))
+    jobs.append(anchor)
+    t["submit"] = time.time()
+    log = tmp_path / "anchor.out"
+
+    def tail() -> str:
+        return log.read_text()[-4000:] if log.exists() else "(no output)"
+
+    def generation(g: int, what: str, timeout: float = 150) -> dict:
+        try:
+            return wait_for(lambda: _first_step_of(progress, g), what, timeout, 0.3)
+        except BaseException:
+            print(tail())
+            raise
+
+    try:
+        generation(0, "training in the anchor (generation 0)")
+        # 1. grow: the coordinator's member is granted and the job trains on 4 devices
+        first = generation(1, "training in the bigger layout (generation 1)")
+        member1 = _running_member(client, anchor, set())
+        assert member1 is not None and member1.nodes[0] in ("n2", "n3"), member1
+        jobs.append(member1.job_id)
+        t["grow1_first_step"] = first["t"]
+        assert _world(first) == 4, first
+
+        # 2. preemption: a high-priority job takes the member's node
+        (node1,) = member1.nodes
+        t["preempt_submit"] = time.time()
+        pre = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
+                                    partition="high", nodes=1, exclusive=True,
+                                    nodelist=(node1,), output=str(tmp_path / "pre.out")))
+        jobs.append(pre)
+        shrunk = generation(2, "training after the preemption (generation 2)", grace + 60)
+        t["shrunk_first_step"] = shrunk["t"]
+        assert _world(shrunk) == 2, shrunk
+        regrown = generation(3, "training after growing again (generation 3)")
+        t["grow2_first_step"] = regrown["t"]
+        member2 = _running_member(client, anchor, {member1.job_id})
+        assert member2 is not None, tail()
+        jobs.append(member2.job_id)
+        (node2,) = member2.nodes
+        assert node2 not in (node1, "n1", "n4")
+        # recoverable in memory: a whole replica on the anchor's node
+        assert _world(regrown) == 4 and ParallelConfig.parse(regrown["layout"]).dp >= 2
+
+        # 3. node DOWN without notice
+        t["down"] = time.time()
+        client.set_node_state([node2], NodeAdminState.DOWN, "slurm-etc test: node lost")
+        down.append(node2)
+        survived = generation(4, "training after the node loss (generation 4)", 120)
+        t["down_first_step"] = survived["t"]
+        assert _world(survived) == 2, survived
+        pace.unlink()  # the rest at full speed
+        wait_for(lambda: all(j.state.finished for j in client.jobs([anchor])) or
+                 not client.jobs([anchor]), "the anchor job to end", 240, 1.0)
+    finally:
+        if pace.exists():
+            pace.unlink()
+        client.cancel(anchor)
+        if down:
+            client.set_node_state(down, NodeAdminState.RESUME)
+    out = log.read_text()
+    assert '"state": "finished"' in out, out[-4000:]
+    wait_for(lambda: not [j for j in client.jobs(name=member_job_name(anchor))
+                          if not j.state.finished], "no member left", 60)
+
+    # what a process outside the job sees
+    status_cmd = ["slurm-etc", "status", anchor, "--json"] + (
+        ["--db", db_url] if db_url else ["--state-dir", str(state_dir)])
+    res = subprocess.run(status_cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    (job,) = json.loads(res.stdout)["jobs"]
+    assert job["job_id"] == anchor and job["state"] == "finished", job
+    gens = sorted(job["generations"], key=lambda g: g["number"])
+    layouts = [g["layout"] for g in gens]
+    assert [g["world_size"] for g in gens] == [2, 4, 2, 4, 2], gens
+    migrations = job["migrations"]
+    assert [m["outcome"] for m in migrations] == ["committed"] * 4, migrations
+    assert all(m["moved_bytes"] >= m["lower_bound_bytes"] for m in migrations), migrations
+    kinds = [e["kind"] for e in job["events"]]
+    # (a node set DOWN also sends SIGTERM to the member's batch shell: a notice, then the loss)
+    assert kinds.count("grant") >= 3 and kinds.count("preempt-notice") >= 1, kinds
+    assert kinds.count("loss") >= 1, kinds
+    notice = next(e for e in job["events"] if e["kind"] == "preempt-notice")
+
+    # no checkpoint: nothing but the record, logs and notices was written
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [p for p in written if p.suffix in (".distcp", ".pt") or
+                p.name in (".metadata", "metadata.json", "common.pt")], written
+
+    # every step's loss equals checkpoint-restart through the same layouts at the same steps
+    seen = {p["step"]: p for p in _progress(progress)}
+    assert sorted(seen) == list(range(1, STEPS + 1))
+    ends = tuple(g["last_step"] for g in gens)
+    seq = ResizeSequence(PRESETS["tiny"], tuple(ParallelConfig.parse(x) for x in layouts),
+                         steps=1, global_batch=8, ends=ends, total_steps=STEPS)
+    t_ref = time.monotonic()
+    reference = checkpoint_losses(seq)
+    ref_s = time.monotonic() - t_ref
+    assert {s: p["loss"] for s, p in seen.items()} == \
+        {s: r["loss"] for s, r in reference.items()}
+
+    # timings (the README's "Running on Slurm")
+    m_shrink = next(m for m in migrations if m["to_generation"] == 2)
+    committed = _ts(m_shrink["ended"])
+    grants = [_ts(e["received"]) for e in job["events"] if e["kind"] == "grant"]
+    timings = {
+        "notice_s": _ts(notice["received"]) - t["preempt_submit"],
+        "preempt_to_commit_s": committed - t["preempt_submit"],
+        "commit_before_deadline_s": _ts(notice["deadline"]) - committed,
+        "grant_to_step_s": [t["grow1_first_step"] - grants[1],
+                            t["grow2_first_step"] - grants[2]],
+        "down_to_step_s": t["down_first_step"] - t["down"],
+    }
+    print(f"\n[{store}] resizes after steps {ends[:-1]}; checkpoint reference {ref_s:.0f} s; "
+          f"GraceTime {grace} s\n  preemptor submitted -> notice recorded "
+          f"{timings['notice_s']:.1f} s -> shrink committed {timings['preempt_to_commit_s']:.1f}"
+          f" s ({timings['commit_before_deadline_s']:.1f} s before the notice's deadline)"
+          f"\n  grant -> first step in the bigger layout: "
+          + ", ".join(f"{x:.1f} s" for x in timings["grant_to_step_s"])
+          + f"\n  node DOWN -> training again: {timings['down_to_step_s']:.1f} s"
+          "\n  migrations: " + ", ".join(
+              f"{m['from_generation']}->{m['to_generation']} {m['moved_bytes'] / 2**20:.2f} MiB"
+              f" pause {m['pause_seconds']:.2f} s" for m in migrations))
+    print("TIMINGS " + json.dumps({"store": store, **timings}))
+    assert committed <= _ts(notice["deadline"]), "the shrink did not commit inside the grace"
+    if down:
+        wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
+                 f"{down} back in service", timeout=60)
