@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from slurm_etc.megatron import build
 from slurm_etc.megatron.state import (
-    build_empty_state,
     check_shards,
     install_shards,
     local_shards,
@@ -86,10 +85,6 @@ def build_state(model: ModelDesc, device: torch.device, *, seed: int | None) -> 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                                  pipeline_model_parallel_size=1)
-    if device.type == "cpu" and seed is None:
-        return build_empty_state(model, OLD)
-    if device.type == "cpu":
-        return build.build_modules(model, OLD, seed=seed)
     tf_config = build.transformer_config(model, OLD)
     if seed is None:
         tf_config = dataclasses.replace(tf_config, perform_initialization=False)
@@ -468,11 +463,11 @@ def check_model(model: ModelDesc, device: torch.device, *, steps: int, seed: int
 
 # -- the whole run -----------------------------------------------------------------------------
 
-def start(device: torch.device) -> None:
-    """A one-rank default group (gloo for CPU tensors, NCCL for CUDA ones)."""
+def start(device: torch.device, backend: str | None = None) -> None:
+    """A one-rank default group (default: gloo for CPU tensors, NCCL for CUDA ones)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -508,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences per step (default: 8 on CUDA, 2 on CPU)")
     ap.add_argument("--staging-mib", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--backend", default=None,
+                    help="torch.distributed backend of the one-rank group (default: "
+                         "cpu:gloo,cuda:nccl on CUDA, gloo on CPU)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=os.environ.get("OUT"),
                     help="directory for gpu_check.json (default: $OUT)")
@@ -523,12 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     seq = args.seq or (512 if cuda else 32)
     gb = args.global_batch or (8 if cuda else 2)
-    start(device)
+    start(device, args.backend)
     info: dict[str, Any] = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "seq": seq, "global_batch": gb, "steps": args.steps, "staging_mib": args.staging_mib,
+        "backend": str(dist.get_backend()), "seq": seq, "global_batch": gb,
+        "steps": args.steps, "staging_mib": args.staging_mib,
         "unmeasured": "NCCL between ranks (one GPU: every peer is a thread of this process); "
                       "the multi-process resize_in_place"}
     try:
