@@ -6,7 +6,14 @@ import sys
 
 import click
 
+from ..coordinator.channel import SecretError
 from ..plan.errors import ConfigError
+from ..store.db import StoreError
+from ..store.location import LocationError
+
+# Mistakes in what was asked or in the files named (a model, a trace, a corrupt, locked or
+# foreign database, an unknown job): one line, never a traceback.
+_DOMAIN_ERRORS = (ConfigError, StoreError, LocationError, SecretError)
 
 
 class UserError(click.ClickException):
@@ -19,13 +26,35 @@ class UserError(click.ClickException):
 
 
 class EtcGroup(click.Group):
-    """Turns domain errors (ConfigError) into one clear line instead of a traceback."""
+    """Turns domain errors into one clear line instead of a traceback, and click's own usage
+    errors (bad option values, missing options) into one line too (exit 2)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except ConfigError as exc:
-            raise UserError(str(exc)) from None
+        except _DOMAIN_ERRORS as exc:
+            raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                            ) from None
+
+    def main(self, args=None, prog_name=None,
+             complete_var=None, standalone_mode: bool = True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            message = " ".join(exc.format_message().split())
+            click.echo(f"slurm-etc: error: {message}{where}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        # click returns an Exit's code without exiting when not standalone
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 @click.group(cls=EtcGroup, context_settings={"auto_envvar_prefix": "SLURM_ETC",

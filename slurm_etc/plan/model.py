@@ -60,6 +60,16 @@ class ModelDesc:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model {self.name}: {f} must be a positive integer, "
                                   f"got {value!r}")
+        for f in ("swiglu", "rmsnorm", "add_bias_linear", "learned_position_embeddings",
+                  "tied_embeddings"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"model {self.name}: {f} must be true or false, "
+                                  f"got {getattr(self, f)!r}")
+        if self.num_query_groups is not None and (
+                not isinstance(self.num_query_groups, int)
+                or isinstance(self.num_query_groups, bool)):
+            raise ConfigError(f"model {self.name}: num_query_groups must be a positive "
+                              f"integer or null, got {self.num_query_groups!r}")
         if self.hidden % self.num_heads:
             raise ConfigError(f"model {self.name}: num_heads ({self.num_heads}) must divide "
                               f"hidden ({self.hidden})")
@@ -159,6 +169,13 @@ def load_model(spec: str) -> ModelDesc:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"model file {spec} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"model file {spec} is a directory; give a JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read model file {spec}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"model file {spec} is not text (not a JSON model description)"
+                          ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"model file {spec} is not valid JSON: {exc.msg} at line "
                           f"{exc.lineno} column {exc.colno}") from None

@@ -269,7 +269,12 @@ def open_store_readonly(target: str | os.PathLike[str], *, immutable: bool = Fal
 
 def _reason(exc: SQLAlchemyError) -> str:
     orig = getattr(exc, "orig", None)
-    return str(orig if orig is not None else exc).splitlines()[0]
+    text = str(orig if orig is not None else exc).splitlines()[0]
+    if "database is locked" in text:
+        # sqlite3 gave up after BUSY_TIMEOUT_S: say so rather than leave the user guessing
+        text += (f" (another process held its lock for {BUSY_TIMEOUT_S:g} s: a running "
+                 "coordinator or a stuck client; nothing was written, try again later)")
+    return text
 
 
 def _check_sqlite_header(db: Path) -> None:
