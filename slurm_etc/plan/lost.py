@@ -102,3 +102,59 @@ def _where(catalog: Catalog, tab: RegionTable, row: int) -> str:
     if int(tab.dp_rank[row]) >= 0:
         bits.append(f"dp rank {int(tab.dp_rank[row])}'s shard")
     return f" ({', '.join(bits)})" if bits else ""
+
+
+# -- peer copies: what rebuilds state that no surviving replica holds ------------------------
+
+def peer_buddies(devices: Sequence[int], gpus_per_node: int) -> tuple[int, ...]:
+    """The rank that keeps a copy of each rank's state (``out[r]``), never on ``r``'s node.
+
+    Ranks are ordered by (node, device); rank ``r`` at position ``i`` sends to the rank at
+    position ``i + m`` (``m``: the most ranks any node holds), walking on past ranks of its
+    own node. With every node holding ``m`` ranks this is a permutation (each rank keeps
+    exactly one copy). Deterministic: every rank computes the same assignment.
+
+    Raises:
+        ConfigError: all ranks are on one node (no copy could survive the node).
+    """
+    if gpus_per_node < 1:
+        raise ConfigError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    nodes = [int(d) // gpus_per_node for d in devices]
+    if len(set(nodes)) < 2:
+        raise ConfigError(f"peer copies need ranks on at least two nodes; devices "
+                          f"{list(devices)} are all on node {nodes[0] if nodes else '-'}")
+    order = sorted(range(len(devices)), key=lambda r: (nodes[r], int(devices[r])))
+    m = max(nodes.count(n) for n in set(nodes))
+    out = [0] * len(devices)
+    for i, r in enumerate(order):
+        j = i + m
+        while nodes[order[j % len(order)]] == nodes[r]:
+            j += 1
+        out[r] = order[j % len(order)]
+    return tuple(out)
+
+
+def rollback_step(lost_ranks: Collection[int], own: dict[int, Collection[int]],
+                  copies: dict[int, dict[int, Collection[int]]]) -> int | None:
+    """The newest step every survivor can roll back to with the lost ranks' peer copies.
+
+    Args:
+        lost_ranks: old ranks whose device died.
+        own: surviving rank -> steps of the snapshots it keeps of its own state.
+        copies: surviving rank -> {rank it keeps copies of: steps of those copies}.
+
+    Returns:
+        The largest step ``s`` such that every survivor holds its own snapshot of ``s`` and
+        every lost rank's copy of ``s`` is held by a survivor; None if there is none.
+    """
+    lost = set(lost_ranks)
+    if not own:
+        return None
+    common = set.intersection(*(set(v) for v in own.values()))
+    for r in lost:
+        held: set[int] = set()
+        for holder, wards in copies.items():
+            if holder not in lost:
+                held |= set(wards.get(r, ()))
+        common &= held
+    return max(common) if common else None

@@ -106,7 +106,9 @@ class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_field
 
 
 class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=True):
-    """One worker's side of a resize: ``outcome`` committed, aborted or left (departed)."""
+    """One worker's side of a resize: ``outcome`` committed, aborted or left (departed).
+    ``lost_steps``: (first, last) steps trained before a node was lost without grace whose
+    state no replica held; the job rolled back to ``first - 1`` and trains them again."""
 
     job: str
     generation: int
@@ -118,6 +120,7 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     sent_bytes: int = 0
     received_bytes: int = 0
     error: str = ""
+    lost_steps: tuple[int, int] | None = None
 
 
 class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):

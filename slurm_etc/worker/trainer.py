@@ -50,7 +50,7 @@ from slurm_etc.megatron.build import TrainingState, skip_tied_embedding_sync, wr
 from slurm_etc.megatron.live import check_catalog, model_desc_of
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
-from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
 
 from .control import (
@@ -66,10 +66,13 @@ from .control import (
     Stop,
 )
 from .data import check_batch, microbatch_samples
+from .redundancy import PeerCopies
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+# A planted bug for the node-loss oracle's self-test: peer copies one refresh stale.
+STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class ResizeRecord:
     pause_seconds: float
     data_seconds: float
     error: str = ""
+    lost_steps: tuple[int, int] | None = None  # (first, last) trained, lost with a node
 
 
 class ElasticTrainer:
@@ -163,6 +167,12 @@ class ElasticTrainer:
         name: the model's name in plans and logs.
         seed: seeds torch's generators before the first build (initial weights).
         collate: stacks a micro-batch's samples (default: ``torch.stack`` per key).
+        peer_copy_every: every this many steps each rank copies its state to a rank on
+            another node (:mod:`.redundancy`), so that a node lost without grace loses at
+            most these steps even where no dp replica survives; 0: off.
+        checkpoint_every, checkpoint_dir: a megatron-core checkpoint every this many steps
+            into ``checkpoint_dir`` (the last one kept): the fallback when neither a replica
+            nor a peer copy survives a loss; 0: off.
     """
 
     def __init__(self, *, model_provider: Callable[..., Any], forward_step: Callable[..., Any],
@@ -170,9 +180,15 @@ class ElasticTrainer:
                  optimizer_config: Any, scheduler: SchedulerConfig, global_batch_size: int,
                  micro_batch_size: int, seq_length: int, train_steps: int,
                  name: str = "user-model", seed: int = 1234,
-                 collate: Callable[[list], Any] | None = None) -> None:
+                 collate: Callable[[list], Any] | None = None, peer_copy_every: int = 0,
+                 checkpoint_every: int = 0, checkpoint_dir: str | None = None) -> None:
         if train_steps < 0:
             raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
+        if peer_copy_every < 0 or checkpoint_every < 0:
+            raise ConfigError(f"peer_copy_every ({peer_copy_every}) and checkpoint_every "
+                              f"({checkpoint_every}) must be >= 0 (0: off)")
+        if checkpoint_every and not checkpoint_dir:
+            raise ConfigError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
         check_batch(global_batch_size, micro_batch_size, 1)
         self.model_provider = model_provider
         self.forward_step = forward_step
@@ -187,6 +203,12 @@ class ElasticTrainer:
         self.name = name
         self.seed = seed
         self.collate = collate or _stack
+        self.peer_copy_every = peer_copy_every
+        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        self.peers: PeerCopies | None = None  # this layout's snapshots and peer copies
+        self._peers_gen = -1
+        self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
+        self._rollback: tuple[int, int, int] | None = None  # (generation, first, last lost)
         self.state: TrainingState | None = None
         self.scheduler: Any = None
         self.catalog: Catalog | None = None
@@ -239,6 +261,7 @@ class ElasticTrainer:
                 order = self._agree()
                 if order is None and self.step < self.train_steps:
                     self.train_step()
+                    self._after_step()
                     continue
             except RuntimeError as err:  # a peer died inside a collective
                 order = self._recover(err)
@@ -438,6 +461,11 @@ class ElasticTrainer:
         try:
             check_batch(self.global_batch, self.micro_batch, new.config.dp)
             plan = self._plan(order, tag, old, new)
+        except StateLostError as err:
+            rebuilt = self._rebuild_lost(order, tag, old, new, err)
+            if isinstance(rebuilt, str):
+                return rebuilt
+            plan = rebuilt
         except ConfigError as err:
             return self._refuse(order, str(err))
         t0 = time.perf_counter()
@@ -552,12 +580,222 @@ class ElasticTrainer:
                 error: str, stats: dict | None = None) -> None:
         proc = self._proc()
         stats = stats or {}
+        lost = (self._rollback[1:] if self._rollback and self._rollback[0] == order.generation
+                else None)
         self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
-                                         outcome, self.step, moved, pause, data, error))
+                                         outcome, self.step, moved, pause, data, error, lost))
         proc.control.report(Resized(proc.job, order.generation, proc.vrank,
                                     outcome,  # type: ignore[arg-type]
                                     self.step, pause, data, int(stats.get("sent_bytes", 0)),
-                                    int(stats.get("received_bytes", 0)), error))
+                                    int(stats.get("received_bytes", 0)), error, lost))
+
+    # -- node lost without grace: peer copies, periodic checkpoints, rebuilding ------------
+
+    def _after_step(self) -> None:
+        """After a step: refresh the peer copies and write the periodic checkpoint when due
+        (both collective over the layout)."""
+        peers = self._peer_copies() if self.peer_copy_every else None
+        if peers is not None:
+            peers.prune(self.step)
+            if peers.due(self.step):
+                from slurm_etc.megatron.state import local_shards
+
+                state, _cfg = self._live()
+                peers.refresh(self.step, local_shards(state, self._catalog()),
+                              self._snapshot_meta())
+            for err in peers.join_stand_ins(0.0):
+                self._log("a stand-in of the last resize failed: %s", err)
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            self._save_periodic()
+
+    def _peer_copies(self) -> PeerCopies | None:
+        """This layout's PeerCopies (a new layout starts with none: a resize drops them);
+        None when the layout is on one node (no copy would outlive it)."""
+        from slurm_etc.plan.lost import peer_buddies
+
+        layout, proc = self.layout, self._proc()
+        if layout is None:
+            raise RuntimeError("peer copies without a layout")
+        if len({proc.topology.node(d) for d in layout.devices}) < 2:
+            self.peers = None
+            return None
+        rank = layout.devices.index(proc.vrank)
+        if self.peers is None or self.peers.rank != rank or self._peers_gen != self.generation:
+            buddies = peer_buddies(layout.devices, proc.topology.gpus_per_node)
+            self.peers = PeerCopies(self.peer_copy_every, rank, buddies[rank],
+                                    tuple(r for r, b in enumerate(buddies) if b == rank),
+                                    stale_copies=bool(os.environ.get(STALE_COPIES_ENV)))
+            self._peers_gen = self.generation
+        return self.peers
+
+    def _catalog(self) -> Catalog:
+        if self.catalog is None:
+            raise RuntimeError("this process has built no model")
+        return self.catalog
+
+    def _snapshot_meta(self) -> dict:
+        from slurm_etc.megatron.state import optimizer_step
+
+        state, _cfg = self._live()
+        return {"adam_step": optimizer_step(state),
+                "rng": bytes(torch.get_rng_state().numpy().tobytes()),
+                "extras": _rng_extras(), "trainer": self._trainer_state()}
+
+    def _save_periodic(self) -> None:
+        """megatron-core checkpoint of this step into ``checkpoint_dir/step-N``; rank 0 then
+        points ``latest`` at it and removes the older ones."""
+        import shutil
+
+        root = str(self.checkpoint_dir)
+        path = os.path.join(root, f"step-{self.step}")
+        self.save_checkpoint(path)  # ends with a barrier: every rank wrote its part
+        if dist.get_rank() == 0:
+            tmp = os.path.join(root, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(str(self.step))
+            os.replace(tmp, os.path.join(root, "latest"))
+            for name in os.listdir(root):
+                if name.startswith("step-") and name != f"step-{self.step}":
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def _latest_checkpoint(self) -> int | None:
+        if not self.checkpoint_every:
+            return None
+        try:
+            with open(os.path.join(str(self.checkpoint_dir), "latest")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def _rebuild_lost(self, order: Resize, tag: str, old: Layout, new: Layout,
+                      err: StateLostError) -> Any:
+        """No survivor replicates what the lost devices held. Survivors agree on what they
+        can roll back to: peer copies (returns the plan, every survivor rolled back, stand-ins
+        started) or the last periodic checkpoint (loaded here: returns "stay" / "left").
+        Raises ``err`` when neither exists."""
+        from slurm_etc.plan.lost import rollback_step
+
+        lost = set(order.lost)
+        lost_ranks = [r for r, d in enumerate(old.devices) if d in lost]
+        held = self._holdings(tag, old, lost)
+        own = {r: h["own"] for r, h in held.items()}
+        copies = {r: h["copies"] for r, h in held.items()}
+        last = max(h["step"] for h in held.values())
+        back = rollback_step(lost_ranks, own, copies) if self.peer_copy_every else None
+        if back is not None:
+            return self._roll_back_to_copies(order, tag, old, new, back, last, lost_ranks,
+                                             copies)
+        ckpts = [h["checkpoint"] for h in held.values()]
+        if any(c is None for c in ckpts):
+            raise StateLostError(f"{err}; no peer copy of the lost ranks {lost_ranks} and no "
+                                 "periodic checkpoint (peer_copy_every / checkpoint_every)",
+                                 err.tensors, err.lost)
+        return self._load_lost_from_checkpoint(order, old, new, min(ckpts), last)
+
+    def _holdings(self, tag: str, old: Layout, lost: set[int]) -> dict[int, dict]:
+        """Every survivor's step, snapshots, peer copies and last checkpoint (the store)."""
+        proc = self._proc()
+        mine = {"step": self.step, "checkpoint": self._latest_checkpoint(),
+                **(self.peers.holdings() if self.peers and self._peers_gen == self.generation
+                   else {"own": [], "copies": {}})}
+        proc.store.set(f"{tag}/holdings/{proc.vrank}", pickle.dumps(mine))
+        survivors = [(r, d) for r, d in enumerate(old.devices) if d not in lost]
+        keys = [f"{tag}/holdings/{d}" for _r, d in survivors]
+        deadline = time.monotonic() + proc.timeout_s
+        while not proc.store.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"survivors of {old.config} did not publish what they hold "
+                                   f"within {proc.timeout_s:.0f} s")
+            time.sleep(0.005)
+        return {r: pickle.loads(v) for (r, _d), v in zip(survivors, proc.store.multi_get(keys),
+                                                         strict=True)}
+
+    def _roll_back_to_copies(self, order: Resize, tag: str, old: Layout, new: Layout,
+                             back: int, last: int, lost_ranks: list[int],
+                             copies: dict[int, dict]) -> Any:
+        """Restore this rank's snapshot of step ``back`` (state, RNG, data position), plan
+        the resize as if the lost ranks were there, and start a stand-in for each lost rank
+        whose copy this rank keeps (the lowest surviving holder stands in)."""
+        from slurm_etc.megatron.state import local_shards, set_optimizer_step
+        from slurm_etc.migrate.executor import MigrationOptions
+
+        proc = self._proc()
+        state, _cfg = self._live()
+        peers = self.peers
+        if peers is None:
+            raise RuntimeError("rolling back to peer copies this rank does not have")
+        meta = peers.restore(local_shards(state, self._catalog()), back)
+        set_optimizer_step(state, meta["adam_step"])
+        torch.set_rng_state(torch.frombuffer(bytearray(meta["rng"]), dtype=torch.uint8))
+        _set_rng_extras(meta["extras"])
+        self._restore_trainer_state(meta["trainer"])
+        self._forget_steps_after(back, order.generation, last)
+        self._lost = frozenset()
+        topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
+                    if order.gpus_per_node else proc.topology)
+        pool = tuple(d for d in sorted(order.pool or new.devices) if d not in set(order.lost))
+        catalog = self._catalog_for(tag, old)
+        plan = _plan(catalog, old, new.config, pool, topology, proc.keep_tp_in_node, ())
+        if tuple(plan.new.devices) != tuple(new.devices):
+            raise ConfigError(f"rebuilt from peer copies, the plan places the new ranks on "
+                              f"{list(plan.new.devices)}, the order on {list(new.devices)}")
+        me = old.devices.index(proc.vrank)
+        for ward in lost_ranks:
+            holders = sorted(r for r, c in copies.items() if back in c.get(ward, ()))
+            if holders and holders[0] == me:
+                peers.start_stand_in(
+                    ward, back, plan=plan, device=old.devices[ward], store=proc.store, tag=tag,
+                    options=MigrationOptions(timeout_s=proc.timeout_s),
+                    timeout_s=proc.timeout_s,
+                    publish=lambda m, w=ward: self._publish_for(tag, old, w, m))
+        return plan
+
+    def _publish_for(self, tag: str, old: Layout, ward: int, meta: dict) -> None:
+        """What old rank ``ward`` would publish in a resize, from its peer copy."""
+        proc = self._proc()
+        if ward == 0:  # the publisher when no device counts as lost
+            proc.store.set(f"{tag}/trainer", pickle.dumps(meta["trainer"]))
+            if self.catalog is not None:
+                proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
+        proc.store.set(f"{tag}/rng/{ward}", pickle.dumps(meta["extras"]))
+
+    def _forget_steps_after(self, back: int, generation: int, last: int) -> None:
+        """Steps after ``back`` are lost: out of the history, reported, replayed."""
+        self.lost_history += [h for h in self.history if h.step > back]
+        self.history = [h for h in self.history if h.step <= back]
+        self._rollback = (generation, back + 1, last) if last > back else None
+        if last > back:
+            self._log("lost steps %d-%d, replaying from step %d", back + 1, last, back)
+        else:
+            self._log("no step lost: the copies are of step %d", back)
+
+    def _load_lost_from_checkpoint(self, order: Resize, old: Layout, new: Layout, step: int,
+                                   last: int) -> str:
+        """Neither replicas nor peer copies: the new layout loads the last periodic
+        checkpoint (every survivor leaves its old groups; the others exit)."""
+        from slurm_etc.megatron.build import teardown
+
+        proc = self._proc()
+        t0 = time.time()
+        self._forget_steps_after(step, order.generation, last)
+        self.state, self.peers = None, None
+        teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = order.generation
+        if proc.vrank not in new.devices:
+            self.layout = None
+            self._record(order, "left", 0, 0.0, 0.0, "")
+            return "left"
+        self.layout = new
+        self._start_group(f"{proc.job}/g{order.generation}/train",
+                          new.devices.index(proc.vrank), new.config.world)
+        self.state = self._build(new.config, empty=True)
+        self._load_checkpoint(os.path.join(str(self.checkpoint_dir), f"step-{step}"))
+        self._record(order, "committed", 0, time.time() - t0, 0.0,
+                     f"restored from the checkpoint of step {step}")
+        self._log("restored %s from the checkpoint of step %d", new.config, step)
+        return "stay"
 
     # -- building -------------------------------------------------------------------------
 

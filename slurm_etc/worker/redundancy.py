@@ -1,0 +1,250 @@
+"""Peer copies: what a node lost without grace held, kept in memory on another node.
+
+dp replicas rebuild parameters when a node dies; the distributed optimizer's shards and every
+shard of a dp=1 layout have no replica. For those, every ``every`` steps each rank of the
+layout (in-memory checkpointing to peers, as Gemini and CheckFreq do):
+
+1. snapshots its whole state (parameters, fp32 main parameters, Adam moments; the Adam step,
+   torch's and megatron's RNG, the trainer's step, consumed samples and scheduler) into one
+   flat host buffer: :class:`Snapshot`;
+2. sends a copy to its buddy, a rank on another node (``plan.lost.peer_buddies``), and keeps
+   the copy its own ward sends. It keeps its own snapshot too, so that every rank can roll
+   back to the same step.
+
+Both go over the layout's training group (gloo point to point): a peer that dies meanwhile
+fails the exchange like any collective and the trainer waits for the resize naming it.
+
+When is a snapshot no longer needed: once a rank finished a training step after the
+exchange of step ``s``, every rank finished that exchange (the step's loss all-reduce spans
+every rank, and each entered it only after its exchange), so snapshots and copies older than
+``s`` are dropped. Between refreshes a rank holds one own snapshot and one copy per ward; at a
+refresh, until the next step ends, two of each.
+
+On a loss without grace whose state no survivor replicates, the survivors publish what they
+hold (``holdings``) and agree on the newest step ``s_b`` that every survivor has a snapshot of
+and every lost rank a copy of (``plan.lost.rollback_step``); each restores its own snapshot
+(:meth:`PeerCopies.restore`, the data position included) and, for each lost ward, a thread
+of this process stands in for the dead rank in the migration (:func:`stand_in`): it takes
+part as that old rank, sends the copy's shards and step/RNG, and leaves. Steps ``s_b + 1`` to
+the last trained are lost and replayed on the same samples.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_etc.migrate.shards import LocalShard, box3
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64  # every shard starts at a multiple of this in the flat buffer (dtype views)
+
+
+@dataclass
+class Snapshot:
+    """One rank's whole state at one step, in host memory.
+
+    Attributes:
+        step: the trainer step the snapshot was taken after.
+        flat: all shards, each at ``index[i][5]`` bytes, ``_ALIGN``-aligned.
+        index: per shard ``(state_key, lo, hi, s, dtype name, offset, numel)``.
+        meta: Adam step, CPU RNG, megatron RNG extras, trainer state (pickled-size small).
+    """
+
+    step: int
+    flat: torch.Tensor
+    index: list[tuple]
+    meta: dict
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+    def shards(self) -> list[LocalShard]:
+        """The shards as LocalShard views of the buffer (the executor's old shards)."""
+        out = []
+        for key, lo, hi, s, dtype, off, numel in self.index:
+            dt = getattr(torch, dtype)
+            size = numel * torch.empty(0, dtype=dt).element_size()
+            out.append(LocalShard(key, lo, hi, s, self.flat[off:off + size].view(dt)))
+        return out
+
+
+def layout_of(shards: list[LocalShard]) -> tuple[list[tuple], int]:
+    """Index and total bytes of a flat buffer holding ``shards`` in their order."""
+    index, off = [], 0
+    for sh in shards:
+        t = sh.tensor
+        nbytes = t.numel() * t.element_size()
+        index.append((sh.state_key, box3(sh.lo), box3(sh.hi), int(sh.s),
+                      str(t.dtype).removeprefix("torch."), off, int(t.numel())))
+        off += -(-nbytes // _ALIGN) * _ALIGN
+    return index, off
+
+
+@dataclass
+class PeerCopies:
+    """This rank's snapshots and the copies it keeps for its wards, for one layout.
+
+    Attributes:
+        every: refresh every this many steps (>= 1).
+        rank, buddy, wards: this rank, where its copy goes, whose copies it keeps.
+        own: step -> this rank's snapshot.
+        copies: ward rank -> {step -> that ward's snapshot}.
+        stale_copies: a planted bug for the oracle's self-test: keep the copy received one
+            refresh earlier as if it were of the new step.
+    """
+
+    every: int
+    rank: int
+    buddy: int
+    wards: tuple[int, ...]
+    own: dict[int, Snapshot] = field(default_factory=dict)
+    copies: dict[int, dict[int, Snapshot]] = field(default_factory=dict)
+    stale_copies: bool = False
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _errors: list[BaseException] = field(default_factory=list)
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.every == 0
+
+    def refresh(self, step: int, shards: list[LocalShard], meta: dict) -> None:
+        """Snapshot this rank's state after ``step`` and exchange copies with the buddy and
+        wards over the default (training) group. Collective over the layout."""
+        self.prune(step)
+        snap = self._take(step, shards, meta)
+        self.own[step] = snap
+        head = pickle.dumps((snap.index, snap.meta))
+        ops, sizes = [], {w: torch.zeros(2, dtype=torch.int64) for w in self.wards}
+        mine = torch.tensor([len(head), snap.nbytes], dtype=torch.int64)
+        ops.append(dist.P2POp(dist.isend, mine, self.buddy))
+        ops += [dist.P2POp(dist.irecv, sizes[w], w) for w in self.wards]
+        _wait(dist.batch_isend_irecv(ops))
+        heads = {w: torch.empty(int(sizes[w][0]), dtype=torch.uint8) for w in self.wards}
+        flats = {w: self._buffer(w, int(sizes[w][1])) for w in self.wards}
+        ops = [dist.P2POp(dist.isend, torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                          self.buddy),
+               dist.P2POp(dist.isend, snap.flat, self.buddy)]
+        for w in self.wards:
+            ops += [dist.P2POp(dist.irecv, heads[w], w), dist.P2POp(dist.irecv, flats[w], w)]
+        _wait(dist.batch_isend_irecv(ops))
+        for w in self.wards:
+            index, wmeta = pickle.loads(heads[w].numpy().tobytes())
+            kept = self.copies.setdefault(w, {})
+            if self.stale_copies and kept:
+                prev = kept[max(kept)]
+                kept[step] = Snapshot(step, prev.flat, prev.index, prev.meta)
+                continue
+            kept[step] = Snapshot(step, flats[w], index, wmeta)
+
+    def prune(self, finished_step: int) -> None:
+        """A training step ended after ``finished_step - 1``: drop what the newest finished
+        exchange makes unnecessary (see the module doc)."""
+        done = [s for s in self.own if s < finished_step]
+        if not done:
+            return
+        newest = max(done)
+        self.own = {s: v for s, v in self.own.items() if s >= newest}
+        for w, kept in self.copies.items():
+            self.copies[w] = {s: v for s, v in kept.items() if s >= newest}
+
+    def holdings(self) -> dict:
+        """What this rank can roll back to and rebuild (published on a loss)."""
+        return {"own": sorted(self.own),
+                "copies": {w: sorted(k) for w, k in self.copies.items()}}
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the snapshots and copies hold now (buffers counted once)."""
+        seen: dict[int, int] = {}
+        for snap in [*self.own.values(), *(s for k in self.copies.values()
+                                           for s in k.values())]:
+            seen[snap.flat.data_ptr()] = snap.nbytes
+        return sum(seen.values())
+
+    def restore(self, state_shards: list[LocalShard], step: int) -> dict:
+        """Write this rank's snapshot of ``step`` back into the live shards; its meta."""
+        snap = self.own[step]
+        by_key = {sh.key: sh for sh in snap.shards()}
+        if set(by_key) != {sh.key for sh in state_shards}:
+            raise RuntimeError(f"rank {self.rank}: the snapshot of step {step} does not hold "
+                               "the shards of the live state")
+        with torch.no_grad():
+            for sh in state_shards:
+                sh.tensor.copy_(by_key[sh.key].tensor)
+        return snap.meta
+
+    def start_stand_in(self, ward: int, step: int, **kwargs: Any) -> None:
+        """A thread that takes part in the migration as lost old rank ``ward``."""
+        snap = self.copies[ward][step]
+
+        def run() -> None:
+            try:
+                stand_in(snap, **kwargs)
+            except BaseException as err:  # surfaced by join_stand_ins
+                logger.exception("stand-in for lost rank %d failed", ward)
+                self._errors.append(err)
+
+        th = threading.Thread(target=run, name=f"stand-in-{ward}", daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def join_stand_ins(self, timeout_s: float) -> list[BaseException]:
+        """Wait for the stand-ins; their errors (the migration's votes already told every
+        rank whether it committed)."""
+        for th in self._threads:
+            th.join(timeout_s)
+        errors, self._errors, self._threads = self._errors, [], []
+        return errors
+
+    def _take(self, step: int, shards: list[LocalShard], meta: dict) -> Snapshot:
+        index, total = layout_of(shards)
+        flat = self._recycled(total)
+        with torch.no_grad():
+            for sh, (_k, _lo, _hi, _s, _dt, off, _n) in zip(shards, index, strict=True):
+                src = sh.tensor.detach().reshape(-1).view(torch.uint8)
+                flat[off:off + src.numel()].copy_(src)
+        return Snapshot(step, flat, index, meta)
+
+    def _recycled(self, nbytes: int) -> torch.Tensor:
+        """A buffer of an own snapshot dropped by prune, else a new one."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _buffer(self, ward: int, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def stand_in(snap: Snapshot, *, plan: Any, device: int, store: Any, tag: str, options: Any,
+             timeout_s: float, publish: Any) -> None:
+    """Take part in ``plan``'s migration as the lost old rank on ``device``, from its peer
+    copy: connect the migration group, exchange step and RNG, send its shards, vote, leave.
+    ``publish(meta)`` first puts its trainer state and RNG extras where new ranks read them.
+    """
+    import dataclasses
+
+    from slurm_etc.megatron.resize import prepare_resize
+    from slurm_etc.megatron.state import ResumeState, exchange_resume_state
+    from slurm_etc.migrate.executor import execute_migration
+
+    publish(snap.meta)
+    opts = dataclasses.replace(options, measure_memory=False)
+    prepared = prepare_resize(plan, device, store, tag=tag, options=opts,
+                              group_timeout_s=timeout_s, prefault=False)
+    try:
+        transport = prepared.group.transport()
+        exchange_resume_state(plan, transport, device,
+                              ResumeState(snap.meta["adam_step"], snap.meta["rng"]))
+        execute_migration(plan, transport, device, snap.shards(), options=opts,
+                          program=prepared.program, destinations=prepared.destinations)
+    finally:
+        prepared.group.destroy()
