@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.store.location import private_dir
 
 from . import env as envvars
 from .backend import (
@@ -177,9 +178,12 @@ class LocalBackend:
                    envvars.DEVICE: str(spec.device)}
             log: IO[bytes] | None = None
             if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                log = open(self.log_dir / f"gen{action.generation}-vrank{spec.vrank}.log",
-                           "ab")
+                # owner-only: a worker's output may name paths, hosts and data of the job
+                private_dir(self.log_dir)
+                log = os.fdopen(os.open(self.log_dir / f"gen{action.generation}-vrank"
+                                        f"{spec.vrank}.log", os.O_WRONLY | os.O_CREAT
+                                        | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                                "ab")
             try:
                 proc = subprocess.Popen(list(action.argv), env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT if log else None,
