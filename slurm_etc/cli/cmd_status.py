@@ -151,6 +151,8 @@ def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None) 
     for snapshot in _snapshots(state_dir):
         try:
             owner = snapshot.stat().st_uid
+            if owner != viewer.uid and not os.access(snapshot, os.R_OK):
+                continue  # another user's private snapshot: not yours, nothing to say
             found = _details(snapshot, viewer, job_id, True, owner)
         except (StoreError, OSError) as exc:
             warnings.append(f"skipped {snapshot.name}: {exc}")
