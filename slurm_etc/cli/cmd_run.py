@@ -5,16 +5,56 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import IO, Callable
 
 import click
 
+from ..alloc.chooser import Hardware
+from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
 
 
 def job_id_default() -> str:
     return os.environ.get("SLURM_JOB_ID") or f"job-{os.getpid()}-{int(time.time())}"
+
+
+def load_hardware(value: str) -> Hardware:
+    """A profile name, or a JSON file of device figures (one line on any mistake)."""
+    if value in PROFILES:
+        return PROFILES[value]
+    path = Path(value)
+    if not path.suffix == ".json" and not path.exists():
+        raise ConfigError(f"--hardware {value!r}: not a profile ({', '.join(PROFILES)}) "
+                          "nor a JSON file of device figures")
+    try:
+        figures = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--hardware {value}: cannot read it ({err.__class__.__name__}: "
+                          f"{getattr(err, 'strerror', None) or err})") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--hardware {value}: not JSON ({err.msg} at line {err.lineno}); "
+                          f"expected an object such as {{\"base\": \"h100\", "
+                          f"\"memory_gib\": 40}}") from None
+    return hardware_from(figures, f"--hardware {value}")
+
+
+def open_progress(path: Path | None
+                  ) -> tuple[Callable[[dict], None] | None, IO[str] | None]:
+    """An appender of one JSON line per step (with its wall-clock time), or None."""
+    if path is None:
+        return None, None
+    try:
+        out = open(path, "a", buffering=1)
+    except OSError as err:
+        raise ConfigError(f"--progress {path}: cannot append to it ({err.strerror})") from None
+
+    def progress(p: dict) -> None:
+        out.write(json.dumps({**p, "t": time.time()}) + "\n")
+
+    return progress, out
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -43,24 +83,37 @@ def job_id_default() -> str:
 @click.option("--advertise", help="Address workers connect to (needed with --bind 0.0.0.0).")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
               help="Bound of every worker collective and resize (seconds).")
+@click.option("--hardware", default="h100", show_default=True, metavar="PROFILE|FILE.json",
+              help="The devices' figures the layout chooser ranks layouts with: a profile ("
+                   + ", ".join(PROFILES) + "; cpu: worker processes on CPUs) or a JSON "
+                   "object of " + ", ".join(FIELDS) + " (missing ones from its \"base\" "
+                   "profile, default h100). GPUs per node always come from the cluster.")
+@click.option("--progress", "progress_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Append one JSON line per training step (step, loss, lr, layout, "
+                   "generation, t) to this file.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON summary on stdout at the end.")
 @click.argument("command", nargs=-1, required=True)
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
-        state_dir, bind, advertise, timeout_s, as_json, command):
+        state_dir, bind, advertise, timeout_s, hardware, progress_file, as_json, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
-    ``slurm_etc.worker.entry.run_worker``), started once per device.
+    ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
+    migrations, events and decisions are logged on stderr as they happen.
+
+    Every option can also be given as an environment variable SLURM_ETC_RUN_<OPTION>
+    (e.g. SLURM_ETC_RUN_HARDWARE=cpu), which is how scripts/elastic.sbatch passes them on.
 
     \b
     slurm-etc run --model tiny --global-batch 8 --events cluster.json -- \\
         python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8
     """
-    from ..alloc.chooser import Hardware, TrainingJob
+    from ..alloc.chooser import TrainingJob
     from ..coordinator.loop import JobSpec
     from ..coordinator.policy_lookup import job_policy
     from ..coordinator.run import run_job
 
     model = load_model(model_spec)
+    figures = load_hardware(hardware)
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
     policy = job_policy(policy_partition, account, policy_db)
     if backend == "local":
@@ -81,12 +134,17 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             raise ConfigError("the Slurm backend is not available in this build") from None
         be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
         topology = be.topology
-    hardware = Hardware(gpus_per_node=topology.gpus_per_node)
-    spec = JobSpec(job_id, name, tuple(command), job, policy, hardware, timeout_s)
+    spec = JobSpec(job_id, name, tuple(command), job, policy,
+                   replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s)
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
-    out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,
-                  bind=bind, advertise=advertise)
+    progress, progress_out = open_progress(progress_file)
+    try:
+        out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,
+                      bind=bind, advertise=advertise, progress=progress)
+    finally:
+        if progress_out is not None:
+            progress_out.close()
     if as_json:
         click.echo(json.dumps(out))
     if out["state"] != "finished":
