@@ -270,15 +270,16 @@ def _spoof_as(uid, gid, db, sacctmgr_dir):
     return {"uid": os.getuid(), "exit_code": r.exit_code, "stderr": r.stderr}
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd")
-                    or not shutil.which("userdel"),
-                    reason="needs root and useradd/userdel to create a second user")
 def test_a_real_second_user_spoofing_admin_is_refused():
     """A real local user (created here, removed after) runs ``policy set`` with
     LOGNAME=USER=admin: refused under its own name; sacctmgr was asked about it."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("userdel"):
+        pytest.fail("this test needs root and useradd/userdel to create a second user; CI "
+                    "runs as root")
     base = _traversable_tmp()
     if base is None:
-        pytest.skip("no temporary directory that another user can reach")
+        pytest.fail("no temporary directory that another user can reach (/tmp, /var/tmp "
+                    "and /dev/shm are not traversable by others)")
     name = f"slurmetc-t{os.getpid()}"
     subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
                     "/usr/sbin/nologin", name], check=True, capture_output=True)
