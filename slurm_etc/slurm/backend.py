@@ -22,6 +22,10 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   :class:`PreemptNotice` with ``deadline = signal time + GraceTime - margin``; squeue's
   ``PreemptTime`` is the backup (same deadline from that time); a granted member leaving
   RUNNING -> :class:`Loss` (``preempted`` when noticed or preempted, else ``failure``).
+  A SIGTERM file where the notice signal is another one is ambiguous (Slurm also sends
+  SIGTERM to a job whose node went DOWN, or that it cancels): it counts as a notice only if
+  the next squeue/sinfo query still shows the member running on nodes in service; else the
+  loss comes alone.
 - **losses**: a held node DOWN, DRAIN(ED/ING), FAIL or not responding; a member cancelled,
   timed out or failed; the anchor ending. ``srun`` exits 0 even when its step was killed:
   losses come from Slurm's state, worker exits from the task wrapper's report.
@@ -318,6 +322,8 @@ class SlurmBackend:
         self._steps: list[_Step] = []
         self._events: list[BackendEvent] = []
         self._seen_notices: set[str] = set()
+        # SIGTERM files (notice signal not TERM) waiting for a query: job id -> signal time
+        self._term_notices: dict[str, float] = {}
         self._next_query = 0.0
         self._last_error: str | None = None
         self._closed = False
@@ -423,7 +429,11 @@ class SlurmBackend:
         now = self._clock()
         if time.monotonic() >= self._next_query:
             self._next_query = time.monotonic() + self.poll_interval_s
-            self._query()
+            waiting, self._term_notices = self._term_notices, {}
+            if self._query():
+                self._confirm_term_notices(waiting)
+            else:
+                self._term_notices = {**waiting, **self._term_notices}
         self._read_notices()
         self._read_steps(now)
         out, self._events = self._events, []
@@ -596,10 +606,12 @@ class SlurmBackend:
             logger.info("[slurm] found member %s of request %s (%s)", j.job_id, key,
                         j.slurm_state)
 
-    def _query(self) -> None:
+    def _query(self) -> bool:
+        """One squeue + sinfo: grants, losses, notices by PreemptTime. False if Slurm did
+        not answer."""
         live = [a for a in self._allocs.values() if not a.gone]
         if not live:
-            return
+            return True
         try:
             jobs = {j.job_id: j for j in self.client.jobs([a.job_id for a in live])}
             held_nodes = list(dict.fromkeys(d.node for d in self._held))
@@ -609,7 +621,7 @@ class SlurmBackend:
                 logger.warning("[slurm] query failed (retrying every %.1f s): %s",
                                self.poll_interval_s, e)
             self._last_error = str(e)
-            return
+            return False
         self._last_error = None
         for a in live:
             self._observe(a, jobs.get(a.job_id))
@@ -621,6 +633,19 @@ class SlurmBackend:
                                [d for d in lost if self._held.get(d) == job_id], "failure",
                                f"node {n.name} is {n.slurm_state}"
                                + (f" ({n.reason})" if n.reason else ""))
+        return True
+
+    def _confirm_term_notices(self, waiting: dict[str, float]) -> None:
+        """SIGTERM files read before this query: a notice if the member still runs whole
+        (a node DOWN or a cancel already showed as its loss in this query)."""
+        for job_id, since in waiting.items():
+            a = self._allocs[job_id]
+            whole = all(d in self._held for d in devices_of(a.nodes, self.gpus_per_node)
+                        if d not in a.released)
+            if not a.gone and whole:
+                self._notice(a, since, "SIGTERM in its batch shell, still running after it")
+            elif not a.noticed:
+                logger.info("[slurm] member %s: SIGTERM with its loss, not a notice", job_id)
 
     def _observe(self, a: _Alloc, job: JobInfo | None) -> None:
         state = job.state if job is not None else None
@@ -712,7 +737,10 @@ class SlurmBackend:
                 since = os.stat(self.run_dir / NOTICES / name).st_mtime
             except OSError:
                 since = self._clock()
-            self._notice(a, since, f"SIG{m.group(3)} in its batch shell")
+            if m.group(3) == "TERM" and self.notice_signal != "TERM":
+                self._term_notices.setdefault(a.job_id, since)  # see _confirm_term_notices
+            else:
+                self._notice(a, since, f"SIG{m.group(3)} in its batch shell")
 
     def _shrink(self, a: _Alloc) -> None:
         """Frees the member's nodes whose every device was released, where NumNodes can."""

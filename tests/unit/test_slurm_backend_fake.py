@@ -3,6 +3,7 @@ grants, notices (the member's file, squeue's preempt time), losses, releases, re
 errors. The same scenarios run on a real cluster in tests/slurm/test_backend.py."""
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timedelta
 
@@ -186,3 +187,56 @@ def test_anchor_gpus_from_the_node_and_topology(tmp_path):
     b = SlurmBackend(tmp_path, anchor_job=anchor, client=fake)
     assert b.gpus_per_node == 4 and b.poll() == [Grant(anchor, d("n2", 0, 1, 2, 3))]
     assert b.topology.nodes == ("n1", "n2", "n3", "n4") and b.topology.gpus_per_node == 4
+
+
+def _running_member(fake, backend, nodes):
+    backend.poll()
+    backend.request(RequestNodes(len(nodes), "g1"))
+    member = backend.members["g1"]
+    fake.start(member, nodes)
+    backend.poll()
+    return member
+
+
+def test_node_down_sigterm_is_no_notice(fake, backend, tmp_path):
+    """Slurm SIGTERMs the batch shell of a job whose node went DOWN: the member's SIGTERM
+    file comes with the loss, and must not first announce a preemption."""
+    member = _running_member(fake, backend, ["n2"])
+    fake.set_state("n2", NodeState.DOWN, "down*", "lost")
+    write_notice(tmp_path, member, "0", "TERM", time.time())
+    events = backend.poll() + backend.poll() + backend.poll()
+    assert events == [Loss(member, d("n2", 0, 1), "failure")], events
+
+
+def test_cancel_sigterm_is_no_notice(fake, backend, tmp_path):
+    """A member cancelled by someone: SIGTERM file first, then squeue shows it CANCELLED."""
+    member = _running_member(fake, backend, ["n2"])
+    write_notice(tmp_path, member, "0", "TERM", time.time())
+    assert backend.poll() == []  # waits for the next query
+    fake.end(member, "CANCELLED")
+    assert backend.poll() + backend.poll() == [Loss(member, d("n2", 0, 1), "failure")]
+
+
+def test_sigterm_of_a_member_still_running_is_a_notice(fake, backend, tmp_path):
+    """A site without preempt_send_user_signal (USR2 configured): SIGTERM at the start of
+    the grace is the notice once a query shows the member still running whole."""
+    member = _running_member(fake, backend, ["n2"])
+    path = write_notice(tmp_path, member, "0", "TERM", time.time())
+    t_sig = time.time() - 4
+    os.utime(path, (t_sig, t_sig))
+    assert backend.poll() == []
+    (notice,) = backend.poll()
+    assert notice == PreemptNotice(member, d("n2", 0, 1), pytest.approx(t_sig + 25, abs=0.01))
+    assert backend.poll() == []
+
+
+def test_sigterm_is_the_notice_where_configured(fake, tmp_path):
+    b = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
+                     notice_margin_s=5, notice_signal="TERM")
+    try:
+        member = _running_member(fake, b, ["n3"])
+        write_notice(tmp_path, member, "0", "TERM", time.time())
+        (notice,) = b.poll()
+        assert isinstance(notice, PreemptNotice) and notice.devices == d("n3", 0, 1)
+    finally:
+        b.close()
