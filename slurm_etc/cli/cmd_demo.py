@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.logging import RichHandler
 from rich.table import Table
 
+from ..migrate.faults import KILL_PHASES, KillSpec
 from ..plan import load_model
 
 
@@ -36,10 +37,19 @@ def _line(timeline, started: float) -> Table:
 @click.option("--model", "model_spec", default="tiny", show_default=True)
 @click.option("--steps", type=click.IntRange(min=12), default=24, show_default=True,
               help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them).")
+@click.option("--inject", metavar="WHERE",
+              help="Kill a worker (SIGKILL) at this phase of the first resize: "
+                   f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "
+                   "aborts (or, after the commit, completes) and is retried without it.")
 @click.pass_context
-def demo(ctx, db, out_dir, model_spec, steps):
+def demo(ctx, db, out_dir, model_spec, steps, inject):
     """Train a small GPT through a grow, a preemption and a node loss on local processes,
     with the coordinator, its SQLite record and in-place resizes; then show the record."""
+    if inject is not None:
+        try:
+            KillSpec.parse(inject)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--inject") from None
     from ..coordinator.demo import Timeline, demo_script, demo_spec, timeline_png
     from ..coordinator.local_backend import LocalBackend
     from ..coordinator.run import run_job
@@ -69,7 +79,7 @@ def demo(ctx, db, out_dir, model_spec, steps):
                 timeline.progress(p)
                 live.update(_line(timeline, started))
 
-            out = run_job(demo_spec(job_id, model, steps), backend, backend.topology,
+            out = run_job(demo_spec(job_id, model, steps, inject=inject), backend, backend.topology,
                           db=str(db_path), state_dir=str(out_dir / "state"),
                           progress=progress)
     finally:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
+from slurm_etc.migrate.faults import INJECT_ENV, KillSpec
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 
@@ -52,14 +53,21 @@ def demo_script(steps: int, grace_s: float = 60.0) -> EventsScript:
         ]}, "<demo>")
 
 
-def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8) -> JobSpec:
+def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
+              inject: str | None = None) -> JobSpec:
+    """The demo's job. ``inject``: a kill spec (:class:`~slurm_etc.migrate.faults.KillSpec`,
+    e.g. ``mid-transfer``): a worker kills itself (SIGKILL) at that phase of a resize."""
     argv = (sys.executable, "-m", "slurm_etc.worker.preset_worker", "--model", model.name,
             "--global-batch", str(global_batch), "--train-steps", str(steps))
     # one thread per worker process: several share a core here (and the reference path's
     # workers run so too, so losses compare bit for bit)
+    env = {"OMP_NUM_THREADS": "1"}
+    if inject:
+        KillSpec.parse(inject)  # a bad spec fails here, before any worker starts
+        env[INJECT_ENV] = inject
     return JobSpec(job_id, "demo", argv, TrainingJob(model, global_batch, 1, False),
                    EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
-                   env={"OMP_NUM_THREADS": "1"})
+                   env=env)
 
 
 def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:

@@ -20,6 +20,7 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -112,6 +113,7 @@ class _Inflight:
     told: set[int] = field(default_factory=set)
     stayers: set[int] = field(default_factory=set)
     sent_at: float = 0.0
+    dead: set[int] = field(default_factory=set)  # participants whose process died
 
 
 class JobStopped(RuntimeError):
@@ -135,6 +137,9 @@ class Coordinator:
         self.layout: Layout | None = None
         self.vranks: dict[int, Device] = {}
         self.generation = 0
+        self.last_generation = 0  # the highest generation ordered (an aborted one included)
+        self.idle: set[int] = set()  # joiners alive after their resize aborted
+        self.vranks_idle: dict[int, Device] = {}
         self.step = 0
         self.loss: float | None = None
         self.inflight: _Inflight | None = None
@@ -161,10 +166,12 @@ class Coordinator:
             while True:
                 self._observe_backend()
                 self._observe_workers()
+                if self.layout is not None and self.done >= set(self.layout.devices):
+                    if self.inflight is not None:
+                        self._finished_first(self.inflight)
+                    return self._end("finished", f"trained to step {self.step}")
                 if self.inflight is not None:
                     self._settle()
-                elif self.layout is not None and self.done >= set(self.layout.devices):
-                    return self._end("finished", f"trained to step {self.step}")
                 elif self.dirty:
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
@@ -188,6 +195,9 @@ class Coordinator:
     # -- observing ------------------------------------------------------------------------
 
     def _observe_backend(self) -> None:
+        # one poll's events are recorded in one transaction (a burst of a thousand node
+        # events is one commit), before any of them is acted on (in _decide)
+        seen: list[record.Observed] = []
         for event in self.backend.poll():
             now = self.clock()
             match event:
@@ -198,45 +208,62 @@ class Coordinator:
                         self.pinned = set(event.devices)  # the anchor
                     if event.request is not None:
                         self.growing = 0
-                    record.record_allocation(self.store, self.spec.job_id, event.allocation,
-                                             role="anchor" if set(event.devices) <= self.pinned
-                                             else "member", state="granted",
-                                             nodes=event.nodes)
-                    self._event("grant", event, f"{len(event.devices)} devices "
-                                f"({', '.join(event.nodes)})")
+                    seen.append(self._observed(
+                        "grant", event, f"{len(event.devices)} devices "
+                        f"({', '.join(event.nodes)})", state="granted",
+                        role="anchor" if set(event.devices) <= self.pinned else "member"))
                 case PreemptNotice():
                     for d in event.devices:
                         self.notices[d] = (event.deadline, "preemption")
                     self._noticed_at = time.perf_counter()
-                    record.update_allocation(self.store, self.spec.job_id, event.allocation,
-                                             state="preempting")
-                    self._event("preempt-notice", event,
-                                f"{len(event.devices)} devices, {event.deadline - now:.0f} s "
-                                "of grace", deadline=event.deadline)
+                    seen.append(self._observed(
+                        "preempt-notice", event, f"{len(event.devices)} devices, "
+                        f"{event.deadline - now:.0f} s of grace", state="preempting",
+                        deadline=event.deadline))
                 case Loss():
                     for d in event.devices:
                         self.lost.add(d)
                         self.notices[d] = (now, "failure" if event.cause == "failure"
                                            else "preemption")
-                    record.update_allocation(self.store, self.spec.job_id, event.allocation,
-                                             state="lost")
-                    self._event("loss", event, f"{len(event.devices)} devices "
-                                f"({event.cause})")
+                    seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
+                                               f"({event.cause})", state="lost"))
                 case WorkerExited():
+                    self.idle.discard(event.vrank)
                     if event.returncode != 0 and not event.stopped and \
                             event.vrank not in self.done:
-                        self._event("worker-exit", event, f"vrank {event.vrank} exited with "
-                                    f"{event.returncode}")
+                        seen.append(self._observed(
+                            "worker-exit", event, f"vrank {event.vrank} exited with "
+                            f"{event.returncode}"))
+                        self._worker_died(event, now)
             self.dirty = True
+        if seen:
+            self._event_ids += record.record_observed(self.store, self.spec.job_id, seen)
+            for o in seen:
+                logger.info("event: %s %s", o.kind, o.payload["summary"])
 
-    def _event(self, kind: str, event: Any, summary: str, deadline: float | None = None
-               ) -> None:
-        payload = {"summary": summary, "allocation": getattr(event, "allocation", None),
-                   "devices": [str(d) for d in getattr(event, "devices", ())]}
-        eid = record.record_event(self.store, self.spec.job_id, kind, source="backend",
-                                  payload=payload, deadline=_dt(deadline))
-        self._event_ids.append(eid)
-        logger.info("event: %s %s", kind, summary)
+    def _worker_died(self, event: WorkerExited, now: float) -> None:
+        """A worker of the layout or of the resize in flight died unexplained (no loss, no
+        stop): its device counts as failed, as after a loss without notice: the resize in
+        flight settles without it, and the next one plans with the surviving devices."""
+        fl = self.inflight
+        in_layout = self.layout is not None and event.vrank in self.layout.devices
+        if fl is not None and event.vrank in fl.participants:
+            fl.dead.add(event.vrank)
+        elif not in_layout:
+            return
+        self.lost.add(event.device)
+        self.notices[event.device] = (now, "failure")
+
+    def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
+                  role: str = "member", deadline: float | None = None) -> record.Observed:
+        devices = [str(d) for d in getattr(event, "devices", ())]
+        if isinstance(event, WorkerExited):
+            devices = [str(event.device)]
+        allocation = getattr(event, "allocation", None)
+        payload = {"summary": summary, "allocation": allocation, "devices": devices}
+        return record.Observed(kind, event_key(kind, event), payload, _dt(deadline),
+                               allocation if state else None, state, role,
+                               getattr(event, "nodes", None) if state else None)
 
     def _observe_workers(self) -> None:
         deadline = time.monotonic() + POLL_S
@@ -319,9 +346,9 @@ class Coordinator:
                 case Pause():
                     logger.warning("paused: %s", action.reason)
         if self.inflight is None:
+            self._stop_idle("no resize takes them in")
             self._release_now()
-        for eid in self._event_ids:
-            record.mark_event_handled(self.store, eid, decision.reason[:200])
+        record.mark_events_handled(self.store, self._event_ids, decision.reason[:200])
         self._event_ids.clear()
 
     def _release_now(self) -> None:
@@ -380,9 +407,14 @@ class Coordinator:
                                  f"failed and their state cannot be rebuilt in memory: "
                                  f"{err}") from None
             raise
-        gen = self.generation + 1
+        gen = max(self.generation, self.last_generation) + 1
+        self.last_generation = gen
         new = plan.new
         joiners = set(new.devices) - set(old.devices)
+        # joiners of an aborted resize still running where this plan wants them are taken
+        # in as they are; the others stop
+        waiting = {v for v in self.idle if v in joiners and vranks[v] == self.vranks_idle[v]}
+        self._stop_idle("not in the retried resize", keep=waiting)
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
@@ -401,15 +433,15 @@ class Coordinator:
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
                                   set(self.release_later), time.monotonic())
         self.channel.generation = gen
-        if joiners:
-            workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
+        if joiners - waiting:
+            workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners - waiting))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                                 self._worker_env()))
         # The old layout pauses at its next step boundary and waits in the resize's
         # rendezvous for the joining processes to start (a cold import of torch and
         # megatron-core takes seconds on a busy node): letting it train on meanwhile is the
         # pause issue's "prepare the new world before the pause".
-        self.inflight.stayers = set(old.devices) - set(lost)
+        self.inflight.stayers = (set(old.devices) - set(lost)) | waiting
         self._order_stayers()
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
@@ -442,23 +474,19 @@ class Coordinator:
         assert fl is not None
         outcomes = {v: r.outcome for v, r in fl.reports.items()}
         if fl.sent_at and time.monotonic() - fl.sent_at > RESEND_S:
-            self.channel.broadcast(fl.order, fl.told - set(outcomes))
+            self.channel.broadcast(fl.order, fl.told - set(outcomes) - fl.dead)
             fl.sent_at = time.monotonic()
         timed_out = time.monotonic() - fl.started > 2 * self.spec.worker_timeout_s
-        if not timed_out and not fl.participants <= set(outcomes):
+        if not timed_out and not fl.participants - fl.dead <= set(outcomes):
             return
         aborted = [r for r in fl.reports.values() if r.outcome == "aborted"]
         pause = max((r.pause_seconds for r in fl.reports.values()), default=0.0)
         wall = time.monotonic() - fl.started
-        if aborted or timed_out:
+        if aborted or timed_out or not outcomes:
             why = aborted[0].error if aborted else "no answer from " + ", ".join(
                 str(v) for v in sorted(fl.participants - set(outcomes)))
-            record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
-                                           measured_seconds=wall, error=why[:500])
-            perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "resize aborted"))
-            logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
-            self.inflight = None
-            raise JobStopped(f"resize to generation {fl.order.generation} aborted: {why}")
+            self._aborted(fl, wall, why)
+            return
         record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
                                        measured_seconds=wall, pause_seconds=pause)
         record.close_generation(self.store, self.spec.job_id, self.generation,
@@ -467,7 +495,9 @@ class Coordinator:
         new = fl.order.new.layout()
         self.layout, self.generation = new, fl.order.generation
         self.vranks = {v: fl.vranks[v] for v in new.devices}
-        gone = {d for d in self.lost}
+        # a device that failed after the commit is in the new layout: the next resize
+        # names it as lost
+        gone = self.lost - set(self.vranks.values())
         for d in gone:
             self.held.pop(d, None)
             self.notices.pop(d, None)
@@ -483,6 +513,38 @@ class Coordinator:
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
+
+
+    def _finished_first(self, fl: _Inflight) -> None:
+        """Training ended before the old layout took up the resize in flight: it is moot."""
+        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+                                       measured_seconds=time.monotonic() - fl.started,
+                                       error="training finished before the resize began")
+        perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
+        self.inflight = None
+
+    def _aborted(self, fl: _Inflight, wall: float, why: str) -> None:
+        """The resize aborted everywhere (two-phase: no worker installed anything): record
+        it, keep the old layout, and decide again. A resize that aborted with nobody dead
+        (a refusal, a failure inside the migration) would abort again: the job stops."""
+        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+                                       measured_seconds=wall, error=why[:500])
+        logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
+        self.inflight = None
+        self.idle = {v for v in fl.joiners - fl.dead}
+        self.vranks_idle = {v: fl.vranks[v] for v in self.idle}
+        if not fl.dead:
+            self._stop_idle("resize aborted")
+            raise JobStopped(f"resize to generation {fl.order.generation} aborted: {why}")
+        logger.info("retrying without the dead: vrank(s) %s",
+                    ", ".join(str(v) for v in sorted(fl.dead)))
+        self.dirty = True
+
+    def _stop_idle(self, why: str, keep: frozenset[int] | set[int] = frozenset()) -> None:
+        stop = self.idle - keep
+        if stop:
+            perform(self.backend, StopWorkers(tuple(sorted(stop)), 5.0, why))
+        self.idle = set(keep)
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
@@ -501,6 +563,16 @@ def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
     fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
     return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
              if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
+
+
+def event_key(kind: str, event: Any) -> str:
+    """An event's identity in the record: the same event reported again (a restarted
+    coordinator's backend re-reads what it holds) is recorded once."""
+    if isinstance(event, WorkerExited):
+        return f"{kind}:g{event.generation}:v{event.vrank}:{event.device}"
+    digest = hashlib.sha1(",".join(str(d) for d in event.devices).encode()).hexdigest()[:12]
+    when = f":{event.deadline:.0f}" if isinstance(event, PreemptNotice) else ""
+    return f"{kind}:{event.allocation[:64]}{when}:{digest}"
 
 
 def _dt(t: float | None) -> Any:

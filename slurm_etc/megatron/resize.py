@@ -122,9 +122,29 @@ class ResizeOutcome:
     seconds: dict = field(default_factory=dict)
 
 
+class InstallInterrupted(RuntimeError):
+    """The migration committed but a new rank died before the new layout was installed: the
+    survivors hold their new shards uninstalled (``shards``, ``resume``) and move them on in
+    the next resize (``resize_in_place(held=...)``), which names the dead as lost.
+
+    Attributes:
+        generation_tag: the committed resize's tag.
+        new_rank: this process's rank in the committed layout.
+        shards: this rank's new shards as received (the committed state).
+        resume: this rank's step and RNG in the committed layout.
+    """
+
+    def __init__(self, message: str, tag: str, new_rank: int, shards: list[LocalShard],
+                 resume: ResumeState | None) -> None:
+        super().__init__(message)
+        self.tag, self.new_rank, self.shards, self.resume = tag, new_rank, shards, resume
+
+
 def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                     keep_shards: bool = False, faults: Any = None,
-                    build_new: Callable[[ParallelConfig], TrainingState] | None = None
+                    build_new: Callable[[ParallelConfig], TrainingState] | None = None,
+                    held: tuple[list[LocalShard], ResumeState] | None = None,
+                    install_wait: Callable[[float], bool] | None = None
                     ) -> ResizeOutcome:
     """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
 
@@ -147,6 +167,13 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         build_new: builds the empty model and optimizer of the new layout inside its new
             default group (default: :func:`build_empty_state` of the catalog's model; the
             elastic trainer passes the user's providers).
+        held: instead of ``state``, the shards and resume state of a committed migration
+            that was never installed (:class:`InstallInterrupted`).
+        install_wait: before the new training group starts, every new rank waits in the
+            store for all the others; this is called with the seconds waited so far while
+            some are missing, and returning True (e.g. an order names a new rank as dead)
+            raises :class:`InstallInterrupted`. Without it the group's start waits (up to
+            ``group_timeout_s``).
 
     Raises:
         MigrationAborted: on every process if any failed; ``state`` and its training groups
@@ -160,8 +187,12 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     seconds: dict[str, float] = {"pause": time.time()}
     t = time.perf_counter()
     catalog = plan.catalog
-    old_shards = local_shards(state, catalog) if state is not None else []
-    resume = resume_state(state) if state is not None else None
+    resume: ResumeState | None
+    if held is not None:
+        old_shards, resume = list(held[0]), held[1]
+    else:
+        old_shards = local_shards(state, catalog) if state is not None else []
+        resume = resume_state(state) if state is not None else None
     transport = prepared.group.transport()
     new_resume = exchange_resume_state(plan, transport, device, resume)
     seconds["resume"] = time.perf_counter() - t
@@ -182,12 +213,16 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     stats.memory_peak_delta = prepared.memory.peak_delta
     stats.memory_reset = prepared.memory.reset
     # committed: the old layout is gone
-    del old_shards, state
+    del old_shards, state, held
+    if faults is not None:
+        faults.die_if(plan.participants.index(device), "after-commit")
     t = time.perf_counter()
     _drop_training_groups()
     new_state = None
     if result.new_rank is not None:
         cfg = plan.new.config
+        if install_wait is not None:
+            _wait_for_new_ranks(prepared, result, new_resume, install_wait)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{prepared.tag}/train",
                                                                prepared.store),
                                 rank=result.new_rank, world_size=cfg.world,
@@ -209,6 +244,27 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     seconds["ready"] = time.time()
     return ResizeOutcome(new_state, new_resume, kept, {**stats.as_dict(), **installed},
                          seconds)
+
+
+def _wait_for_new_ranks(prepared: PreparedResize, result: Any, resume: ResumeState | None,
+                        install_wait: Callable[[float], bool]) -> None:
+    """Every new rank checks in under the resize's tag before the new training group starts
+    (a gloo group's start would wait for a dead rank until its timeout)."""
+    store, tag, world = prepared.store, prepared.tag, prepared.plan.new.config.world
+    keys = [f"{tag}/installing/{r}" for r in range(world)]
+    store.set(keys[result.new_rank], b"1")
+    t0 = time.monotonic()
+    while not store.check(keys):
+        waited = time.monotonic() - t0
+        if install_wait(waited):
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise InstallInterrupted(
+                f"the migration to {prepared.plan.new.config} committed, but new rank(s) "
+                f"{missing} never came to install it", tag, result.new_rank,
+                result.new_shards, resume)
+        if waited > prepared.group_timeout_s:
+            return  # the group's start reports who is missing
+        time.sleep(0.005)
 
 
 def _drop_training_groups() -> None:

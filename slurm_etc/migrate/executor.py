@@ -585,6 +585,7 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail(f"failed to unpack {run.where(side, st)}", exc)
                 return
+            faults.die_if(prog.group_rank, "after-receive")
         if i + 1 == len(steps) or steps[i + 1].round != st.round:
             try:
                 faults.check(prog.group_rank, "after", st.round)
@@ -603,9 +604,13 @@ def execute_migration(plan, transport: Transport, device: int,
                     faults.check(prog.group_rank, "before", st.round)
                 except Exception as exc:  # noqa: BLE001
                     run.fail(f"failed before round {st.round}", exc)
+            if i == 0:
+                faults.die_if(prog.group_rank, "before-send")
             run.vote(i)
             recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
             pending, received = _post(run, st, outgoing.pop(i, None), recv_buf)
+            if pending:
+                faults.die_if(prog.group_rank, "mid-transfer")
             if not local_done:
                 run.local_copies()
                 local_done = True
@@ -632,6 +637,7 @@ def execute_migration(plan, transport: Transport, device: int,
                 faults.check(prog.group_rank, "commit")
             except Exception as exc:  # noqa: BLE001
                 run.fail("failed before the commit vote", exc)
+        faults.die_if(prog.group_rank, "before-commit")
         run.vote(len(steps))
         stats.data_seconds = time.perf_counter() - t_data
     finally:

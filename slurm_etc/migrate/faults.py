@@ -14,13 +14,35 @@ Points, in the order a step meets them (``rank`` is the migration-group rank):
 
 ``stall(rank, round)`` makes the rank skip its sends of that round without telling anyone,
 so its peers' receives time out: the timeout path, driven by the plan, with no sleeps.
+
+``kill(rank, at)`` makes the process itself die by SIGKILL (no exception, no vote, no
+goodbye: what a crashed or OOM-killed worker does) at one phase of a resize, in the order a
+resize meets them (:data:`KILL_PHASES`):
+
+* ``before-send``: before the first vote, nothing of its sends posted;
+* ``mid-transfer``: right after posting its first sends/receives (data on the wire);
+* ``after-receive``: right after unpacking the first chunk it received;
+* ``before-commit``: just before the commit vote, every transfer done;
+* ``after-commit``: the commit vote passed, before the new layout is installed.
+
+:class:`KillSpec` is the reusable form for whole jobs (the ``SLURM_ETC_INJECT`` variable of
+the workers, ``slurm-etc demo --inject``): which phase, which vrank (default: one the plan
+has do that phase) and which generation's resize.
+
 The injector is a frozen value: it pickles to worker processes and every call returns a new one.
 """
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from dataclasses import dataclass
 
+logger = logging.getLogger(__name__)
+
 FAULT_POINTS = ("start", "pack", "before", "local", "unpack", "after", "commit")
+KILL_PHASES = ("before-send", "mid-transfer", "after-receive", "before-commit", "after-commit")
+INJECT_ENV = "SLURM_ETC_INJECT"
 
 
 class InjectedFault(RuntimeError):
@@ -31,14 +53,30 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     faults: tuple[tuple[int, str, int], ...] = ()
     stalls: tuple[tuple[int, int], ...] = ()
+    kills: tuple[tuple[int, str], ...] = ()
 
     def fail(self, rank: int, at: str = "before", round: int = 0) -> "FaultInjector":
         if at not in FAULT_POINTS:
             raise ValueError(f"unknown fault point {at!r}; points: {', '.join(FAULT_POINTS)}")
-        return FaultInjector(self.faults + ((rank, at, round),), self.stalls)
+        return FaultInjector(self.faults + ((rank, at, round),), self.stalls, self.kills)
 
     def stall(self, rank: int, round: int = 0) -> "FaultInjector":
-        return FaultInjector(self.faults, self.stalls + ((rank, round),))
+        return FaultInjector(self.faults, self.stalls + ((rank, round),), self.kills)
+
+    def kill(self, rank: int, at: str) -> "FaultInjector":
+        """SIGKILL the process of migration-group rank ``rank`` at phase ``at``."""
+        if at not in KILL_PHASES:
+            raise ValueError(f"unknown kill phase {at!r}; phases: {', '.join(KILL_PHASES)}")
+        return FaultInjector(self.faults, self.stalls, self.kills + ((rank, at),))
+
+    def die_if(self, rank: int, at: str) -> None:
+        """This process dies here by SIGKILL if (rank, at) is armed."""
+        if (rank, at) in self.kills:
+            logger.warning("fault injection: migration rank %d killing itself (SIGKILL) at %s",
+                           rank, at)
+            for h in logging.getLogger().handlers + logger.handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def check(self, rank: int, at: str, round: int = 0) -> None:
         """Raise InjectedFault if (rank, at, round) is armed (round is ignored for
@@ -50,3 +88,64 @@ class FaultInjector:
 
     def stalled(self, rank: int, round: int) -> bool:
         return (rank, round) in self.stalls
+
+
+@dataclass(frozen=True)
+class KillSpec:
+    """``<phase>[@<vrank>[,<generation>]]``: the worker of ``vrank`` kills itself at ``phase``
+    of the resize to ``generation`` (default: the first resize, generation 1).
+
+    Without a vrank the victim is the highest vrank the plan has do that phase: a sender for
+    ``before-send``, a receiver for ``after-receive``, one that sends or receives for
+    ``mid-transfer``, any participant for the commit phases. Every worker computes the same
+    victim from the same plan; only the victim acts.
+    """
+
+    phase: str
+    vrank: int | None = None
+    generation: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "KillSpec":
+        """Parse the spec; ValueError with one line saying what is wrong and what is right."""
+        form = "<phase>[@<vrank>[,<generation>]], e.g. mid-transfer or after-commit@3,1"
+        phase, _, where = text.strip().partition("@")
+        if phase not in KILL_PHASES:
+            raise ValueError(f"injection {text!r}: unknown phase {phase!r}; phases: "
+                             f"{', '.join(KILL_PHASES)} (form {form})")
+        if not where:
+            return cls(phase)
+        vrank, _, gen = where.partition(",")
+        try:
+            v, g = int(vrank), int(gen) if gen else 1
+        except ValueError:
+            raise ValueError(f"injection {text!r}: vrank and generation must be integers "
+                             f"(form {form})") from None
+        if v < 0 or g < 1:
+            raise ValueError(f"injection {text!r}: vrank must be >= 0 and generation >= 1 "
+                             f"(form {form})")
+        return cls(phase, v, g)
+
+    def victim(self, plan) -> int | None:
+        """The vrank that dies in ``plan`` (None: nobody in the plan does the phase)."""
+        if self.vrank is not None:
+            return self.vrank if self.vrank in plan.participants else None
+        m = plan.messages
+        senders = {int(x) for x in m.src}
+        receivers = {int(x) for x in m.dst}
+        pick = {"before-send": senders, "after-receive": receivers,
+                "mid-transfer": senders | receivers}.get(self.phase, set(plan.participants))
+        return max(pick, default=None)
+
+    def injector(self, plan, device: int, generation: int) -> FaultInjector:
+        """The injector of ``device``'s side of the resize to ``generation``: armed on the
+        victim only."""
+        if generation != self.generation or self.victim(plan) != device:
+            return FaultInjector()
+        return FaultInjector().kill(plan.participants.index(device), self.phase)
+
+
+def kill_spec_from_env(environ=None) -> KillSpec | None:
+    """The worker's ``SLURM_ETC_INJECT``, parsed (None when unset or empty)."""
+    text = (environ if environ is not None else os.environ).get(INJECT_ENV, "")
+    return KillSpec.parse(text) if text.strip() else None

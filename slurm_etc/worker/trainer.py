@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from slurm_etc.megatron.build import TrainingState, skip_tied_embedding_sync, wrap_for_training
 from slurm_etc.megatron.live import check_catalog, model_desc_of
+from slurm_etc.megatron.resize import InstallInterrupted
+from slurm_etc.migrate.faults import KillSpec, kill_spec_from_env
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
@@ -73,6 +75,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 # A planted bug for the node-loss oracle's self-test: peer copies one refresh stale.
 STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
+# A new rank that waits this long for its peers to install a committed layout reports the
+# commit at once: the coordinator can then settle it and name a peer that died meanwhile.
+EARLY_COMMIT_REPORT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,15 @@ class ElasticTrainer:
         self._dataset: Any = None
         self._pending: Order | None = None
         self._lost: frozenset[int] = frozenset()
+        self._aborted: set[int] = set()  # generations whose resize aborted here
+        # resizes that ended without a new layout (aborted or refused, on every rank alike):
+        # the agreement at the same step after one must not read the keys of the one before
+        self._attempt = 0
+        # a committed layout not installed (a new rank died first): shards and resume state,
+        # the trainer state and this rank's RNG extras, moved on by the next resize
+        self._held: tuple[list, Any] | None = None
+        self._held_extras: tuple[dict, dict] = ({}, {})
+        self._kill: KillSpec | None = None
         self.proc: WorkerProcess | None = None
 
     # -- the loop -------------------------------------------------------------------------
@@ -239,6 +253,7 @@ class ElasticTrainer:
         if not torch.cuda.is_available():
             cpu_compat.install()
         self.proc = proc
+        self._kill = kill_spec_from_env()  # fault injection: SLURM_ETC_INJECT
         self._dataset = self.dataset_provider()
         if proc.layout is not None and proc.vrank in proc.layout.devices:
             self.layout, self.generation = proc.layout, proc.generation
@@ -251,11 +266,12 @@ class ElasticTrainer:
             self._log("training %s on %d processes from step %d", proc.layout.config,
                       proc.layout.config.world, self.step)
         else:
-            first = self._first_order(proc)
-            if isinstance(first, Stop):
-                return self._exit("stopped")
-            if self._resize(first) == "left":
-                return self._exit("left")
+            while self.layout is None:  # a joining process; an aborted resize: the next one
+                first = self._first_order(proc)
+                if isinstance(first, Stop):
+                    return self._exit("stopped")
+                if self._resize(first) == "left":
+                    return self._exit("left")
         while True:
             try:
                 order = self._agree()
@@ -383,6 +399,7 @@ class ElasticTrainer:
         while time.monotonic() < deadline:
             order = proc.control.wait(min(1.0, deadline - time.monotonic()))
             if isinstance(order, Stop | Resize) and order.generation > self.generation and (
+                    order.generation not in self._aborted) and (
                     isinstance(order, Stop) or proc.vrank in order.new.devices):
                 return order
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
@@ -393,7 +410,7 @@ class ElasticTrainer:
         pending resize of its generation)."""
         proc = self._proc()
         while (order := proc.control.poll()) is not None:
-            if order.generation <= self.generation:
+            if order.generation <= self.generation or order.generation in self._aborted:
                 continue
             if isinstance(order, Abort):
                 if self._pending is not None and self._pending.generation == order.generation:
@@ -418,7 +435,8 @@ class ElasticTrainer:
             raise RuntimeError("agreement without a layout")
         self._take_orders()
         rank = layout.devices.index(proc.vrank)
-        base = f"{proc.job}/g{self.generation}/agree"
+        base = f"{proc.job}/g{self.generation}/agree" + (f".{self._attempt}"
+                                                         if self._attempt else "")
         keys = [f"{base}/{self.step}/{r}" for r in range(layout.config.world)]
         proc.store.set(keys[rank], ENCODER.encode(self._pending) if self._pending else b"-")
         if self.step >= 2:  # every peer read it before the step after it could start
@@ -435,7 +453,8 @@ class ElasticTrainer:
             time.sleep(0.002)
         values = proc.store.multi_get(keys)
         self._pending = None
-        orders = [ORDER_DECODER.decode(v) for v in values if v != b"-"]
+        orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
+                  if o.generation not in self._aborted]
         return max(orders, key=lambda o: o.generation) if orders else None
 
     def _names_the_dead(self, order: Order | None) -> bool:
@@ -473,15 +492,28 @@ class ElasticTrainer:
         prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
                                   group_timeout_s=proc.timeout_s)
         self._publish_extras(tag, old)
+        faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
+        early = _EarlyReport()
+        held, self._held = self._held, None
         try:
-            out = resize_in_place(prepared, self.state,
-                                  build_new=lambda cfg: self._build(cfg, empty=True))
+            out = resize_in_place(prepared, self.state, faults=faults, held=held,
+                                  build_new=lambda cfg: self._build(cfg, empty=True),
+                                  install_wait=lambda waited: self._install_wait(
+                                      order, new, waited, early))
         except MigrationAborted as err:
+            self._aborted.add(gen)
+            self._attempt += 1
+            self._held = held
+            self._log("resize to generation %d aborted, old layout kept: %s", gen,
+                      str(err)[:300])
             self._record(order, "aborted", 0, 0.0, 0.0, str(err))
+            return "stay"
+        except InstallInterrupted as err:
+            self._hold(err, order, old, new, plan)
             return "stay"
         pause = out.seconds["ready"] - out.seconds["pause"]
         self.state = out.state
-        self.generation = gen
+        self.generation, self._attempt = gen, 0
         if out.state is None:
             self.layout = None
             self._record(order, "left", plan.moved_bytes, pause,
@@ -489,12 +521,41 @@ class ElasticTrainer:
             return "left"
         self.layout = new
         self._adopt_extras(tag, old, new, plan)
-        self._record(order, "committed", plan.moved_bytes, pause,
-                     out.stats.get("data_seconds", 0.0), "", out.stats)
+        if not early.sent:
+            self._record(order, "committed", plan.moved_bytes, pause,
+                         out.stats.get("data_seconds", 0.0), "", out.stats)
         self._log("resized %s -> %s: moved %.1f MiB (lower bound %.1f MiB), pause %.3f s, "
                   "total %.3f s", old.config, new.config, plan.moved_bytes / 2**20,
                   plan.lower_bound_moved_bytes / 2**20, pause, time.perf_counter() - t0)
         return "stay"
+
+    def _install_wait(self, order: Resize, new: Layout, waited: float,
+                      early: "_EarlyReport") -> bool:
+        """Committed, waiting for the other new ranks to install: report the commit if the
+        wait is long (the coordinator settles it), and give up when an order names one of
+        the new layout's devices as dead."""
+        if waited > EARLY_COMMIT_REPORT_S and not early.sent:
+            early.sent = True
+            self._record(order, "committed", 0, 0.0, 0.0, "")
+        self._take_orders()
+        p = self._pending
+        return isinstance(p, Resize) and bool(p.lost) and p.old.layout() == new
+
+    def _hold(self, err: Any, order: Resize, old: Layout, new: Layout, plan: Any) -> None:
+        """The migration committed but a new rank died before installing: keep this rank's
+        committed shards for the resize that names the dead (no training meanwhile)."""
+        proc = self._proc()
+        tag = f"{proc.job}/g{order.generation}"
+        self._log("resize to generation %d committed, not installed: %s", order.generation,
+                  err)
+        trainer = pickle.loads(proc.store.get(f"{tag}/trainer"))
+        src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
+        rng = pickle.loads(proc.store.get(f"{tag}/rng/{src}"))
+        self._held = (err.shards, err.resume)
+        self._held_extras = (trainer, rng)
+        self.state = None  # its training groups are gone since the commit
+        self.layout, self.generation, self._attempt = new, order.generation, 0
+        self.catalog = build_catalog(plan.catalog.model, new.config)
 
     def _plan(self, order: Resize, tag: str, old: Layout, new: Layout) -> Any:
         catalog = self._catalog_for(tag, old)
@@ -531,6 +592,7 @@ class ElasticTrainer:
     def _refuse(self, order: Resize, why: str) -> str:
         """Every rank computes the same refusal: nothing moves, the old layout trains on."""
         self._log("resize to generation %d refused: %s", order.generation, why)
+        self._attempt += 1
         self._record(order, "aborted", 0, 0.0, 0.0, why)
         if self.layout is None:
             raise ConfigError(why)
@@ -542,9 +604,11 @@ class ElasticTrainer:
         if self.layout is None or proc.vrank not in old.devices:
             return
         rank = old.devices.index(proc.vrank)
+        trainer, rng = (self._held_extras if self._held is not None
+                        else (self._trainer_state(), _rng_extras()))
         if proc.vrank == self._publisher(old):
-            proc.store.set(f"{tag}/trainer", pickle.dumps(self._trainer_state()))
-        proc.store.set(f"{tag}/rng/{rank}", pickle.dumps(_rng_extras()))
+            proc.store.set(f"{tag}/trainer", pickle.dumps(trainer))
+        proc.store.set(f"{tag}/rng/{rank}", pickle.dumps(rng))
 
     def _trainer_state(self) -> dict:
         state, _cfg = self._live()
@@ -555,15 +619,11 @@ class ElasticTrainer:
                                  for sub in _sub_optimizers(state.optimizer)]}
 
     def _adopt_extras(self, tag: str, old: Layout, new: Layout, plan: Any) -> None:
-        from slurm_etc.megatron.state import rng_source
-
         proc = self._proc()
         self._restore_trainer_state(pickle.loads(proc.store.get(f"{tag}/trainer")))
-        new_rank = new.devices.index(proc.vrank)
-        src = rng_source(old.config, new.config, new_rank, plan.catalog.model.num_layers)
-        if old.devices[src] in self._lost:
-            src = _surviving_peer(old, src, self._lost)
+        src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
         _set_rng_extras(pickle.loads(proc.store.get(f"{tag}/rng/{src}")))
+        self._held_extras = ({}, {})
 
     def _restore_trainer_state(self, saved: dict) -> None:
         self.step = saved["step"]
@@ -878,6 +938,20 @@ def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple
     return plan_migration(catalog.model, old, new_config, pool, topology,
                           keep_tp_in_node=keep_tp_in_node, catalog=catalog,
                           **({"lost": lost} if lost else {}))
+
+
+@dataclass
+class _EarlyReport:
+    sent: bool = False
+
+
+def _rng_source(old: Layout, new: Layout, new_rank: int, plan: Any, lost: frozenset[int]
+                ) -> int:
+    """The old rank whose RNG extras ``new_rank`` continues (a survivor's)."""
+    from slurm_etc.megatron.state import rng_source
+
+    src = rng_source(old.config, new.config, new_rank, plan.catalog.model.num_layers)
+    return _surviving_peer(old, src, lost) if old.devices[src] in lost else src
 
 
 def _surviving_peer(old: Layout, rank: int, lost: frozenset[int]) -> int:
