@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -60,12 +61,13 @@ def open_progress(path: Path | None
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.option("--backend", type=click.Choice(["local", "slurm"]), default="local",
               show_default=True, help="Where devices and workers come from.")
-@click.option("--events", "events_file", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--events", "events_file", envvar="SLURM_ETC_RUN_EVENTS",
+              type=click.Path(dir_okay=False, path_type=Path),
               help="Local backend: the scripted cluster (JSON; see docs/coordinator.md).")
 @click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
               help="Local backend without --events: simulated nodes.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--model", "model_spec", required=True,
+@click.option("--model", "model_spec", envvar="SLURM_ETC_RUN_MODEL", required=True,
               help="Preset or model JSON the workers train (planning and the chooser).")
 @click.option("--global-batch", type=click.IntRange(min=1), required=True)
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
@@ -81,17 +83,20 @@ def open_progress(path: Path | None
 @click.option("--bind", default="127.0.0.1", show_default=True,
               help="Address the control channel and rendezvous store listen on.")
 @click.option("--advertise", help="Address workers connect to (needed with --bind 0.0.0.0).")
-@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
+@click.option("--timeout", "timeout_s", envvar="SLURM_ETC_RUN_TIMEOUT", type=float,
+              default=300.0, show_default=True,
               help="Bound of every worker collective and resize (seconds).")
 @click.option("--hardware", default="h100", show_default=True, metavar="PROFILE|FILE.json",
               help="The devices' figures the layout chooser ranks layouts with: a profile ("
                    + ", ".join(PROFILES) + "; cpu: worker processes on CPUs) or a JSON "
                    "object of " + ", ".join(FIELDS) + " (missing ones from its \"base\" "
                    "profile, default h100). GPUs per node always come from the cluster.")
-@click.option("--progress", "progress_file", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
+              type=click.Path(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
                    "generation, t) to this file.")
-@click.option("--json", "as_json", is_flag=True, help="A JSON summary on stdout at the end.")
+@click.option("--json", "as_json", envvar="SLURM_ETC_RUN_JSON", is_flag=True,
+              help="A JSON summary on stdout at the end.")
 @click.argument("command", nargs=-1, required=True)
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
@@ -138,6 +143,10 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s)
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
+    for handler in logging.getLogger().handlers:  # a job's output file: when, too
+        if getattr(handler, "stream", None) is sys.stderr:
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     progress, progress_out = open_progress(progress_file)
     try:
         out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,

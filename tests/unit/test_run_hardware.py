@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -101,3 +102,29 @@ def test_unwritable_progress_is_one_line(tmp_path, monkeypatch):
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert "--progress" in res.output and "cannot append" in res.output
     assert cmd_run.open_progress(None) == (None, None)
+
+
+def test_every_option_has_its_documented_environment_variable():
+    """`SLURM_ETC_RUN_<OPTION>` (how scripts/elastic.sbatch passes options on): click derives
+    the name from the parameter's name, which differs from the option's for some."""
+    from slurm_etc.cli.cmd_run import run
+
+    for p in run.params:
+        if isinstance(p, click.Option):
+            option = max(p.opts, key=len).lstrip("-").upper().replace("-", "_")
+            assert (p.envvar or f"SLURM_ETC_RUN_{p.name.upper()}") == \
+                f"SLURM_ETC_RUN_{option}", p.opts
+
+
+def test_environment_variables_reach_the_job(tmp_path, captured, monkeypatch):
+    out = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("SLURM_ETC_RUN_PROGRESS", str(out))
+    monkeypatch.setenv("SLURM_ETC_RUN_TIMEOUT", "7.5")
+    monkeypatch.setenv("SLURM_ETC_RUN_JSON", "1")
+    monkeypatch.setenv("SLURM_ETC_RUN_NAME", "from-env")
+    res = _run()
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"state": "finished"}
+    spec = captured["spec"]
+    assert spec.worker_timeout_s == 7.5 and spec.name == "from-env"
+    assert json.loads(out.read_text())["step"] == 1
