@@ -97,8 +97,8 @@ class PeerCopies:
         rank, buddy, wards: this rank, where its copy goes, whose copies it keeps.
         own: step -> this rank's snapshot.
         copies: ward rank -> {step -> that ward's snapshot}.
-        stale_copies: a planted bug for the oracle's self-test: keep the copy received one
-            refresh earlier as if it were of the new step.
+        stale_copies: a planted bug for the oracle's self-test: keep the tensors of the copy
+            received one refresh earlier under the new step's step, RNG and data position.
     """
 
     every: int
@@ -139,7 +139,7 @@ class PeerCopies:
             kept = self.copies.setdefault(w, {})
             if self.stale_copies and kept:
                 prev = kept[max(kept)]
-                kept[step] = Snapshot(step, prev.flat, prev.index, prev.meta)
+                kept[step] = Snapshot(step, prev.flat, prev.index, wmeta)
                 continue
             kept[step] = Snapshot(step, flats[w], index, wmeta)
 
@@ -179,9 +179,12 @@ class PeerCopies:
                 sh.tensor.copy_(by_key[sh.key].tensor)
         return snap.meta
 
-    def start_stand_in(self, ward: int, step: int, **kwargs: Any) -> None:
-        """A thread that takes part in the migration as lost old rank ``ward``."""
+    def start_stand_in(self, ward: int, step: int, publish: Any, **kwargs: Any) -> None:
+        """A thread that takes part in the migration as lost old rank ``ward``;
+        ``publish(meta)`` first (in this thread) puts the ward's trainer state and RNG extras
+        where the new ranks read them."""
         snap = self.copies[ward][step]
+        publish(snap.meta)
 
         def run() -> None:
             try:
@@ -224,11 +227,22 @@ def _wait(works: list) -> None:
         w.wait()
 
 
+def own_client(store: Any, timeout_s: float) -> Any:
+    """A connection of its own to a TCPStore: a client's blocking wait holds its socket, so
+    two threads waiting through one client (the rank and its stand-in, in one rendezvous)
+    would deadlock."""
+    from datetime import timedelta
+
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False,
+                             timeout=timedelta(seconds=timeout_s))
+    return store
+
+
 def stand_in(snap: Snapshot, *, plan: Any, device: int, store: Any, tag: str, options: Any,
-             timeout_s: float, publish: Any) -> None:
+             timeout_s: float) -> None:
     """Take part in ``plan``'s migration as the lost old rank on ``device``, from its peer
     copy: connect the migration group, exchange step and RNG, send its shards, vote, leave.
-    ``publish(meta)`` first puts its trainer state and RNG extras where new ranks read them.
     """
     import dataclasses
 
@@ -236,7 +250,7 @@ def stand_in(snap: Snapshot, *, plan: Any, device: int, store: Any, tag: str, op
     from slurm_etc.megatron.state import ResumeState, exchange_resume_state
     from slurm_etc.migrate.executor import execute_migration
 
-    publish(snap.meta)
+    store = own_client(store, timeout_s)
     opts = dataclasses.replace(options, measure_memory=False)
     prepared = prepare_resize(plan, device, store, tag=tag, options=opts,
                               group_timeout_s=timeout_s, prefault=False)
