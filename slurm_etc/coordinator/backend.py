@@ -1,7 +1,8 @@
 """The backend seam: how the coordinator learns about resources and acts on them.
 
-Events come in (:class:`Grant`, :class:`PreemptNotice`, :class:`Loss`, and
-:class:`WorkerExited` when a worker process ends); actions go out (:class:`RequestNodes`,
+Events come in (:class:`Grant`, :class:`PreemptNotice`, :class:`Loss`,
+:class:`WorkerExited` when a worker process ends, :class:`RequestFailed` when a request ends
+without a grant); actions go out (:class:`RequestNodes`,
 :class:`ReleaseDevices`, :class:`LaunchWorkers`, :class:`StopWorkers`). All are plain frozen
 dataclasses: the reconcile loop, the store and the tests build and compare them without any
 I/O. A :class:`Backend` turns actions into processes and allocations: the local backend
@@ -106,7 +107,27 @@ class WorkerExited:
     stopped: bool
 
 
-BackendEvent: TypeAlias = Grant | PreemptNotice | Loss | WorkerExited
+@dataclass(frozen=True)
+class RequestFailed:
+    """A :class:`RequestNodes` ended without a grant (its allocation was cancelled, failed or
+    refused while pending): the request is over and the job may ask again.
+
+    Attributes:
+        request: the :attr:`RequestNodes.key`.
+        allocation: the allocation that ended (a Slurm job id).
+        reason: what ended it (Slurm's state).
+    """
+
+    request: str
+    allocation: str
+    reason: str = ""
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return ()
+
+
+BackendEvent: TypeAlias = Grant | PreemptNotice | Loss | WorkerExited | RequestFailed
 
 
 # --------------------------------------------------------------------------- actions out

@@ -58,6 +58,7 @@ from .backend import (
     Loss,
     PreemptNotice,
     ReleaseDevices,
+    RequestFailed,
     RequestNodes,
     StopWorkers,
     WorkerExited,
@@ -227,6 +228,12 @@ class Coordinator:
                                            else "preemption")
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
                                                f"({event.cause})", state="lost"))
+                case RequestFailed():
+                    if event.request == f"grow-{self.requests}":
+                        self.growing = 0  # the current request is over: ask again if need be
+                    seen.append(self._observed(
+                        "request-failed", event, f"request {event.request} ended without a "
+                        f"grant ({event.reason})"))
                 case WorkerExited():
                     self.idle.discard(event.vrank)
                     if event.returncode != 0 and not event.stopped and \

@@ -17,7 +17,9 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   A key seen before submits nothing. The member's batch script is
   ``python -m slurm_etc.slurm.member``: it waits and turns the notice signal (or SIGTERM)
   into a file in the run directory's ``notices/`` at once.
-- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``.
+- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``;
+  a member ending before it ran (cancelled, failed, refused while PENDING) ->
+  ``RequestFailed(key, <member job id>, <state>)``.
 - **preemption**: a notice file (written within a second of the signal) ->
   :class:`PreemptNotice` with ``deadline = signal time + GraceTime - margin``; squeue's
   ``PreemptTime`` is the backup (same deadline from that time); a granted member leaving
@@ -89,6 +91,7 @@ from slurm_etc.coordinator.backend import (
     Loss,
     PreemptNotice,
     ReleaseDevices,
+    RequestFailed,
     RequestNodes,
     StopWorkers,
     WorkerExited,
@@ -661,8 +664,11 @@ class SlurmBackend:
             elif job is None or state is None or state.finished or state in (
                     JobState.REQUEUED, JobState.ENDING):
                 a.gone = True
+                why = job.slurm_state if job else "gone"
                 logger.warning("[slurm] member %s of request %s ended before it started (%s)",
-                               a.job_id, a.key, job.slurm_state if job else "gone")
+                               a.job_id, a.key, why)
+                if a.key is not None:
+                    self._events.append(RequestFailed(a.key, a.job_id, why))
             return
         if state is not JobState.RUNNING or job is None:
             if state in (JobState.NODE_FAIL, JobState.FAILED, JobState.TIMEOUT,

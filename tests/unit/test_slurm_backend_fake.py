@@ -17,6 +17,7 @@ from slurm_etc.coordinator.backend import (
     Loss,
     PreemptNotice,
     ReleaseDevices,
+    RequestFailed,
     RequestNodes,
     WorkerSpec,
 )
@@ -240,3 +241,23 @@ def test_sigterm_is_the_notice_where_configured(fake, tmp_path):
         assert isinstance(notice, PreemptNotice) and notice.devices == d("n3", 0, 1)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("how", ["CANCELLED", "FAILED", "gone"])
+def test_member_ending_while_pending_fails_its_request(fake, backend, how):
+    """A member that never ran (cancelled by an admin, refused, purged) ends its request, so
+    that the coordinator can ask again; it is no loss (nothing was held)."""
+    backend.poll()
+    backend.request(RequestNodes(1, "grow-1"))
+    member = backend.members["grow-1"]
+    assert backend.poll() == []  # pending
+    if how == "gone":
+        del fake._jobs[member]
+    else:
+        fake.end(member, how)
+    (failed,) = backend.poll()
+    assert failed == RequestFailed("grow-1", member, how)
+    assert backend.poll() == []
+    backend.request(RequestNodes(1, "grow-2"))
+    assert [c[0] for c in fake.calls].count("sbatch") == 2
+    assert backend.members["grow-2"] != member

@@ -1,0 +1,78 @@
+"""The coordinator and a request that ends without a grant (RequestFailed): the job stops
+"growing" and asks again on its next decision; an older request's failure changes nothing.
+Real coordinator, real SQLite record; the backend is a stub that records the requests (the
+Slurm backend's side is tests/unit/test_slurm_backend_fake.py)."""
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_etc.alloc.chooser import Hardware, TrainingJob
+from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator.backend import RequestFailed, RequestNodes
+from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
+from slurm_etc.coordinator.loop import Coordinator, JobSpec
+from slurm_etc.plan import load_model
+from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.store import jobs as record
+
+JOB = "reqfail"
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.topology = ClusterTopology(2, ("n1", "n2", "n3"))
+        self.pending: list[Any] = []
+        self.requests: list[RequestNodes] = []
+
+    def poll(self) -> list[Any]:
+        out, self.pending = self.pending, []
+        return out
+
+    def request(self, action: RequestNodes) -> None:
+        self.requests.append(action)
+
+    def on_step(self, step: int) -> None: ...
+    def release(self, action: Any) -> None: ...
+    def launch(self, action: Any) -> None: ...
+    def stop(self, action: Any) -> None: ...
+    def workers(self) -> dict: return {}
+    def close(self) -> None: ...
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Any:
+    db = tmp_path / "job.db"
+    store = record.open_job_store(JOB, db=db, state_dir=tmp_path / "state")
+    record.create_job(store, JOB, name="t", owner_uid=0, owner_name="t", backend="slurm")
+    channel = CoordinatorChannel(JOB, create_secret(JOB, tmp_path / "keys"), "127.0.0.1")
+    stub = Stub()
+    spec = JobSpec(JOB, "t", (sys.executable, "-c", "pass"),
+                   TrainingJob(load_model("tiny"), 8, 1, False),
+                   EffectivePolicy(grow=True, max_nodes=3), Hardware(gpus_per_node=2))
+    c = Coordinator(spec, stub, store, channel, stub.topology)
+    yield c, stub, str(db)
+    channel.close()
+    store.close()
+
+
+def test_failed_request_resets_growing(coordinator: Any) -> None:
+    c, stub, db = coordinator
+    c.requests, c.growing = 2, 1  # grow-2 is pending
+    stub.pending = [RequestFailed("grow-1", "99", "CANCELLED")]  # an older one: no change
+    c._observe_backend()
+    assert c.growing == 1
+    stub.pending = [RequestFailed("grow-2", "100", "CANCELLED")]
+    c._observe_backend()
+    assert c.growing == 0 and c.dirty
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        kinds = [k for (k,) in con.execute(
+            "SELECT kind FROM events WHERE job_id = ? ORDER BY id", (JOB,))]
+    finally:
+        con.close()
+    assert kinds == ["request-failed", "request-failed"], kinds
