@@ -464,6 +464,113 @@ def record_event(store: Store, job_id: str, kind: str, *, source: str,
         raise
 
 
+@dataclass(frozen=True)
+class Observed:
+    """One backend event for :func:`record_observed`: its event row and the change to its
+    allocation.
+
+    Attributes:
+        kind, payload, deadline: as for :func:`record_event`.
+        key: the event's identity (``grant:<allocation>``, ...): a backend that reports it
+            again (a restarted coordinator re-reads Slurm) records nothing new.
+        allocation: the allocation concerned; None: no allocation change.
+        state: the allocation's new state; the allocation is created (with ``role``) when
+            it is new.
+        nodes: the allocation's nodes, when known.
+    """
+
+    kind: str
+    key: str
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    deadline: datetime | None = None
+    allocation: str | None = None
+    state: str | None = None
+    role: str = "member"
+    nodes: tuple[str, ...] | None = None
+
+
+@_guarded
+def record_observed(store: Store, job_id: str, observed: Sequence[Observed], *,
+                    source: str = "backend", at: datetime | None = None) -> list[int]:
+    """Record one poll's events with their allocation changes in ONE transaction (a burst
+    of a thousand node events is one commit, not two thousand); returns the event ids in
+    order. An event whose key is recorded already keeps its row (its id is returned, its
+    allocation change is not applied again)."""
+    _text("source", source, 64)
+    for o in observed:
+        _text("kind", o.kind, 32)
+        _text("key", o.key, 128)
+        if o.state is not None:
+            _one_of("allocation state", o.state, ALLOCATION_STATES)
+        _one_of("role", o.role, ALLOCATION_ROLES)
+    if not observed:
+        return []
+    try:
+        texts = [json.dumps(o.payload, sort_keys=True) for o in observed]
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"event payload is not JSON-serialisable: {exc}") from None
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _touch(s, job_id, at)
+        seen: dict[str, int] = {}
+        keys = sorted({o.key for o in observed})
+        for i in range(0, len(keys), 500):
+            for key, eid in s.execute(select(EventRow.dedup_key, EventRow.id).where(
+                    EventRow.job_id == job_id, EventRow.dedup_key.in_(keys[i:i + 500]))):
+                seen[str(key)] = int(eid)
+        names = sorted({o.allocation for o in observed if o.allocation is not None})
+        allocations: dict[str, AllocationRow] = {}
+        for i in range(0, len(names), 500):
+            for a in s.scalars(select(AllocationRow).where(
+                    AllocationRow.job_id == job_id,
+                    AllocationRow.backend_id.in_(names[i:i + 500]))):
+                allocations[a.backend_id] = a
+        rows: list[EventRow | int] = []
+        for o, text in zip(observed, texts):
+            if o.key in seen:
+                rows.append(seen[o.key])
+                continue
+            if o.allocation is not None:
+                row = allocations.get(o.allocation)
+                if row is None:
+                    row = AllocationRow(job_id=job_id, backend_id=o.allocation, role=o.role,
+                                        state="requested", nodes=_nodes(o.nodes or ()),
+                                        requested_at=at)
+                    s.add(row)
+                allocations[o.allocation] = row
+                _update_allocation(s, row, o.state, o.nodes, at)
+            event = EventRow(job_id=job_id, dedup_key=o.key, kind=o.kind, source=source,
+                             payload=text, deadline=_at(o.deadline) if o.deadline else None,
+                             received_at=at)
+            s.add(event)
+            rows.append(event)
+            seen[o.key] = -1  # a key twice in one poll: recorded once
+        s.flush()
+        ids = {o.key: r.id for o, r in zip(observed, rows) if isinstance(r, EventRow)}
+        return [r if isinstance(r, int) and r >= 0 else ids[o.key]
+                for o, r in zip(observed, rows)]
+
+
+@_guarded
+def mark_events_handled(store: Store, event_ids: Sequence[int], outcome: str, *,
+                        at: datetime | None = None) -> None:
+    """:func:`mark_event_handled` for many events, in one transaction."""
+    _text("outcome", outcome, 255)
+    if not event_ids:
+        return
+    when = _at(at)
+    with store.transaction(write=True) as s:
+        ids = sorted(set(event_ids))
+        job_ids = set()
+        for i in range(0, len(ids), 500):
+            for row in s.scalars(select(EventRow).where(EventRow.id.in_(ids[i:i + 500]),
+                                                        EventRow.handled_at.is_(None))):
+                row.handled_at, row.outcome = when, outcome
+                job_ids.add(row.job_id)
+        for job_id in job_ids:
+            _touch(s, job_id, when)
+
+
 @_guarded
 def mark_event_handled(store: Store, event_id: int, outcome: str, *,
                        at: datetime | None = None) -> None:
@@ -538,8 +645,7 @@ def set_device_state(store: Store, job_id: str, devices: Iterable[DeviceLike], s
     with store.transaction(write=True) as s:
         _touch(s, job_id, at)
         alloc_id = _allocation(s, job_id, allocation).id if allocation else None
-        for device in devices:
-            row = _device(s, job_id, device, at)
+        for row in _devices(s, job_id, devices, at):
             row.state, row.updated_at = state, at
             if alloc_id is not None:
                 row.allocation_id = alloc_id
@@ -602,8 +708,8 @@ def open_generation(store: Store, job_id: str, number: int, layout: str,
         s.flush()
         granted = _granted_allocations_by_node(s, job_id)
         in_pool = set()
-        for vrank, device in sorted(devices.items()):
-            row = _device(s, job_id, device, at)
+        pool = sorted(devices.items())
+        for (vrank, device), row in zip(pool, _devices(s, job_id, (d for _, d in pool), at)):
             row.state, row.updated_at = "held", at
             if device.node in granted:
                 row.allocation_id = granted[device.node]
@@ -868,18 +974,29 @@ def _granted_allocations_by_node(s: Session, job_id: str) -> dict[str, int]:
     return out
 
 
-def _device(s: Session, job_id: str, device: DeviceLike, at: datetime) -> DeviceRow:
-    node, local = device.node, device.local
-    if not isinstance(node, str) or not node or not isinstance(local, int) or local < 0:
-        raise RecordError(f"invalid device {node!r}:{local!r}")
-    row = s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id, DeviceRow.node == node,
-                                            DeviceRow.local_index == local)).first()
-    if row is None:
-        row = DeviceRow(job_id=job_id, node=node, local_index=local, state="held",
-                        updated_at=at)
-        s.add(row)
-        s.flush()
-    return row
+def _devices(s: Session, job_id: str, devices: Iterable[DeviceLike], at: datetime
+             ) -> list[DeviceRow]:
+    """The rows of ``devices`` (created when new), with one query for the job's devices
+    and one flush (a burst releasing thousands of devices is not a query each)."""
+    wanted = list(devices)
+    for d in wanted:
+        if not isinstance(d.node, str) or not d.node or not isinstance(d.local, int) \
+                or d.local < 0:
+            raise RecordError(f"invalid device {d.node!r}:{d.local!r}")
+    with s.no_autoflush:
+        known = {(r.node, r.local_index): r
+                 for r in s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id))}
+    out = []
+    for d in wanted:
+        row = known.get((d.node, d.local))
+        if row is None:
+            row = DeviceRow(job_id=job_id, node=d.node, local_index=d.local, state="held",
+                            updated_at=at)
+            s.add(row)
+            known[(d.node, d.local)] = row
+        out.append(row)
+    s.flush()
+    return out
 
 
 def _vrank_map(s: Session, generation_id: int) -> dict[int, tuple[str, int, int | None]]:
