@@ -109,6 +109,7 @@ class PeerCopies:
     copies: dict[int, dict[int, Snapshot]] = field(default_factory=dict)
     stale_copies: bool = False
     _threads: list[threading.Thread] = field(default_factory=list)
+    _free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _errors: list[BaseException] = field(default_factory=list)
 
     def due(self, step: int) -> bool:
@@ -150,9 +151,16 @@ class PeerCopies:
         if not done:
             return
         newest = max(done)
+        dropped = [v for s, v in self.own.items() if s < newest]
         self.own = {s: v for s, v in self.own.items() if s >= newest}
         for w, kept in self.copies.items():
+            dropped += [v for s, v in kept.items() if s < newest]
             self.copies[w] = {s: v for s, v in kept.items() if s >= newest}
+        live = {v.flat.data_ptr() for v in self.own.values()} | {
+            v.flat.data_ptr() for k in self.copies.values() for v in k.values()}
+        for snap in dropped:  # reused by the next refresh (no page faults on fresh memory)
+            if snap.flat.data_ptr() not in live:
+                self._free.setdefault(snap.nbytes, []).append(snap.flat)
 
     def holdings(self) -> dict:
         """What this rank can roll back to and rebuild (published on a loss)."""
@@ -160,11 +168,14 @@ class PeerCopies:
                 "copies": {w: sorted(k) for w, k in self.copies.items()}}
 
     def host_bytes(self) -> int:
-        """Bytes of host memory the snapshots and copies hold now (buffers counted once)."""
+        """Bytes of host memory the snapshots and copies hold now, the buffers kept for
+        reuse included (each buffer counted once)."""
         seen: dict[int, int] = {}
         for snap in [*self.own.values(), *(s for k in self.copies.values()
                                            for s in k.values())]:
             seen[snap.flat.data_ptr()] = snap.nbytes
+        for bufs in self._free.values():
+            seen.update({b.data_ptr(): int(b.numel()) for b in bufs})
         return sum(seen.values())
 
     def restore(self, state_shards: list[LocalShard], step: int) -> dict:
@@ -215,11 +226,12 @@ class PeerCopies:
         return Snapshot(step, flat, index, meta)
 
     def _recycled(self, nbytes: int) -> torch.Tensor:
-        """A buffer of an own snapshot dropped by prune, else a new one."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A buffer of this size that prune dropped, else a new one."""
+        free = self._free.get(nbytes)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
 
     def _buffer(self, ward: int, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._recycled(nbytes)
 
 
 def _wait(works: list) -> None:
