@@ -10,6 +10,9 @@ from rich.table import Table
 from ..plan import Layout, ParallelConfig, Topology, default_pool, load_model, plan_migration
 from ..plan.errors import ConfigError
 
+# No job spans more nodes than this; a node list beyond it is a typo, not a plan.
+MAX_NODES = 100_000
+
 
 def _node_list(text: str | None) -> list[int]:
     if not text:
@@ -19,10 +22,16 @@ def _node_list(text: str | None) -> list[int]:
         part = part.strip()
         lo, sep, hi = part.partition("-")
         try:
-            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            first, last = (int(lo), int(hi)) if sep else (int(lo), int(lo))
         except ValueError:
             raise ConfigError(f"--drop-nodes: cannot parse {part!r}; expected node indices "
                               "like 0,3,5-7") from None
+        if not 0 <= first <= last < MAX_NODES:
+            raise ConfigError(f"--drop-nodes: {part!r} is not a range of node indices "
+                              f"0..{MAX_NODES - 1} (low-high, low <= high)")
+        out.extend(range(first, last + 1))
+        if len(out) > MAX_NODES:
+            raise ConfigError(f"--drop-nodes: more than {MAX_NODES} node indices")
     return out
 
 

@@ -22,7 +22,9 @@ class UserError(click.ClickException):
     exit_code = 2
 
     def show(self, file=None) -> None:
-        click.echo(f"slurm-etc: error: {self.format_message()}", err=True)
+        # one line whatever the message quotes (a file's field names may hold newlines)
+        message = self.format_message().strip().replace("\r", "\\r").replace("\n", "\\n")
+        click.echo(f"slurm-etc: error: {message}", err=True)
 
 
 class EtcGroup(click.Group):
@@ -33,8 +35,7 @@ class EtcGroup(click.Group):
         try:
             return super().invoke(ctx)
         except _DOMAIN_ERRORS as exc:
-            raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                            ) from None
+            raise UserError(str(exc) or type(exc).__name__) from None
 
     def main(self, args=None, prog_name=None,
              complete_var=None, standalone_mode: bool = True, **extra):
@@ -48,7 +49,10 @@ class EtcGroup(click.Group):
             click.echo(f"slurm-etc: error: {message}{where}", err=True)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
-            exc.show()
+            if isinstance(exc, UserError):
+                exc.show()
+            else:  # click's own "Error: ..." in the same one-line form
+                UserError(exc.format_message()).show()
             sys.exit(exc.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)

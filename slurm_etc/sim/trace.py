@@ -10,7 +10,8 @@ releases is what the next request can use.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,12 @@ def load_trace(path: str | Path) -> Trace:
     except json.JSONDecodeError as exc:
         raise TraceError(f"trace file {path} is not valid JSON: {exc.msg} at line "
                          f"{exc.lineno} column {exc.colno}") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace file {path} is a directory; give a JSON file") from None
+    except OSError as exc:
+        raise TraceError(f"cannot read trace file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"trace file {path} is not text (not a JSON trace)") from None
     return parse_trace(data, str(path))
 
 
@@ -142,7 +149,8 @@ def parse_trace(data: dict, where: str = "trace") -> Trace:
         events.append(event)
     events.sort(key=lambda e: e.t)  # stable: equal times keep file order
     duration = data.get("duration", max((e.t for e in events), default=0.0))
-    if not isinstance(duration, (int, float)) or duration <= 0:
+    if (not isinstance(duration, (int, float)) or isinstance(duration, bool)
+            or not math.isfinite(duration) or duration <= 0):
         raise TraceError(f"{where}: duration must be a positive number of seconds")
     return Trace(cluster, jobs, tuple(events), float(duration), policies)
 
@@ -162,10 +170,36 @@ def _build(cls, raw, where: str):
     if unknown:
         raise TraceError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(names)}")
+    _check_types(cls, raw, where)
     try:
         return cls(**raw)
     except TypeError as exc:
         raise TraceError(f"{where}: {exc}") from None
+
+
+# JSON types of the annotated field types (annotations are strings here)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float),
+                                            "str": (str,), "bool": (bool,)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "true or false"}
+
+
+def _check_types(cls: Any, raw: dict, where: str) -> None:
+    """Each given field of the JSON object has its field's type (null where optional)."""
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        value, text = raw[f.name], str(f.type)
+        base = text.removesuffix(" | None")
+        optional = base != text
+        allowed = _JSON_TYPES.get(base)
+        if allowed is None or (value is None and optional):
+            continue
+        wrong = (not isinstance(value, allowed) or (isinstance(value, bool) and base != "bool")
+                 or (isinstance(value, float) and not math.isfinite(value)))
+        if wrong:
+            raise TraceError(f"{where}: {f.name} must be {_TYPE_WORDS[base]}"
+                             f"{' or null' if optional else ''}, got {value!r}")
 
 
 def _policy(raw, where: str) -> tuple[Scope, ResizePolicy]:

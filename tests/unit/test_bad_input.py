@@ -87,6 +87,9 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         "events_wrong_type.json": json.dumps({"nodes": 2, "gpus_per_node": 2, "events": [
             {"at_step": "soon", "grant": 1}]}),
         "trace_empty_object.json": "{}",
+        "trace_null_nodes.json": json.dumps({"cluster": {"nodes": None}, "jobs": [],
+                                             "events": []}),
+        "model_newline_key.json": json.dumps({**MODEL, "hid\nden": 1}),
     }
     for name, text in files.items():
         (box / name).write_text(text)
@@ -194,6 +197,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("plan-model-missing-fields", ["plan", "--model", f"{M}/model_missing_field.json", *L],
      "ffn_hidden"),
     ("plan-model-not-text", ["plan", "--model", f"{M}/binary.json", *L], "not text"),
+    ("plan-model-newline-in-a-key", ["plan", "--model", f"{M}/model_newline_key.json", *L],
+     "unknown model field(s) hid\\nden"),
     ("plan-model-directory", ["plan", "--model", f"{M}/adir", *L], "is a directory"),
     ("plan-unknown-preset", ["plan", "--model", "gpt-9", *L], "unknown model 'gpt-9'"),
     ("plan-negative-dp", ["plan", "--model", "tiny", "--from", "dp=-1", "--to", "dp=2"],
@@ -208,6 +213,8 @@ CASES: list[tuple[str, list[str], str]] = [
                               "--to", "dp=2"], "must divide"),
     ("plan-drop-nodes-garbage", ["plan", "--model", "tiny", *L, "--drop-nodes", "x-"],
      "--drop-nodes"),
+    ("plan-drop-nodes-huge-range", ["plan", "--model", "tiny", *L, "--drop-nodes",
+                                    "0-9223372036854775807"], "not a range of node indices"),
     ("plan-gpus-per-node-negative", ["plan", "--model", "tiny", *L, "--gpus-per-node", "-1"],
      "--gpus-per-node"),
     ("plan-bandwidth-zero", ["plan", "--model", "tiny", *L, "--inter-node-gbps", "0"],
@@ -220,6 +227,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("simulate-trace-a-list", ["simulate", "--trace", f"{M}/list.json"], "JSON object"),
     ("simulate-trace-no-fields", ["simulate", "--trace", f"{M}/trace_empty_object.json"],
      "trace_empty_object.json"),
+    ("simulate-trace-null-nodes", ["simulate", "--trace", f"{M}/trace_null_nodes.json"],
+     "nodes must be an integer, got None"),
+    ("simulate-trace-directory", ["simulate", "--trace", f"{M}/adir"], "is a directory"),
     ("simulate-neither", ["simulate"], "--trace FILE or --synthetic"),
     ("simulate-both", ["simulate", "--synthetic", "--trace", f"{M}/bad.json"],
      "--trace FILE or --synthetic"),
