@@ -310,3 +310,28 @@ def test_stale_peer_copy_is_caught_by_the_oracle(pool, references):
     problems = oracle(out, references(case, 4))
     # the kept steps agree, the replayed ones do not
     assert problems and all(int(p.split()[1].rstrip(":")) >= 5 for p in problems), problems
+
+
+def test_overhead_bench_prints_memory_and_step_time():
+    """bench/redundancy_overhead.py runs (CI) and its figures hold together: no memory
+    without peer copies; with them, an own snapshot and the ward's copy at least, two of
+    each at most (plus alignment)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "redundancy_overhead.py"
+    done = subprocess.run([sys.executable, str(bench), "--steps", "5", "--every", "0,1",
+                           "--repeat", "1", "--json"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["every"]: r for r in json.loads(done.stdout)["rows"]}
+    assert rows[0]["peak_bytes"] == 0 and rows[0]["step_s"] > 0
+    one = rows[1]
+    assert 1.9 * one["state_bytes"] <= one["peak_bytes"] <= 4.2 * one["state_bytes"], one
+    assert one["step_s"] > 0 and one["step_overhead"] is not None
+    bad = subprocess.run([sys.executable, str(bench), "--every", "1,x"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "expected integers" in bad.stderr
+    assert "Traceback" not in bad.stderr
