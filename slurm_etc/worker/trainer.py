@@ -732,9 +732,12 @@ class ElasticTrainer:
         """No survivor replicates what the lost devices held. Survivors agree on what they
         can roll back to: peer copies (returns the plan, every survivor rolled back, stand-ins
         started) or the last periodic checkpoint (loaded here: returns "stay" / "left").
-        Raises ``err`` when neither exists."""
+        Refused as before when neither is enabled; raises StateLostError when neither
+        exists."""
         from slurm_etc.plan.lost import rollback_step
 
+        if not (self.peer_copy_every or self.checkpoint_every):
+            return self._refuse(order, str(err))  # nothing to rebuild from
         lost = set(order.lost)
         lost_ranks = [r for r, d in enumerate(old.devices) if d in lost]
         held = self._holdings(tag, old, lost)
