@@ -11,6 +11,7 @@ from slurm_etc.coordinator.channel import WorkerChannel
 from slurm_etc.worker.control import LAYOUT, Exited, Progress, Resize, Resized, Stop, parse_layout
 
 STEP_S = float(os.environ.get("FAKE_STEP_S", "0.2"))
+STEPS = int(os.environ.get("FAKE_STEPS", "0"))  # > 0: every worker ends after that many
 
 
 def main() -> int:
@@ -37,10 +38,15 @@ def main() -> int:
                 layout = order.new.layout()
                 ch.report(Resized(job, gen, vrank, "committed", step, pause_seconds=0.001))
                 continue
-            if layout is not None and vrank == layout.devices[0]:
+            if layout is not None:
                 step += 1
-                ch.report(Progress(job, gen, vrank, step, 1.0, 1e-3, step * 8,
-                                   str(layout.config)))
+                if vrank == layout.devices[0]:
+                    ch.report(Progress(job, gen, vrank, step, 1.0, 1e-3, step * 8,
+                                       str(layout.config)))
+                if STEPS and step >= STEPS:
+                    ch.report(Exited(job, gen, vrank, "done", step))
+                    time.sleep(0.2)
+                    return 0
     finally:
         ch.close()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ POLL_S = 0.02
 # An order not yet answered is sent again (a worker drops messages older than its replay
 # window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
 RESEND_S = 5.0
+COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
+# where inject() may kill: events polled and not recorded; recorded and not acted on; a node
+# request sent (recorded before it); a resize ordered and its outcome not recorded
+KILL_POINTS = ("before-record", "after-record", "after-request", "after-order")
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class Coordinator:
         self.reaction_s: list[float] = []
         self._noticed_at: float | None = None
         self._event_ids: list[int] = []
+        self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -162,6 +168,7 @@ class Coordinator:
         """Reconcile until the workers finished training, the job failed, or
         ``deadline_s`` passed. Returns ``finished``, ``failed`` or ``timeout``."""
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
+        self._recover()
         record.set_job_state(self.store, self.spec.job_id, "running")
         try:
             while True:
@@ -180,6 +187,24 @@ class Coordinator:
         except JobStopped as err:
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
+
+    def _recover(self) -> None:
+        """Resume from the record (a coordinator restarted on the same job and database):
+        a migration that was in flight is closed as aborted, once (its workers are
+        restarted, nothing of it was committed); events recorded and not handled are
+        handled by the first decision; generation numbers and request keys continue after
+        the recorded ones (no duplicate request, no generation recorded twice). Workers of
+        the killed coordinator are not reattached: the first layout is launched again."""
+        got = record.recover(self.store, self.spec.job_id)
+        self._event_ids += list(got.pending_events)
+        self.requests = max(self.requests, got.requests)
+        if got.last_generation >= 0:
+            self.restart_generation = got.last_generation + 1
+            self.last_generation = max(self.last_generation, self.restart_generation)
+            logger.warning("coordinator restarted: resuming job %s after generation %d (%d "
+                           "events pending, %d migrations aborted); workers start again",
+                           self.spec.job_id, got.last_generation, len(got.pending_events),
+                           len(got.aborted))
 
     def _end(self, state: str, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
@@ -244,6 +269,7 @@ class Coordinator:
                         self._worker_died(event, now)
             self.dirty = True
         if seen:
+            inject("before-record")
             self._event_ids += record.record_observed(self.store, self.spec.job_id, seen)
             for o in seen:
                 logger.info("event: %s %s", o.kind, o.payload["summary"])
@@ -322,6 +348,8 @@ class Coordinator:
 
     def _decide(self) -> None:
         self.dirty = False
+        if self._event_ids:
+            inject("after-record")
         if not self.held:
             return
         decision = decide(self._snapshot(), self.spec.policy)
@@ -347,9 +375,17 @@ class Coordinator:
                     if not self.growing:
                         self.requests += 1
                         self.growing = action.nodes
-                        perform(self.backend, RequestNodes(action.nodes,
-                                                           f"grow-{self.requests}",
-                                                           action.reason))
+                        request = RequestNodes(action.nodes, f"grow-{self.requests}",
+                                               action.reason)
+                        # recorded before it is sent: a restarted coordinator's keys
+                        # continue after it (a duplicate key would be the same request)
+                        eid = record.record_event(
+                            self.store, self.spec.job_id, "request", source="coordinator",
+                            key=f"request:{request.key}",
+                            payload={"nodes": request.nodes, "summary": request.reason[:200]})
+                        perform(self.backend, request)
+                        inject("after-request")
+                        record.mark_event_handled(self.store, eid, "sent")
                 case Pause():
                     logger.warning("paused: %s", action.reason)
         if self.inflight is None:
@@ -384,13 +420,15 @@ class Coordinator:
 
         layout = identity_layout(action.config, action.allocation.pool)
         self.vranks = dict(action.allocation.vranks)
-        self.layout, self.generation = layout, 0
+        gen = self.restart_generation
+        self.layout, self.generation = layout, gen
+        self.channel.generation = gen
         workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
-        perform(self.backend, LaunchWorkers(0, workers, self.spec.argv,
+        perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                             {**self._worker_env(), LAYOUT: format_layout(layout)}))
-        record.open_generation(self.store, self.spec.job_id, 0, str(layout.config),
+        record.open_generation(self.store, self.spec.job_id, gen, str(layout.config),
                                layout.devices, self.vranks, first_step=0)
-        logger.info("generation 0: %s on vranks %s", layout.config, list(layout.devices))
+        logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
     def _resize(self, action: ResizeDecision) -> None:
         assert_layout = self.layout
@@ -450,6 +488,7 @@ class Coordinator:
         # pause issue's "prepare the new world before the pause".
         self.inflight.stayers = (set(old.devices) - set(lost)) | waiting
         self._order_stayers()
+        inject("after-order")
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
@@ -570,6 +609,16 @@ def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
     fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
     return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
              if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
+
+
+def inject(point: str) -> None:
+    """Fault injection for the coordinator-restart tests: with
+    ``SLURM_ETC_COORDINATOR_INJECT=<point>`` the coordinator SIGKILLs itself the first time
+    it reaches ``point`` (one of :data:`KILL_POINTS`)."""
+    if os.environ.get(COORDINATOR_INJECT) == point:
+        logger.error("%s=%s: killing the coordinator", COORDINATOR_INJECT, point)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def event_key(kind: str, event: Any) -> str:

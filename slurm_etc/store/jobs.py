@@ -571,6 +571,52 @@ def mark_events_handled(store: Store, event_ids: Sequence[int], outcome: str, *,
             _touch(s, job_id, when)
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What a restarted coordinator resumes with (:func:`recover`).
+
+    Attributes:
+        pending_events: events recorded and not handled (handled by its first decision).
+        last_generation: the highest generation recorded or ordered; -1 for none.
+        requests: node requests recorded (the next request key continues after them).
+        aborted: migrations that were in flight, now closed as aborted.
+    """
+
+    pending_events: tuple[int, ...]
+    last_generation: int
+    requests: int
+    aborted: tuple[int, ...]
+
+
+@_guarded
+def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
+            at: datetime | None = None) -> Recovery:
+    """At a coordinator's start: close every migration still in flight as aborted with
+    ``reason`` (its workers died with the coordinator or are restarted: nothing was
+    committed), once; and return what the loop resumes with. Repeating it changes nothing."""
+    _text("reason", reason, 500)
+    at = _at(at)
+    with store.transaction(write=True) as s:
+        _job(s, job_id)
+        pending = tuple(s.scalars(select(EventRow.id).where(
+            EventRow.job_id == job_id, EventRow.handled_at.is_(None)).order_by(EventRow.id)))
+        aborted = []
+        for m in s.scalars(select(MigrationRow).where(MigrationRow.job_id == job_id,
+                                                      MigrationRow.outcome.is_(None))):
+            m.outcome, m.error, m.ended_at = "aborted", reason, at
+            aborted.append(m.id)
+        if aborted:
+            _touch(s, job_id, at)
+        gens = s.scalar(select(func.max(GenerationRow.number)).where(
+            GenerationRow.job_id == job_id))
+        ordered = s.scalar(select(func.max(MigrationRow.to_generation)).where(
+            MigrationRow.job_id == job_id))
+        requests = s.scalar(select(func.count()).select_from(EventRow).where(
+            EventRow.job_id == job_id, EventRow.kind == "request")) or 0
+        last = max(-1 if gens is None else gens, -1 if ordered is None else ordered)
+        return Recovery(pending, last, int(requests), tuple(aborted))
+
+
 @_guarded
 def mark_event_handled(store: Store, event_id: int, outcome: str, *,
                        at: datetime | None = None) -> None:
