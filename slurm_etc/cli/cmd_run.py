@@ -113,10 +113,15 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8
     """
     from ..alloc.chooser import TrainingJob
+    from ..coordinator.channel import ChannelError, check_addresses
     from ..coordinator.loop import JobSpec
     from ..coordinator.policy_lookup import job_policy
     from ..coordinator.run import run_job
 
+    try:
+        check_addresses(bind, advertise)
+    except ChannelError as err:
+        raise ConfigError(str(err)) from None
     model = load_model(model_spec)
     figures = load_hardware(hardware)
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
