@@ -276,6 +276,36 @@ def load_secret(path: str | os.PathLike[str]) -> JobSecret:
     return JobSecret(path, key)
 
 
+def check_addresses(bind: str, advertise: str | None = None) -> None:
+    """Refuse, before anything is created, a bind address this host cannot listen on and an
+    advertised address that does not resolve (both would otherwise surface only as workers
+    and the rendezvous store retrying until their timeout).
+
+    Raises:
+        ChannelError: one line naming the address and what would be right.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            bind, 0, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ChannelError(f"--bind {bind!r} is not an address or host name of this host "
+                           f"({getattr(e, 'strerror', None) or e}); e.g. 127.0.0.1 or 0.0.0.0"
+                           ) from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(sockaddr)
+        except OSError as e:
+            raise ChannelError(f"--bind {bind}: cannot listen there ({e.strerror}); give an "
+                               "address of this host, e.g. 127.0.0.1 or 0.0.0.0") from None
+    if advertise is not None:
+        try:
+            socket.getaddrinfo(advertise, 0, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ChannelError(f"--advertise {advertise!r} does not resolve "
+                               f"({getattr(e, 'strerror', None) or e}); give the address "
+                               "or host name workers reach this host by") from None
+
+
 def _key_of(secret: bytes | JobSecret) -> bytes:
     key = secret.key if isinstance(secret, JobSecret) else bytes(secret)
     if len(key) < 16:
