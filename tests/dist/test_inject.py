@@ -16,7 +16,9 @@ ranks send, joiners receive).
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
+import sys
 
 import pytest
 
@@ -43,13 +45,16 @@ def _script():
         "events": [{"at_step": 2, "grant": ["n1", "n2"], "reason": "two idle nodes"}]}, "<inject>")
 
 
-def run_with_kill(tmp_path, where: str) -> tuple[dict, object, dict[int, float]]:
+def run_with_kill(tmp_path, where: str, worker: str | None = None
+                  ) -> tuple[dict, object, dict[int, float]]:
     model = PRESETS["tiny"]
     job_id = f"inject-{where}"
     seen: list[dict] = []
     backend = LocalBackend(_script(), log_dir=tmp_path / "workers")
-    out = run_job(demo_spec(job_id, model, STEPS, GLOBAL_BATCH, inject=where), backend,
-                  backend.topology, db=str(tmp_path / "job.db"),
+    spec = demo_spec(job_id, model, STEPS, GLOBAL_BATCH, inject=where)
+    if worker is not None:
+        spec = dataclasses.replace(spec, argv=(sys.executable, "-m", worker, *spec.argv[3:]))
+    out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),
                   state_dir=str(tmp_path / "state"), progress=seen.append, deadline_s=600)
     store = open_store_readonly(tmp_path / "job.db")
     try:
@@ -75,17 +80,44 @@ def test_worker_killed_at_phase(tmp_path, where):
     assert all(m.outcome == "committed" for m in migrations[1:])
     if hit.outcome == "aborted":
         assert hit.error
-    # generations that trained, in order, against checkpoint-restart through them
+    # the kill happened where it was asked for
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "workers").iterdir())
+    assert logs.count(f"killing itself (SIGKILL) at {where}") == 1
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses == reference_losses(detail)
+
+
+def reference_losses(detail) -> dict[int, float]:
+    """Checkpoint-restart through the generations that trained, ended at the same steps."""
     gens = sorted(detail.generations, key=lambda g: g.number)
     assert gens[-1].last_step == STEPS
-    trained = []
+    trained: list = []
     for g in gens:
         if not trained or g.last_step > trained[-1][1]:
             trained.append((ParallelConfig.parse(g.layout), g.last_step))
     assert len(trained) >= 2
-    seq = ResizeSequence(PRESETS["tiny"], tuple(c for c, _ in trained), steps=1,
-                         global_batch=GLOBAL_BATCH, ends=tuple(e for _, e in trained),
-                         total_steps=STEPS)
-    reference = checkpoint_losses(seq)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses == {s: r["loss"] for s, r in reference.items()}
+    key = tuple(trained)
+    if key not in _REFERENCES:  # cases whose layouts switched at the same steps share one
+        seq = ResizeSequence(PRESETS["tiny"], tuple(c for c, _ in trained), steps=1,
+                             global_batch=GLOBAL_BATCH, ends=tuple(e for _, e in trained),
+                             total_steps=STEPS)
+        _REFERENCES[key] = {s: r["loss"] for s, r in checkpoint_losses(seq).items()}
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[tuple, dict[int, float]] = {}
+
+
+def test_planted_corrupt_held_state_is_caught(tmp_path):
+    """The comparison above catches a bug in the after-commit path: the held shards
+    perturbed (tests/dist/inject_planted_worker.py) -> the job still finishes, the losses
+    differ from checkpoint-restart."""
+    out, detail, losses = run_with_kill(tmp_path, "after-commit",
+                                        worker="tests.dist.inject_planted_worker")
+    assert out["state"] == "finished", out
+    reference = reference_losses(detail)
+    assert sorted(losses) == sorted(reference)
+    assert losses != reference
+    first = min(s for s in losses if losses[s] != reference[s])
+    held_from = max(g.last_step for g in detail.generations if g.number == 1)
+    assert first == held_from + 1  # the first step trained on the held state
