@@ -154,6 +154,7 @@ def dying_main(case: Case, vrank: int, port: int, job: str, ckpt_dir: str | None
 
 def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> dict | None:
     from slurm_etc.worker.control import LayoutSpec, Resize
+    from slurm_etc.worker.sequence import _digest
 
     if ctx.index not in case.devices:
         return None
@@ -172,7 +173,7 @@ def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> di
                "lost_history": [vars(h) for h in trainer.lost_history],
                "resizes": [vars(r) for r in trainer.resizes],
                "reports": [r for r in control.reports if type(r).__name__ == "Resized"],
-               }
+               "digest": _digest(trainer)}
         trainer.close()
         return out
     finally:
@@ -210,9 +211,11 @@ def _checkpoint_reference(pool, case: Case, switch_at: int) -> dict:
         for g in range(2):
             load = os.path.join(tmp, "g0") if g else None
             save = os.path.join(tmp, "g0") if g == 0 else None
-            for r in pool.run(w_checkpoint_segment, seq, g, load, save, f"ref-{case.name}-{g}"):
+            results = pool.run(w_checkpoint_segment, seq, g, load, save, f"ref-{case.name}-{g}")
+            for r in results:
                 for h in (r or {}).get("history", []):
                     out.setdefault(h["step"], h)
+        out["final_state"] = results[0]["digest"]  # new layout's rank 0 (dp=1: all of it)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -260,8 +263,14 @@ def run_case(pool, case: Case) -> list[dict | None]:
 
 
 def oracle(survivor: dict, reference: dict) -> list[str]:
-    """Differences between the job's kept and replayed steps and checkpoint-restart."""
+    """Differences between the job's kept and replayed steps and checkpoint-restart, and
+    between the final states (every shard's bits)."""
     problems = []
+    want_state, got_state = reference["final_state"], survivor["digest"]
+    if not want_state or got_state != want_state:
+        differ = sorted(k for k in set(want_state) | set(got_state)
+                        if want_state.get(k) != got_state.get(k))
+        problems.append(f"final state: {len(differ)} shards differ, e.g. {differ[:1]}")
     steps = [h["step"] for h in survivor["history"]]
     if steps != list(range(1, STEPS + 1)):
         problems.append(f"steps trained and kept: {steps}")
@@ -308,8 +317,10 @@ def test_stale_peer_copy_is_caught_by_the_oracle(pool, references):
     out = run_case(pool, case)[0]
     assert out["why"] == "done" and _lost_steps(out) == (5, 5)
     problems = oracle(out, references(case, 4))
-    # the kept steps agree, the replayed ones do not
-    assert problems and all(int(p.split()[1].rstrip(":")) >= 5 for p in problems), problems
+    # the kept steps agree; the replayed ones and the final state do not
+    steps = [int(p.split()[1].rstrip(":")) for p in problems if p.startswith("step ")]
+    assert steps and min(steps) >= 5, problems
+    assert any(p.startswith("final state") for p in problems), problems
 
 
 def test_overhead_bench_prints_memory_and_step_time():
