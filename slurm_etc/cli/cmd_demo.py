@@ -58,10 +58,14 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     from .cmd_status import job_view
 
     model = load_model(model_spec)
-    out_dir.mkdir(parents=True, exist_ok=True)
     db_path = Path(db) if db else out_dir / "demo.db"
+    if db and db_path.exists():
+        # never replace a file the user named (it could be their policy database)
+        raise click.UsageError(f"--db {db} already exists; the demo writes a fresh record: "
+                               "give a new path or remove that file yourself")
+    out_dir.mkdir(parents=True, exist_ok=True)
     if db_path.exists():
-        db_path.unlink()  # each demo is a fresh job
+        db_path.unlink()  # the demo's own record of its last run: each demo is a fresh job
     job_id = f"demo-{os.getpid()}"
     console = Console(stderr=True)
     root = logging.getLogger("slurm_etc")
