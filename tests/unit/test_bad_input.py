@@ -288,6 +288,8 @@ CASES: list[tuple[str, list[str], str]] = [
     # --- demo
     ("demo-inject-nowhere", ["demo", "--inject", "nowhere"], "unknown phase 'nowhere'"),
     ("demo-model-malformed", ["demo", "--model", f"{M}/bad.json"], "not valid JSON"),
+    ("demo-db-exists", ["demo", "--db", f"{M}/good.db", "--out", f"{M}/cwd/demo-out"],
+     "already exists"),
     ("demo-too-few-steps", ["demo", "--steps", "3"], "--steps"),
     # --- the command line itself
     ("unknown-command", ["launch"], "No such command 'launch'"),
