@@ -54,6 +54,7 @@ from slurm_etc.worker.trainer import plan_digest
 
 from .backend import (
     Backend,
+    BackendError,
     Grant,
     LaunchWorkers,
     Loss,
@@ -184,7 +185,7 @@ class Coordinator:
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
                     return self._end("failed", f"no end within {deadline_s:.0f} s", "timeout")
-        except JobStopped as err:
+        except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
 
@@ -212,8 +213,12 @@ class Coordinator:
             live = set(self.layout.devices) - self.done
             if live:
                 self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1, reason), live)
-            record.close_generation(self.store, self.spec.job_id, self.generation,
-                                    reason=reason, last_step=self.step, last_loss=self.loss)
+            try:
+                record.close_generation(self.store, self.spec.job_id, self.generation,
+                                        reason=reason, last_step=self.step,
+                                        last_loss=self.loss)
+            except record.RecordError:
+                pass  # never opened: its launch was refused
         record.set_job_state(self.store, self.spec.job_id, state, reason=reason)
         logger.info("job %s %s: %s", self.spec.job_id, state, reason)
         return result or state

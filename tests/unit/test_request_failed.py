@@ -76,3 +76,25 @@ def test_failed_request_resets_growing(coordinator: Any) -> None:
     finally:
         con.close()
     assert kinds == ["request-failed", "request-failed"], kinds
+
+
+def test_backend_refusing_an_action_fails_the_job_in_one_line(coordinator: Any, caplog) -> None:
+    """A BackendError from an action (e.g. a launch the backend cannot do) ends the job as
+    failed with one logged line, the record closed, no traceback out of run()."""
+    from slurm_etc.alloc.topology import Device
+    from slurm_etc.coordinator.backend import BackendError, Grant
+
+    c, stub, db = coordinator
+
+    def refuse(action: Any) -> None:
+        raise BackendError("launch of vrank 0 on n1:0: refused")
+    stub.launch = refuse
+    stub.pending = [Grant("a0", (Device("n1", 0), Device("n1", 1)))]
+    assert c.run(deadline_s=30) == "failed"
+    assert "refused" in caplog.text
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        (state,) = con.execute("SELECT state FROM jobs WHERE job_id = ?", (JOB,)).fetchone()
+    finally:
+        con.close()
+    assert state == "failed"
