@@ -113,6 +113,8 @@ COMMENT_PREFIX = "slurm-etc:"
 CLOSE_GRACE_S = 5.0
 # After `kill <vrank>`, how long before the step itself is killed with scancel.
 KILL_BACKSTOP_S = 5.0
+# How long a launch waits for a stopping worker whose vrank it reuses (past the backstop).
+STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 # A worker killed by SIGTERM/SIGKILL that nobody here sent is reported up to this late, so
 # that the Loss that explains it (Slurm's state lags its signals) comes first.
 EXIT_HOLD_S = 5.0
@@ -496,6 +498,14 @@ class SlurmBackend:
         groups: dict[tuple[str, str], list[TaskSpec]] = {}
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
+            if (current is not None and not current.reported and current.state.stopping
+                    and current.state.device != spec.device):
+                # the vrank given to a new device while its old worker is being stopped or
+                # killed (its device released or lost): let that one end first
+                until = time.monotonic() + STOPPING_WAIT_S
+                while not current.reported and time.monotonic() < until:
+                    time.sleep(0.05)
+                    self._read_steps(self._clock())
             if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "

@@ -24,6 +24,7 @@ from slurm_etc.coordinator.backend import (
     Loss,
     PreemptNotice,
     ReleaseDevices,
+    RequestFailed,
     RequestNodes,
     StopWorkers,
     WorkerExited,
@@ -69,6 +70,13 @@ class Driver:
             if time.monotonic() > deadline:
                 pytest.fail(f"timed out after {timeout:g} s waiting for {what}; events: "
                             f"{[e for _, e in self.events]}")
+            time.sleep(0.1)
+
+    def settle(self, seconds: float) -> None:
+        """Keep polling for ``seconds`` (events that should not come)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.events += [(time.time(), e) for e in self.backend.poll()]
             time.sleep(0.1)
 
 
@@ -217,6 +225,10 @@ def test_shrink_node_down_release_recover(client, jobs, anchor, tmp_path):
         ((_, loss),) = drive.until("loss", lambda e: isinstance(e, Loss), 10)
         loss_s = time.monotonic() - t0
         assert loss == Loss(grant.allocation, (Device(first, 1),), "failure")
+        # Slurm SIGTERMs the member's batch shell too (its notice file appears): the loss
+        # comes alone, no preemption notice before or after it.
+        drive.settle(4.0)
+        assert not [e for _, e in drive.events if isinstance(e, PreemptNotice)], drive.events
 
         # A member found again by a restarted coordinator (its key in --comment).
         backend.request(RequestNodes(1, "again"))
@@ -317,3 +329,58 @@ def test_elastic_sbatch_end_to_end(client, jobs, tmp_path):
     wait_for(lambda: not client.jobs(name=name), "no member left", 30)
     out = (tmp_path / f"slurm-etc-{anchor}.out").read_text()
     assert f"[slurm] request grow-1: member job {member.job_id}" in out, out[-2000:]
+
+
+def test_member_cancelled_while_pending_fails_its_request(client, jobs, anchor, tmp_path):
+    """A member that never ran (here: 4 nodes asked, n1 is the anchor's; scancel'ed while
+    PENDING) ends its request with RequestFailed, no loss, and a new request submits anew."""
+    backend = backend_for(anchor, tmp_path)
+    try:
+        drive = Driver(backend)
+        backend.request(RequestNodes(4, "too-many"))
+        member = backend.members["too-many"]
+        jobs.append(member)
+        wait_for(lambda: [j for j in client.jobs([member]) if j.state is JobState.PENDING],
+                 "member PENDING", 30)
+        drive.settle(1.0)
+        client.cancel(member)
+        ((_, failed),) = drive.until("request failed", lambda e: isinstance(e, RequestFailed),
+                                     15)
+        assert failed == RequestFailed("too-many", member, failed.reason), failed
+        assert failed.reason.startswith("CANCEL") or failed.reason == "gone", failed
+        assert not [e for _, e in drive.events if isinstance(e, (Loss, PreemptNotice))
+                    or (isinstance(e, Grant) and e.request)], drive.events
+    finally:
+        backend.close()
+
+
+def test_vrank_moved_while_its_old_worker_is_killed(client, jobs, anchor, tmp_path):
+    """A migration off a released member hands the leaving worker's vrank to a device of
+    the anchor: the launch waits for the killed worker to end instead of refusing (the real
+    training test's shrink-then-grow hit this), and the new worker runs."""
+    wait_free(client, ["n2", "n3", "n4"])
+    backend = backend_for(anchor, tmp_path)
+    try:
+        drive = Driver(backend)
+        backend.request(RequestNodes(1, "grow-1"))
+        jobs.append(backend.members["grow-1"])
+        ((_, grant),) = drive.until("member grant", lambda e: isinstance(e, Grant)
+                                    and e.request == "grow-1", 30)
+        old = grant.devices[0]
+        with inside_anchor(anchor):
+            backend.launch(LaunchWorkers(1, (WorkerSpec(7, old),), (sys.executable, "-c",
+                                                                     SLEEPER)))
+            time.sleep(3.0)  # running, not starting
+            assert backend.workers()[7].running
+            backend.release(ReleaseDevices(grant.devices))  # kills vrank 7 on the member
+            backend.launch(LaunchWorkers(2, (WorkerSpec(7, Device("n1", 0)),),
+                                         (sys.executable, "-c", SLEEPER)))
+        now = backend.workers()[7]
+        assert now.device == Device("n1", 0) and now.generation == 2 and now.running, now
+        drive.until("the old worker's exit", lambda e: isinstance(e, WorkerExited)
+                    and e.generation == 1 and e.stopped, 10)
+        backend.stop(StopWorkers((7,), grace_s=5))
+        drive.until("the new worker's exit", lambda e: isinstance(e, WorkerExited)
+                    and e.generation == 2, 30)
+    finally:
+        backend.close()
