@@ -29,9 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import (
     BackendEvent,
@@ -45,10 +44,10 @@ from slurm_etc.coordinator.backend import (
     WorkerState,
 )
 from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
-from slurm_etc.coordinator.loop import Coordinator, JobSpec
-from slurm_etc.plan import load_model
-from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
+
+if TYPE_CHECKING:  # the coordinator (torch) is imported by the bench, not by its readers
+    from slurm_etc.coordinator.loop import Coordinator, JobSpec
 
 JOB = "load"
 
@@ -130,7 +129,7 @@ def reader(db: str, stop: Any, holding: bool, counts: Any, index: int,
     while not stop.wait(interval):
         record.job_detail(store, JOB)
         n += 1
-    counts[index] = n
+        counts[index] = n
     store.close()
 
 
@@ -203,6 +202,8 @@ def one_round(events: int, round_: int, readers: int, holding: bool, cluster: Bu
     record.create_job(store, JOB, name="load", owner_uid=0, owner_name="bench",
                       backend="local")
     channel = CoordinatorChannel(JOB, create_secret(JOB, Path(tmp) / "secrets"), "127.0.0.1")
+    from slurm_etc.coordinator.loop import Coordinator
+
     coordinator = Coordinator(spec, cluster, store, channel, cluster.topology)
     stop = ctx.Event()
     counts = ctx.Array("l", max(readers, 1))
@@ -238,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.events < 1 or args.readers < 0 or args.nodes < 1 or args.gpus_per_node < 1:
         p.error("--events, --nodes and --gpus-per-node must be >= 1, --readers >= 0")
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
+    from slurm_etc.alloc.chooser import Hardware, TrainingJob
+    from slurm_etc.coordinator.loop import JobSpec
+    from slurm_etc.plan import load_model
+    from slurm_etc.policy.rules import EffectivePolicy
+
     cluster = BurstCluster(args.nodes, args.gpus_per_node)
     spec = JobSpec(JOB, "bench", (sys.executable, "-c", "pass"),
                    TrainingJob(load_model("llama-7b"), 512, 1, True),
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(lost {r['events'] - r['recorded']}); {r['write_tx']} write "
                   f"transactions: median {r['write_median_ms']:.2f} ms, p99 "
                   f"{r['write_p99_ms']:.2f} ms, max {r['write_max_ms']:.2f} ms"
-                  + (f"; {r['reads']} status reads meanwhile" if r["reads"] else ""))
+                  + (f"; {r['reads']} status reads in the round (from before the burst "
+                     "to after it)" if r["reads"] else ""))
         print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
     return 0 if ok else 1
 

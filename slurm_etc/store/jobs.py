@@ -19,7 +19,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, ParamSpec, Protocol, Sequence, TypeVar
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -525,26 +525,29 @@ def record_observed(store: Store, job_id: str, observed: Sequence[Observed], *,
                     AllocationRow.job_id == job_id,
                     AllocationRow.backend_id.in_(names[i:i + 500]))):
                 allocations[a.backend_id] = a
+        fresh = [o for o in observed if o.key not in seen]
+        for o in fresh:  # new allocations first, flushed once (their ids for the devices)
+            if o.allocation is not None and o.allocation not in allocations:
+                allocations[o.allocation] = AllocationRow(
+                    job_id=job_id, backend_id=o.allocation, role=o.role, state="requested",
+                    nodes=_nodes(o.nodes or ()), requested_at=at)
+                s.add(allocations[o.allocation])
+        s.flush()
         rows: list[EventRow | int] = []
-        for o, text in zip(observed, texts):
-            if o.key in seen:
-                rows.append(seen[o.key])
-                continue
-            if o.allocation is not None:
-                row = allocations.get(o.allocation)
-                if row is None:
-                    row = AllocationRow(job_id=job_id, backend_id=o.allocation, role=o.role,
-                                        state="requested", nodes=_nodes(o.nodes or ()),
-                                        requested_at=at)
-                    s.add(row)
-                allocations[o.allocation] = row
-                _update_allocation(s, row, o.state, o.nodes, at)
-            event = EventRow(job_id=job_id, dedup_key=o.key, kind=o.kind, source=source,
-                             payload=text, deadline=_at(o.deadline) if o.deadline else None,
-                             received_at=at)
-            s.add(event)
-            rows.append(event)
-            seen[o.key] = -1  # a key twice in one poll: recorded once
+        with s.no_autoflush:  # nothing queried below depends on this poll's own changes
+            for o, text in zip(observed, texts):
+                if o.key in seen:
+                    rows.append(seen[o.key])
+                    continue
+                if o.allocation is not None:
+                    _update_allocation(s, allocations[o.allocation], o.state, o.nodes, at)
+                event = EventRow(job_id=job_id, dedup_key=o.key, kind=o.kind, source=source,
+                                 payload=text,
+                                 deadline=_at(o.deadline) if o.deadline else None,
+                                 received_at=at)
+                s.add(event)
+                rows.append(event)
+                seen[o.key] = -1  # a key twice in one poll: recorded once
         s.flush()
         ids = {o.key: r.id for o, r in zip(observed, rows) if isinstance(r, EventRow)}
         return [r if isinstance(r, int) and r >= 0 else ids[o.key]
@@ -691,10 +694,12 @@ def set_device_state(store: Store, job_id: str, devices: Iterable[DeviceLike], s
     with store.transaction(write=True) as s:
         _touch(s, job_id, at)
         alloc_id = _allocation(s, job_id, allocation).id if allocation else None
-        for row in _devices(s, job_id, devices, at):
-            row.state, row.updated_at = state, at
-            if alloc_id is not None:
-                row.allocation_id = alloc_id
+        change: dict[str, Any] = {"state": state, "updated_at": at}
+        if alloc_id is not None:
+            change["allocation_id"] = alloc_id
+        rows = _devices(s, job_id, devices, at)
+        if rows:  # one executemany by primary key, not an UPDATE per ORM object
+            s.execute(update(DeviceRow), [{"id": r.id, **change} for r in rows])
 
 
 @_guarded
