@@ -142,12 +142,11 @@ class LocalBackend:
 
     def launch(self, action: LaunchWorkers) -> None:
         self._reap(self._clock())  # a worker that ended is reported before it is replaced
-        # a device given to a new vrank while the process of another is being stopped there
-        # (a joiner of an aborted resize the retry does not take): let that one go first
-        wanted = {spec.device: spec.vrank for spec in action.workers}
+        # a device launched on while a process is being stopped there (a joiner of an
+        # aborted resize, stopped for the retry): let that one go first
+        wanted = {spec.device for spec in action.workers}
         for w in list(self._workers.values()):
-            if (not w.reported and w.state.stopping and w.state.device in wanted
-                    and wanted[w.state.device] != w.state.vrank):
+            if not w.reported and w.state.stopping and w.state.device in wanted:
                 try:
                     w.proc.wait(timeout=STOPPING_WAIT_S)
                 except subprocess.TimeoutExpired:

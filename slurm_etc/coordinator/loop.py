@@ -146,7 +146,6 @@ class Coordinator:
         self.generation = 0
         self.last_generation = 0  # the highest generation ordered (an aborted one included)
         self.idle: set[int] = set()  # joiners alive after their resize aborted
-        self.vranks_idle: dict[int, Device] = {}
         self.step = 0
         self.loss: float | None = None
         self.inflight: _Inflight | None = None
@@ -461,10 +460,8 @@ class Coordinator:
         self.last_generation = gen
         new = plan.new
         joiners = set(new.devices) - set(old.devices)
-        # joiners of an aborted resize still running where this plan wants them are taken
-        # in as they are; the others stop
-        waiting = {v for v in self.idle if v in joiners and vranks[v] == self.vranks_idle[v]}
-        self._stop_idle("not in the retried resize", keep=waiting)
+        # joiners of an aborted resize stop; the retry starts its joiners afresh
+        self._stop_idle("resize retried")
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
@@ -483,15 +480,15 @@ class Coordinator:
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
                                   set(self.release_later), time.monotonic())
         self.channel.generation = gen
-        if joiners - waiting:
-            workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners - waiting))
+        if joiners:
+            workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                                 self._worker_env()))
         # The old layout pauses at its next step boundary and waits in the resize's
         # rendezvous for the joining processes to start (a cold import of torch and
         # megatron-core takes seconds on a busy node): letting it train on meanwhile is the
         # pause issue's "prepare the new world before the pause".
-        self.inflight.stayers = (set(old.devices) - set(lost)) | waiting
+        self.inflight.stayers = set(old.devices) - set(lost)
         self._order_stayers()
         inject("after-order")
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
@@ -583,7 +580,6 @@ class Coordinator:
         logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
         self.inflight = None
         self.idle = {v for v in fl.joiners - fl.dead}
-        self.vranks_idle = {v: fl.vranks[v] for v in self.idle}
         if not fl.dead:
             self._stop_idle("resize aborted")
             raise JobStopped(f"resize to generation {fl.order.generation} aborted: {why}")
@@ -591,11 +587,10 @@ class Coordinator:
                     ", ".join(str(v) for v in sorted(fl.dead)))
         self.dirty = True
 
-    def _stop_idle(self, why: str, keep: frozenset[int] | set[int] = frozenset()) -> None:
-        stop = self.idle - keep
-        if stop:
-            perform(self.backend, StopWorkers(tuple(sorted(stop)), 5.0, why))
-        self.idle = set(keep)
+    def _stop_idle(self, why: str) -> None:
+        if self.idle:
+            perform(self.backend, StopWorkers(tuple(sorted(self.idle)), 5.0, why))
+        self.idle = set()
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
