@@ -20,22 +20,20 @@ import pytest
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import Grant, Loss, PreemptNotice
-from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
-from slurm_etc.coordinator.loop import Coordinator, JobSpec
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.store import jobs as record
+from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
 
 JOB = "burst"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Burst:
+class Burst(HandDrivenBackend):
     """A simulated cluster handing over one burst of events per ``arm``; actions ignored."""
 
     def __init__(self, nodes: int = 400, gpus: int = 8) -> None:
-        self.topology = ClusterTopology(gpus, tuple(f"n{i}" for i in range(nodes)))
-        self.gpus, self.pending = gpus, []
+        super().__init__(ClusterTopology(gpus, tuple(f"n{i}" for i in range(nodes))))
+        self.gpus = gpus
 
     def events(self, n: int, tag: str) -> list[Any]:
         out: list[Any] = []
@@ -48,33 +46,15 @@ class Burst:
                        else Loss(g.allocation, g.devices))
         return out
 
-    def poll(self) -> list[Any]:
-        out, self.pending = self.pending, []
-        return out
-
-    def on_step(self, step: int) -> None: ...
-    def request(self, action: Any) -> None: ...
-    def release(self, action: Any) -> None: ...
-    def launch(self, action: Any) -> None: ...
-    def stop(self, action: Any) -> None: ...
-    def workers(self) -> dict: return {}
-    def close(self) -> None: ...
-
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Any:
-    db = tmp_path / "job.db"
-    store = record.open_job_store(JOB, db=db, state_dir=tmp_path / "state")
-    record.create_job(store, JOB, name="t", owner_uid=0, owner_name="t", backend="local")
-    channel = CoordinatorChannel(JOB, create_secret(JOB, tmp_path / "keys"), "127.0.0.1")
     cluster = Burst()
-    spec = JobSpec(JOB, "t", (sys.executable, "-c", "pass"),
-                   TrainingJob(load_model("llama-7b"), 512, 1, True),
-                   EffectivePolicy(grow=False), Hardware(gpus_per_node=8))
-    c = Coordinator(spec, cluster, store, channel, cluster.topology)
-    yield c, cluster, str(db)
-    channel.close()
-    store.close()
+    with coordinator_over(tmp_path, JOB, cluster,
+                          training=TrainingJob(load_model("llama-7b"), 512, 1, True),
+                          policy=EffectivePolicy(grow=False), hardware=Hardware(gpus_per_node=8),
+                          backend_name="local") as (c, db):
+        yield c, cluster, db
 
 
 def counts(db: str) -> tuple[int, int, int]:

@@ -5,7 +5,6 @@ Slurm backend's side is tests/unit/test_slurm_backend_fake.py)."""
 from __future__ import annotations
 
 import sqlite3
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,50 +13,32 @@ import pytest
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.coordinator.backend import RequestFailed, RequestNodes
-from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
-from slurm_etc.coordinator.loop import Coordinator, JobSpec
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.store import jobs as record
+from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
 
 JOB = "reqfail"
 
 
-class Stub:
-    def __init__(self) -> None:
-        self.topology = ClusterTopology(2, ("n1", "n2", "n3"))
-        self.pending: list[Any] = []
-        self.requests: list[RequestNodes] = []
+class Stub(HandDrivenBackend):
+    """Records the node requests."""
 
-    def poll(self) -> list[Any]:
-        out, self.pending = self.pending, []
-        return out
+    def __init__(self) -> None:
+        super().__init__(ClusterTopology(2, ("n1", "n2", "n3")))
+        self.requests: list[RequestNodes] = []
 
     def request(self, action: RequestNodes) -> None:
         self.requests.append(action)
 
-    def on_step(self, step: int) -> None: ...
-    def release(self, action: Any) -> None: ...
-    def launch(self, action: Any) -> None: ...
-    def stop(self, action: Any) -> None: ...
-    def workers(self) -> dict: return {}
-    def close(self) -> None: ...
-
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Any:
-    db = tmp_path / "job.db"
-    store = record.open_job_store(JOB, db=db, state_dir=tmp_path / "state")
-    record.create_job(store, JOB, name="t", owner_uid=0, owner_name="t", backend="slurm")
-    channel = CoordinatorChannel(JOB, create_secret(JOB, tmp_path / "keys"), "127.0.0.1")
     stub = Stub()
-    spec = JobSpec(JOB, "t", (sys.executable, "-c", "pass"),
-                   TrainingJob(load_model("tiny"), 8, 1, False),
-                   EffectivePolicy(grow=True, max_nodes=3), Hardware(gpus_per_node=2))
-    c = Coordinator(spec, stub, store, channel, stub.topology)
-    yield c, stub, str(db)
-    channel.close()
-    store.close()
+    with coordinator_over(tmp_path, JOB, stub,
+                          training=TrainingJob(load_model("tiny"), 8, 1, False),
+                          policy=EffectivePolicy(grow=True, max_nodes=3),
+                          hardware=Hardware(gpus_per_node=2), backend_name="slurm") as (c, db):
+        yield c, stub, db
 
 
 def test_failed_request_resets_growing(coordinator: Any) -> None:

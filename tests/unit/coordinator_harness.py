@@ -1,0 +1,55 @@
+"""A real Coordinator (real SQLite record, real control channel) over a backend that a test
+drives by hand: it queues events in ``pending`` and ignores every action unless a subclass
+records it."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slurm_etc.alloc.chooser import Hardware, TrainingJob
+from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
+from slurm_etc.coordinator.loop import Coordinator, JobSpec
+from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.store import jobs as record
+
+
+class HandDrivenBackend:
+    """Hands over the events queued in ``pending`` at each poll; actions do nothing."""
+
+    def __init__(self, topology: ClusterTopology) -> None:
+        self.topology = topology
+        self.pending: list[Any] = []
+
+    def poll(self) -> list[Any]:
+        out, self.pending = self.pending, []
+        return out
+
+    def on_step(self, step: int) -> None: ...
+    def request(self, action: Any) -> None: ...
+    def release(self, action: Any) -> None: ...
+    def launch(self, action: Any) -> None: ...
+    def stop(self, action: Any) -> None: ...
+    def workers(self) -> dict: return {}
+    def close(self) -> None: ...
+
+
+@contextmanager
+def coordinator_over(tmp_path: Path, job: str, backend: HandDrivenBackend, *,
+                     training: TrainingJob, policy: EffectivePolicy, hardware: Hardware,
+                     backend_name: str) -> Iterator[tuple[Coordinator, str]]:
+    """A Coordinator for ``job`` over ``backend``, its record in ``tmp_path``; yields it and
+    the record's path (for plain sqlite3 reads), closing channel and store after."""
+    db = tmp_path / "job.db"
+    store = record.open_job_store(job, db=db, state_dir=tmp_path / "state")
+    record.create_job(store, job, name="t", owner_uid=0, owner_name="t", backend=backend_name)
+    channel = CoordinatorChannel(job, create_secret(job, tmp_path / "keys"), "127.0.0.1")
+    spec = JobSpec(job, "t", (sys.executable, "-c", "pass"), training, policy, hardware)
+    try:
+        yield Coordinator(spec, backend, store, channel, backend.topology), str(db)
+    finally:
+        channel.close()
+        store.close()
