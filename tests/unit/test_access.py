@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,28 +39,17 @@ from slurm_etc.coordinator.events import parse_script
 from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store
+from tests.unit.second_user import as_user, local_user
 
 pytestmark = pytest.mark.unit
 
 EXE = Path(sys.executable).with_name("slurm-etc")
 
 
-def _require_root() -> None:
-    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("userdel"):
-        pytest.fail("the access tests need root and useradd/userdel to create a second local "
-                    "user (CI runs as root); run them as root")
-
-
 @pytest.fixture(scope="module")
 def second_user() -> Iterator[pwd.struct_passwd]:
-    _require_root()
-    name = f"etcuser{os.getpid() % 100000}"
-    subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
-                    "/usr/sbin/nologin", name], check=True, capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_user(f"etcuser{os.getpid() % 100000}") as user:
+        yield user
 
 
 @pytest.fixture
@@ -72,34 +61,6 @@ def shared_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _as_user(user: pwd.struct_passwd, work: Callable[[], Any]) -> Any:
-    """``work()`` in a forked child that has really become ``user``; its JSON result."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        code = 0
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(user.pw_gid)
-            os.setuid(user.pw_uid)
-            out = {"uid": os.getuid(), "euid": os.geteuid(), "result": work()}
-            os.write(write, json.dumps(out).encode())
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            os.write(write, json.dumps({"error": repr(exc)}).encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        text = f.read()
-    os.waitpid(pid, 0)
-    out = json.loads(text or '{"error": "no answer"}')
-    assert "error" not in out, out
-    assert out["uid"] == out["euid"] == user.pw_uid != 0
-    return out["result"]
 
 
 def _job_db(path: Path, jobs: list[tuple[str, int, str]], mode: int, owner: int) -> None:
@@ -159,7 +120,7 @@ def test_status_shows_a_second_user_only_their_jobs(second_user: pwd.struct_pass
         cmd_status.SACCTMGR_DIRS = (str(sbin),)
         return {k: _status(v) for k, v in queries.items()}
 
-    seen = _as_user(second_user, look)
+    seen = as_user(second_user, look)
     assert _ids(seen["state"]) == ["202"]
     assert seen["state"]["stderr"] == ""  # root's private snapshot is not even mentioned
     assert _ids(seen["site"]) == ["202"]
@@ -185,7 +146,7 @@ def test_status_checker_would_see_a_leak(second_user: pwd.struct_passwd,
                                obj={"sees_all_jobs": lambda uid: True})
         return {"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr}
 
-    assert _ids(_as_user(second_user, look)) == ["101", "202"]
+    assert _ids(as_user(second_user, look)) == ["101", "202"]
 
 
 def _mode(path: Path) -> int:

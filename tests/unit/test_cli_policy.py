@@ -8,7 +8,6 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
 from slurm_etc.policy.admin import AdminVerdict
+from tests.unit.second_user import as_user, local_user
 
 pytestmark = pytest.mark.unit
 
@@ -256,75 +256,48 @@ def _traversable_tmp():
     return None
 
 
-def _spoof_as(uid, gid, db, sacctmgr_dir):
-    """Child of a fork: become uid/gid for real, claim to be admin, run ``policy set``."""
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
+def _spoof(db, sacctmgr_dir):
+    """Run by the second user: claim to be admin, run ``policy set``."""
     import slurm_etc.cli.cmd_policy as cmd
 
     cmd.SACCTMGR_DIRS = (sacctmgr_dir,)
     os.environ.update(SPOOF)
     r = CliRunner().invoke(cli, ["policy", "--db", db, "set", "--partition", "gpu",
                                  "max_nodes=64"], obj={}, env=SPOOF)
-    return {"uid": os.getuid(), "exit_code": r.exit_code, "stderr": r.stderr}
+    return {"exit_code": r.exit_code, "stderr": r.stderr}
 
 
 def test_a_real_second_user_spoofing_admin_is_refused():
     """A real local user (created here, removed after) runs ``policy set`` with
     LOGNAME=USER=admin: refused under its own name; sacctmgr was asked about it."""
-    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("userdel"):
-        pytest.fail("this test needs root and useradd/userdel to create a second user; CI "
-                    "runs as root")
     base = _traversable_tmp()
     if base is None:
         pytest.fail("no temporary directory that another user can reach (/tmp, /var/tmp "
                     "and /dev/shm are not traversable by others)")
     name = f"slurmetc-t{os.getpid()}"
-    subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
-                    "/usr/sbin/nologin", name], check=True, capture_output=True)
     work = tempfile.mkdtemp(prefix="slurm-etc-spoof-", dir=base)
     try:
-        os.chmod(work, 0o777)
-        entry = pwd.getpwnam(name)
-        log = os.path.join(work, "asked.log")
-        fake = _write_fake_sacctmgr(Path(work) / "sbin", log)
-        os.chmod(fake.parent, 0o755)
-        # load what the child runs while the interpreter's files are still readable
-        CliRunner().invoke(cli, ["policy", "--db", os.path.join(work, "warm.db"), "set",
-                                 "--partition", "gpu", "max_nodes=1"], obj=dict(USER))
-        import slurm_etc.cli.cmd_policy as cmd
-        cmd.ask_sacctmgr("nobody-at-all")
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: never returns into pytest
-            code = 0
-            try:
-                os.close(read)
-                out = _spoof_as(entry.pw_uid, entry.pw_gid, os.path.join(work, "etc.db"),
-                                str(fake.parent))
-                os.write(write, json.dumps(out).encode())
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                os.write(write, json.dumps({"error": repr(exc)}).encode())
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(write)
-        with os.fdopen(read) as f:
-            out = json.loads(f.read() or "{}")
-        os.waitpid(pid, 0)
-        assert "error" not in out, out
-        assert out["uid"] == entry.pw_uid != 0
-        assert out["exit_code"] == 2
-        assert out["stderr"].strip() == (f"slurm-etc: error: permission denied: {name} has "
-                                         "Slurm AdminLevel None; changing policies needs root "
-                                         "or a Slurm Operator/Administrator")
-        with open(log) as f:
-            assert f.read().split() == [name]
-        assert not os.path.exists(os.path.join(work, "etc.db"))
+        with local_user(name) as entry:
+            os.chmod(work, 0o777)
+            log = os.path.join(work, "asked.log")
+            fake = _write_fake_sacctmgr(Path(work) / "sbin", log)
+            os.chmod(fake.parent, 0o755)
+            # load what the child runs while the interpreter's files are still readable
+            CliRunner().invoke(cli, ["policy", "--db", os.path.join(work, "warm.db"), "set",
+                                     "--partition", "gpu", "max_nodes=1"], obj=dict(USER))
+            import slurm_etc.cli.cmd_policy as cmd
+            cmd.ask_sacctmgr("nobody-at-all")
+            out = as_user(entry, lambda: _spoof(os.path.join(work, "etc.db"),
+                                                str(fake.parent)))
+            assert out["exit_code"] == 2
+            assert out["stderr"].strip() == (
+                f"slurm-etc: error: permission denied: {name} has Slurm AdminLevel None; "
+                "changing policies needs root or a Slurm Operator/Administrator")
+            with open(log) as f:
+                assert f.read().split() == [name]
+            assert not os.path.exists(os.path.join(work, "etc.db"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        subprocess.run(["userdel", name], check=False, capture_output=True)
 
 
 def test_show_without_a_database_creates_none(tmp_path):
