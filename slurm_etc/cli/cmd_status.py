@@ -302,6 +302,10 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
             outcome = m.outcome or "running"
             if m.error:
                 outcome += f": {m.error}"
+            if m.lost_steps is not None:  # a node lost without grace, no replica of it
+                first, last = m.lost_steps
+                outcome += (f"; lost steps {first}-{last} (rebuilt from "
+                            f"{m.rebuilt_from or '?'} of step {first - 1}, trained again)")
             mig.add_row(f"{m.from_generation}->{m.to_generation}", _bytes(m.moved_bytes),
                         _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
                         _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",

@@ -52,6 +52,8 @@ ALLOCATION_ROLES = ("anchor", "member")
 ALLOCATION_STATES = ("requested", "granted", "preempting", "lost", "released")
 DEVICE_STATES = ("held", "leaving", "lost", "released")
 MIGRATION_OUTCOMES = ("committed", "aborted")
+# Where the state of devices lost without grace came from when no replica held it.
+REBUILT_FROM = ("peer-copies", "checkpoint")
 # Event kinds the coordinator uses; others are stored as given.
 EVENT_KINDS = ("grant", "preempt-notice", "loss", "release", "resize-request", "stop")
 
@@ -247,6 +249,8 @@ class MigrationInfo:
     started_at: datetime
     ended_at: datetime | None
     event_id: int | None
+    lost_steps: tuple[int, int] | None = None
+    rebuilt_from: str | None = None
 
     @property
     def ratio_to_lower_bound(self) -> float | None:
@@ -268,7 +272,9 @@ class MigrationInfo:
                 "measured_seconds": self.measured_seconds,
                 "pause_seconds": self.pause_seconds, "outcome": self.outcome,
                 "error": self.error, "started": _iso(self.started_at),
-                "ended": _iso(self.ended_at), "event_id": self.event_id}
+                "ended": _iso(self.ended_at), "event_id": self.event_id,
+                "lost_steps": None if self.lost_steps is None else list(self.lost_steps),
+                "rebuilt_from": self.rebuilt_from}
 
 
 @dataclass(frozen=True)
@@ -846,14 +852,31 @@ def record_migration_start(store: Store, job_id: str, *, from_generation: int,
 def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
                             measured_seconds: float | None = None,
                             pause_seconds: float | None = None, error: str | None = None,
+                            lost_steps: tuple[int, int] | None = None,
+                            rebuilt_from: str | None = None,
                             at: datetime | None = None) -> None:
     """Record how a migration ended (``committed`` or ``aborted``), its measured time and
     the training pause. Repeating the same outcome is a no-op.
 
+    ``lost_steps`` (first, last): steps trained and lost with a node whose state no replica
+    held (the job rolled back to ``first - 1``); ``rebuilt_from``: where that state came
+    from (:data:`REBUILT_FROM`). Only a committed migration rebuilt anything.
+
     Raises:
-        RecordError: unknown migration, or it ended with the other outcome already.
+        RecordError: unknown migration, it ended with the other outcome already, or lost
+            steps that are not a span of trained steps.
     """
     _one_of("outcome", outcome, MIGRATION_OUTCOMES)
+    if rebuilt_from is not None:
+        _one_of("rebuilt_from", rebuilt_from, REBUILT_FROM)
+    if lost_steps is not None:
+        first, last = lost_steps
+        if not (isinstance(first, int) and isinstance(last, int) and 1 <= first <= last):
+            raise RecordError(f"lost_steps must be (first, last) with 1 <= first <= last, got "
+                              f"{lost_steps!r}")
+    if (lost_steps is not None or rebuilt_from is not None) and outcome != "committed":
+        raise RecordError(f"an {outcome} migration rebuilt nothing: lost_steps "
+                          f"{lost_steps!r} and rebuilt_from {rebuilt_from!r} need 'committed'")
     with store.transaction(write=True) as s:
         row = s.get(MigrationRow, migration_id)
         if row is None:
@@ -867,6 +890,9 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
                                                                 pause_seconds)
         when = _at(at)
         row.error, row.ended_at = error, when
+        if lost_steps is not None:
+            row.lost_first_step, row.lost_last_step = lost_steps
+        row.rebuilt_from = rebuilt_from
         _touch(s, row.job_id, when)
 
 
@@ -906,8 +932,7 @@ def job_detail(store: Store, job_id: str) -> JobDetail | None:
                             .order_by(DeviceRow.node, DeviceRow.local_index)).all()
         gens = s.scalars(select(GenerationRow).where(GenerationRow.job_id == job_id)
                          .order_by(GenerationRow.number)).all()
-        migrations = s.scalars(select(MigrationRow).where(MigrationRow.job_id == job_id)
-                               .order_by(MigrationRow.id)).all()
+        migrations = _migrations(s, job_id)
         events = s.scalars(select(EventRow).where(EventRow.job_id == job_id)
                            .order_by(EventRow.id)).all()
         return JobDetail(
@@ -1130,8 +1155,30 @@ def _event(r: EventRow) -> EventInfo:
                      r.outcome, r.dedup_key)
 
 
-def _migration(m: MigrationRow) -> MigrationInfo:
+# migrations' columns added after 0002_jobs: a record written before them (a published
+# snapshot of an older job, read by a newer status) has none, and reads as "nothing lost"
+_LATER_MIGRATION_COLUMNS = ("lost_first_step", "lost_last_step", "rebuilt_from")
+
+
+def _migrations(s: Session, job_id: str) -> list[Any]:
+    from sqlalchemy import inspect
+    from sqlalchemy.orm import defer
+
+    have = {c["name"] for c in inspect(s.connection()).get_columns("migrations")}
+    missing = [c for c in _LATER_MIGRATION_COLUMNS if c not in have]
+    query = select(MigrationRow).where(MigrationRow.job_id == job_id)
+    if missing:
+        query = query.options(*(defer(getattr(MigrationRow, c), raiseload=True)
+                                for c in missing))
+    return [(m, not missing) for m in s.scalars(query.order_by(MigrationRow.id)).all()]
+
+
+def _migration(row: tuple[MigrationRow, bool]) -> MigrationInfo:
+    m, later = row
+    lost = (m.lost_first_step, m.lost_last_step) if later else (None, None)
     return MigrationInfo(m.id, m.from_generation, m.to_generation, m.plan_digest,
                          m.moved_bytes, m.kept_bytes, m.lower_bound_bytes, m.messages,
                          m.rounds, m.estimated_seconds, m.measured_seconds, m.pause_seconds,
-                         m.outcome, m.error, m.started_at, m.ended_at, m.event_id)
+                         m.outcome, m.error, m.started_at, m.ended_at, m.event_id,
+                         None if lost[0] is None or lost[1] is None else (lost[0], lost[1]),
+                         m.rebuilt_from if later else None)

@@ -230,7 +230,11 @@ class EventRow(Base):
 
 
 class MigrationRow(Base):
-    """One state migration between generations: the plan's numbers, then what happened."""
+    """One state migration between generations: the plan's numbers, then what happened.
+
+    ``lost_first_step``..``lost_last_step``: steps trained, then lost with a node whose state
+    no replica held (the job rolled back and trains them again); ``rebuilt_from``: where that
+    state came from (``peer-copies`` or ``checkpoint``)."""
 
     __tablename__ = "migrations"
     __table_args__ = (
@@ -238,6 +242,12 @@ class MigrationRow(Base):
                         name="ck_migrations_bytes"),
         CheckConstraint("outcome IS NULL OR outcome IN ('committed', 'aborted')",
                         name="ck_migrations_outcome"),
+        CheckConstraint("(lost_first_step IS NULL AND lost_last_step IS NULL) OR "
+                        "(lost_first_step IS NOT NULL AND lost_last_step IS NOT NULL AND "
+                        "lost_first_step >= 1 AND lost_last_step >= lost_first_step)",
+                        name="ck_migrations_lost_steps"),
+        CheckConstraint("rebuilt_from IS NULL OR rebuilt_from IN ('peer-copies', "
+                        "'checkpoint')", name="ck_migrations_rebuilt_from"),
         Index("ix_migrations_job", "job_id", "to_generation"),
     )
 
@@ -261,3 +271,6 @@ class MigrationRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(Timestamp())
     ended_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    lost_first_step: Mapped[int | None] = mapped_column(Integer)
+    lost_last_step: Mapped[int | None] = mapped_column(Integer)
+    rebuilt_from: Mapped[str | None] = mapped_column(String(16))
