@@ -108,7 +108,9 @@ class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_field
 class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=True):
     """One worker's side of a resize: ``outcome`` committed, aborted or left (departed).
     ``lost_steps``: (first, last) steps trained before a node was lost without grace whose
-    state no replica held; the job rolled back to ``first - 1`` and trains them again."""
+    state no replica held; the job rolled back to ``first - 1`` and trains them again.
+    ``rebuilt_from``: where that state came from (``peer-copies``, ``checkpoint``; empty:
+    surviving replicas, or nothing was lost)."""
 
     job: str
     generation: int
@@ -121,6 +123,7 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     received_bytes: int = 0
     error: str = ""
     lost_steps: tuple[int, int] | None = None
+    rebuilt_from: Literal["", "peer-copies", "checkpoint"] = ""
 
 
 class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):
