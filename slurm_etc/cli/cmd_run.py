@@ -16,6 +16,7 @@ from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
+from ..worker.recovery import Recovery
 
 
 def job_id_default() -> str:
@@ -58,6 +59,26 @@ def open_progress(path: Path | None
     return progress, out
 
 
+def recovery_options(peer_copy_every: int, checkpoint_every: int,
+                     checkpoint_dir: Path | None) -> Recovery:
+    """The workers' peer-copy and checkpoint settings; the checkpoint directory is created
+    (owner-only when new) and must be writable. One line on any mistake."""
+    if checkpoint_dir is not None and not checkpoint_every:
+        raise ConfigError(f"--checkpoint-dir {checkpoint_dir} without --checkpoint-every: "
+                          "give both (e.g. --checkpoint-every 100)")
+    where = None
+    if checkpoint_dir is not None:
+        where = checkpoint_dir.expanduser().absolute()
+        try:
+            where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: cannot create it "
+                              f"({err.strerror})") from None
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: not writable by this user")
+    return Recovery(peer_copy_every, checkpoint_every, None if where is None else str(where))
+
+
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.option("--backend", type=click.Choice(["local", "slurm"]), default="local",
               show_default=True, help="Where devices and workers come from.")
@@ -91,6 +112,18 @@ def open_progress(path: Path | None
                    + ", ".join(PROFILES) + "; cpu: worker processes on CPUs) or a JSON "
                    "object of " + ", ".join(FIELDS) + " (missing ones from its \"base\" "
                    "profile, default h100). GPUs per node always come from the cluster.")
+@click.option("--peer-copy-every", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="Every N steps each worker copies its state to host memory "
+              "on another node, so that a node lost without grace where no data-parallel "
+              "replica holds its state (dp=1, distributed-optimizer shards) costs at most "
+              "the steps since (rolled back, trained again). 0: off (its host memory is "
+              "about 4x the per-device state; see the README).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
+              show_default=True, metavar="M", help="A megatron-core checkpoint every M steps "
+              "into --checkpoint-dir (the last one kept): the fallback when a node and the "
+              "node holding its peer copy are lost together. 0: off.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where --checkpoint-every writes (storage every node reaches).")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
               type=click.Path(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
@@ -100,7 +133,8 @@ def open_progress(path: Path | None
 @click.argument("command", nargs=-1, required=True)
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
-        state_dir, bind, advertise, timeout_s, hardware, progress_file, as_json, command):
+        state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
+        checkpoint_dir, progress_file, as_json, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -124,6 +158,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         raise ConfigError(str(err)) from None
     model = load_model(model_spec)
     figures = load_hardware(hardware)
+    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir)
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
     policy = job_policy(policy_partition, account, policy_db)
     if backend == "local":
@@ -145,7 +180,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
         topology = be.topology
     spec = JobSpec(job_id, name, tuple(command), job, policy,
-                   replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s)
+                   replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
+                   recovery=recovery)
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
     for handler in logging.getLogger().handlers:  # a job's output file: when, too

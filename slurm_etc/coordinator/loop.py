@@ -15,8 +15,13 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
   plan's estimate is held against the grace: a resize that cannot finish in time is logged
   and recorded as such;
 * a loss without grace tells the planner which old devices are dead; where every shard they
-  held has a surviving replica the resize proceeds in memory, otherwise the job stops with
-  one line saying so.
+  held has a surviving replica the resize proceeds in memory. Where some has none (dp=1,
+  distributed-optimizer shards) and the job keeps peer copies or periodic checkpoints
+  (:class:`~slurm_etc.worker.recovery.Recovery`), the resize is ordered anyway, planned
+  as if the lost ranks were there: the workers roll back to the newest peer copies (a
+  survivor stands in for each lost rank) or load the last checkpoint, and the steps trained
+  since are recorded as lost and trained again. Otherwise the job stops with one line
+  saying so.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
-from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.policy.decide import Notice, Pause, Release, RequestGrow, Snapshot, decide
 from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
@@ -50,6 +55,7 @@ from slurm_etc.worker.control import (
     Stop,
     format_layout,
 )
+from slurm_etc.worker.recovery import Recovery
 from slurm_etc.worker.trainer import plan_digest
 
 from .backend import (
@@ -92,6 +98,8 @@ class JobSpec:
         hardware: device and link figures for the chooser's estimates.
         worker_timeout_s: bound of every worker collective and of a resize.
         env: extra environment for every worker.
+        recovery: peer copies and periodic checkpoints the workers keep (passed to them),
+            from which a loss that no replica covers is rebuilt.
     """
 
     job_id: str
@@ -102,6 +110,7 @@ class JobSpec:
     hardware: Hardware
     worker_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
+    recovery: Recovery = field(default_factory=Recovery)
 
 
 @dataclass
@@ -121,6 +130,8 @@ class _Inflight:
     stayers: set[int] = field(default_factory=set)
     sent_at: float = 0.0
     dead: set[int] = field(default_factory=set)  # participants whose process died
+    rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
+    early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
 
 
 class JobStopped(RuntimeError):
@@ -308,21 +319,12 @@ class Coordinator:
             vrank, report = got
             match report:
                 case Progress():
-                    if report.step > self.step:
-                        self.step, self.loss = report.step, report.loss
-                        if self.dirty_at_first_step:
-                            self.dirty, self.dirty_at_first_step = True, False
-                        if self.inflight is None:
-                            # a scripted cluster's events wait for a resize to settle (a
-                            # loss during a migration is the faults issue's case)
-                            self.backend.on_step(report.step)
-                        if report.generation == self.generation:  # else not committed yet
-                            record.record_progress(self.store, self.spec.job_id,
-                                                   report.generation, last_step=report.step,
-                                                   last_loss=report.loss)
-                        self.progress({"step": report.step, "loss": report.loss,
-                                       "lr": report.lr, "layout": report.layout,
-                                       "generation": report.generation})
+                    fl = self.inflight
+                    if fl is not None and fl.rebuild and \
+                            report.generation == fl.order.generation:
+                        fl.early.append(report)  # a replay: its steps count once settled
+                    else:
+                        self._progress(report)
                 case Resized():
                     if self.inflight and report.generation == self.inflight.order.generation:
                         self.inflight.reports[vrank] = report
@@ -331,6 +333,24 @@ class Coordinator:
                         self.done.add(vrank)
                 case Hello():
                     self._tell_joiner(vrank)
+
+    def _progress(self, report: Progress) -> None:
+        if report.step <= self.step:
+            return
+        self.step, self.loss = report.step, report.loss
+        if self.dirty_at_first_step:
+            self.dirty, self.dirty_at_first_step = True, False
+        if self.inflight is None:
+            # a scripted cluster's events wait for a resize to settle (a
+            # loss during a migration is the faults issue's case)
+            self.backend.on_step(report.step)
+        if report.generation == self.generation:  # else not committed yet
+            record.record_progress(self.store, self.spec.job_id,
+                                   report.generation, last_step=report.step,
+                                   last_loss=report.loss)
+        self.progress({"step": report.step, "loss": report.loss,
+                       "lr": report.lr, "layout": report.layout,
+                       "generation": report.generation})
 
     # -- deciding -------------------------------------------------------------------------
 
@@ -415,7 +435,7 @@ class Coordinator:
     # -- acting ---------------------------------------------------------------------------
 
     def _worker_env(self) -> dict[str, str]:
-        return {**self.spec.env, **self.channel.worker_env(),
+        return {**self.spec.env, **self.spec.recovery.env(), **self.channel.worker_env(),
                 GPUS_PER_NODE: str(self.topology.gpus_per_node),
                 TIMEOUT: str(self.spec.worker_timeout_s)}
 
@@ -446,10 +466,25 @@ class Coordinator:
         vranks = {**{v: self.vranks[v] for v in old.devices}, **pool_map}
         topo = Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
                         self.spec.hardware.inter_node_gbps)
+        rebuild = False
         try:
             plan = plan_migration(self.spec.job.model, old, action.config,
                                   sorted(pool_map), topo, keep_tp_in_node=True,
                                   lost=tuple(lost))
+        except StateLostError as err:
+            if not self.spec.recovery.enabled:
+                raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
+                                 f"failed and their state cannot be rebuilt in memory: {err} "
+                                 "(no peer copies or periodic checkpoints: see slurm-etc run "
+                                 "--peer-copy-every / --checkpoint-every)") from None
+            # the workers roll back to peer copies (a survivor stands in for each lost
+            # rank: the plan is the one with every old rank there) or load the checkpoint
+            plan = plan_migration(self.spec.job.model, old, action.config,
+                                  sorted(pool_map), topo, keep_tp_in_node=True)
+            rebuild = True
+            logger.warning("devices %s failed holding state no replica holds: rebuilding it "
+                           "from peer copies or the last checkpoint (the steps since are "
+                           "lost and trained again)", devices_of(self.vranks[v] for v in lost))
         except (PlanError, ConfigError) as err:
             if lost:
                 raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
@@ -478,7 +513,7 @@ class Coordinator:
             estimated_seconds=plan.est_seconds)
         participants = (set(old.devices) | set(new.devices)) - set(lost)
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
-                                  set(self.release_later), time.monotonic())
+                                  set(self.release_later), time.monotonic(), rebuild=rebuild)
         self.channel.generation = gen
         if joiners:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
@@ -535,11 +570,19 @@ class Coordinator:
                 str(v) for v in sorted(fl.participants - set(outcomes)))
             self._aborted(fl, wall, why)
             return
+        lost_steps, rebuilt_from = _rebuilt(fl)
         record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
-                                       measured_seconds=wall, pause_seconds=pause)
+                                       measured_seconds=wall, pause_seconds=pause,
+                                       lost_steps=lost_steps, rebuilt_from=rebuilt_from)
         record.close_generation(self.store, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
                                 last_step=self.step, last_loss=self.loss)
+        if lost_steps is not None:  # rolled back: the steps after the copy are trained again
+            self.step, self.loss = lost_steps[0] - 1, None
+            logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "
+                           "training them again", lost_steps[0], lost_steps[1],
+                           devices_of(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
+                           lost_steps[0] - 1)
         new = fl.order.new.layout()
         self.layout, self.generation = new, fl.order.generation
         self.vranks = {v: fl.vranks[v] for v in new.devices}
@@ -557,6 +600,8 @@ class Coordinator:
             self._noticed_at = time.perf_counter()
         self.release_later |= fl.release
         self._release_now()
+        for report in fl.early:
+            self._progress(report)
         self.backend.on_step(self.step)
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
@@ -591,6 +636,22 @@ class Coordinator:
         if self.idle:
             perform(self.backend, StopWorkers(tuple(sorted(self.idle)), 5.0, why))
         self.idle = set()
+
+
+def _rebuilt(fl: _Inflight) -> tuple[tuple[int, int] | None, str | None]:
+    """The steps a committed rebuild lost and where the lost state came from, as the
+    workers reported them (every rank of the new layout reports the same)."""
+    if not fl.rebuild:
+        return None, None
+    committed = [r for r in fl.reports.values() if r.outcome == "committed"]
+    spans = {r.lost_steps for r in committed if r.lost_steps is not None}
+    sources = {r.rebuilt_from for r in committed if r.rebuilt_from}
+    if len(spans) > 1 or len(sources) > 1:
+        logger.error("workers disagree on the rebuild: lost steps %s, from %s", sorted(spans),
+                     sorted(sources))
+    span = max(spans, key=lambda s: (s[1] - s[0], s)) if spans else None
+    return ((int(span[0]), int(span[1])) if span else None,
+            min(sources) if sources else None)
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],

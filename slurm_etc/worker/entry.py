@@ -2,7 +2,8 @@
 
 The user's training script ends with ``sys.exit(run_worker(make_trainer(...)))``. The
 backend's environment says who the process is (``SLURM_ETC_JOB``, ``_VRANK``,
-``_GENERATION``, the channel's address and the path of the job's secret file); the worker
+``_GENERATION``, the channel's address and the path of the job's secret file, and the
+run's peer-copy and checkpoint settings: ``worker.recovery.Recovery``); the worker
 joins the control channel, is welcomed with the address of the job's rendezvous store, and
 trains: from the start in ``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it
 waits for the resize that brings it in.
@@ -18,6 +19,7 @@ from typing import Any
 from slurm_etc.plan import Topology
 
 from .control import GPUS_PER_NODE, LAYOUT, TIMEOUT, parse_layout
+from .recovery import Recovery
 from .trainer import ElasticTrainer, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     from slurm_etc.coordinator.channel import WorkerChannel
 
     env = os.environ if environ is None else environ
+    # the run's --peer-copy-every / --checkpoint-every / --checkpoint-dir, over the
+    # trainer's own settings (a bad value ends the worker with one line, before it joins)
+    trainer.recovery = Recovery.from_env(env, trainer.recovery)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

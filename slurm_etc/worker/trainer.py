@@ -68,6 +68,7 @@ from .control import (
     Stop,
 )
 from .data import check_batch, microbatch_samples
+from .recovery import Recovery
 from .redundancy import PeerCopies
 
 logger = logging.getLogger(__name__)
@@ -189,11 +190,7 @@ class ElasticTrainer:
                  checkpoint_every: int = 0, checkpoint_dir: str | None = None) -> None:
         if train_steps < 0:
             raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
-        if peer_copy_every < 0 or checkpoint_every < 0:
-            raise ConfigError(f"peer_copy_every ({peer_copy_every}) and checkpoint_every "
-                              f"({checkpoint_every}) must be >= 0 (0: off)")
-        if checkpoint_every and not checkpoint_dir:
-            raise ConfigError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
+        Recovery(peer_copy_every, checkpoint_every, checkpoint_dir)  # checks the values
         check_batch(global_batch_size, micro_batch_size, 1)
         self.model_provider = model_provider
         self.forward_step = forward_step
@@ -214,6 +211,7 @@ class ElasticTrainer:
         self._peers_gen = -1
         self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
         self._rollback: tuple[int, int, int] | None = None  # (generation, first, last lost)
+        self._rebuilt_from: dict[int, str] = {}  # generation -> peer-copies | checkpoint
         self.state: TrainingState | None = None
         self.scheduler: Any = None
         self.catalog: Catalog | None = None
@@ -642,12 +640,14 @@ class ElasticTrainer:
         stats = stats or {}
         lost = (self._rollback[1:] if self._rollback and self._rollback[0] == order.generation
                 else None)
+        rebuilt = self._rebuilt_from.get(order.generation, "") if outcome != "aborted" else ""
         self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
                                          outcome, self.step, moved, pause, data, error, lost))
         proc.control.report(Resized(proc.job, order.generation, proc.vrank,
                                     outcome,  # type: ignore[arg-type]
                                     self.step, pause, data, int(stats.get("sent_bytes", 0)),
-                                    int(stats.get("received_bytes", 0)), error, lost))
+                                    int(stats.get("received_bytes", 0)), error, lost,
+                                    rebuilt))  # type: ignore[arg-type]
 
     # -- node lost without grace: peer copies, periodic checkpoints, rebuilding ------------
 
@@ -667,6 +667,16 @@ class ElasticTrainer:
                 self._log("a stand-in of the last resize failed: %s", err)
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save_periodic()
+
+    @property
+    def recovery(self) -> Recovery:
+        """What a node lost without grace is rebuilt from (peer copies, checkpoints)."""
+        return Recovery(self.peer_copy_every, self.checkpoint_every, self.checkpoint_dir)
+
+    @recovery.setter
+    def recovery(self, value: Recovery) -> None:
+        self.peer_copy_every = value.peer_copy_every
+        self.checkpoint_every, self.checkpoint_dir = value.checkpoint_every, value.checkpoint_dir
 
     def _peer_copies(self) -> PeerCopies | None:
         """This layout's PeerCopies (a new layout starts with none: a resize drops them);
@@ -732,8 +742,8 @@ class ElasticTrainer:
         """No survivor replicates what the lost devices held. Survivors agree on what they
         can roll back to: peer copies (returns the plan, every survivor rolled back, stand-ins
         started) or the last periodic checkpoint (loaded here: returns "stay" / "left").
-        Refused as before when neither is enabled; raises StateLostError when neither
-        exists."""
+        Refused (every rank alike: the coordinator stops the job with the reason) when
+        neither is enabled or neither exists."""
         from slurm_etc.plan.lost import rollback_step
 
         if not (self.peer_copy_every or self.checkpoint_every):
@@ -750,9 +760,9 @@ class ElasticTrainer:
                                              copies)
         ckpts = [h["checkpoint"] for h in held.values()]
         if any(c is None for c in ckpts):
-            raise StateLostError(f"{err}; no peer copy of the lost ranks {lost_ranks} and no "
-                                 "periodic checkpoint (peer_copy_every / checkpoint_every)",
-                                 err.tensors, err.lost)
+            return self._refuse(order, f"{err}; no peer copy of the lost ranks {lost_ranks} "
+                                       "(none refreshed in this layout, or their holders "
+                                       "lost too) and no periodic checkpoint")
         return self._load_lost_from_checkpoint(order, old, new, min(ckpts), last)
 
     def _holdings(self, tag: str, old: Layout, lost: set[int]) -> dict[int, dict]:
@@ -783,15 +793,18 @@ class ElasticTrainer:
         from slurm_etc.migrate.executor import MigrationOptions
 
         proc = self._proc()
-        state, _cfg = self._live()
         peers = self.peers
-        if peers is None:
+        survivor = self.state is not None  # a joiner of this resize holds nothing
+        if survivor and peers is None:
             raise RuntimeError("rolling back to peer copies this rank does not have")
-        meta = peers.restore(local_shards(state, self._catalog()), back)
-        set_optimizer_step(state, meta["adam_step"])
-        torch.set_rng_state(torch.frombuffer(bytearray(meta["rng"]), dtype=torch.uint8))
-        _set_rng_extras(meta["extras"])
-        self._restore_trainer_state(meta["trainer"])
+        if survivor and peers is not None:
+            state, _cfg = self._live()
+            meta = peers.restore(local_shards(state, self._catalog()), back)
+            set_optimizer_step(state, meta["adam_step"])
+            torch.set_rng_state(torch.frombuffer(bytearray(meta["rng"]), dtype=torch.uint8))
+            _set_rng_extras(meta["extras"])
+            self._restore_trainer_state(meta["trainer"])
+        self._rebuilt_from[order.generation] = "peer-copies"
         self._forget_steps_after(back, order.generation, last)
         self._lost = frozenset()
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
@@ -802,6 +815,12 @@ class ElasticTrainer:
         if tuple(plan.new.devices) != tuple(new.devices):
             raise ConfigError(f"rebuilt from peer copies, the plan places the new ranks on "
                               f"{list(plan.new.devices)}, the order on {list(new.devices)}")
+        if order.plan_digest and order.plan_digest != plan_digest(plan):
+            raise ConfigError("rebuilt from peer copies, this worker's plan differs from the "
+                              f"coordinator's ({plan_digest(plan)[:12]} != "
+                              f"{order.plan_digest[:12]})")
+        if not survivor or peers is None:
+            return plan
         me = old.devices.index(proc.vrank)
         for ward in lost_ranks:
             holders = sorted(r for r, c in copies.items() if back in c.get(ward, ()))
@@ -840,8 +859,9 @@ class ElasticTrainer:
 
         proc = self._proc()
         t0 = time.time()
+        self._rebuilt_from[order.generation] = "checkpoint"
         self._forget_steps_after(step, order.generation, last)
-        self.state, self.peers = None, None
+        self.state, self.peers, self._held = None, None, None
         teardown()
         if dist.is_initialized():
             dist.destroy_process_group()
