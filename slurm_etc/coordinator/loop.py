@@ -474,9 +474,9 @@ class Coordinator:
         except StateLostError as err:
             if not self.spec.recovery.enabled:
                 raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
-                                 f"failed and their state cannot be rebuilt in memory: {err} "
-                                 "(no peer copies or periodic checkpoints: see slurm-etc run "
-                                 "--peer-copy-every / --checkpoint-every)") from None
+                                 "failed and their state cannot be rebuilt in memory (no peer "
+                                 "copies or checkpoints: slurm-etc run --peer-copy-every N / "
+                                 f"--checkpoint-every M): {err}") from None
             # the workers roll back to peer copies (a survivor stands in for each lost
             # rank: the plan is the one with every old rank there) or load the checkpoint
             plan = plan_migration(self.spec.job.model, old, action.config,

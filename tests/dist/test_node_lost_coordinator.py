@@ -1,0 +1,171 @@
+"""A node lost without grace, through the coordinator: real worker processes on the local
+backend (its SIGKILL of a node's processes), gloo, the control channel and a real SQLite
+record; no replica of the lost state.
+
+Cluster: two one-device nodes. The job starts on n0 (the anchor), n1 is granted at step 1
+and the job grows to two devices with the distributed optimizer (each device holds the only
+copy of its optimizer shard, or of its pipeline stage); at step ``LOSE_AT`` n1 fails without
+notice. ``slurm-etc run --peer-copy-every 2`` is what the job spec says here.
+
+* peer copies: the coordinator orders the shrink anyway; the survivor rolls back to its
+  newest peer copies, a stand-in migrates the dead rank from its copy, and training goes on.
+  Oracle: megatron-core checkpoint-restart through the same layouts, switching at the step
+  the job rolled back to (``checkpoint_losses``, fresh processes and dist_checkpointing,
+  sharing no code with peer copies, the coordinator or the migration): every step's loss,
+  LR and consumed samples of the finished run bit-equal. The lost steps the record and
+  `status --json` show must be exactly the steps the old layout reported and the new one
+  trained again (from the progress stream), and their rollback step a refresh step.
+* planted stale copies (``SLURM_ETC_PLANT_STALE_COPIES``): the same oracle fails it.
+* no copies, no checkpoint: the job stops with one line naming the lost devices and the
+  options that would have saved it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from slurm_etc.coordinator.demo import demo_spec
+from slurm_etc.coordinator.events import script_from_dict
+from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.plan import ParallelConfig
+from slurm_etc.plan.model import PRESETS
+from slurm_etc.store import jobs as record
+from slurm_etc.store.db import open_store_readonly
+from slurm_etc.worker.recovery import Recovery
+from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]
+
+MODEL = PRESETS["tiny"]
+STEPS, GB, EVERY, LOSE_AT = 12, 8, 2, 9
+
+
+def _script():
+    return script_from_dict({
+        "nodes": 2, "gpus_per_node": 1, "initial_nodes": 1,
+        "events": [{"at_step": 1, "grant": ["n1"], "reason": "an idle node"},
+                   {"at_step": LOSE_AT, "lose": ["n1"], "reason": "node failure"}]},
+        "<lost>")
+
+
+def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None) -> dict:
+    spec = demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB)
+    spec = replace(spec, argv=(*spec.argv, "--distributed-optimizer"),
+                   job=replace(spec.job, distributed_optimizer=True),
+                   env={**spec.env, **(env or {})}, recovery=recovery)
+    seen: list[dict] = []
+    backend = LocalBackend(_script(), log_dir=tmp_path / name / "workers")
+    db = tmp_path / name / "job.db"
+    out = run_job(spec, backend, backend.topology, db=str(db),
+                  state_dir=str(tmp_path / name / "state"), progress=seen.append,
+                  deadline_s=900)
+    store = open_store_readonly(db)
+    try:
+        detail = record.job_detail(store, spec.job_id)
+    finally:
+        store.close()
+    return {"out": out, "seen": seen, "detail": detail, "db": db, "job_id": spec.job_id}
+
+
+def _config(layout: str) -> ParallelConfig:
+    return ParallelConfig.parse(layout.replace(",dist-opt", ""), layout.endswith(",dist-opt"))
+
+
+def _rollback(run: dict) -> dict:
+    """What the record says of the loss, checked against the progress stream."""
+    detail = run["detail"]
+    gens = sorted(detail.generations, key=lambda g: g.number)
+    assert [g.world_size for g in gens] == [1, 2, 1], gens
+    two = _config(gens[1].layout)
+    assert two.dp == 1 or two.distributed_optimizer  # no replica of what n1 held
+    (rebuilt,) = [m for m in detail.migrations if m.to_generation == gens[2].number]
+    assert rebuilt.outcome == "committed" and rebuilt.rebuilt_from == "peer-copies", rebuilt
+    assert rebuilt.lost_steps is not None, rebuilt
+    first, last = rebuilt.lost_steps
+    back = first - 1
+    # the progress stream: the old layout reported steps back+1..last, the new one trained
+    # them again; the record's span is exactly those
+    by_gen: dict[int, list[int]] = {}
+    for p in run["seen"]:
+        by_gen.setdefault(p["generation"], []).append(p["step"])
+    old_steps, new_steps = by_gen[gens[1].number], by_gen[gens[2].number]
+    assert [s for s in old_steps if s > back] == list(range(first, last + 1)), by_gen
+    assert new_steps == list(range(first, STEPS + 1)), by_gen
+    assert gens[1].last_step == last and gens[2].first_step == back
+    assert back % EVERY == 0 and back > gens[1].first_step  # a refresh of that layout
+    assert last >= LOSE_AT
+    return {"configs": tuple(_config(g.layout) for g in gens),
+            "ends": (gens[0].last_step, back, STEPS), "lost": (first, last)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache: dict = {}
+
+    def get(configs, ends) -> dict:
+        if (configs, ends) not in cache:
+            seq = ResizeSequence(MODEL, configs, steps=1, global_batch=GB, ends=ends,
+                                 total_steps=STEPS)
+            cache[(configs, ends)] = checkpoint_losses(seq)
+        return cache[(configs, ends)]
+
+    return get
+
+
+def oracle(run: dict, reference: dict) -> list[str]:
+    """Steps whose loss, LR or consumed samples differ from checkpoint-restart (the last
+    report of each step: replayed steps count as trained again)."""
+    final = {p["step"]: p for p in run["seen"]}
+    problems = [] if sorted(final) == list(range(1, STEPS + 1)) else [
+        f"steps reported: {sorted(final)}"]
+    for step, p in sorted(final.items()):
+        ref = reference.get(step)
+        want = ref and (ref["loss"], ref["lr"])
+        if (p["loss"], p["lr"]) != want:
+            problems.append(f"step {step}: {(p['loss'], p['lr'])} != checkpoint-restart {want}")
+    return problems
+
+
+def test_lost_node_is_rebuilt_from_peer_copies_exactly(tmp_path, references):
+    run = _run(tmp_path, "copies", Recovery(peer_copy_every=EVERY))
+    assert run["out"]["state"] == "finished", run["out"]
+    got = _rollback(run)
+    assert oracle(run, references(got["configs"], got["ends"])) == []
+
+    # what a user sees: `slurm-etc status --json` in a process of its own
+    shown = subprocess.run(
+        [sys.executable, "-c", "from slurm_etc.cli.main import main; main()", "status",
+         run["job_id"], "--db", str(run["db"]), "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    (job,) = json.loads(shown.stdout)["jobs"]
+    rebuilt = [m for m in job["migrations"] if m["lost_steps"] is not None]
+    assert [(m["lost_steps"], m["rebuilt_from"]) for m in rebuilt] == \
+        [(list(got["lost"]), "peer-copies")]
+    assert job["state"] == "finished"
+
+
+def test_stale_peer_copies_are_caught(tmp_path, references):
+    run = _run(tmp_path, "stale", Recovery(peer_copy_every=EVERY),
+               env={"SLURM_ETC_PLANT_STALE_COPIES": "1"})
+    assert run["out"]["state"] == "finished", run["out"]
+    got = _rollback(run)
+    problems = oracle(run, references(got["configs"], got["ends"]))
+    # the kept steps agree; the ones trained on the stale copy do not
+    steps = [int(p.split()[1].rstrip(":")) for p in problems if p.startswith("step ")]
+    assert steps and min(steps) > got["ends"][1], problems
+
+
+def test_without_copies_or_checkpoints_the_job_stops_with_one_line(tmp_path):
+    run = _run(tmp_path, "none", Recovery())
+    assert run["out"]["state"] == "failed", run["out"]
+    reason = run["detail"].job.reason
+    assert "\n" not in reason
+    assert "n1" in reason and "cannot be rebuilt in memory" in reason, reason
+    assert "--peer-copy-every" in reason, reason
+    assert not [m for m in run["detail"].migrations if m.to_generation > 1], \
+        run["detail"].migrations
