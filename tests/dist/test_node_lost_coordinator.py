@@ -15,6 +15,7 @@ notice. ``slurm-etc run --peer-copy-every 2`` is what the job spec says here.
   LR and consumed samples of the finished run bit-equal. The lost steps the record and
   `status --json` show must be exactly the steps the old layout reported and the new one
   trained again (from the progress stream), and their rollback step a refresh step.
+* a checkpoint every 2 steps instead of peer copies: the last one is loaded; same oracle.
 * planted stale copies (``SLURM_ETC_PLANT_STALE_COPIES``): the same oracle fails it.
 * no copies, no checkpoint: the job stops with one line naming the lost devices and the
   options that would have saved it.
@@ -76,7 +77,7 @@ def _config(layout: str) -> ParallelConfig:
     return ParallelConfig.parse(layout.replace(",dist-opt", ""), layout.endswith(",dist-opt"))
 
 
-def _rollback(run: dict) -> dict:
+def _rollback(run: dict, source: str = "peer-copies") -> dict:
     """What the record says of the loss, checked against the progress stream."""
     detail = run["detail"]
     gens = sorted(detail.generations, key=lambda g: g.number)
@@ -84,7 +85,7 @@ def _rollback(run: dict) -> dict:
     two = _config(gens[1].layout)
     assert two.dp == 1 or two.distributed_optimizer  # no replica of what n1 held
     (rebuilt,) = [m for m in detail.migrations if m.to_generation == gens[2].number]
-    assert rebuilt.outcome == "committed" and rebuilt.rebuilt_from == "peer-copies", rebuilt
+    assert rebuilt.outcome == "committed" and rebuilt.rebuilt_from == source, rebuilt
     assert rebuilt.lost_steps is not None, rebuilt
     first, last = rebuilt.lost_steps
     back = first - 1
@@ -97,7 +98,7 @@ def _rollback(run: dict) -> dict:
     assert [s for s in old_steps if s > back] == list(range(first, last + 1)), by_gen
     assert new_steps == list(range(first, STEPS + 1)), by_gen
     assert gens[1].last_step == last and gens[2].first_step == back
-    assert back % EVERY == 0 and back > gens[1].first_step  # a refresh of that layout
+    assert back % EVERY == 0 and back > gens[1].first_step  # a copy/checkpoint of that layout
     assert last >= LOSE_AT
     return {"configs": tuple(_config(g.layout) for g in gens),
             "ends": (gens[0].last_step, back, STEPS), "lost": (first, last)}
@@ -147,6 +148,16 @@ def test_lost_node_is_rebuilt_from_peer_copies_exactly(tmp_path, references):
     assert [(m["lost_steps"], m["rebuilt_from"]) for m in rebuilt] == \
         [(list(got["lost"]), "peer-copies")]
     assert job["state"] == "finished"
+
+
+def test_without_copies_the_last_checkpoint_is_loaded_exactly(tmp_path, references):
+    """``--checkpoint-every 2`` alone: the survivor and the new layout load the last
+    megatron-core checkpoint; the steps since are lost and trained again."""
+    run = _run(tmp_path, "checkpoint", Recovery(checkpoint_every=EVERY,
+                                                checkpoint_dir=str(tmp_path / "ckpt")))
+    assert run["out"]["state"] == "finished", run["out"]
+    got = _rollback(run, "checkpoint")
+    assert oracle(run, references(got["configs"], got["ends"])) == []
 
 
 def test_stale_peer_copies_are_caught(tmp_path, references):
