@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import wraps
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, ParamSpec, Protocol, Sequence, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    Mapping,
+    ParamSpec,
+    Protocol,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Table, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -519,45 +529,84 @@ def record_observed(store: Store, job_id: str, observed: Sequence[Observed], *,
     with store.transaction(write=True) as s:
         _touch(s, job_id, at)
         seen: dict[str, int] = {}
-        keys = sorted({o.key for o in observed})
-        for i in range(0, len(keys), 500):
+        for chunk in _chunks(sorted({o.key for o in observed})):
             for key, eid in s.execute(select(EventRow.dedup_key, EventRow.id).where(
-                    EventRow.job_id == job_id, EventRow.dedup_key.in_(keys[i:i + 500]))):
+                    EventRow.job_id == job_id, EventRow.dedup_key.in_(chunk))):
                 seen[str(key)] = int(eid)
-        names = sorted({o.allocation for o in observed if o.allocation is not None})
-        allocations: dict[str, AllocationRow] = {}
-        for i in range(0, len(names), 500):
-            for a in s.scalars(select(AllocationRow).where(
-                    AllocationRow.job_id == job_id,
-                    AllocationRow.backend_id.in_(names[i:i + 500]))):
-                allocations[a.backend_id] = a
-        fresh = [o for o in observed if o.key not in seen]
-        for o in fresh:  # new allocations first, flushed once (their ids for the devices)
-            if o.allocation is not None and o.allocation not in allocations:
-                allocations[o.allocation] = AllocationRow(
-                    job_id=job_id, backend_id=o.allocation, role=o.role, state="requested",
-                    nodes=_nodes(o.nodes or ()), requested_at=at)
-                s.add(allocations[o.allocation])
-        s.flush()
-        rows: list[EventRow | int] = []
-        with s.no_autoflush:  # nothing queried below depends on this poll's own changes
-            for o, text in zip(observed, texts):
-                if o.key in seen:
-                    rows.append(seen[o.key])
-                    continue
-                if o.allocation is not None:
-                    _update_allocation(s, allocations[o.allocation], o.state, o.nodes, at)
-                event = EventRow(job_id=job_id, dedup_key=o.key, kind=o.kind, source=source,
-                                 payload=text,
-                                 deadline=_at(o.deadline) if o.deadline else None,
-                                 received_at=at)
-                s.add(event)
-                rows.append(event)
-                seen[o.key] = -1  # a key twice in one poll: recorded once
-        s.flush()
-        ids = {o.key: r.id for o, r in zip(observed, rows) if isinstance(r, EventRow)}
-        return [r if isinstance(r, int) and r >= 0 else ids[o.key]
-                for o, r in zip(observed, rows)]
+        fresh: dict[str, tuple[Observed, str]] = {}  # a key twice in one poll: recorded once
+        for o, text in zip(observed, texts):
+            if o.key not in seen:
+                fresh.setdefault(o.key, (o, text))
+        _apply_allocation_changes(s, job_id, [o for o, _ in fresh.values()], at)
+        if fresh:  # one multi-row INSERT ... RETURNING, not an ORM object per event
+            for key, eid in s.execute(insert(_table(EventRow)).returning(
+                    EventRow.dedup_key, EventRow.id), [
+                    {"job_id": job_id, "dedup_key": o.key, "kind": o.kind, "source": source,
+                     "payload": text, "deadline": _at(o.deadline) if o.deadline else None,
+                     "received_at": at, "handled_at": None, "outcome": None}
+                    for o, text in fresh.values()]):
+                seen[str(key)] = int(eid)
+        return [seen[o.key] for o in observed]
+
+
+def _apply_allocation_changes(s: Session, job_id: str, observed: Sequence[Observed],
+                              at: datetime) -> None:
+    """The allocation changes of one poll's new events, applied in order as
+    :func:`_update_allocation` would, written with a few set-based statements (new
+    allocations in one INSERT, changed ones in one executemany, their devices by state)."""
+    names = sorted({o.allocation for o in observed if o.allocation is not None})
+    if not names:
+        return
+    cols = ("id", "state", "nodes", "granted_at", "lost_at", "released_at")
+    rows: dict[str, dict[str, Any]] = {}
+    for chunk in _chunks(names):
+        for r in s.execute(select(AllocationRow.backend_id, AllocationRow.id,
+                                  AllocationRow.state, AllocationRow.nodes,
+                                  AllocationRow.granted_at, AllocationRow.lost_at,
+                                  AllocationRow.released_at).where(
+                AllocationRow.job_id == job_id, AllocationRow.backend_id.in_(chunk))):
+            rows[r[0]] = dict(zip(cols, r[1:]))
+    new = {}
+    for o in observed:
+        if o.allocation is not None and o.allocation not in rows and o.allocation not in new:
+            new[o.allocation] = {"job_id": job_id, "backend_id": o.allocation, "role": o.role,
+                                 "partition_name": None, "state": "requested",
+                                 "nodes": _nodes(o.nodes or ()), "requested_at": at,
+                                 "granted_at": None, "lost_at": None, "released_at": None}
+    if new:
+        for name, aid in s.execute(insert(_table(AllocationRow)).returning(
+                AllocationRow.backend_id, AllocationRow.id), list(new.values())):
+            rows[str(name)] = {"id": int(aid), "state": "requested",
+                               "nodes": new[name]["nodes"], "granted_at": None,
+                               "lost_at": None, "released_at": None}
+    changed: dict[str, dict[str, Any]] = {}
+    devices: dict[int, str] = {}  # allocation id -> its devices' state (first change wins:
+    for o in observed:            # later ones find no held device, as one at a time would)
+        if o.allocation is None:
+            continue
+        row = rows[o.allocation]
+        if o.nodes is not None:
+            row["nodes"] = _nodes(o.nodes)
+            changed[o.allocation] = row
+        if o.state is None or o.state == row["state"]:
+            continue
+        row["state"] = o.state
+        changed[o.allocation] = row
+        column = _ALLOCATION_TIMES.get(o.state)
+        if column and row[column] is None:
+            row[column] = at
+        device_state = _DEVICE_ON_ALLOCATION.get(o.state)
+        if device_state:
+            devices.setdefault(row["id"], device_state)
+    if changed:
+        s.execute(update(AllocationRow), list(changed.values()))
+    for state in sorted(set(devices.values())):
+        ids = sorted(a for a, d in devices.items() if d == state)
+        for chunk in _chunks(ids):
+            s.execute(update(DeviceRow).where(
+                DeviceRow.allocation_id.in_(chunk), DeviceRow.state.in_(("held", "leaving")))
+                .values(state=state, updated_at=at)
+                .execution_options(synchronize_session=False))
 
 
 @_guarded
@@ -569,14 +618,14 @@ def mark_events_handled(store: Store, event_ids: Sequence[int], outcome: str, *,
         return
     when = _at(at)
     with store.transaction(write=True) as s:
-        ids = sorted(set(event_ids))
-        job_ids = set()
-        for i in range(0, len(ids), 500):
-            for row in s.scalars(select(EventRow).where(EventRow.id.in_(ids[i:i + 500]),
-                                                        EventRow.handled_at.is_(None))):
-                row.handled_at, row.outcome = when, outcome
-                job_ids.add(row.job_id)
-        for job_id in job_ids:
+        job_ids: set[str] = set()
+        for chunk in _chunks(sorted(set(event_ids))):
+            pending = (EventRow.id.in_(chunk), EventRow.handled_at.is_(None))
+            job_ids.update(s.scalars(select(EventRow.job_id).where(*pending).distinct()))
+            s.execute(update(EventRow).where(*pending)
+                      .values(handled_at=when, outcome=outcome)
+                      .execution_options(synchronize_session=False))
+        for job_id in sorted(job_ids):
             _touch(s, job_id, when)
 
 
@@ -703,9 +752,7 @@ def set_device_state(store: Store, job_id: str, devices: Iterable[DeviceLike], s
         change: dict[str, Any] = {"state": state, "updated_at": at}
         if alloc_id is not None:
             change["allocation_id"] = alloc_id
-        rows = _devices(s, job_id, devices, at)
-        if rows:  # one executemany by primary key, not an UPDATE per ORM object
-            s.execute(update(DeviceRow), [{"id": r.id, **change} for r in rows])
+        _set_devices(s, _device_ids(s, job_id, devices, at), change)
 
 
 @_guarded
@@ -764,19 +811,24 @@ def open_generation(store: Store, job_id: str, number: int, layout: str,
         s.add(gen)
         s.flush()
         granted = _granted_allocations_by_node(s, job_id)
-        in_pool = set()
         pool = sorted(devices.items())
-        for (vrank, device), row in zip(pool, _devices(s, job_id, (d for _, d in pool), at)):
-            row.state, row.updated_at = "held", at
-            if device.node in granted:
-                row.allocation_id = granted[device.node]
-            in_pool.add(row.id)
-            s.add(VrankRow(generation_id=gen.id, vrank=vrank, layout_rank=rank_of.get(vrank),
-                           device_id=row.id))
-        for row in s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id,
-                                                     DeviceRow.state.in_(("held", "leaving")))):
-            if row.id not in in_pool:
-                row.state, row.updated_at = "released", at
+        ids = _device_ids(s, job_id, (d for _, d in pool), at)
+        by_allocation: dict[int | None, list[int]] = {}
+        for (_vrank, device), did in zip(pool, ids):
+            by_allocation.setdefault(granted.get(device.node), []).append(did)
+        for alloc_id, group in by_allocation.items():
+            held: dict[str, Any] = {"state": "held", "updated_at": at}
+            if alloc_id is not None:
+                held["allocation_id"] = alloc_id
+            _set_devices(s, group, held)
+        gen_id = gen.id
+        s.execute(insert(_table(VrankRow)), [
+            {"generation_id": gen_id, "vrank": vrank, "layout_rank": rank_of.get(vrank),
+             "device_id": did} for (vrank, _device), did in zip(pool, ids)])
+        in_pool = set(ids)
+        _set_devices(s, [i for i in s.scalars(select(DeviceRow.id).where(
+            DeviceRow.job_id == job_id, DeviceRow.state.in_(("held", "leaving"))))
+            if i not in in_pool], {"state": "released", "updated_at": at})
         job.generation, job.updated_at = number, at
         s.flush()
         return gen.id
@@ -1050,29 +1102,45 @@ def _granted_allocations_by_node(s: Session, job_id: str) -> dict[str, int]:
     return out
 
 
-def _devices(s: Session, job_id: str, devices: Iterable[DeviceLike], at: datetime
-             ) -> list[DeviceRow]:
-    """The rows of ``devices`` (created when new), with one query for the job's devices
-    and one flush (a burst releasing thousands of devices is not a query each)."""
+def _device_ids(s: Session, job_id: str, devices: Iterable[DeviceLike], at: datetime
+                ) -> list[int]:
+    """The ids of ``devices`` (created ``held`` when new), with one query for the job's
+    devices and one multi-row INSERT (a burst releasing thousands of devices is not a
+    query each, nor an ORM object each)."""
     wanted = list(devices)
     for d in wanted:
         if not isinstance(d.node, str) or not d.node or not isinstance(d.local, int) \
                 or d.local < 0:
             raise RecordError(f"invalid device {d.node!r}:{d.local!r}")
-    with s.no_autoflush:
-        known = {(r.node, r.local_index): r
-                 for r in s.scalars(select(DeviceRow).where(DeviceRow.job_id == job_id))}
-    out = []
-    for d in wanted:
-        row = known.get((d.node, d.local))
-        if row is None:
-            row = DeviceRow(job_id=job_id, node=d.node, local_index=d.local, state="held",
-                            updated_at=at)
-            s.add(row)
-            known[(d.node, d.local)] = row
-        out.append(row)
-    s.flush()
-    return out
+    known = {(node, local): int(did) for did, node, local in s.execute(
+        select(DeviceRow.id, DeviceRow.node, DeviceRow.local_index)
+        .where(DeviceRow.job_id == job_id))}
+    new = list(dict.fromkeys((d.node, d.local) for d in wanted
+                             if (d.node, d.local) not in known))
+    if new:
+        for did, node, local in s.execute(insert(_table(DeviceRow)).returning(
+                DeviceRow.id, DeviceRow.node, DeviceRow.local_index), [
+                {"job_id": job_id, "node": node, "local_index": local, "state": "held",
+                 "allocation_id": None, "updated_at": at} for node, local in new]):
+            known[(node, local)] = int(did)
+    return [known[(d.node, d.local)] for d in wanted]
+
+
+def _set_devices(s: Session, ids: Sequence[int], values: Mapping[str, Any]) -> None:
+    """One UPDATE per 500 devices (by id) with the same ``values``."""
+    for chunk in _chunks(sorted(set(ids))):
+        s.execute(update(DeviceRow).where(DeviceRow.id.in_(chunk)).values(**values)
+                  .execution_options(synchronize_session=False))
+
+
+def _table(model: type[Any]) -> Table:
+    """A model's table, for Core INSERTs (one multi-row statement, no ORM bookkeeping)."""
+    return cast(Table, model.__table__)
+
+
+def _chunks(items: Sequence[Any], size: int = 500) -> Iterable[Sequence[Any]]:
+    """``items`` in slices of ``size`` (bound parameters per statement stay few)."""
+    return (items[i:i + size] for i in range(0, len(items), size))
 
 
 def _vrank_map(s: Session, generation_id: int) -> dict[int, tuple[str, int, int | None]]:
