@@ -760,9 +760,9 @@ class ElasticTrainer:
                                              copies)
         ckpts = [h["checkpoint"] for h in held.values()]
         if any(c is None for c in ckpts):
-            return self._refuse(order, f"{err}; no peer copy of the lost ranks {lost_ranks} "
-                                       "(none refreshed in this layout, or their holders "
-                                       "lost too) and no periodic checkpoint")
+            return self._refuse(order, f"no peer copy of the lost ranks {lost_ranks} (none "
+                                       "refreshed in this layout, or their holders lost too) "
+                                       f"and no periodic checkpoint: {err}")
         return self._load_lost_from_checkpoint(order, old, new, min(ckpts), last)
 
     def _holdings(self, tag: str, old: Layout, lost: set[int]) -> dict[int, dict]:

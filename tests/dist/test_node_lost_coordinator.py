@@ -17,6 +17,8 @@ notice. ``slurm-etc run --peer-copy-every 2`` is what the job spec says here.
   trained again (from the progress stream), and their rollback step a refresh step.
 * a checkpoint every 2 steps instead of peer copies: the last one is loaded; same oracle.
 * planted stale copies (``SLURM_ETC_PLANT_STALE_COPIES``): the same oracle fails it.
+* a joiner killed after the commit, before installing, with the distributed optimizer:
+  peer copies cannot rebuild it (none of a layout that never trained), the checkpoint does.
 * no copies, no checkpoint: the job stops with one line naming the lost devices and the
   options that would have saved it.
 """
@@ -46,21 +48,22 @@ MODEL = PRESETS["tiny"]
 STEPS, GB, EVERY, LOSE_AT = 12, 8, 2, 9
 
 
-def _script():
-    return script_from_dict({
-        "nodes": 2, "gpus_per_node": 1, "initial_nodes": 1,
-        "events": [{"at_step": 1, "grant": ["n1"], "reason": "an idle node"},
-                   {"at_step": LOSE_AT, "lose": ["n1"], "reason": "node failure"}]},
-        "<lost>")
+def _script(grant_at: int = 1, lose_at: int | None = LOSE_AT):
+    events = [{"at_step": grant_at, "grant": ["n1"], "reason": "an idle node"}]
+    if lose_at is not None:
+        events.append({"at_step": lose_at, "lose": ["n1"], "reason": "node failure"})
+    return script_from_dict({"nodes": 2, "gpus_per_node": 1, "initial_nodes": 1,
+                             "events": events}, "<lost>")
 
 
-def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None) -> dict:
+def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None,
+         script=None) -> dict:
     spec = demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB)
     spec = replace(spec, argv=(*spec.argv, "--distributed-optimizer"),
                    job=replace(spec.job, distributed_optimizer=True),
                    env={**spec.env, **(env or {})}, recovery=recovery)
     seen: list[dict] = []
-    backend = LocalBackend(_script(), log_dir=tmp_path / name / "workers")
+    backend = LocalBackend(script or _script(), log_dir=tmp_path / name / "workers")
     db = tmp_path / name / "job.db"
     out = run_job(spec, backend, backend.topology, db=str(db),
                   state_dir=str(tmp_path / name / "state"), progress=seen.append,
@@ -169,6 +172,37 @@ def test_stale_peer_copies_are_caught(tmp_path, references):
     # the kept steps agree; the ones trained on the stale copy do not
     steps = [int(p.split()[1].rstrip(":")) for p in problems if p.startswith("step ")]
     assert steps and min(steps) > got["ends"][1], problems
+
+
+def test_after_commit_kill_without_replica_is_rebuilt_from_the_checkpoint(tmp_path):
+    """The joiner of the grow (dp=1 -> dp=2, distributed optimizer) SIGKILLs itself after
+    the commit, before installing: the survivor holds only its committed dp-rank-0 shards
+    of a layout that never trained, so no replica and no peer copy holds the dead rank's
+    optimizer shard (copies are of trained layouts, and the layout before the commit is
+    gone from the survivor). With peer copies and checkpoints both on, the rebuild comes
+    from the last checkpoint; training equals checkpoint-restart on one device."""
+    run = _run(tmp_path, "after-commit", Recovery(peer_copy_every=EVERY,
+                                                  checkpoint_every=EVERY,
+                                                  checkpoint_dir=str(tmp_path / "ckpt")),
+               env={"SLURM_ETC_INJECT": "after-commit@1,1"},
+               script=_script(grant_at=2, lose_at=None))
+    assert run["out"]["state"] == "finished", run["out"]
+    detail = run["detail"]
+    gens = sorted(detail.generations, key=lambda g: g.number)
+    assert [g.world_size for g in gens] == [1, 2, 1], gens
+    assert gens[1].first_step == gens[1].last_step  # committed, never trained
+    assert _config(gens[1].layout).distributed_optimizer
+    (rebuilt,) = [m for m in detail.migrations if m.to_generation == gens[2].number]
+    assert rebuilt.outcome == "committed" and rebuilt.rebuilt_from == "checkpoint", rebuilt
+    back = gens[2].first_step
+    assert back % EVERY == 0
+    want = (back + 1, gens[0].last_step) if gens[0].last_step > back else None
+    assert rebuilt.lost_steps == want, (rebuilt.lost_steps, want)
+    # one device before and after: checkpoint-restart there is one uninterrupted layout
+    one = _config(gens[0].layout)
+    assert _config(gens[2].layout) == one
+    seq = ResizeSequence(MODEL, (one,), steps=STEPS, global_batch=GB)
+    assert oracle(run, checkpoint_losses(seq)) == []
 
 
 def test_without_copies_or_checkpoints_the_job_stops_with_one_line(tmp_path):
