@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import click
 from rich import box
@@ -213,10 +213,19 @@ def _short_when(t: datetime | None) -> str:
     return "-" if t is None else f"{t:%m-%d %H:%M:%S}"
 
 
+class _PlainTable(Table):
+    """A table whose text cells are shown as they are: the record's free text (an error
+    quoting gloo's ``[/path/pair.cc:553]``, a job name) is never read as rich markup."""
+
+    def add_row(self, *renderables: RenderableType | None, **kwargs: Any) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in renderables),
+                        **kwargs)
+
+
 def _table(title: str, columns: str) -> Table:
     """A compact table. Columns: ``<name`` left, ``>name`` right (neither wraps), ``~name``
     left and wrapping (free text takes what space is left)."""
-    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+    t = _PlainTable(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
               pad_edge=False, collapse_padding=True, padding=(0, 1))
     for spec in columns.split("|"):
         kind, name = spec[0], spec[1:]
