@@ -479,8 +479,13 @@ class Coordinator:
                                  f"--checkpoint-every M): {err}") from None
             # the workers roll back to peer copies (a survivor stands in for each lost
             # rank: the plan is the one with every old rank there) or load the checkpoint
-            plan = plan_migration(self.spec.job.model, old, action.config,
-                                  sorted(pool_map), topo, keep_tp_in_node=True)
+            try:
+                plan = plan_migration(self.spec.job.model, old, action.config,
+                                      sorted(pool_map), topo, keep_tp_in_node=True)
+            except (PlanError, ConfigError) as again:
+                raise JobStopped(f"devices {devices_of(self.vranks[v] for v in lost)} failed "
+                                 f"and the rebuild from peer copies or a checkpoint cannot "
+                                 f"be planned: {again}") from None
             rebuild = True
             logger.warning("devices %s failed holding state no replica holds: rebuilding it "
                            "from peer copies or the last checkpoint (the steps since are "
