@@ -146,10 +146,12 @@ def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | 
 
 
 def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
-              staging_bytes: int | None) -> dict | None:
-    """Every worker of old ∪ new, before the pause: ``state.prepare_resize``."""
+              staging_bytes: int | None, world: bool = True) -> dict | None:
+    """Every worker of old ∪ new, before the pause: ``resize.prepare_resize`` (``world``:
+    the new layout's groups, model and optimizer built now, the migration's destinations)."""
     from slurm_etc.migrate.executor import MigrationOptions
 
+    from . import cpu_compat
     from .resize import prepare_resize
 
     plan = tr.plan()
@@ -158,8 +160,9 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
     options = MigrationOptions(timeout_s=ctx.timeout_s)
     if staging_bytes:
         options = dataclasses.replace(options, staging_bytes=staging_bytes)
+    cpu_compat.install()
     prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag, options=options,
-                              group_timeout_s=ctx.timeout_s)
+                              group_timeout_s=ctx.timeout_s, world=world)
     ctx.objects["prepared"] = prepared
     return {"seconds": prepared.seconds}
 

@@ -25,11 +25,14 @@ from slurm_etc.plan.config import ParallelConfig
 
 from .build import TrainingState
 from .state import (
+    Destinations,
     ResumeState,
     build_empty_state,
     exchange_resume_state,
+    finish_install,
     install_shards,
     local_shards,
+    receive_into,
     resume_state,
 )
 
@@ -47,9 +50,16 @@ class PreparedResize:
         program: this process's part of the plan.
         destinations: the new shards' tensors, pages touched (empty on a departing process).
         options: the executor's options.
-        memory: peak memory measurement, started here, stopped at the commit.
+        memory: peak memory measurement, started here, stopped at the commit (with a
+            prepared world: when the new layout is installed, after the switch).
         group_timeout_s: timeout of the migration and new training groups.
-        seconds: wall time of the preparation steps (``group``, ``allocate``).
+        seconds: wall time of the preparation steps (``group``, ``allocate``,
+            ``prepare_world``: the new world in all, of which ``world_group`` (its
+            all-ranks group), ``world_megatron_groups``, ``world_build``; 0 without one).
+        world: the new layout's prepared world (:class:`.world.PreparedWorld`; None on a
+            departing process or without ``world=True``).
+        receive: where the migration writes into the prepared world's state
+            (:class:`.state.Destinations`).
     """
 
     plan: Any
@@ -63,17 +73,39 @@ class PreparedResize:
     memory: Any
     group_timeout_s: float
     seconds: dict = field(default_factory=dict)
+    world: Any = None
+    receive: Destinations | None = None
 
 
 def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
-                   group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
+                   group_timeout_s: float = 300.0, prefault: bool = True, world: bool = False,
+                   build_new: Callable[[ParallelConfig], TrainingState] | None = None
+                   ) -> PreparedResize:
     """What an in-place resize can do while the old layout still trains (collective over
     ``plan.participants``: old ∪ new minus lost devices): connect the migration group from
     ``store`` (keys under ``tag``; the training groups stay untouched), compile this
-    process's part of the plan, allocate the tensors the new shards arrive in and touch
-    their pages (``prefault``). Nothing of the training state is read: training may go on
-    until the pause. Memory is measured from here to the commit: the destinations are the
-    new state the two-phase migration holds beside the old one.
+    process's part of the plan, and prepare where the new shards arrive, pages touched
+    (``prefault``). Nothing of the training state is read: training may go on until the
+    pause. Memory is measured from here on: what is prepared is the new state the
+    two-phase migration holds beside the old one.
+
+    Where the new shards arrive:
+
+    * ``world=True``: in the new layout's own model and optimizer. Every new rank starts
+      the new layout's process groups from ``store`` and builds its model, DDP and
+      optimizer beside the old ones (:func:`.world.prepare_world`; collective over the new
+      ranks); their parameters, main parameters, Adam moments and the
+      DistributedOptimizer's flat parameter buffer are the executor's destinations. DDP's
+      gradient buffers are released until the switch (megatron's
+      ``offload_grad_buffers``), so the prepared world costs the new state's memory.
+    * otherwise: fresh tensors (``allocate_destinations``); the pause builds the new layout
+      after the commit and installs them (``resize_in_place(build_new=...)``).
+
+    Args:
+        build_new: with ``world=True``, builds the empty model and optimizer of the new
+            layout (runs with the new world's default group and megatron globals in place;
+            default: :func:`.build.build_modules` of the catalog's model, no initial
+            weights drawn).
     """
     import torch.distributed as dist
 
@@ -96,10 +128,54 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     seconds["group"] = time.perf_counter() - t
     t = time.perf_counter()
     program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
-    destinations = allocate_destinations(program, options, prefault=prefault)
     seconds["allocate"] = time.perf_counter() - t
+    new_world = receive = None
+    # the same keys on every participant (0 where nothing is built)
+    seconds.update(prepare_world=0.0, world_group=0.0, world_megatron_groups=0.0,
+                   world_build=0.0)
+    if world and device in plan.new.devices:
+        t = time.perf_counter()
+        new_world, receive = _prepare_new_world(plan, device, store, tag, program, build_new,
+                                                group_timeout_s, prefault)
+        seconds["prepare_world"] = time.perf_counter() - t
+        seconds.update({f"world_{k}": v for k, v in new_world.seconds.items()})
+        destinations = receive.tensors
+    else:
+        if build_new is not None and world:
+            raise ValueError("build_new given to a process outside the new layout")
+        t = time.perf_counter()
+        destinations = allocate_destinations(program, options, prefault=prefault)
+        seconds["allocate"] += time.perf_counter() - t
     return PreparedResize(plan, device, store, tag, group, program, destinations, options,
-                          memory, group_timeout_s, seconds)
+                          memory, group_timeout_s, seconds, new_world, receive)
+
+
+def _prepare_new_world(plan: Any, device: int, store: Any, tag: str, program: Any,
+                       build_new: Callable[[ParallelConfig], TrainingState] | None,
+                       timeout_s: float, prefault: bool) -> tuple[Any, Destinations]:
+    """The new layout's world (groups, model, DDP, optimizer) and the executor's
+    destinations inside it; the world is dropped again if anything fails."""
+    import torch.distributed as dist
+
+    from . import build
+    from .world import prepare_world
+
+    cfg, model = plan.new.config, plan.catalog.model
+    builder = build_new or (lambda c: build.build_modules(model, c, seed=None))
+    new_world = prepare_world(cfg, plan.new.devices.index(device),
+                              dist.PrefixStore(f"{tag}/train", store), name=tag,
+                              build=builder, timeout_s=timeout_s)
+    try:
+        with new_world.active():
+            for chunk in new_world.state.model:
+                if hasattr(chunk, "offload_grad_buffers"):
+                    chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+            receive = receive_into(new_world.state, plan.catalog, program.new_specs,
+                                   program.kept, prefault=prefault)
+    except BaseException:
+        new_world.drop()
+        raise
+    return new_world, receive
 
 
 @dataclass
@@ -112,7 +188,10 @@ class ResizeOutcome:
         stats: the executor's MigrationStats as a dict (memory: from the preparation to the
             commit).
         seconds: wall time of each phase on this process (``pause`` is when it started,
-            ``ready`` when it finished, both ``time.time()``).
+            ``ready`` when it finished, both ``time.time()``): ``resume`` (shards read, step
+            and RNG exchanged), ``migrate`` (the executor: data phase, votes, commit), then
+            with a prepared world ``switch`` (make it live, kept shards, step/RNG, gradient
+            buffers), else ``train_group``, ``rebuild`` and ``install``.
     """
 
     state: TrainingState | None
@@ -184,38 +263,47 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     from slurm_etc.migrate.executor import execute_migration
 
     plan, device, options = prepared.plan, prepared.device, prepared.options
+    if prepared.world is not None and build_new is not None:
+        raise ValueError("the new layout was built by prepare_resize(world=True): pass "
+                         "build_new there, not to resize_in_place")
     seconds: dict[str, float] = {"pause": time.time()}
     t = time.perf_counter()
     catalog = plan.catalog
     resume: ResumeState | None
-    if held is not None:
-        old_shards, resume = list(held[0]), held[1]
-    else:
-        old_shards = local_shards(state, catalog) if state is not None else []
-        resume = resume_state(state) if state is not None else None
-    transport = prepared.group.transport()
-    new_resume = exchange_resume_state(plan, transport, device, resume)
-    seconds["resume"] = time.perf_counter() - t
-    t = time.perf_counter()
+    committed = False
     try:
+        if held is not None:
+            old_shards, resume = list(held[0]), held[1]
+        else:
+            old_shards = local_shards(state, catalog) if state is not None else []
+            resume = resume_state(state) if state is not None else None
+        transport = prepared.group.transport()
+        new_resume = exchange_resume_state(plan, transport, device, resume)
+        seconds["resume"] = time.perf_counter() - t
+        t = time.perf_counter()
         result = execute_migration(plan, transport, device, old_shards,
                                    options=dataclasses.replace(options, measure_memory=False),
                                    program=prepared.program,
                                    destinations=prepared.destinations, faults=faults)
+        committed = True
     finally:
         prepared.destinations = []
         prepared.group.destroy()
-        if options.measure_memory:
+        if not committed and prepared.world is not None:
+            prepared.world.drop()  # the old layout trains on
+            prepared.world = prepared.receive = None
+        if options.measure_memory and (prepared.world is None or not committed):
             prepared.memory.stop()
     seconds["migrate"] = time.perf_counter() - t
     stats = result.stats
-    stats.memory_base, stats.memory_peak = prepared.memory.base, prepared.memory.peak
-    stats.memory_peak_delta = prepared.memory.peak_delta
-    stats.memory_reset = prepared.memory.reset
     # committed: the old layout is gone
     del old_shards, state, held
     if faults is not None:
         faults.die_if(plan.participants.index(device), "after-commit")
+    if prepared.world is not None:
+        return _switch(prepared, result, new_resume, seconds, keep_shards=keep_shards,
+                       install_wait=install_wait)
+    _memory_stats(stats, prepared.memory)
     t = time.perf_counter()
     _drop_training_groups()
     new_state = None
@@ -244,6 +332,49 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     seconds["ready"] = time.time()
     return ResizeOutcome(new_state, new_resume, kept, {**stats.as_dict(), **installed},
                          seconds)
+
+
+def _switch(prepared: PreparedResize, result: Any, resume: ResumeState | None, seconds: dict,
+            *, keep_shards: bool, install_wait: Callable[[float], bool] | None
+            ) -> ResizeOutcome:
+    """After the commit, with a prepared world: the migration already wrote the new shards
+    into the new layout's model and optimizer. Make that world the live one (the old
+    groups retired), adopt or copy the kept shards, set step and RNG, give DDP its
+    gradient buffers back."""
+    world, receive = prepared.world, prepared.receive
+    prepared.world = prepared.receive = None
+    assert world is not None and receive is not None
+    if install_wait is not None:
+        try:
+            _wait_for_new_ranks(prepared, result, resume, install_wait)
+        except InstallInterrupted:
+            world.drop()
+            _drop_training_groups()
+            raise
+    # verification keeps what arrived apart from what install adopts or copies
+    kept = ([LocalShard(sh.state_key, sh.lo, sh.hi, sh.s, sh.tensor.clone())
+             for sh in result.new_shards] if keep_shards else [])
+    t = time.perf_counter()
+    world.switch()
+    state = world.state
+    installed = finish_install(state, receive, result.new_shards, resume)
+    result.new_shards = []
+    for chunk in state.model:
+        if hasattr(chunk, "restore_grad_buffers"):
+            chunk.restore_grad_buffers(synchronize=False)
+    seconds["switch"] = time.perf_counter() - t
+    seconds["ready"] = time.time()
+    if prepared.options.measure_memory:
+        prepared.memory.stop()
+    stats = result.stats
+    _memory_stats(stats, prepared.memory)
+    installed["received_into_state_bytes"] = receive.bytes
+    return ResizeOutcome(state, resume, kept, {**stats.as_dict(), **installed}, seconds)
+
+
+def _memory_stats(stats: Any, memory: Any) -> None:
+    stats.memory_base, stats.memory_peak = memory.base, memory.peak
+    stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
 
 
 def _wait_for_new_ranks(prepared: PreparedResize, result: Any, resume: ResumeState | None,

@@ -214,6 +214,8 @@ class _Target:
 
     def __init__(self, kind: str, param: Any = None, entry: _OptEntry | None = None) -> None:
         self.kind, self.param, self.entry = kind, param, entry
+        # fixed at construction: release() may empty the tensor until adopt() refills it
+        self._shape = param.shape if kind == "param" else self.opt.main.shape
 
     @property
     def opt(self) -> _OptEntry:
@@ -224,11 +226,11 @@ class _Target:
 
     @property
     def shape(self) -> torch.Size:
-        return self.param.shape if self.kind == "param" else self.opt.main.shape
+        return self._shape
 
     @property
     def numel(self) -> int:
-        return self.param.numel() if self.kind == "param" else self.opt.main.numel()
+        return self._shape.numel()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -266,6 +268,14 @@ class _Target:
             self.opt.main.data = value
         else:
             self.opt.inner.state[self.opt.main][self.kind] = value
+
+    def release(self) -> None:
+        """Give the tensor's memory back until :meth:`adopt` puts another one in (an empty
+        tensor stands in; an Adam moment is simply not created)."""
+        if self.kind == "param":
+            self.param.data = torch.empty(0, dtype=self.param.dtype)
+        elif self.kind == FP32_PARAM:
+            self.opt.main.data = torch.empty(0, dtype=self.opt.main.dtype)
 
     def allocate(self) -> None:
         """Fresh (uninitialised) Adam moment; every element is then written."""
@@ -431,6 +441,136 @@ def install_shards(state: TrainingState, catalog: Catalog, shards: Sequence[Loca
                 entry.inner.state[entry.main]["step"] = step.clone()
             torch.set_rng_state(torch.frombuffer(bytearray(resume.rng), dtype=torch.uint8))
     return {"tensors": len(slots), "adopted": adopted, "copied_bytes": copied}
+
+
+@dataclass
+class Destinations:
+    """A new layout's state, built before the pause, as the executor's destinations.
+
+    Attributes:
+        tensors: one per ``program.new_specs`` entry: a contiguous view of the live tensor
+            the shard belongs in (a parameter, an fp32 main parameter, an Adam moment, or a
+            slice of the DistributedOptimizer's flat parameter buffer); a separate tensor
+            for the second name of tied embeddings (checked equal at install); None for a
+            shard kept whole (the executor hands back the old tensor).
+        adopt: kept shard index -> the target that takes the old tensor over at install
+            (its own memory was released here: no copy, no second allocation).
+        copy: kept shard index -> the view the old tensor is copied into at install.
+        alias: shard index -> (target, start, end): the live elements a received second
+            name must equal (read at install, after any adoption).
+        bytes: bytes of live tensors the shards are received into.
+    """
+
+    tensors: list[torch.Tensor | None]
+    adopt: dict[int, _Target]
+    copy: dict[int, torch.Tensor]
+    alias: dict[int, tuple[_Target, int, int]]
+    bytes: int = 0
+
+
+def receive_into(state: TrainingState, catalog: Catalog, specs: Sequence[Any],
+                 kept: Collection[int] = (), *, prefault: bool = True) -> Destinations:
+    """The executor's destinations inside ``state`` (built for the new layout, not trained):
+    the migration writes the new shards straight into the model and optimizer, no copy at
+    install. Adam moments are created here. A shard in ``kept`` (an old shard of this
+    process, whole) gets no destination: at install it is adopted where it alone covers a
+    tensor that may be replaced (that tensor's memory is released now), else copied.
+    ``prefault`` writes every destination page once (fresh memory halves the receive rate).
+
+    Raises:
+        StateError: the specs and the state's slots differ (missing, unexpected, misshapen).
+    """
+    slots = {sl.key: sl for sl in _slots(state, catalog)}
+    want = {sp.key for sp in specs}
+    if set(slots) != want:
+        missing, extra = sorted(want - set(slots)), sorted(set(slots) - want)
+        raise StateError(f"the new state's shards differ from the program's: "
+                         f"{len(missing)} missing (e.g. {missing[:1]}), {len(extra)} "
+                         f"unexpected (e.g. {extra[:1]})")
+    per_target: dict[int, list[_Slot]] = {}
+    for sl in slots.values():
+        if not sl.alias:
+            per_target.setdefault(id(sl.target), []).append(sl)
+    index = {sp.key: j for j, sp in enumerate(specs)}
+    adopt: dict[int, _Target] = {}
+    released: set[int] = set()
+    for group in per_target.values():
+        j = index[group[0].key]
+        tgt = group[0].target
+        if (len(group) == 1 and j in kept and tgt.can_adopt()
+                and group[0].b - group[0].a == tgt.numel):
+            adopt[j] = tgt
+            released.add(id(tgt))
+            tgt.release()
+    out: list[torch.Tensor | None] = []
+    copy: dict[int, torch.Tensor] = {}
+    alias: dict[int, tuple[_Target, int, int]] = {}
+    nbytes = 0
+    with torch.no_grad():
+        for group in per_target.values():
+            tgt = group[0].target
+            if id(tgt) in released:
+                continue
+            if tgt.kind in (EXP_AVG, EXP_AVG_SQ):
+                tgt.allocate()
+            if prefault:
+                tgt.flat(group[0].key).view(torch.uint8).zero_()
+        for j, sp in enumerate(specs):
+            sl = slots[sp.key]
+            if sl.alias:
+                alias[j] = (sl.target, sl.a, sl.b)
+                if j in kept:
+                    out.append(None)
+                    continue
+                t = torch.empty(sp.numel, dtype=sl.target.dtype)
+                if prefault:
+                    t.view(torch.uint8).zero_()
+                out.append(t)
+                continue
+            if j in kept:
+                out.append(None)
+                if j not in adopt:
+                    copy[j] = sl.target.flat(sl.key)[sl.a:sl.b]
+                continue
+            view = sl.target.flat(sl.key)[sl.a:sl.b]
+            out.append(view)
+            nbytes += view.numel() * view.element_size()
+    return Destinations(out, adopt, copy, alias, nbytes)
+
+
+def finish_install(state: TrainingState, dest: Destinations, shards: Sequence[LocalShard],
+                   resume: ResumeState | None) -> dict:
+    """After the commit, on a state the migration wrote into (:func:`receive_into`): adopt or
+    copy the kept shards, check every second name of tied embeddings, set step and RNG.
+
+    Returns:
+        ``{"tensors": shards, "adopted": tensors adopted, "copied_bytes": bytes copied}``.
+
+    Raises:
+        StateError: a tied output layer differs from the embedding it aliases.
+    """
+    copied = 0
+    with torch.no_grad():
+        for j, tgt in dest.adopt.items():
+            tgt.adopt(shards[j].tensor)
+        for j, view in dest.copy.items():
+            view.copy_(shards[j].tensor.detach().reshape(-1))
+            copied += view.numel() * view.element_size()
+        for j, (tgt, a, b) in dest.alias.items():
+            if not torch.equal(_bits(tgt.flat(shards[j].key)[a:b]), _bits(shards[j].tensor)):
+                raise StateError(f"{shards[j].key} differs from the embedding it aliases")
+        if resume is not None:
+            set_resume(state, resume)
+    return {"tensors": len(shards), "adopted": len(dest.adopt), "copied_bytes": copied}
+
+
+def set_resume(state: TrainingState, resume: ResumeState) -> None:
+    """Install step (every parameter's Adam state) and the CPU generator."""
+    step = torch.tensor(float(resume.step), dtype=torch.float32)
+    for sub in _sub_optimizers(state.optimizer):
+        for st in sub.optimizer.state.values():
+            st["step"] = step.clone()
+    torch.set_rng_state(torch.frombuffer(bytearray(resume.rng), dtype=torch.uint8))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,319 @@
+"""The new layout's world prepared before the pause trains exactly as a normally built one.
+
+``prepare_resize(world=True)`` starts the new layout's process groups beside the old ones,
+builds its megatron-core model, DDP and optimizer there, and the migration writes straight
+into them (``slurm_etc/megatron/world.py``). Real gloo processes (one pool of 4, started
+once), real megatron-core state, per transition:
+
+1. the old layout is built and trained 2 steps; its state is snapshotted (cloned shards,
+   step, generator);
+2. the old layout trains one step alone: reference loss and state digest; the snapshot is
+   put back;
+3. the new world is prepared, and the old layout trains the same step beside it: loss
+   and state digest must be bit-equal to the reference (the prepared world neither
+   disturbs the old groups nor the generator);
+4. the in-place resize into the prepared world; its state is snapshotted; it trains 2 steps;
+5. oracle, sharing nothing with the prepared path: fresh default group, megatron's own
+   ``initialize_model_parallel``, the state built normally (``build_empty_state``) and the
+   snapshot installed with ``install_shards``; it trains the same 2 steps. Losses and the
+   final state digest must be bit-equal to the prepared world's.
+
+A last case aborts the resize before the switch: the prepared world is dropped (no group
+of it stays registered) and the old layout trains on, bit-equal to its reference.
+
+The oracle is shown to catch a planted fault: ``test_oracle_catches_wrong_groups`` builds
+the prepared world with megatron's globals left at the OLD world during the build (as a
+naive second build would): the losses differ.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slurm_etc.megatron.phases import PRELOAD, Transition, batch_for
+from slurm_etc.plan import PRESETS, ParallelConfig
+from slurm_etc.pool.local import LocalWorkers
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+TINY6 = dataclasses.replace(PRESETS["tiny"], name="tiny6", num_layers=6)
+SEQ, SEED = 16, 7
+
+
+def P(dp, tp=1, pp=1, dist=False):  # noqa: N802 - reads like the CLI's dp=..,tp=..,pp=..
+    return ParallelConfig(dp, tp, pp, distributed_optimizer=dist)
+
+
+CASES = {
+    "grow": (P(1, 2, 1), P(2, 2, 1)),
+    "tp-reshape": (P(1, 2, 2), P(2, 1, 2)),
+    "tp-pp-change": (P(1, 2, 2), P(1, 4, 1)),
+    "dist-opt-dp-shrink": (P(4, 1, 1, True), P(2, 1, 1, True)),
+    "dist-opt-tp2-to-pp3": (P(2, 2, 1, True), P(1, 1, 3, True)),
+}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with LocalWorkers(4, preload=PRELOAD, timeout_s=240) as pool:
+        yield pool
+
+
+# -- worker phases -----------------------------------------------------------------------------
+
+def _snapshot(state):
+    from slurm_etc.megatron.state import local_shards, resume_state
+    from slurm_etc.migrate.shards import LocalShard
+    from slurm_etc.plan.catalog import build_catalog
+
+    catalog = build_catalog(state.model_desc, state.config)
+    shards = [LocalShard(sh.state_key, sh.lo, sh.hi, sh.s, sh.tensor.detach().clone())
+              for sh in local_shards(state, catalog)]
+    return shards, resume_state(state)
+
+
+def _restore(state, snapshot):
+    from slurm_etc.megatron.state import install_shards
+    from slurm_etc.plan.catalog import build_catalog
+
+    shards, resume = snapshot
+    install_shards(state, build_catalog(state.model_desc, state.config),
+                   [dataclasses.replace(sh, tensor=sh.tensor.clone()) for sh in shards],
+                   resume, adopt=False)
+
+
+def _digest(state) -> str:
+    import hashlib
+
+    import torch
+
+    from slurm_etc.megatron.state import local_shards
+    from slurm_etc.plan.catalog import build_catalog
+
+    h = hashlib.sha1()
+    for sh in sorted(local_shards(state, build_catalog(state.model_desc, state.config)),
+                     key=lambda s: s.key):
+        h.update(repr(sh.key).encode())
+        h.update(sh.tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(torch.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _step(state, gb):
+    from slurm_etc.megatron import build
+    from slurm_etc.megatron.state import optimizer_step
+
+    return build._train_step(state, seed=SEED, step=optimizer_step(state), micro_batch=1,
+                             seq=SEQ, global_batch=gb)
+
+
+def w_old(ctx, tr, *, tag, gb):
+    """Old ranks: build and train 2 steps, snapshot; the reference step; put it back."""
+    from slurm_etc.megatron import build, cpu_compat
+
+    ctx.drop()
+    cpu_compat.install()
+    if ctx.index >= tr.old.world:
+        return None
+    ctx.init_group(f"{tag}/old", ctx.index, tr.old.world)
+    state = build.build_training_state(tr.model, tr.old, seed=SEED, steps=2, micro_batch=1,
+                                       seq=SEQ, global_batch=gb)
+    snap = _snapshot(state)
+    loss = _step(state, gb)
+    ref = (loss, _digest(state))
+    _restore(state, snap)
+    ctx.objects["state"] = state
+    return ref
+
+
+def w_prepare_and_step(ctx, tr, *, tag, gb, naive=False):
+    """Every participant: prepare the new world; the old ranks then train the reference
+    step beside it."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from slurm_etc.megatron import cpu_compat
+    from slurm_etc.megatron.resize import prepare_resize
+    from slurm_etc.migrate.executor import MigrationOptions
+
+    cpu_compat.install()
+    plan = tr.plan()
+    if ctx.index not in plan.participants:
+        return None
+    ctx.objects["groups_before"] = len(c10d._world.pg_map)
+    build_new = _naive_build(tr) if naive else None
+    prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag,
+                              options=MigrationOptions(timeout_s=120), group_timeout_s=120,
+                              world=True, build_new=build_new)
+    ctx.objects["prepared"] = prepared
+    out = {"prepared": prepared.world is not None,
+           "groups_prepared": len(prepared.world.groups) if prepared.world else 0}
+    state = ctx.objects.get("state")
+    if state is not None:
+        out["step"] = (_step(state, gb), _digest(state))
+    return out
+
+
+def _naive_build(tr):
+    """The planted fault: the new world's model built while megatron's globals still
+    describe the OLD world (what building a second model without a world of its own does)."""
+    def build_new(cfg):
+        from slurm_etc.megatron import build
+        from slurm_etc.megatron.world import megatron_globals, set_megatron_globals
+
+        new_globals = megatron_globals()
+        set_megatron_globals(_OLD_GLOBALS[0])
+        try:
+            return build.build_modules(tr.model, cfg, seed=None)
+        finally:
+            set_megatron_globals(new_globals)
+    return build_new
+
+
+_OLD_GLOBALS: list = []
+
+
+def w_keep_old_globals(ctx):
+    from slurm_etc.megatron.world import megatron_globals
+
+    _OLD_GLOBALS[:] = [megatron_globals()]
+
+
+def w_resize(ctx, *, faults=None):
+    """Every participant: the pause. New ranks keep the new state and its snapshot."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from slurm_etc.megatron.resize import resize_in_place
+    from slurm_etc.migrate.executor import MigrationAborted
+
+    prepared = ctx.objects.pop("prepared", None)
+    if prepared is None:
+        return None
+    state = ctx.objects.pop("state", None)
+    try:
+        out = resize_in_place(prepared, state, faults=faults)
+    except MigrationAborted:
+        if state is not None:
+            ctx.objects["state"] = state
+        return {"aborted": True,
+                "groups_left": len(c10d._world.pg_map) - ctx.objects["groups_before"],
+                "digest": _digest(state) if state is not None else None}
+    del state
+    if out.state is None:
+        ctx.drop()
+        return {"new_rank": None}
+    ctx.objects["state"] = out.state
+    ctx.objects["snapshot"] = _snapshot(out.state)
+    return {"new_rank": prepared.plan.new.devices.index(ctx.index),
+            "phases": sorted(k for k in out.seconds if k not in ("pause", "ready")),
+            "adopted": out.stats["adopted"],
+            "received_into_state_bytes": out.stats["received_into_state_bytes"]}
+
+
+def w_train(ctx, *, gb, steps=2):
+    state = ctx.objects.get("state")
+    if state is None:
+        return None
+    return [_step(state, gb) for _ in range(steps)], _digest(state)
+
+
+def w_normal_world(ctx, tr, *, tag, gb, steps=2):
+    """The oracle: the new layout built normally from a fresh default group, the snapshot
+    installed, the same steps trained."""
+    from slurm_etc.megatron.state import build_empty_state, install_shards
+
+    snap = ctx.objects.pop("snapshot", None)
+    new_rank = (tr.plan().new.devices.index(ctx.index)
+                if ctx.index in tr.plan().new.devices else None)
+    ctx.drop()
+    if snap is None:
+        return None
+    ctx.init_group(f"{tag}/normal", new_rank, tr.new.world)
+    state = build_empty_state(tr.model, tr.new)
+    shards, resume = snap
+    install_shards(state, tr.plan().catalog, shards, resume)
+    out = [_step(state, gb) for _ in range(steps)], _digest(state)
+    ctx.objects["state"] = state
+    return out
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+def _run(workers, name, old, new, *, naive=False):
+    tr = Transition(TINY6, old, new)
+    gb = batch_for(old, new)
+    tag = f"pw-{name}{'-naive' if naive else ''}"
+    refs = workers.run(w_old, tr, tag=tag, gb=gb)
+    if naive:
+        workers.run(w_keep_old_globals)
+    prepared = workers.run(w_prepare_and_step, tr, tag=f"{tag}/resize", gb=gb, naive=naive)
+    for i, (ref, prep) in enumerate(zip(refs, prepared)):
+        if ref is not None:  # the old layout's step beside the prepared world: unchanged
+            assert prep["step"] == ref, f"worker {i}: the old layout's step changed"
+    resized = workers.run(w_resize)
+    trained = workers.run(w_train, gb=gb)
+    normal = workers.run(w_normal_world, tr, tag=tag, gb=gb)
+    workers.run(_drop)
+    return tr, prepared, resized, trained, normal
+
+
+def _drop(ctx):
+    ctx.drop()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_prepared_world_trains_like_a_normal_one(workers, name):
+    old, new = CASES[name]
+    tr, prepared, resized, trained, normal = _run(workers, name, old, new)
+    plan = tr.plan()
+    for dev in plan.new.devices:
+        assert prepared[dev]["prepared"] and prepared[dev]["groups_prepared"] >= 5
+        r = resized[dev]
+        assert r["phases"] == ["migrate", "resume", "switch"], r
+        assert r["received_into_state_bytes"] > 0 or r["adopted"] > 0
+    departing = set(plan.old.devices) - set(plan.new.devices)
+    for dev in departing:
+        assert resized[dev] == {"new_rank": None}
+    losses = {tuple(t[0]) for t in trained if t is not None}
+    assert len(losses) == 1, trained  # every new rank knows the same mean loss
+    for dev in plan.new.devices:
+        assert trained[dev] == normal[dev], (
+            f"device {dev}: prepared world {trained[dev]} != normally built {normal[dev]}")
+
+
+def test_abort_drops_the_prepared_world(workers):
+    """A failure before the commit: every participant raises MigrationAborted, the prepared
+    world's groups are gone, the old layout trains on bit-equal to its reference."""
+    from slurm_etc.migrate.faults import FaultInjector
+
+    old, new = CASES["grow"]
+    tr = Transition(TINY6, old, new)
+    gb = batch_for(old, new)
+    refs = workers.run(w_old, tr, tag="pw-abort", gb=gb)
+    # the reference step was put back; beside the prepared world the same step again
+    prepared = workers.run(w_prepare_and_step, tr, tag="pw-abort/resize", gb=gb)
+    assert [p["step"] for p in prepared[:2]] == refs[:2]
+    resized = workers.run(w_resize, faults=FaultInjector().fail(2, at="before"))
+    assert all(r["aborted"] and r["groups_left"] == 0 for r in resized), resized
+    # the old state is untouched by the aborted migration (and its generator too)
+    assert [r["digest"] for r in resized[:2]] == [p["step"][1] for p in prepared[:2]]
+    after = workers.run(w_train, gb=gb, steps=1)
+    assert after[2:] == [None, None]
+    assert len({tuple(a[0]) for a in after[:2]}) == 1  # the old layout trains on, in step
+    workers.run(_drop)
+
+
+def test_oracle_catches_wrong_groups(workers):
+    """The planted fault (model built under the old world's megatron globals) is caught."""
+    from slurm_etc.pool.local import WorkerFailed
+
+    old, new = CASES["tp-reshape"]
+    try:
+        tr, _p, _r, trained, normal = _run(workers, "planted", old, new, naive=True)
+    except (AssertionError, WorkerFailed) as exc:  # the fault stopped the run: caught too
+        workers.run(_drop)
+        caught = str(exc)[:300]
+    else:
+        differ = [dev for dev in tr.plan().new.devices if trained[dev] != normal[dev]]
+        caught = f"devices {differ} differ" if differ else ""
+    assert caught, "the oracle did not see a model built on the old world's groups"
