@@ -12,9 +12,12 @@ part of the in-place path:
   every piece not at the start of its shard is one element off;
 * the executor's packing (``migrate/program.compile_program``): a receiving rank unpacks
   the tensor-parallel half it receives where its own half goes, and its own half there;
-* the install (``state.install_shards``): the distributed optimizer's moments land on the
-  next data-parallel rank (rotated in megatron's bucket space); the CPU generator is not
-  installed, so the rank keeps its own stale one.
+* the prepared new state (``state.receive_into``, the executor's destinations inside the
+  new layout's model and optimizer, built before the pause): exp_avg is received into
+  exp_avg_sq and the other way round;
+* the install at the switch (``state.finish_install``): the distributed optimizer's moments
+  land on the next data-parallel rank (rotated in megatron's bucket space); the CPU
+  generator is not installed, so the rank keeps its own stale one.
 
 A last case runs the same pool without a bug: verified, so the plants were taken out.
 
@@ -113,11 +116,27 @@ def _swapped_tp_halves(real: Callable) -> Callable:
 
 def _wrong_dp_shard(real: Callable) -> Callable:
     """Install: the distributed optimizer's moments of dp rank d land on dp rank d + 1."""
-    def install_shards(state, catalog, shards, resume, **kwargs):
-        out = real(state, catalog, shards, resume, **kwargs)
+    def finish_install(state, dest, shards, resume, **kwargs):
+        out = real(state, dest, shards, resume, **kwargs)
         _rotate_moments_over_dp(state)
         return out
-    return install_shards
+    return finish_install
+
+
+def _swapped_destinations(real: Callable) -> Callable:
+    """Receive: the executor writes exp_avg shards into the exp_avg_sq tensors of the
+    prepared new state and the other way round."""
+    def receive_into(state, catalog, specs, kept=(), **kwargs):
+        dest = real(state, catalog, specs, kept, **kwargs)
+        index = {sp.key: j for j, sp in enumerate(specs)}
+        for j, sp in enumerate(specs):
+            if sp.state_key.startswith("optimizer.state.exp_avg."):
+                twin = ("optimizer.state.exp_avg_sq." + sp.state_key.split(".", 3)[3],
+                        *sp.key[1:])
+                k = index[twin]
+                dest.tensors[j], dest.tensors[k] = dest.tensors[k], dest.tensors[j]
+        return dest
+    return receive_into
 
 
 def _rotate_moments_over_dp(state: Any) -> None:
@@ -151,13 +170,13 @@ def _rotate_moments_over_dp(state: Any) -> None:
 
 def _stale_rng(real: Callable) -> Callable:
     """Install: the new rank keeps the CPU generator it had, not its source rank's."""
-    def install_shards(state, catalog, shards, resume, **kwargs):
+    def finish_install(state, dest, shards, resume, **kwargs):
         import torch
 
         if resume is not None:
             resume = dataclasses.replace(resume, rng=torch.get_rng_state().numpy().tobytes())
-        return real(state, catalog, shards, resume, **kwargs)
-    return install_shards
+        return real(state, dest, shards, resume, **kwargs)
+    return finish_install
 
 
 RESIZE = "slurm_etc.megatron.resize"
@@ -166,8 +185,9 @@ PLANTS: dict[str, tuple[str, str, Callable]] = {
     "stale-step": (RESIZE, "resume_state", _stale_step),
     "off-by-one-region": ("slurm_etc.migrate.program", "box_offset", _off_by_one),
     "swapped-tp-halves": ("slurm_etc.migrate.program", "compile_program", _swapped_tp_halves),
-    "wrong-dp-shard": (RESIZE, "install_shards", _wrong_dp_shard),
-    "stale-rng": (RESIZE, "install_shards", _stale_rng),
+    "wrong-dp-shard": (RESIZE, "finish_install", _wrong_dp_shard),
+    "stale-rng": (RESIZE, "finish_install", _stale_rng),
+    "swapped-destinations": (RESIZE, "receive_into", _swapped_destinations),
 }
 
 _PLANTED: list[tuple[Any, str, Any]] = []  # in a worker: what to restore
@@ -205,6 +225,7 @@ CASES = {
     "wrong-dp-shard": ((TINY, P(4, 1, 1, True), P(2, 1, 1, True)),
                        (TENSOR, r"^optimizer\.state\.exp_avg(_sq)?\.")),
     "stale-rng": (RESHAPE, ("rng", None)),
+    "swapped-destinations": (RESHAPE, (TENSOR, r"^optimizer\.state\.exp_avg(_sq)?\.")),
 }
 
 
