@@ -285,6 +285,16 @@ class _Run:
         self.stats.pack_seconds += time.perf_counter() - t0
         return out
 
+    def scratch(self, side: Side, step: Step, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The operations of this step's chunk of ``side`` without packing (a failed rank
+        keeps the wire pattern going; what it sends is never installed)."""
+        c0, _ = self.prog.chunk(side, step)
+        out = []
+        for a, b, seg in self.prog.ops(side, step):
+            direct = self._direct(self.old_bytes, side, seg, a, b)
+            out.append(direct if direct is not None else buf[a - c0:b - c0])
+        return out
+
     def receive_into(self, side: Side, step: Step, buf: torch.Tensor) -> list:
         """(tensor, a, b, staged) per operation of this step's chunk of ``side``."""
         c0, c1 = self.prog.chunk(side, step)
@@ -330,15 +340,25 @@ class _Run:
 
     # -- votes -----------------------------------------------------------------------------
 
-    def vote(self, index: int) -> None:
-        """Cast this rank's vote; raise MigrationAborted on every rank if anyone failed."""
+    def post_vote(self, index: int) -> tuple[object, float]:
+        """Post this rank's vote ``index`` (what it knows now); decide it with :meth:`decide`."""
         p = self.prog
         t0 = time.perf_counter()
         f = self.failure
         status = OK if f is None else (TRANSPORT_FAILED if f.transport else FAILED)
         payload = _encode_vote(status, index, p.chunk_bytes, p.digest, f.text if f else "")
+        pending = self.transport.start_allgather(payload)
+        self.stats.vote_seconds += time.perf_counter() - t0
+        return pending, t0
+
+    def decide(self, index: int, posted: tuple[object, float]) -> None:
+        """Wait for vote ``index``; raise MigrationAborted on every rank if anyone failed."""
+        p = self.prog
+        pending, _ = posted
+        t0 = time.perf_counter()
+        f = self.failure
         try:
-            table = self.transport.allgather(payload, self.options.vote_timeout)
+            table = pending.wait(self.options.vote_timeout)  # type: ignore[attr-defined]
         except TransportError as exc:
             self.stats.vote_seconds += time.perf_counter() - t0
             own = RankFailure(p.group_rank, p.device, True,
@@ -359,6 +379,10 @@ class _Run:
                                             "execute different plans or staging budgets"))
         if failures:
             self._abort(index, failures, any(x.transport for x in failures))
+
+    def vote(self, index: int) -> None:
+        """Cast this rank's vote and wait for everyone's (see :meth:`decide`)."""
+        self.decide(index, self.post_vote(index))
 
     def _abort(self, index: int, failures: list[RankFailure], transport: bool) -> None:
         self.stats.total_seconds = time.perf_counter() - self.t_start
@@ -592,34 +616,58 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail(f"failed after round {st.round}", exc)
 
+    def before(st: Step) -> None:
+        if st.chunk == 0 and run.failure is None:
+            try:
+                faults.check(prog.group_rank, "before", st.round)
+            except Exception as exc:  # noqa: BLE001
+                run.fail(f"failed before round {st.round}", exc)
+
     try:
         t_data = time.perf_counter()
-        if steps and run.failure is None:
-            prepare(0)
         local_done = False
-        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
-        for i, st in enumerate(steps):
-            if st.chunk == 0 and run.failure is None:
-                try:
-                    faults.check(prog.group_rank, "before", st.round)
-                except Exception as exc:  # noqa: BLE001
-                    run.fail(f"failed before round {st.round}", exc)
-            if i == 0:
-                faults.die_if(prog.group_rank, "before-send")
-            run.vote(i)
-            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
-            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf)
-            if pending:
-                faults.die_if(prog.group_rank, "mid-transfer")
-            if not local_done:
+        if steps:
+            if run.failure is None:
+                prepare(0)
+            before(steps[0])
+            faults.die_if(prog.group_rank, "before-send")
+            # Vote 0 is the gate: nothing goes on the wire before every rank started and
+            # agrees on the plan and the chunking. The local copies need no peer: they run
+            # while the vote travels (and while slower ranks are still arriving).
+            gate = run.post_vote(0)
+            if run.failure is None:
                 run.local_copies()
                 local_done = True
+            run.decide(0, gate)
+        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+        for i, st in enumerate(steps):
+            if i > 0:
+                before(st)
+                # Vote i travels with step i's data and is decided before that data is waited
+                # for: a rank that failed still posts its operations (without packing or
+                # unpacking) unless its transport failed, so no rank waits on a missing
+                # operation, and every rank stops at the same vote as with a vote per step.
+                ballot = run.post_vote(i)
+            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
+            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
+                                      send_bufs[i % len(send_bufs)] if send_bufs else None)
+            if pending:
+                faults.die_if(prog.group_rank, "mid-transfer")
             if options.overlap:
                 if previous is not None:
                     finish(*previous)
                     previous = None
                 if i + 1 < len(steps) and run.failure is None:
                     prepare(i + 1)
+            if i > 0:
+                try:
+                    run.decide(i, ballot)
+                except MigrationAborted as exc:
+                    if exc.transport_failed:
+                        _QUARANTINE.append(pending)
+                    else:  # every rank posted this step: let it complete, leave nothing behind
+                        _wait(run, st, pending)
+                    raise
             if _wait(run, st, pending):
                 previous = (i, received)
             if not options.overlap:
@@ -653,19 +701,28 @@ def execute_migration(plan, transport: Transport, device: int,
 
 
 def _post(run: _Run, st: Step, send: list[torch.Tensor] | None,
-          recv_buf: torch.Tensor | None) -> tuple[list, list]:
+          recv_buf: torch.Tensor | None, send_buf: torch.Tensor | None = None
+          ) -> tuple[list, list]:
     """Post the step's operations. Returns ((kind, side, pending) per operation,
-    [(side, receive ops)] to unpack once they completed)."""
+    [(side, receive ops)] to unpack once they completed).
+
+    After a failure of this rank's own (not of its transport) the operations are still
+    posted, from and into the same buffers, unpacked and not to be unpacked: the peers'
+    operations complete and the abort comes at the vote that carries the failure.
+    """
     prog = run.prog
-    if run.failure is not None:
+    failed = run.failure is not None
+    if failed and run.failure.transport:  # type: ignore[union-attr]
         return [], []
     sends, recvs, sides, received = [], [], [], []
-    if st.send is not None and send is not None:
+    if st.send is not None:
         side = prog.sends[st.send]
+        if send is None and send_buf is not None:
+            send = run.scratch(side, st, send_buf)
         if run.faults.stalled(prog.group_rank, st.round):
             logger.warning("migration: %s stalls (injected): not sending %s", run.who,
                            run.where(side, st))
-        else:
+        elif send is not None:
             sends += [(side.peer, t) for t in send]
             sides += [("send", side)] * len(send)
     if st.recv is not None and recv_buf is not None:
@@ -673,7 +730,8 @@ def _post(run: _Run, st: Step, send: list[torch.Tensor] | None,
         ops = run.receive_into(side, st, recv_buf)
         recvs += [(side.peer, t) for t, _, _, _ in ops]
         sides += [("receive", side)] * len(ops)
-        received.append((side, ops))
+        if not failed:
+            received.append((side, ops))
     if not sides:
         return [], received
     try:

@@ -7,7 +7,9 @@ devices, minus lost ones):
 * ``exchange(sends, recvs, tag)``: post one step's sends and receives at once (at most one of
   each per rank and step in a migration) and get one :class:`Pending` per op, sends first;
 * ``Pending.wait(timeout_s)``: bounded wait, raising :class:`TransportError` with the cause;
-* ``allgather(payload, timeout_s)``: the fixed-size vote every rank casts between steps.
+* ``allgather(payload, timeout_s)``: the fixed-size vote every rank casts between steps;
+  ``start_allgather(payload)`` posts it and returns a :class:`PendingGather` to wait on later,
+  so a vote can travel while the step's data does.
 
 Implementations:
 
@@ -61,6 +63,11 @@ class Pending(Protocol):
         """Block until the op completed; raise TransportError on failure or timeout."""
 
 
+class PendingGather(Protocol):
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        """Block until every rank's payload arrived: (size, n); TransportError otherwise."""
+
+
 class Transport(Protocol):
     """What the executor needs (see module docstring)."""
 
@@ -78,6 +85,9 @@ class Transport(Protocol):
 
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Gather a 1-D uint8 CPU tensor of the same size from every rank: (size, n)."""
+
+    def start_allgather(self, payload: torch.Tensor) -> PendingGather:
+        """Post the same gather without waiting (every rank posts its gathers in one order)."""
 
 
 # -- torch.distributed ----------------------------------------------------------------------
@@ -107,6 +117,32 @@ class _TorchPending:
         except RuntimeError as exc:
             raise TransportError(f"{self.what} failed: {_first_line(exc)}",
                                  timed_out=_is_timeout(exc)) from exc
+
+
+class _TorchGather:
+    """A posted control allgather; ``order`` maps control-group rows to migration ranks."""
+
+    def __init__(self, work, table: torch.Tensor, order: torch.Tensor | None) -> None:
+        self.work, self.table, self.order = work, table, order
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        try:
+            self.work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
+        except RuntimeError as exc:
+            raise TransportError(f"control allgather failed after at most {timeout_s:.1f} s: "
+                                 f"{_first_line(exc)}", timed_out=_is_timeout(exc)) from exc
+        return self.table if self.order is None else self.table[self.order]
+
+
+class _FailedGather:
+    """A control allgather that could not even be posted: fails when waited on."""
+
+    def __init__(self, exc: RuntimeError) -> None:
+        self.exc = exc
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        raise TransportError(f"control allgather could not be posted: {_first_line(self.exc)}",
+                             timed_out=_is_timeout(self.exc)) from self.exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -171,17 +207,17 @@ class TorchTransport:
         return [_TorchPending(w, nccl, d) for w, d in zip(works, what)]
 
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
-        dist = self._dist
+        return self.start_allgather(payload).wait(timeout_s)
+
+    def start_allgather(self, payload: torch.Tensor) -> PendingGather:
         n = payload.numel()
         out = torch.empty(self.size * n, dtype=torch.uint8)
         try:
-            work = dist.all_gather_single(out, payload.contiguous(), group=self.control,
-                                               async_op=True)
-            work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
+            work = self._dist.all_gather_single(out, payload.contiguous(),
+                                               group=self.control, async_op=True)
         except RuntimeError as exc:
-            raise TransportError(f"control allgather failed after at most {timeout_s:.1f} s: "
-                                 f"{_first_line(exc)}", timed_out=_is_timeout(exc)) from exc
-        return out.view(self.size, n)[self._control_order]
+            return _FailedGather(exc)
+        return _TorchGather(work, out.view(self.size, n), self._control_order)
 
 
 class BackendTransport:
@@ -223,15 +259,16 @@ class BackendTransport:
         return posted["send"] + posted["receive"]
 
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        return self.start_allgather(payload).wait(timeout_s)
+
+    def start_allgather(self, payload: torch.Tensor) -> PendingGather:
         n = payload.numel()
         out = torch.empty(self.size * n, dtype=torch.uint8)
         try:
             work = self.control._allgather_base(out, payload.contiguous())
-            work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
         except RuntimeError as exc:
-            raise TransportError(f"control allgather failed after at most {timeout_s:.1f} s: "
-                                 f"{_first_line(exc)}", timed_out=_is_timeout(exc)) from exc
-        return out.view(self.size, n)
+            return _FailedGather(exc)
+        return _TorchGather(work, out.view(self.size, n), None)
 
 
 # -- threads --------------------------------------------------------------------------------
@@ -252,13 +289,15 @@ class ThreadHub:
     def transports(self) -> list["ThreadTransport"]:
         return [ThreadTransport(self, r) for r in range(self.size)]
 
-    def gather(self, rank: int, generation: int, payload: torch.Tensor,
-               timeout_s: float) -> torch.Tensor:
+    def deposit(self, rank: int, generation: int, payload: torch.Tensor) -> None:
+        with self._lock:
+            self._gathers.setdefault(generation, {})[rank] = payload.clone()
+            self._lock.notify_all()
+
+    def collect(self, generation: int, timeout_s: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             slot = self._gathers.setdefault(generation, {})
-            slot[rank] = payload.clone()
-            self._lock.notify_all()
             while len(slot) < self.size:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -320,6 +359,18 @@ class ThreadTransport:
         return out
 
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        return self.start_allgather(payload).wait(timeout_s)
+
+    def start_allgather(self, payload: torch.Tensor) -> PendingGather:
         generation = self._generation
         self._generation += 1
-        return self.hub.gather(self.rank, generation, payload, timeout_s)
+        self.hub.deposit(self.rank, generation, payload)
+        return _ThreadGather(self.hub, generation)
+
+
+class _ThreadGather:
+    def __init__(self, hub: ThreadHub, generation: int) -> None:
+        self.hub, self.generation = hub, generation
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        return self.hub.collect(self.generation, timeout_s)

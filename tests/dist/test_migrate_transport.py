@@ -87,6 +87,19 @@ def check_allgather(t, barrier) -> bool:
         int(table[r, 0]) == 200 + r and int(table[r, 1]) == r + 1 for r in range(t.size))
 
 
+def check_posted_gathers_travel_with_data(t, barrier) -> bool:
+    """Two gathers posted before a ring exchange and waited for after it (the executor's
+    votes travel with a step's data): each gives its own payloads, in migration-rank order."""
+    first = torch.full((512,), 10 + t.rank, dtype=torch.uint8)
+    second = torch.full((512,), 100 + t.rank, dtype=torch.uint8)
+    g1 = t.start_allgather(first)
+    g2 = t.start_allgather(second)
+    ring = check_ring(t, barrier)
+    a, b = g1.wait(30), g2.wait(30)
+    return ring and all(int(a[r, 5]) == 10 + r and int(b[r, 7]) == 100 + r
+                        for r in range(t.size))
+
+
 def check_recv_timeout_then_control(t, barrier) -> dict:
     """Rank 1 waits for a message rank 0 never sends: TransportError(timed_out) after about
     the timeout; the control allgather still works afterwards (it carries the vote)."""
@@ -124,7 +137,8 @@ def check_allgather_timeout(t, barrier) -> dict:
     return out
 
 
-CHECKS = [check_ring, check_pairs_large, check_subset_and_steps, check_allgather]
+CHECKS = [check_ring, check_pairs_large, check_subset_and_steps, check_allgather,
+          check_posted_gathers_travel_with_data]
 TIMEOUT_CHECKS = [check_recv_timeout_then_control, check_allgather_timeout]
 
 # -- backends -------------------------------------------------------------------------------

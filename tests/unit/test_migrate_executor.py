@@ -148,6 +148,41 @@ def test_every_fault_point_aborts_every_rank(at):
     assert _unchanged(state, snap)
 
 
+@pytest.mark.parametrize("at", ["pack", "before", "local", "unpack", "after"])
+def test_a_failed_rank_keeps_posting_so_an_abort_leaves_no_message_behind(at):
+    """Votes travel with the data: the rank that failed still posts its operations (not
+    packed, not unpacked) until the vote carrying its failure, so every message any rank
+    sent was received when all have aborted, and all stopped at the same vote."""
+    plan = make_plan(TINY_BF16, (2, 2, 2), (2, 1, 2), dist=True)
+    opts = dataclasses.replace(OPTS, staging_bytes=4 * 8191)
+    # device 2 receives in rounds 0 and 1 (from 5 and 6): the failure is voted while a peer
+    # still sends to it (pack/before of round 1 at round 1's first vote, the others within
+    # or right after round 0)
+    rank, rnd = 2, (1 if at in ("pack", "before") else 0)
+    devices = group_devices(plan)
+    hub = ThreadHub(len(devices))
+    state, out = _old_state(plan), {}
+    faults = FaultInjector().fail(rank, at, rnd)
+
+    def work(r, device):
+        try:
+            out[device] = execute_migration(plan, hub.transports()[r], device,
+                                            state.get(device, ()), options=opts, faults=faults)
+        except BaseException as exc:  # noqa: BLE001
+            out[device] = exc
+
+    threads = [threading.Thread(target=work, args=(r, d)) for r, d in enumerate(devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(res, MigrationAborted) for res in out.values()), out
+    assert len({res.vote for res in out.values()}) == 1
+    assert min(res.vote for res in out.values()) < max(r.stats.steps for r in out.values())
+    left = {key: box.qsize() for key, box in hub._boxes.items() if box.qsize()}
+    assert left == {}, f"messages sent and never received (src, dst, step): {left}"
+
+
 def test_stalled_sender_times_out_with_the_message_named():
     plan = make_plan(TINY_BF16, (2, 2, 2), (2, 1, 2), dist=True)
     m = plan.messages
