@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -492,7 +492,8 @@ def execute_migration(plan, transport: Transport, device: int,
                       options: MigrationOptions | None = None,
                       faults: FaultInjector | None = None,
                       program: Program | None = None,
-                      destinations: Sequence[torch.Tensor | None] | None = None) -> MigrationResult:
+                      destinations: Sequence[torch.Tensor | None] | None = None,
+                      commit: Callable[[bool], bool] | None = None) -> MigrationResult:
     """Run this process's part of ``plan`` (see module docstring).
 
     Args:
@@ -512,6 +513,10 @@ def execute_migration(plan, transport: Transport, device: int,
             touched; or views of the new layout's own buffers): contiguous, on the
             transport's device, of the spec's element count and size. Every element is
             written; on an abort their content is undefined. Default: fresh tensors.
+        commit: the commit vote's one decision (a
+            :class:`~slurm_etc.migrate.decision.CommitDecision`): given what this rank saw
+            of the vote, returns what every rank does. None: each rank follows its own view
+            (a rank dying inside the vote can then split the survivors).
 
     Returns:
         MigrationResult with the new shards (one per state key, region and layer the new
@@ -686,7 +691,7 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail("failed before the commit vote", exc)
         faults.die_if(prog.group_rank, "before-commit")
-        run.vote(len(steps))
+        _commit_vote(run, len(steps), faults, commit)
         stats.data_seconds = time.perf_counter() - t_data
     finally:
         if options.measure_memory:
@@ -698,6 +703,31 @@ def execute_migration(plan, transport: Transport, device: int,
                   for sp, t in zip(prog.new_specs, new_tensors)]
     return MigrationResult(device, prog.group_rank, prog.old_rank, prog.new_rank, new_shards,
                            stats)
+
+
+def _commit_vote(run: _Run, index: int, faults: FaultInjector,
+                 commit: Callable[[bool], bool] | None) -> None:
+    """The commit vote, then its one decision (see :mod:`slurm_etc.migrate.decision`): a
+    rank whose view of the vote failed still commits when another rank saw every vote OK
+    first (every rank had finished its part), and one that saw them all OK aborts when the
+    failure was recorded first."""
+    rank = run.prog.group_rank
+    posted = run.post_vote(index)
+    faults.die_if(rank, "in-vote")
+    try:
+        run.decide(index, posted)
+        if faults.vote_lost(rank):
+            run._abort(index, [RankFailure(rank, run.prog.device, True, f"{run.who} lost "
+                                           "the answer to the commit vote (injected)")], True)
+    except MigrationAborted:
+        if commit is None or run.failure is not None or not commit(False):
+            raise
+        logger.warning("migration: %s saw the commit vote fail, but the decision recorded "
+                       "first is commit: it commits", run.who)
+        return
+    if commit is not None and not commit(True):
+        run._abort(index, [RankFailure(-1, -1, False, "another rank saw the commit vote "
+                                       "fail first: the decision is abort")], False)
 
 
 def _post(run: _Run, st: Step, send: list[torch.Tensor] | None,

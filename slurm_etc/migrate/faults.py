@@ -23,7 +23,14 @@ resize meets them (:data:`KILL_PHASES`):
 * ``mid-transfer``: right after posting its first sends/receives (data on the wire);
 * ``after-receive``: right after unpacking the first chunk it received;
 * ``before-commit``: just before the commit vote, every transfer done;
+* ``in-vote``: inside the commit vote: its own vote sent, the outcome not yet known (the
+  survivors' views of the vote may differ; :mod:`slurm_etc.migrate.decision` makes them
+  follow one decision);
 * ``after-commit``: the commit vote passed, before the new layout is installed.
+
+``lose_vote(rank)`` makes the rank's view of the commit vote fail as if its transport had
+(the others saw every vote OK): the split that a death inside the vote can cause, made
+deterministic.
 
 :class:`KillSpec` is the reusable form for whole jobs (the ``SLURM_ETC_INJECT`` variable of
 the workers, ``slurm-etc demo --inject``): which phase, which vrank (default: one the plan
@@ -36,12 +43,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
 FAULT_POINTS = ("start", "pack", "before", "local", "unpack", "after", "commit")
-KILL_PHASES = ("before-send", "mid-transfer", "after-receive", "before-commit", "after-commit")
+KILL_PHASES = ("before-send", "mid-transfer", "after-receive", "before-commit", "in-vote",
+               "after-commit")
 INJECT_ENV = "SLURM_ETC_INJECT"
 
 
@@ -54,20 +62,28 @@ class FaultInjector:
     faults: tuple[tuple[int, str, int], ...] = ()
     stalls: tuple[tuple[int, int], ...] = ()
     kills: tuple[tuple[int, str], ...] = ()
+    lost_votes: tuple[int, ...] = ()
 
     def fail(self, rank: int, at: str = "before", round: int = 0) -> "FaultInjector":
         if at not in FAULT_POINTS:
             raise ValueError(f"unknown fault point {at!r}; points: {', '.join(FAULT_POINTS)}")
-        return FaultInjector(self.faults + ((rank, at, round),), self.stalls, self.kills)
+        return replace(self, faults=self.faults + ((rank, at, round),))
 
     def stall(self, rank: int, round: int = 0) -> "FaultInjector":
-        return FaultInjector(self.faults, self.stalls + ((rank, round),), self.kills)
+        return replace(self, stalls=self.stalls + ((rank, round),))
+
+    def lose_vote(self, rank: int) -> "FaultInjector":
+        """Rank ``rank``'s view of the commit vote fails (the others' does not)."""
+        return replace(self, lost_votes=self.lost_votes + (rank,))
+
+    def vote_lost(self, rank: int) -> bool:
+        return rank in self.lost_votes
 
     def kill(self, rank: int, at: str) -> "FaultInjector":
         """SIGKILL the process of migration-group rank ``rank`` at phase ``at``."""
         if at not in KILL_PHASES:
             raise ValueError(f"unknown kill phase {at!r}; phases: {', '.join(KILL_PHASES)}")
-        return FaultInjector(self.faults, self.stalls, self.kills + ((rank, at),))
+        return replace(self, kills=self.kills + ((rank, at),))
 
     def die_if(self, rank: int, at: str) -> None:
         """This process dies here by SIGKILL if (rank, at) is armed."""
