@@ -260,6 +260,7 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     """
     import torch.distributed as dist
 
+    from slurm_etc.migrate.decision import CommitDecision
     from slurm_etc.migrate.executor import execute_migration
 
     plan, device, options = prepared.plan, prepared.device, prepared.options
@@ -284,7 +285,9 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         result = execute_migration(plan, transport, device, old_shards,
                                    options=dataclasses.replace(options, measure_memory=False),
                                    program=prepared.program,
-                                   destinations=prepared.destinations, faults=faults)
+                                   destinations=prepared.destinations, faults=faults,
+                                   commit=CommitDecision(prepared.store,
+                                                         f"{prepared.tag}/commit"))
         committed = True
     finally:
         prepared.destinations = []
