@@ -14,7 +14,12 @@ loop as ``slurm-etc status`` does (``job_detail`` on a read-only store), and onc
 one reader holds a read transaction open for the whole burst. Per-transaction writer
 latency is printed for each case (WAL: readers never block the writer).
 
-    .venv/bin/python bench/coordinator_load.py [--events 1000] [--readers 4] [--json]
+``--busy N`` runs N processes spinning on the CPU for the whole bench (a busy machine: on
+2 cores, ``--busy 2`` leaves the coordinator about a third of a core, ``--busy 10`` about a
+sixth); ``--repeat R`` runs each case R times and prints the median and the worst.
+
+    .venv/bin/python bench/coordinator_load.py [--events 1000] [--readers 4] [--busy 0]
+        [--repeat 1] [--json]
 """
 from __future__ import annotations
 
@@ -133,6 +138,13 @@ def reader(db: str, stop: Any, holding: bool, counts: Any, index: int,
     store.close()
 
 
+def spin(stop: Any) -> None:
+    """Background load: burn CPU until told to stop."""
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
+
+
 def sqlite_counts(db: str) -> tuple[int, int]:
     """(events recorded, events handled) read with plain sqlite3."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -162,17 +174,18 @@ def run_round(coordinator: Coordinator, cluster: BurstCluster, events: int,
 
     store.transaction = timed  # type: ignore[method-assign]
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         coordinator._observe_backend()
         t_recorded = time.perf_counter() - t0
         coordinator._decide()
         t_handled = time.perf_counter() - t0
+        cpu = time.process_time() - c0
     finally:
         store.transaction = original  # type: ignore[method-assign]
     after, handled = sqlite_counts(db)
     latencies.sort()
     return {"events": len(burst), "recorded": after - before, "handled_total": handled,
-            "recorded_s": t_recorded, "handled_s": t_handled,
+            "recorded_s": t_recorded, "handled_s": t_handled, "cpu_s": cpu,
             "write_tx": len(latencies),
             "write_median_ms": 1e3 * statistics.median(latencies),
             "write_p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))],
@@ -227,6 +240,18 @@ def one_round(events: int, round_: int, readers: int, holding: bool, cluster: Bu
     return out
 
 
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median run of a case (by handled time), with the median and worst times."""
+    ordered = sorted(runs, key=lambda r: r["handled_s"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    for key in ("recorded_s", "handled_s", "cpu_s"):
+        values = [r[key] for r in runs]
+        out[f"{key}_median"] = statistics.median(values)
+        out[f"{key}_worst"] = max(values)
+    out["runs"] = len(runs)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--events", type=int, default=1000)
@@ -235,10 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--read-interval", type=float, default=0.01,
                    help="seconds between one status reader's reads (0: back to back)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="processes spinning on the CPU meanwhile (a busy machine)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each case (median and worst printed)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.events < 1 or args.readers < 0 or args.nodes < 1 or args.gpus_per_node < 1:
-        p.error("--events, --nodes and --gpus-per-node must be >= 1, --readers >= 0")
+    if args.events < 1 or args.readers < 0 or args.nodes < 1 or args.gpus_per_node < 1 \
+            or args.busy < 0 or args.repeat < 1:
+        p.error("--events, --nodes, --gpus-per-node and --repeat must be >= 1, "
+                "--readers and --busy >= 0")
     logging.basicConfig(level=logging.ERROR)
     from slurm_etc.alloc.chooser import Hardware, TrainingJob
     from slurm_etc.coordinator.loop import JobSpec
@@ -251,27 +282,48 @@ def main(argv: list[str] | None = None) -> int:
                    EffectivePolicy(grow=False), Hardware(gpus_per_node=args.gpus_per_node))
     results: dict[str, Any] = {}
     ctx = mp.get_context("spawn")
-    for round_, (name, readers, holding) in enumerate(
-            [("no readers", 0, False),
-             (f"{args.readers} status readers", args.readers, False),
-             ("a reader holding a read transaction", 1, True)]):
-        with tempfile.TemporaryDirectory(prefix="etc-load-") as tmp:
-            results[name] = one_round(args.events, round_, readers, holding, cluster, spec,
-                                      tmp, ctx, args.read_interval)
-    ok = all(r["recorded"] == r["events"] for r in results.values())
-    load = os.getloadavg()
+    stop_busy = ctx.Event()
+    busy = [ctx.Process(target=spin, args=(stop_busy,), daemon=True) for _ in range(args.busy)]
+    for proc in busy:
+        proc.start()
+    cases = [("no readers", 0, False), (f"{args.readers} status readers", args.readers, False),
+             ("a reader holding a read transaction", 1, True)]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in cases}
+    try:
+        for rep in range(args.repeat):
+            for i, (name, readers, holding) in enumerate(cases):
+                with tempfile.TemporaryDirectory(prefix="etc-load-") as tmp:
+                    runs[name].append(one_round(args.events, rep * len(cases) + i, readers,
+                                                holding, cluster, spec, tmp, ctx,
+                                                args.read_interval))
+        load = os.getloadavg()
+    finally:
+        stop_busy.set()
+        for proc in busy:
+            proc.join(10)
+    for name, rs in runs.items():
+        results[name] = summary(rs)
+    ok = all(r["recorded"] == r["events"] for rs in runs.values() for r in rs)
     if args.json:
-        print(json.dumps({"ok": ok, "rounds": results, "loadavg": load}))
+        print(json.dumps({"ok": ok, "rounds": results, "loadavg": load, "busy": args.busy}))
     else:
         for name, r in results.items():
             print(f"{name:>36}: {r['events']} events recorded in {r['recorded_s']:.3f} s, "
-                  f"handled in {r['handled_s']:.3f} s; {r['recorded']} rows "
+                  f"handled in {r['handled_s']:.3f} s (CPU {r['cpu_s']:.3f} s); "
+                  f"{r['recorded']} rows "
                   f"(lost {r['events'] - r['recorded']}); {r['write_tx']} write "
                   f"transactions: median {r['write_median_ms']:.2f} ms, p99 "
                   f"{r['write_p99_ms']:.2f} ms, max {r['write_max_ms']:.2f} ms"
                   + (f"; {r['reads']} status reads in the round (from before the burst "
                      "to after it)" if r["reads"] else ""))
-        print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores")
+        if args.repeat > 1:
+            for name, r in results.items():
+                print(f"{name:>36}: over {args.repeat} runs: recorded median "
+                      f"{r['recorded_s_median']:.3f} s (worst {r['recorded_s_worst']:.3f}), "
+                      f"handled median {r['handled_s_median']:.3f} s (worst "
+                      f"{r['handled_s_worst']:.3f}), CPU median {r['cpu_s_median']:.3f} s")
+        print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores"
+              f" ({args.busy} busy processes of the bench's own)")
     return 0 if ok else 1
 
 

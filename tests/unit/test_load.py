@@ -67,6 +67,17 @@ def counts(db: str) -> tuple[int, int, int]:
         con.close()
 
 
+def in_order(db: str) -> list[tuple[str, str]]:
+    """(kind, allocation) of the job's events in the order they were recorded."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return [tuple(r) for r in con.execute(
+            "SELECT kind, json_extract(payload, '$.allocation') FROM events "
+            "WHERE job_id = ? ORDER BY id", (JOB,))]
+    finally:
+        con.close()
+
+
 def test_burst_of_1000_recorded_once_and_handled(coordinator: Any) -> None:
     c, cluster, db = coordinator
     burst = cluster.events(1000, "a")
@@ -74,6 +85,8 @@ def test_burst_of_1000_recorded_once_and_handled(coordinator: Any) -> None:
     cluster.pending = burst
     c._observe_backend()
     assert counts(db)[:2] == (1000, 1000)  # recorded before any is acted on
+    kinds = {Grant: "grant", PreemptNotice: "preempt-notice", Loss: "loss"}
+    assert in_order(db) == [(kinds[type(e)], e.allocation) for e in burst]
     c._decide()
     assert counts(db) == (1000, 1000, 1000)
     # the same burst reported again (a restarted coordinator re-reading the cluster) adds
