@@ -142,37 +142,33 @@ class LocalBackend:
 
     def launch(self, action: LaunchWorkers) -> None:
         self._reap(self._clock())  # a worker that ended is reported before it is replaced
-        # a device launched on while a process is being stopped there (a joiner of an
-        # aborted resize, stopped for the retry): let that one go first
+        # a process being stopped on a device or under a vrank this launch uses (a joiner of
+        # an aborted resize, a worker that left the job, one on a released or lost device):
+        # let it end first (its stop's grace runs out into SIGKILL meanwhile)
         wanted = {spec.device for spec in action.workers}
+        vranks = {spec.vrank for spec in action.workers}
         for w in list(self._workers.values()):
-            if not w.reported and w.state.stopping and w.state.device in wanted:
-                try:
-                    w.proc.wait(timeout=STOPPING_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._reap(self._clock())
+            if not w.reported and w.state.stopping and (
+                    w.state.device in wanted or w.state.vrank in vranks):
+                self._wait_end(w, STOPPING_WAIT_S)
         held = self._resources.held
         busy = {w.state.device: w.state.vrank for w in self._workers.values()
                 if not w.reported}
         todo = []
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
-            if (current is not None and not current.reported
-                    and current.state.device != spec.device and current.state.stopping):
-                # a vrank given to a new device while its old process is being killed (its
-                # device was released or lost): let it go first
-                try:
-                    current.proc.wait(timeout=STOPPING_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    pass
-                self._reap(self._clock())
             if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
                                        f"already runs on {current.state.device} "
                                        f"(pid {current.proc.pid})")
-                continue  # already running: launching again is a no-op
+                if current.state.generation != action.generation:
+                    # never taken for the new process: that one would never start
+                    raise BackendError(f"launch of vrank {spec.vrank} (generation "
+                                       f"{action.generation}) on {spec.device}: its process "
+                                       f"of generation {current.state.generation} (pid "
+                                       f"{current.proc.pid}) still runs; stop it first")
+                continue  # the same launch again (a retried action): a no-op
             if spec.device not in held:
                 raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: the job "
                                    f"does not hold {spec.device} "
@@ -252,6 +248,16 @@ class LocalBackend:
                 w.log.close()
 
     # -- internals --------------------------------------------------------------------
+    def _wait_end(self, w: _Worker, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a stopping worker to end, escalating to SIGKILL when
+        its grace runs out (as :meth:`poll` would)."""
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            self._reap(self._clock())  # the group is killed before the leader is reaped
+            if w.reported:
+                return
+            time.sleep(0.02)
+
     def _reap(self, now: float) -> None:
         """Report workers that ended; SIGKILL those whose stop grace ran out."""
         for vrank, w in sorted(self._workers.items()):

@@ -157,6 +157,8 @@ class Coordinator:
         self.generation = 0
         self.last_generation = 0  # the highest generation ordered (an aborted one included)
         self.idle: set[int] = set()  # joiners alive after their resize aborted
+        # vranks whose process left the job at a commit and may not have exited yet
+        self.leaving: set[int] = set()
         self.step = 0
         self.loss: float | None = None
         self.inflight: _Inflight | None = None
@@ -276,6 +278,7 @@ class Coordinator:
                         f"grant ({event.reason})"))
                 case WorkerExited():
                     self.idle.discard(event.vrank)
+                    self.leaving.discard(event.vrank)
                     if event.returncode != 0 and not event.stopped and \
                             event.vrank not in self.done:
                         seen.append(self._observed(
@@ -520,6 +523,15 @@ class Coordinator:
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
                                   set(self.release_later), time.monotonic(), rebuild=rebuild)
         self.channel.generation = gen
+        # a joiner whose vrank's previous process left the job at the last commit and is
+        # still exiting (tearing its groups down): it has nothing left to do, it stops; the
+        # backend's launch waits for it to end (else it would take the launch for a retry of
+        # that process's and start nothing, and the resize would wait for a joiner forever)
+        rejoin = joiners & self.leaving
+        if rejoin:
+            perform(self.backend, StopWorkers(tuple(sorted(rejoin)), 2.0,
+                                              "its vrank joins again"))
+            self.leaving -= rejoin
         if joiners:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
@@ -589,6 +601,8 @@ class Coordinator:
                            devices_of(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
                            lost_steps[0] - 1)
         new = fl.order.new.layout()
+        # the old ranks not in the new layout exit on their own now
+        self.leaving |= set(fl.order.old.devices) - set(new.devices) - fl.dead
         self.layout, self.generation = new, fl.order.generation
         self.vranks = {v: fl.vranks[v] for v in new.devices}
         # a device that failed after the commit is in the new layout: the next resize

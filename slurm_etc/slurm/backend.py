@@ -498,10 +498,10 @@ class SlurmBackend:
         groups: dict[tuple[str, str], list[TaskSpec]] = {}
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
-            if (current is not None and not current.reported and current.state.stopping
-                    and current.state.device != spec.device):
-                # the vrank given to a new device while its old worker is being stopped or
-                # killed (its device released or lost): let that one end first
+            if current is not None and not current.reported and current.state.stopping:
+                # the vrank's old worker is being stopped or killed (its device released or
+                # lost, a joiner of an aborted resize, a worker that left the job): let that
+                # one end first
                 until = time.monotonic() + STOPPING_WAIT_S
                 while not current.reported and time.monotonic() < until:
                     time.sleep(0.05)
@@ -510,7 +510,13 @@ class SlurmBackend:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
                                        f"already runs on {current.state.device}")
-                continue
+                if current.state.generation != action.generation:
+                    # never taken for the new worker: that one would never start
+                    raise BackendError(f"launch of vrank {spec.vrank} (generation "
+                                       f"{action.generation}) on {spec.device}: its worker "
+                                       f"of generation {current.state.generation} still "
+                                       "runs; stop it first")
+                continue  # the same launch again (a retried action): a no-op
             if spec.device not in self._held:
                 held = ",".join(map(str, self._held)) or "nothing"
                 raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: the job "

@@ -514,3 +514,19 @@ def test_fuzz_script_parser_raises_only_script_errors(data: bytes) -> None:
         parse_script(data, "fuzz.json")
     except ScriptError as e:
         assert "\n" not in str(e) and str(e).startswith("fuzz.json: ")
+
+
+def test_launch_never_takes_an_older_process_for_the_new_one(backend: LocalBackend) -> None:
+    """A vrank launched again on the same device while its process of an earlier generation
+    still runs (a worker that left the job at a commit and is still exiting): the launch is
+    refused, never a silent no-op (the resize would wait forever for a joiner that never
+    started); once that process is stopped, the launch waits for it and starts the new one."""
+    backend.launch(LaunchWorkers(0, (WorkerSpec(0, d("n0:0")),), SLEEP))
+    old = backend.workers()[0].pid
+    with pytest.raises(BackendError, match="its process of generation 0 .* still runs"):
+        backend.launch(LaunchWorkers(3, (WorkerSpec(0, d("n0:0")),), SLEEP))
+    backend.stop(StopWorkers((0,), grace_s=5.0, reason="its vrank joins again"))
+    backend.launch(LaunchWorkers(3, (WorkerSpec(0, d("n0:0")),), SLEEP))
+    now = backend.workers()[0]
+    assert now.pid != old and now.generation == 3 and now.running
+    assert WorkerExited(0, 0, d("n0:0"), -signal.SIGTERM, True) in backend.poll()
