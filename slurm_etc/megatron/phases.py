@@ -303,41 +303,28 @@ def w_raw_p2p(ctx: WorkerContext, nbytes: int, *, tag: str, repeats: int = 3) ->
 
 
 def w_raw_pattern(ctx: WorkerContext, tr: Transition, *, tag: str,
-                  repeats: int = 2) -> dict | None:
-    """Every worker of old ∪ new: the plan's messages as plain contiguous buffers (same
-    pairs, same rounds, ``batch_isend_irecv``, no packing, no votes): the wire floor."""
-    import torch
+                  repeats: int = 1) -> dict | None:
+    """Every participant: the plan's own messages as plain contiguous buffers, the data
+    phase's wire floor (``slurm_etc.migrate.pattern.raw_pattern``: same pairs, sizes and
+    rounds, whole messages, warm buffers, no packing, no local copies, no votes), on a
+    migration group connected as the resize's is. ``seconds``: this rank's first run from
+    the common start to its last operation done (the bench takes the slowest rank, as for
+    the data phase, which runs once too)."""
     import torch.distributed as dist
+
+    from slurm_etc.migrate.group import connect_migration_group
+    from slurm_etc.migrate.pattern import raw_pattern
 
     ctx.drop()
     plan = tr.plan()
-    devices = sorted(set(plan.old.devices) | set(plan.new.devices))
-    if ctx.index not in devices:
+    if ctx.index not in plan.participants:
         return None
-    ctx.init_group(f"{tag}/pattern", devices.index(ctx.index), len(devices))
-    m = plan.messages
-    mine = [(int(m.round[k]), int(m.src[k]), int(m.dst[k]), int(m.nbytes[k]))
-            for k in range(len(m)) if ctx.index in (int(m.src[k]), int(m.dst[k]))]
-    size = max((n for *_, n in mine), default=0)
-    send, recv = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
-    rounds = int(m.round.max()) + 1 if len(m) else 0
-    best = math.inf
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for r in range(rounds):
-            ops = []
-            for rr, src, dst, n in mine:
-                if rr != r:
-                    continue
-                if src == ctx.index:
-                    ops.append(dist.P2POp(dist.isend, send[:n], devices.index(dst), tag=r))
-                else:
-                    ops.append(dist.P2POp(dist.irecv, recv[:n], devices.index(src), tag=r))
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
-        dist.barrier()
-        best = min(best, time.perf_counter() - t0)
-    del send, recv
-    ctx.drop()
-    return {"seconds": best}
+    group = connect_migration_group(plan, ctx.index, dist.PrefixStore(f"{tag}/pattern",
+                                                                      ctx.store),
+                                    timeout_s=ctx.timeout_s)
+    try:
+        runs = raw_pattern(plan, group.transport(), ctx.index, repeats=repeats,
+                           timeout_s=ctx.timeout_s)
+    finally:
+        group.destroy()
+    return {"seconds": runs[0], "runs": runs}
