@@ -15,7 +15,8 @@ How the reconcile loop uses a backend (the loop stays in control; nothing here c
         for event in backend.poll():          # never blocks
             store.record(event); observed.apply(event)
         ...                                  # channel.recv(...) -> Progress(step=s)
-        backend.on_step(s)                   # scripted backends fire events due at s
+        backend.on_step(s)                   # when settled: a scripted backend fires
+                                             # the next group of events due by s
         for action in reconcile(desired, observed):
             store.record(action)             # written before it is acted on
             perform(backend, action)
@@ -227,8 +228,10 @@ class Backend(Protocol):
         ...
 
     def on_step(self, step: int) -> None:
-        """The job reached ``step`` (scripted backends fire events due by then; the Slurm
-        backend ignores it)."""
+        """The job reached ``step``; the coordinator calls it only when settled (no resize in
+        flight, no event waiting for its decision). Scripted backends fire the next group of
+        events due by then (one group per call, and not before the group fired before was
+        polled); the Slurm backend ignores it."""
         ...
 
     def request(self, action: RequestNodes) -> None:

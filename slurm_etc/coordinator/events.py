@@ -14,9 +14,17 @@ options::
   ``a0`` (it runs the coordinator and is never preempted or lost); later grants are
   allocations ``a1``, ``a2``, ... in the order they start.
 * every event fires once, when the coordinator reports the job reached ``at_step``
-  (``on_step``); events are listed in step order. Each has exactly one of
-  ``grant``/``preempt``/``lose``, whose value is either a number of whole nodes or node and
-  device names (a name or a list of names):
+  (``on_step``); events are listed in step order. Events with the same ``at_step`` form a
+  group and fire together; groups fire one at a time, in order: a report fires only the
+  earliest group due, and the next group waits until the one before was handed to the
+  coordinator (its next ``poll``) and the coordinator reports a step again. The coordinator
+  reports steps only when it is settled (no resize in flight, no event waiting for its
+  decision), so every group is decided, and any resize it causes committed or aborted,
+  before the next fires: the sequence of resizes does not depend on how fast the workers
+  train or start (a group due during a resize fires when it settles, later in training
+  than ``at_step``). Each event has exactly one of ``grant``/``preempt``/``lose``, whose
+  value is either a number of whole nodes or node and device names (a name or a list of
+  names):
 
   - ``grant: N`` gives the job the N lowest-numbered free nodes as a new allocation (it
     satisfies the oldest pending request, if any); ``grant: [names]`` exactly those devices;
@@ -326,6 +334,7 @@ class ScriptedResources:
         self._keys: set[str] = set()
         self._fired = 0
         self._step = -1
+        self._undelivered = False  # a group fired and no tick (poll) came since
         self._out: list[BackendEvent] = []
         self._grant(script.anchor_devices, None)
 
@@ -359,20 +368,26 @@ class ScriptedResources:
 
     # -- inputs --------------------------------------------------------------------------
     def on_step(self, step: int, now: float) -> None:
-        """Fire every scripted event due by ``step`` that has not fired."""
-        if step <= self._step:
-            return
-        self._step = step
+        """The job reached ``step`` (steps going back count as the highest seen): fire the
+        earliest group of scripted events due by then (events with one ``at_step``), unless
+        the group fired before has not been handed over yet (no :meth:`tick` since)."""
+        self._step = max(self._step, step)
         events = self.script.events
-        while self._fired < len(events) and events[self._fired].at_step <= step:
+        if self._undelivered or self._fired >= len(events) \
+                or events[self._fired].at_step > self._step:
+            return
+        at = events[self._fired].at_step
+        while self._fired < len(events) and events[self._fired].at_step == at:
             event = events[self._fired]
             self._fired += 1
             logger.info("[local] %s%s", event, f": {event.reason}" if event.reason else "")
             self.fire(event, now)
+        self._undelivered = True
 
     def tick(self, now: float) -> None:
-        """Take preempted devices whose deadline passed; grant waiting requests (when the
-        script grants requests)."""
+        """The backend polls (what fired so far is handed over): take preempted devices
+        whose deadline passed; grant waiting requests (when the script grants requests)."""
+        self._undelivered = False
         due = sorted((d for d, t in self._noticed.items() if t <= now), key=self._order)
         if due:
             self._take(due, "preempted")

@@ -343,10 +343,7 @@ class Coordinator:
         self.step, self.loss = report.step, report.loss
         if self.dirty_at_first_step:
             self.dirty, self.dirty_at_first_step = True, False
-        if self.inflight is None:
-            # a scripted cluster's events wait for a resize to settle (a
-            # loss during a migration is the faults issue's case)
-            self.backend.on_step(report.step)
+        self._report_step(report.step)
         if report.generation == self.generation:  # else not committed yet
             record.record_progress(self.store, self.spec.job_id,
                                    report.generation, last_step=report.step,
@@ -354,6 +351,15 @@ class Coordinator:
         self.progress({"step": report.step, "loss": report.loss,
                        "lr": report.lr, "layout": report.layout,
                        "generation": report.generation})
+
+    def _report_step(self, step: int) -> None:
+        """Tell the backend the job's step, only when settled (no resize in flight, no event
+        waiting for a decision): a scripted cluster's next group of events then fires after
+        the group before was decided and its resize settled, whatever the timing (the
+        events script's documented semantics; a loss during a migration is the faults
+        issue's case)."""
+        if self.inflight is None and not self._event_ids:
+            self.backend.on_step(step)
 
     # -- deciding -------------------------------------------------------------------------
 
@@ -621,7 +627,7 @@ class Coordinator:
         self._release_now()
         for report in fl.early:
             self._progress(report)
-        self.backend.on_step(self.step)
+        self._report_step(self.step)
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)

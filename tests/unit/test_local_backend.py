@@ -176,9 +176,14 @@ def test_events_fire_once_at_their_steps() -> None:
     r.on_step(5, now=0)
     r.on_step(3, now=0)  # steps going back change nothing
     assert r.drain() == []
-    r.on_step(30, now=100.0)  # skipped steps: every due event fires, in order
-    assert r.drain() == [PreemptNotice("a1", devs("n2:0", "n2:1"), 110.0),
-                         Loss("a1", devs("n1:0", "n1:1"), "failure")]
+    r.tick(0)  # the grant was handed over
+    r.on_step(30, now=100.0)  # skipped steps: the earliest due group fires ...
+    assert r.drain() == [PreemptNotice("a1", devs("n2:0", "n2:1"), 110.0)]
+    r.on_step(30, now=100.0)  # ... and the next waits until it was handed over (a poll)
+    assert r.drain() == []
+    r.tick(100.0)
+    r.on_step(30, now=100.0)
+    assert r.drain() == [Loss("a1", devs("n1:0", "n1:1"), "failure")]
     r.tick(109.9)
     assert r.drain() == []
     r.tick(110.0)
@@ -187,8 +192,31 @@ def test_events_fire_once_at_their_steps() -> None:
     assert r.free_nodes() == ["n3"]
 
 
+def test_groups_fire_one_at_a_time_each_after_the_one_before_was_polled() -> None:
+    """The flake this fixes: a grant and a preemption due at once (a resize was in flight
+    while the job passed both steps) fired in one poll, and the coordinator made one resize
+    of two (fewer generations). Now each group fires alone, in script order, and only
+    after the one before was handed over; events with one at_step fire together."""
+    script = parse_script(json.dumps({"nodes": 4, "events": [
+        {"at_step": 2, "grant": ["n1"]}, {"at_step": 4, "preempt": ["n1"], "grace_s": 5},
+        {"at_step": 6, "grant": ["n2"]}, {"at_step": 6, "grant": ["n3"]},
+        {"at_step": 8, "lose": ["n2"]}]}))
+    r = ScriptedResources(script)
+    r.drain()
+    seen = []
+    for step in (2, 3, 20, 20, 20, 20, 20):  # step 20 reported again: every group is due
+        r.on_step(step, now=0)
+        r.on_step(step, now=0)  # reported twice before a poll: nothing more fires
+        seen.append([type(e).__name__ + ":" + e.allocation for e in r.drain()])
+        r.tick(0)
+    assert seen == [["Grant:a1"], [], ["PreemptNotice:a1"], ["Grant:a2", "Grant:a3"],
+                    ["Loss:a2"], [], []]
+
+
 def test_release_before_the_deadline_hands_devices_back() -> None:
     r = ScriptedResources(parse_script(json.dumps(EXAMPLE)))
+    r.on_step(12, now=0)
+    r.tick(0)
     r.on_step(12, now=0)
     r.drain()
     assert r.release(devs("n2:0", "n2:1", "n3:0")) == list(devs("n2:0", "n2:1"))
@@ -243,7 +271,9 @@ def test_preempt_by_count_takes_newest_allocation_first() -> None:
         {"at_step": 1, "grant": 2}, {"at_step": 2, "grant": ["n4"]},
         {"at_step": 3, "preempt": 2}]}))
     r = ScriptedResources(script)
-    r.on_step(3, now=0)
+    for _ in range(3):
+        r.on_step(3, now=0)
+        r.tick(0)
     assert r.drain()[-2:] == [PreemptNotice("a1", devs("n2:0"), 30.0),
                               PreemptNotice("a2", devs("n4:0"), 30.0)]
 
@@ -383,7 +413,9 @@ def test_scripted_loss_kills_workers_on_lost_devices(backend: LocalBackend) -> N
     workers = tuple(WorkerSpec(v, dev) for v, dev in enumerate(grants[-1].devices))
     backend.launch(LaunchWorkers(1, workers, SLEEP))
     backend.on_step(18)  # preempt notice for n2 (step 12), then n1 fails (step 18)
-    events = wait_for(backend, lambda ev: len(exits(ev)) == 2)
+    events = backend.poll()
+    backend.on_step(18)
+    events += wait_for(backend, lambda ev: len(exits(ev)) == 2)
     assert [e for e in events if not isinstance(e, WorkerExited)] == [
         PreemptNotice("a1", devs("n2:0", "n2:1"), 1010.0),
         Loss("a1", devs("n1:0", "n1:1"), "failure")]
@@ -395,6 +427,8 @@ def test_scripted_loss_kills_workers_on_lost_devices(backend: LocalBackend) -> N
 
 def test_preemption_deadline_kills_what_is_still_held(backend: LocalBackend,
                                                      clock: FakeClock) -> None:
+    backend.on_step(12)
+    backend.poll()
     backend.on_step(12)
     backend.poll()
     backend.launch(LaunchWorkers(1, (WorkerSpec(4, d("n2:0")), WorkerSpec(5, d("n1:0"))),
