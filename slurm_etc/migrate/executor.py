@@ -628,76 +628,81 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail(f"failed before round {st.round}", exc)
 
-    try:
-        t_data = time.perf_counter()
-        local_done = False
-        if steps:
-            if run.failure is None:
-                prepare(0)
-            before(steps[0])
-            faults.die_if(prog.group_rank, "before-send")
-            # Vote 0 is the gate: nothing goes on the wire before every rank started and
-            # agrees on the plan and the chunking. The local copies need no peer: they run
-            # while the vote travels (and while slower ranks are still arriving).
-            gate = run.post_vote(0)
-            if run.failure is None:
+    # The data phase runs its tensor operations (views, copies) with torch function modes
+    # off: a mode a process installed for its own reasons (megatron's CPU compatibility
+    # mode rewrites device arguments) would otherwise wrap each of thousands of small
+    # view and copy calls in Python; none of them creates a tensor on a device by name.
+    with torch._C.DisableTorchFunction():
+        try:
+            t_data = time.perf_counter()
+            local_done = False
+            if steps:
+                if run.failure is None:
+                    prepare(0)
+                before(steps[0])
+                faults.die_if(prog.group_rank, "before-send")
+                # Vote 0 is the gate: nothing goes on the wire before every rank started and
+                # agrees on the plan and the chunking. The local copies need no peer: they run
+                # while the vote travels (and while slower ranks are still arriving).
+                gate = run.post_vote(0)
+                if run.failure is None:
+                    run.local_copies()
+                    local_done = True
+                run.decide(0, gate)
+            previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+            for i, st in enumerate(steps):
+                if i > 0:
+                    before(st)
+                    # Vote i travels with step i's data and is decided before that data is waited
+                    # for: a rank that failed still posts its operations (without packing or
+                    # unpacking) unless its transport failed, so no rank waits on a missing
+                    # operation, and every rank stops at the same vote as with a vote per step.
+                    ballot = run.post_vote(i)
+                recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
+                pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
+                                          send_bufs[i % len(send_bufs)] if send_bufs else None)
+                if pending:
+                    faults.die_if(prog.group_rank, "mid-transfer")
+                if options.overlap:
+                    if previous is not None:
+                        finish(*previous)
+                        previous = None
+                    if i + 1 < len(steps) and run.failure is None:
+                        prepare(i + 1)
+                if i > 0:
+                    try:
+                        run.decide(i, ballot)
+                    except MigrationAborted as exc:
+                        if exc.transport_failed:
+                            _QUARANTINE.append(pending)
+                        else:  # every rank posted this step: let it complete, leave nothing behind
+                            _wait(run, st, pending)
+                        raise
+                if _wait(run, st, pending):
+                    previous = (i, received)
+                if not options.overlap:
+                    if previous is not None:
+                        finish(*previous)
+                        previous = None
+                    if i + 1 < len(steps) and run.failure is None:
+                        prepare(i + 1)
+            if previous is not None:
+                finish(*previous)
+            if not local_done and run.failure is None:
                 run.local_copies()
-                local_done = True
-            run.decide(0, gate)
-        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
-        for i, st in enumerate(steps):
-            if i > 0:
-                before(st)
-                # Vote i travels with step i's data and is decided before that data is waited
-                # for: a rank that failed still posts its operations (without packing or
-                # unpacking) unless its transport failed, so no rank waits on a missing
-                # operation, and every rank stops at the same vote as with a vote per step.
-                ballot = run.post_vote(i)
-            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
-            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
-                                      send_bufs[i % len(send_bufs)] if send_bufs else None)
-            if pending:
-                faults.die_if(prog.group_rank, "mid-transfer")
-            if options.overlap:
-                if previous is not None:
-                    finish(*previous)
-                    previous = None
-                if i + 1 < len(steps) and run.failure is None:
-                    prepare(i + 1)
-            if i > 0:
+            if run.failure is None:
                 try:
-                    run.decide(i, ballot)
-                except MigrationAborted as exc:
-                    if exc.transport_failed:
-                        _QUARANTINE.append(pending)
-                    else:  # every rank posted this step: let it complete, leave nothing behind
-                        _wait(run, st, pending)
-                    raise
-            if _wait(run, st, pending):
-                previous = (i, received)
-            if not options.overlap:
-                if previous is not None:
-                    finish(*previous)
-                    previous = None
-                if i + 1 < len(steps) and run.failure is None:
-                    prepare(i + 1)
-        if previous is not None:
-            finish(*previous)
-        if not local_done and run.failure is None:
-            run.local_copies()
-        if run.failure is None:
-            try:
-                faults.check(prog.group_rank, "commit")
-            except Exception as exc:  # noqa: BLE001
-                run.fail("failed before the commit vote", exc)
-        faults.die_if(prog.group_rank, "before-commit")
-        _commit_vote(run, len(steps), faults, commit)
-        stats.data_seconds = time.perf_counter() - t_data
-    finally:
-        if options.measure_memory:
-            memory.stop()
-            stats.memory_base, stats.memory_peak = memory.base, memory.peak
-            stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
+                    faults.check(prog.group_rank, "commit")
+                except Exception as exc:  # noqa: BLE001
+                    run.fail("failed before the commit vote", exc)
+            faults.die_if(prog.group_rank, "before-commit")
+            _commit_vote(run, len(steps), faults, commit)
+            stats.data_seconds = time.perf_counter() - t_data
+        finally:
+            if options.measure_memory:
+                memory.stop()
+                stats.memory_base, stats.memory_peak = memory.base, memory.peak
+                stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
     stats.total_seconds = time.perf_counter() - t_start
     new_shards = [LocalShard(sp.state_key, sp.lo, sp.hi, sp.s, t)
                   for sp, t in zip(prog.new_specs, new_tensors)]
