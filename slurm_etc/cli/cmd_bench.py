@@ -31,6 +31,28 @@ def _fmt(x, unit="", digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}{unit}"
 
 
+# What the resize's phase names stand for; a phase not named here is shown by its key.
+PHASE_LABELS = {
+    "resume": "step/RNG",
+    "migrate": "data phase",
+    "train_group": "training group",
+    "rebuild": "model/optimizer",
+    "install": "install",
+    "switch": "switch",
+    "group": "migration group",
+    "allocate": "destinations allocated and touched",
+}
+
+
+def phase_label(name: str) -> str:
+    return PHASE_LABELS.get(name, name.replace("_", " "))
+
+
+def phases_line(parts: dict) -> str:
+    """``step/RNG 0.02s, data phase 0.19s, ...`` in the order the phases ran."""
+    return ", ".join(f"{phase_label(k)} {_fmt(v, 's')}" for k, v in parts.items())
+
+
 def render(s: dict, console: Console) -> None:
     t = Table(title=f"bench migrate {s['model']}: {s['from']} -> {s['to']} "
                     f"({s['processes']} processes, {s['repeat']} repeat(s), medians)")
@@ -41,13 +63,10 @@ def render(s: dict, console: Console) -> None:
     t.add_row("training state", human_bytes(s["state_bytes"]),
               f"moved {human_bytes(s['moved_bytes'])}, kept {human_bytes(s['kept_bytes'])}")
     t.add_row("in-place downtime (etc_seconds)", _fmt(s["etc_seconds"], " s"),
-              f"step/RNG {_fmt(e['resume'], 's')}, migrate {_fmt(e['migrate'], 's')}, "
-              f"training group {_fmt(e['train_group'], 's')}, model/optimizer "
-              f"{_fmt(e['rebuild'], 's')}, install {_fmt(e['install'], 's')}")
+              phases_line(e))
     pre = s["prepare_parts"]
-    t.add_row("  prepared before the pause", _fmt(sum(pre.values()), " s"),
-              f"migration group {_fmt(pre['group'], 's')}, destinations allocated and "
-              f"touched {_fmt(pre['allocate'], 's')} (training continues)")
+    # no total: a part may hold others (prepare_world holds the world_* parts)
+    t.add_row("  prepared before the pause", "", f"{phases_line(pre)} (training continues)")
     t.add_row("checkpoint downtime", _fmt(s["checkpoint_seconds"], " s"),
               f"pause -> ready: save {_fmt(p['save'], 's')}, stop {_fmt(p['stop'], 's')}, "
               f"cold start {_fmt(p['cold_start'], 's')} (per process core), build + load "

@@ -251,13 +251,25 @@ def _same_digests(plan: Any, etc: Sequence[dict | None], fresh: Sequence[dict | 
     return True
 
 
-_PAUSE_PHASES = ("resume", "migrate", "train_group", "rebuild", "install")
+# Wall-clock marks in a resize's ``seconds`` (``time.time()``); every other key is the
+# duration of one phase of the pause, in the order the resize ran them.
+_CLOCK_MARKS = ("pause", "ready")
+
+
+def pause_phases(seconds: Sequence[dict]) -> list[str]:
+    """The phase names in these resizes' ``seconds``, in first-seen order: read from the
+    outcome rather than listed here, so a phase the resize gains shows up in the report."""
+    names: list[str] = []
+    for s in seconds:
+        names += [k for k in s if k not in _CLOCK_MARKS and k not in names]
+    return names
 
 
 def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
     parts = [r for r in resized if r]
     stats = [r["stats"] for r in parts]
-    phase = {name: max(r["seconds"].get(name, 0.0) for r in parts) for name in _PAUSE_PHASES}
+    names = pause_phases([r["seconds"] for r in parts])
+    phase = {name: max(r["seconds"].get(name, 0.0) for r in parts) for name in names}
     data = max(s["data_seconds"] for s in stats)
     moved = plan.moved_bytes
     per_rank = [{"device": i, "new_rank": r.get("new_rank"),
@@ -275,7 +287,7 @@ def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
                  "memory_bound": r["stats"]["memory_bound"],
                  "peak_over_bound": r["stats"]["peak_over_bound"],
                  "memory_reset": r["stats"]["memory_reset"],
-                 "phases": {k: r["seconds"][k] for k in _PAUSE_PHASES if k in r["seconds"]},
+                 "phases": {k: r["seconds"][k] for k in names if k in r["seconds"]},
                  "span": r["seconds"]["ready"] - r["seconds"]["pause"]}
                 for i, r in enumerate(resized) if r]
     return {"seconds": _span(parts), "phases": phase, "data_seconds": data,
@@ -320,8 +332,8 @@ def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
             "save_first": med([r["save_first_seconds"] for r in runs]),
             "checkpoint_bytes": runs[0]["save"]["bytes"],
         },
-        "etc_parts": {name: med([r["etc"]["phases"][name] for r in runs])
-                      for name in runs[0]["etc"]["phases"]},
+        "etc_parts": {name: med([r["etc"]["phases"].get(name) for r in runs])
+                      for name in pause_phases([r["etc"]["phases"] for r in runs])},
         "prepare_parts": {name: med([r["prepare"][name] for r in runs])
                           for name in runs[0]["prepare"]},
         "ratio": ckpt / etc if etc else None,
