@@ -50,8 +50,8 @@ LADDER = ROOT / "bench" / "models"
 GIB = 2**30
 # Per process: the interpreter with torch and megatron-core imported (measured ~0.5 GiB).
 PROCESS_BYTES = 3 * GIB // 4
-# Keep this fraction of the available memory free for everyone else on the machine.
-MEMORY_MARGIN = 0.25
+# Left free for everyone else on the machine.
+MEMORY_SPARE = 2 * GIB
 RUN_FAILED = 3
 
 
@@ -62,17 +62,16 @@ def ladder() -> list[str]:
 
 def memory_needed(tr, p2p_bytes: int) -> int:
     """A rough upper bound of the host memory one size's ``bench migrate`` takes at its
-    peak (the in-place path: the old and the new state side by side).
+    peak: the in-place resize, with the old and the new state side by side.
 
     Every process of both layouts holds its state with its gradients (fp32 gradients: a
     third more than params + main + two moments), counted as if nothing were sharded over
-    dp; the raw message-pattern probe sends and receives the moved bytes; the raw
-    point-to-point probe holds two buffers; and each process its interpreter.
+    dp; the staging and the raw probes that follow (the state dropped by then) are bounded
+    by the moved bytes and two point-to-point buffers; and each process its interpreter.
     """
     plan = tr.plan()
-    state = plan.catalog.total_bytes
-    held = (tr.old.dp + tr.new.dp) * state * 4 // 3
-    return held + 2 * plan.moved_bytes + 2 * p2p_bytes + tr.processes * PROCESS_BYTES
+    held = (tr.old.dp + tr.new.dp) * plan.catalog.total_bytes * 4 // 3
+    return held + plan.moved_bytes + 2 * p2p_bytes + tr.processes * PROCESS_BYTES
 
 
 def check_fits(transitions: list, p2p_bytes: int, workdir: str) -> None:
@@ -81,12 +80,12 @@ def check_fits(transitions: list, p2p_bytes: int, workdir: str) -> None:
     free_disk = shutil.disk_usage(workdir).free
     for spec, tr in transitions:
         need = memory_needed(tr, p2p_bytes)
-        if need > available * (1 - MEMORY_MARGIN):
+        if need > available - MEMORY_SPARE:
             raise ConfigError(
                 f"{spec}: about {need / GIB:.1f} GiB of memory needed ({tr.processes} "
                 f"processes, old and new state with gradients, probes, interpreters), "
-                f"{available / GIB:.1f} GiB available (at most {1 - MEMORY_MARGIN:.0%} of it "
-                "is used); leave it out of --models or free memory")
+                f"{available / GIB:.1f} GiB available ({MEMORY_SPARE / GIB:.0f} GiB of it "
+                "kept free); leave it out of --models or free memory")
         ckpt = tr.plan().catalog.total_bytes * 6 // 5
         if ckpt > free_disk:
             raise ConfigError(f"{spec}: its checkpoint needs about {ckpt / GIB:.1f} GiB on "
