@@ -35,22 +35,24 @@ from slurm_etc.pool.local import LocalWorkers
 PARTS = ("local_seconds", "pack_seconds", "unpack_seconds", "wait_seconds", "vote_seconds")
 
 
-def w_setup(ctx, tr: Transition, tag: str) -> dict | None:
+def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> dict | None:
     """Every participant: migration group, program, destinations (as prepare_resize)."""
     import torch.distributed as dist
 
     from slurm_etc.megatron.state import local_shards
-    from slurm_etc.migrate.executor import MigrationOptions, allocate_destinations
+    from slurm_etc.migrate.executor import MigrationOptions, agree, allocate_destinations
     from slurm_etc.migrate.group import connect_migration_group
     from slurm_etc.migrate.program import compile_program
 
     plan = tr.plan()
     if ctx.index not in plan.participants:
         return None
-    options = MigrationOptions(timeout_s=ctx.timeout_s, measure_memory=False)
+    options = MigrationOptions(timeout_s=ctx.timeout_s, measure_memory=False,
+                               **({"staging_bytes": staging_bytes} if staging_bytes else {}))
     group = connect_migration_group(plan, ctx.index, dist.PrefixStore(tag, ctx.store),
                                     timeout_s=ctx.timeout_s)
     program = compile_program(plan, ctx.index, options.staging_bytes, options.direct_min_bytes)
+    agree(group.transport(), program, ctx.timeout_s)  # as prepare_resize: no gate in the pause
     state = ctx.objects.get("state")
     ctx.objects["data"] = {
         "group": group, "program": program, "options": options,
@@ -67,15 +69,21 @@ def w_data(ctx, tr: Transition, profile: bool = False) -> dict | None:
     if d is None:
         return None
     plan = tr.plan()
+    import torch
+
+    # the ranks start together, as after the pause's step/RNG allgather (and as the raw
+    # pattern does): the dispatch's skew is not the data phase's
+    transport = d["group"].transport()
+    transport.allgather(torch.zeros(8, dtype=torch.uint8), ctx.timeout_s)
     prof = None
     if profile:
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
-    result = execute_migration(plan, d["group"].transport(), ctx.index, d["old"],
+    result = execute_migration(plan, transport, ctx.index, d["old"],
                                options=d["options"], program=d["program"],
-                               destinations=d["destinations"])
+                               destinations=d["destinations"], agreed=True)
     out = result.stats.as_dict()
     if prof is not None:
         import io
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", type=int, default=None, metavar="DEVICE")
+    ap.add_argument("--staging-mb", type=int, default=None,
+                    help="executor staging budget per rank (MiB); default: the executor's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -133,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     with LocalWorkers(tr.processes, preload=PRELOAD) as job:
         job.run(w_build, tr.model, tr.old, tag=f"{tag}/old", seed=1234, steps=1,
                 seq=min(tr.model.seq_length, 64), global_batch=gb)
-        job.run(setup, tr, f"{tag}/migrate")
+        job.run(setup, tr, f"{tag}/migrate",
+                staging_bytes=args.staging_mb << 20 if args.staging_mb else None)
         job.run(data, tr)  # warm-up: first use of the pairs and destinations
         job.run(pattern, tr)
         for _ in range(args.repeat):

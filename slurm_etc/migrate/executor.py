@@ -4,12 +4,19 @@ Protocol (every process of the migration group runs the same global step list, s
 program.py):
 
 1. Check the old shards against the plan and allocate the new shards (fresh tensors).
-2. For each step ``i``: **vote**; post step ``i``'s sends and receives (``batch_isend_irecv``);
-   while they fly, run the local copies (first step), unpack step ``i - 1``'s chunk from the
-   other receive buffer and pack step ``i + 1``'s chunk into the other send buffer; wait for
-   step ``i`` (bounded). Parts of a chunk that are one large contiguous range of a shard are
-   sent from / received into the shard directly, without staging.
+2. For each step ``i``: post **vote** ``i``, then step ``i``'s sends and receives
+   (``batch_isend_irecv``); while they fly, run the local copies (first step), unpack step
+   ``i - 1``'s chunk from the other receive buffer and pack step ``i + 1``'s chunk into the
+   other send buffer; decide vote ``i``, then wait for step ``i`` (bounded). Parts of a chunk
+   that are one large contiguous range of a shard are sent from / received into the shard
+   directly, without staging.
 3. Final **vote**: commit only if every rank voted success at every vote.
+
+Vote 0 is a **gate** unless the ranks agreed on the program before (:func:`agree`, run by
+``prepare_resize`` while the job still trains): nothing goes on the wire until every rank
+started and agrees on the plan and the chunking. With ``agreed=True`` vote 0 travels with step
+0's data like every other vote, and the pause saves a round trip; a rank that could not start
+then posts nothing and votes a transport failure, so no peer waits on its operations.
 
 A vote is an allgather of a fixed 512-byte record per rank (status, step, chunk size, plan
 digest, error text) over a separate control group. Any failure on any rank (an exception
@@ -493,7 +500,8 @@ def execute_migration(plan, transport: Transport, device: int,
                       faults: FaultInjector | None = None,
                       program: Program | None = None,
                       destinations: Sequence[torch.Tensor | None] | None = None,
-                      commit: Callable[[bool], bool] | None = None) -> MigrationResult:
+                      commit: Callable[[bool], bool] | None = None,
+                      agreed: bool = False) -> MigrationResult:
     """Run this process's part of ``plan`` (see module docstring).
 
     Args:
@@ -517,6 +525,8 @@ def execute_migration(plan, transport: Transport, device: int,
             :class:`~slurm_etc.migrate.decision.CommitDecision`): given what this rank saw
             of the vote, returns what every rank does. None: each rank follows its own view
             (a rank dying inside the vote can then split the survivors).
+        agreed: every rank already checked ``program`` against the others' (:func:`agree`
+            on the same transport): vote 0 travels with step 0's data instead of gating it.
 
     Returns:
         MigrationResult with the new shards (one per state key, region and layer the new
@@ -636,23 +646,31 @@ def execute_migration(plan, transport: Transport, device: int,
         try:
             t_data = time.perf_counter()
             local_done = False
+            gated = not agreed
             if steps:
                 if run.failure is None:
                     prepare(0)
                 before(steps[0])
                 faults.die_if(prog.group_rank, "before-send")
-                # Vote 0 is the gate: nothing goes on the wire before every rank started and
-                # agrees on the plan and the chunking. The local copies need no peer: they run
-                # while the vote travels (and while slower ranks are still arriving).
-                gate = run.post_vote(0)
-                if run.failure is None:
-                    run.local_copies()
-                    local_done = True
-                run.decide(0, gate)
+                if gated:
+                    # Vote 0 is the gate: nothing goes on the wire before every rank started
+                    # and agrees on the plan and the chunking. The local copies need no peer:
+                    # they run while the vote travels (and while slower ranks still arrive).
+                    gate = run.post_vote(0)
+                    if run.failure is None:
+                        run.local_copies()
+                        local_done = True
+                    run.decide(0, gate)
+                elif run.failure is not None:
+                    # could not start (no buffers, no destinations): post nothing, and vote
+                    # so that no peer waits on this rank's operations
+                    run.failure.transport = True
             previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
             for i, st in enumerate(steps):
+                voted = i > 0 or not gated
                 if i > 0:
                     before(st)
+                if voted:
                     # Vote i travels with step i's data and is decided before that data is waited
                     # for: a rank that failed still posts its operations (without packing or
                     # unpacking) unless its transport failed, so no rank waits on a missing
@@ -663,13 +681,16 @@ def execute_migration(plan, transport: Transport, device: int,
                                           send_bufs[i % len(send_bufs)] if send_bufs else None)
                 if pending:
                     faults.die_if(prog.group_rank, "mid-transfer")
+                if not local_done and run.failure is None:
+                    run.local_copies()  # while the first step's data is on the wire
+                    local_done = True
                 if options.overlap:
                     if previous is not None:
                         finish(*previous)
                         previous = None
                     if i + 1 < len(steps) and run.failure is None:
                         prepare(i + 1)
-                if i > 0:
+                if voted:
                     try:
                         run.decide(i, ballot)
                     except MigrationAborted as exc:
@@ -708,6 +729,25 @@ def execute_migration(plan, transport: Transport, device: int,
                   for sp, t in zip(prog.new_specs, new_tensors)]
     return MigrationResult(device, prog.group_rank, prog.old_rank, prog.new_rank, new_shards,
                            stats)
+
+
+def agree(transport: Transport, program: Program, timeout_s: float = 300.0) -> None:
+    """Check, collectively over the migration group, that every rank compiled the same plan
+    and chunking (what vote 0 checks otherwise), so that ``execute_migration(...,
+    agreed=True)`` can put step 0's data on the wire with vote 0. Run before the pause.
+
+    Raises:
+        ValueError: naming each rank's digest and chunk size when they differ.
+    """
+    mine = torch.tensor([program.digest, program.chunk_bytes, program.direct_min],
+                        dtype=torch.int64)
+    table = transport.allgather(mine.view(torch.uint8), timeout_s).view(torch.int64)
+    rows = [tuple(int(x) for x in table[r]) for r in range(table.shape[0])]
+    if len(set(rows)) > 1:
+        detail = ", ".join(f"rank {r}: digest {d:x}, chunk {c}, direct {m}"
+                           for r, (d, c, m) in enumerate(rows))
+        raise ValueError(f"the migration's ranks compiled different programs ({detail}): "
+                         "they execute different plans or staging budgets")
 
 
 def _commit_vote(run: _Run, index: int, faults: FaultInjector,

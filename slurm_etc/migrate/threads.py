@@ -19,13 +19,16 @@ def run_threads(plan, old_state: Mapping[int, Sequence[LocalShard]], *,
                 options: MigrationOptions | None = None,
                 faults: FaultInjector | None = None,
                 destinations: Mapping[int, Sequence] | None = None,
-                join_timeout_s: float = 600.0) -> dict[int, MigrationResult | BaseException]:
+                agreed: bool = False, join_timeout_s: float = 600.0
+                ) -> dict[int, MigrationResult | BaseException]:
     """Execute ``plan`` with every device of the migration group as a thread.
 
     Args:
         old_state: the old shards of each device (devices without an old rank may be absent).
         destinations: per device, the tensors its new shards go into (see
             ``execute_migration``); default: fresh ones.
+        agreed: the ranks agreed on the program before (``execute_migration(agreed=True)``:
+            no gate vote).
 
     Returns:
         Per device, its MigrationResult, or the exception it raised (MigrationAborted on an
@@ -40,7 +43,8 @@ def run_threads(plan, old_state: Mapping[int, Sequence[LocalShard]], *,
             out[device] = execute_migration(plan, hub.transports()[rank], device,
                                             old_state.get(device, ()), options=options,
                                             faults=faults,
-                                            destinations=(destinations or {}).get(device))
+                                            destinations=(destinations or {}).get(device),
+                                            agreed=agreed)
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
             out[device] = exc
 

@@ -17,11 +17,12 @@ from slurm_etc.migrate.executor import (
     MigrationOptions,
     _decode_vote,
     _encode_vote,
+    agree,
     execute_migration,
 )
 from slurm_etc.migrate.fake import fake_shards, global_tensor, shard_mismatches, spec_values
 from slurm_etc.migrate.faults import FAULT_POINTS, FaultInjector
-from slurm_etc.migrate.program import group_devices
+from slurm_etc.migrate.program import compile_program, group_devices
 from slurm_etc.migrate.shards import LocalShard, shard_specs
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.migrate.transport import ThreadHub
@@ -125,8 +126,9 @@ def test_vote_record_round_trips():
     assert text.startswith("rank 3 (device 3) failed: ü") and len(text.encode()) <= VOTE_BYTES
 
 
+@pytest.mark.parametrize("agreed", [False, True], ids=["gated", "agreed"])
 @pytest.mark.parametrize("at", FAULT_POINTS)
-def test_every_fault_point_aborts_every_rank(at):
+def test_every_fault_point_aborts_every_rank(at, agreed):
     plan = make_plan(TINY_BF16, (2, 2, 2), (2, 1, 2), dist=True)
     state = _old_state(plan)
     snap = _snapshot(state)
@@ -135,21 +137,25 @@ def test_every_fault_point_aborts_every_rank(at):
     rank = 2 if at == "unpack" else 4
     assert at != "unpack" or any(int(plan.messages.dst[k]) == 2 and int(plan.messages.round[k]) == 0
                                  for k in range(len(plan.messages)))
-    results = run_threads(plan, state, options=OPTS, faults=FaultInjector().fail(rank, at, rnd))
+    results = run_threads(plan, state, options=OPTS, faults=FaultInjector().fail(rank, at, rnd),
+                          agreed=agreed)
     votes = set()
     for d, res in results.items():
         assert isinstance(res, MigrationAborted), f"device {d} committed"
         assert [f.rank for f in res.failures] == [rank]
         new_rank = plan.new.devices.index(rank) if rank in plan.new.devices else None
         assert f"rank {rank} (device {rank}, old rank {rank}, new rank {new_rank})" in str(res)
-        assert not res.transport_failed
+        # without the gate a rank that could not start posts nothing: it votes a transport
+        # failure so that no peer waits on its operations
+        assert res.transport_failed == (agreed and at == "start")
         votes.add(res.vote)
     assert len(votes) == 1
     assert _unchanged(state, snap)
 
 
+@pytest.mark.parametrize("agreed", [False, True], ids=["gated", "agreed"])
 @pytest.mark.parametrize("at", ["pack", "before", "local", "unpack", "after"])
-def test_a_failed_rank_keeps_posting_so_an_abort_leaves_no_message_behind(at):
+def test_a_failed_rank_keeps_posting_so_an_abort_leaves_no_message_behind(at, agreed):
     """Votes travel with the data: the rank that failed still posts its operations (not
     packed, not unpacked) until the vote carrying its failure, so every message any rank
     sent was received when all have aborted, and all stopped at the same vote."""
@@ -167,7 +173,8 @@ def test_a_failed_rank_keeps_posting_so_an_abort_leaves_no_message_behind(at):
     def work(r, device):
         try:
             out[device] = execute_migration(plan, hub.transports()[r], device,
-                                            state.get(device, ()), options=opts, faults=faults)
+                                            state.get(device, ()), options=opts, faults=faults,
+                                            agreed=agreed)
         except BaseException as exc:  # noqa: BLE001
             out[device] = exc
 
@@ -227,6 +234,41 @@ def test_ranks_with_different_staging_budgets_abort_at_the_first_vote():
         assert "disagree on the chunk size" in str(res)
 
 
+def test_agree_names_ranks_with_different_programs_before_the_pause():
+    """``agree`` (run by prepare_resize while the job trains) refuses what vote 0 would
+    abort; ranks that agreed run the data phase without the gate and commit."""
+    plan = make_plan(TINY_BF16, (1, 2, 2), (2, 2, 2), dist=True)
+    devices = group_devices(plan)
+    for budgets, ok in (({}, True), ({2: 4 * 4096}, False)):
+        transports = ThreadHub(len(devices)).transports()
+        out = {}
+
+        def work(rank, device, budgets=budgets, transports=transports, out=out):
+            opts = dataclasses.replace(OPTS, staging_bytes=budgets.get(device, 4 * 8192))
+            prog = compile_program(plan, device, opts.staging_bytes, opts.direct_min_bytes)
+            transport = transports[rank]
+            try:
+                agree(transport, prog, 10)
+                out[device] = execute_migration(plan, transport, device,
+                                                _old_state(plan).get(device, ()),
+                                                options=opts, program=prog, agreed=True)
+            except BaseException as exc:  # noqa: BLE001
+                out[device] = exc
+
+        threads = [threading.Thread(target=work, args=(r, d)) for r, d in enumerate(devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert set(out) == set(devices), out
+        if ok:
+            _committed(plan, out)
+        else:
+            for res in out.values():
+                assert isinstance(res, ValueError), res
+                assert "compiled different programs" in str(res) and "chunk 4096" in str(res)
+
+
 def _broken_state(plan, device, edit):
     state = _old_state(plan)
     state[device] = edit(state[device])
@@ -246,9 +288,10 @@ def _broken_state(plan, device, edit):
      "does not place on it"),
     (lambda shards: shards + [shards[0]], "given twice"),
 ], ids=["missing", "short", "wrong-dtype", "strided", "extra", "twice"])
-def test_bad_old_state_aborts_everywhere_before_anything_moves(edit, match):
+@pytest.mark.parametrize("agreed", [False, True], ids=["gated", "agreed"])
+def test_bad_old_state_aborts_everywhere_before_anything_moves(edit, match, agreed):
     plan = make_plan(PRESETS["tiny"], (2, 1, 2), (1, 2, 2))
-    results = run_threads(plan, _broken_state(plan, 1, edit), options=OPTS)
+    results = run_threads(plan, _broken_state(plan, 1, edit), options=OPTS, agreed=agreed)
     for res in results.values():
         assert isinstance(res, MigrationAborted) and res.vote == 0, res
         assert "rank 1 (device 1, old rank 1, new rank" in str(res)
