@@ -21,8 +21,9 @@ from .cmd_plan import human_bytes
 from .cmd_verify import progress_printer, run_failed, transition_from_options
 
 TARGETS = {
-    "ratio_ge_10": "downtime ratio >= 10x",
-    "throughput_ge_80pct_raw": "data-phase throughput >= 80% of raw point-to-point",
+    "pause_le_data_plus_150ms": "in-place downtime <= data phase + 0.15 s",
+    "ratio_ge_25": "downtime ratio >= 25x",
+    "data_ge_80pct_raw_pattern": "data phase >= 80% of the plan's raw message pattern",
     "peak_le_bound_plus_10pct": "peak memory <= new state + staging budget + 10%",
 }
 
