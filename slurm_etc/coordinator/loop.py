@@ -82,8 +82,11 @@ POLL_S = 0.02
 RESEND_S = 5.0
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 # where inject() may kill: events polled and not recorded; recorded and not acted on; a node
-# request sent (recorded before it); a resize ordered and its outcome not recorded
-KILL_POINTS = ("before-record", "after-record", "after-request", "after-order")
+# request sent (recorded before it); a resize ordered and its outcome not recorded; its
+# commit recorded and not acted on (old generation not closed, new one not opened, nothing
+# released)
+KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
+               "after-commit-record")
 
 
 @dataclass(frozen=True)
@@ -206,11 +209,16 @@ class Coordinator:
         a migration that was in flight is closed as aborted, once (its workers are
         restarted, nothing of it was committed); events recorded and not handled are
         handled by the first decision; generation numbers and request keys continue after
-        the recorded ones (no duplicate request, no generation recorded twice). Workers of
-        the killed coordinator are not reattached: the first layout is launched again."""
+        the recorded ones (no duplicate request, no generation recorded twice); a node
+        request recorded and not yet answered (no grant, no failure) is sent again with its
+        own key (a backend that has it does nothing: a Slurm member still pending or running
+        is not submitted twice) and the job counts as growing until it is answered. Workers
+        of the killed coordinator are not reattached: the first layout is launched again."""
         got = record.recover(self.store, self.spec.job_id)
         self._event_ids += list(got.pending_events)
         self.requests = max(self.requests, got.requests)
+        if got.requests:
+            self._resend_open_request()
         if got.last_generation >= 0:
             self.restart_generation = got.last_generation + 1
             self.last_generation = max(self.last_generation, self.restart_generation)
@@ -218,6 +226,24 @@ class Coordinator:
                            "events pending, %d migrations aborted); workers start again",
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
+
+    def _resend_open_request(self) -> None:
+        detail = record.job_detail(self.store, self.spec.job_id)
+        events = detail.events if detail is not None else ()
+        answered = {e.payload.get("request") for e in events
+                    if e.kind in ("grant", "request-failed") and isinstance(e.payload, dict)}
+        asked = [e for e in events if e.kind == "request" and e.key
+                 and isinstance(e.payload, dict)]
+        if not asked:
+            return
+        last = asked[-1]
+        key = (last.key or "").removeprefix("request:")
+        if key in answered or key != f"grow-{self.requests}":
+            return
+        self.growing = int(last.payload.get("nodes", 1))
+        logger.warning("coordinator restarted: request %s (%d node(s)) is still open; sent "
+                       "again under its own key", key, self.growing)
+        perform(self.backend, RequestNodes(self.growing, key, "open at a coordinator restart"))
 
     def _end(self, state: str, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
@@ -312,6 +338,8 @@ class Coordinator:
             devices = [str(event.device)]
         allocation = getattr(event, "allocation", None)
         payload = {"summary": summary, "allocation": allocation, "devices": devices}
+        if isinstance(event, (Grant, RequestFailed)):
+            payload["request"] = event.request  # a restart finds requests still open
         return record.Observed(kind, event_key(kind, event), payload, _dt(deadline),
                                allocation if state else None, state, role,
                                getattr(event, "nodes", None) if state else None)
@@ -597,6 +625,7 @@ class Coordinator:
         record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from)
+        inject("after-commit-record")
         record.close_generation(self.store, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
                                 last_step=self.step, last_loss=self.loss)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,8 @@ class CountingBackend(LocalBackend):
         self.log = log
 
     def _note(self, entry: dict) -> None:
-        with self.log.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        with self.log.open("a") as f:  # "run": which coordinator process called
+            f.write(json.dumps({**entry, "run": os.getpid()}) + "\n")
 
     def request(self, action: RequestNodes) -> None:
         self._note({"request": action.key, "nodes": action.nodes})
@@ -46,8 +47,8 @@ class CountingBackend(LocalBackend):
 def main() -> int:
     out, job = Path(sys.argv[1]), sys.argv[2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    script = script_from_dict({"nodes": 2, "gpus_per_node": 2, "initial_nodes": 1, "grant_requests": True,
-                               "events": []})
+    script = script_from_dict({"nodes": 2, "gpus_per_node": 2, "initial_nodes": 1,
+                               "grant_requests": True, "events": []})
     spec = JobSpec(job, "restart", (sys.executable, str(FAKE)),
                    TrainingJob(load_model("small"), 16, 1, True),
                    EffectivePolicy(grow=True, max_nodes=2), Hardware(gpus_per_node=2),
