@@ -89,22 +89,21 @@ def _rollback(run: dict, source: str = "peer-copies") -> dict:
     assert two.dp == 1 or two.distributed_optimizer  # no replica of what n1 held
     (rebuilt,) = [m for m in detail.migrations if m.to_generation == gens[2].number]
     assert rebuilt.outcome == "committed" and rebuilt.rebuilt_from == source, rebuilt
-    assert rebuilt.lost_steps is not None, rebuilt
-    first, last = rebuilt.lost_steps
-    back = first - 1
+    back, last = gens[2].first_step, gens[1].last_step
     # the progress stream: the old layout reported steps back+1..last, the new one trained
-    # them again; the record's span is exactly those
+    # them again; the record's span is exactly those (none if the copy was of the last step)
     by_gen: dict[int, list[int]] = {}
     for p in run["seen"]:
         by_gen.setdefault(p["generation"], []).append(p["step"])
     old_steps, new_steps = by_gen[gens[1].number], by_gen[gens[2].number]
-    assert [s for s in old_steps if s > back] == list(range(first, last + 1)), by_gen
-    assert new_steps == list(range(first, STEPS + 1)), by_gen
-    assert gens[1].last_step == last and gens[2].first_step == back
+    lost = [s for s in old_steps if s > back]
+    assert lost == list(range(back + 1, last + 1)), by_gen
+    assert rebuilt.lost_steps == ((back + 1, last) if lost else None), (rebuilt, by_gen)
+    assert new_steps == list(range(back + 1, STEPS + 1)), by_gen
     assert back % EVERY == 0 and back > gens[1].first_step  # a copy/checkpoint of that layout
     assert last >= LOSE_AT
     return {"configs": tuple(_config(g.layout) for g in gens),
-            "ends": (gens[0].last_step, back, STEPS), "lost": (first, last)}
+            "ends": (gens[0].last_step, back, STEPS), "lost": rebuilt.lost_steps}
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +146,9 @@ def test_lost_node_is_rebuilt_from_peer_copies_exactly(tmp_path, references):
          run["job_id"], "--db", str(run["db"]), "--json"],
         capture_output=True, text=True, timeout=120, check=True)
     (job,) = json.loads(shown.stdout)["jobs"]
-    rebuilt = [m for m in job["migrations"] if m["lost_steps"] is not None]
+    rebuilt = [m for m in job["migrations"] if m["rebuilt_from"] is not None]
     assert [(m["lost_steps"], m["rebuilt_from"]) for m in rebuilt] == \
-        [(list(got["lost"]), "peer-copies")]
+        [(got["lost"] and list(got["lost"]), "peer-copies")]
     assert job["state"] == "finished"
 
 
