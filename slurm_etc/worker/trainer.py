@@ -486,19 +486,33 @@ class ElasticTrainer:
         except ConfigError as err:
             return self._refuse(order, str(err))
         t0 = time.perf_counter()
+        began = time.time()
         options = MigrationOptions(timeout_s=proc.timeout_s)
-        prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
-                                  group_timeout_s=proc.timeout_s)
+        # The new layout's world (its groups, and the user's model, DDP and optimizer built
+        # empty) is prepared first and the migration writes straight into it; the pause
+        # then holds the data phase and the switch (see megatron/resize.py). The worker
+        # prepares at the step boundary where the order was agreed, so the pause it reports
+        # counts the preparation too.
+        catalog = self.catalog  # _build sets the new one; an abort puts this back
+        build_new = ((lambda cfg: self._build(cfg, empty=True))
+                     if proc.vrank in new.devices else None)
+        try:
+            prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
+                                      group_timeout_s=proc.timeout_s, world=True,
+                                      build_new=build_new)
+        except BaseException:
+            self.catalog = catalog
+            raise
         self._publish_extras(tag, old)
         faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
         early = _EarlyReport()
         held, self._held = self._held, None
         try:
             out = resize_in_place(prepared, self.state, faults=faults, held=held,
-                                  build_new=lambda cfg: self._build(cfg, empty=True),
                                   install_wait=lambda waited: self._install_wait(
                                       order, new, waited, early))
         except MigrationAborted as err:
+            self.catalog = catalog
             self._aborted.add(gen)
             self._attempt += 1
             self._held = held
@@ -509,7 +523,7 @@ class ElasticTrainer:
         except InstallInterrupted as err:
             self._hold(err, order, old, new, plan)
             return "stay"
-        pause = out.seconds["ready"] - out.seconds["pause"]
+        pause = out.seconds["ready"] - began
         self.state = out.state
         self.generation, self._attempt = gen, 0
         if out.state is None:
