@@ -135,11 +135,18 @@ def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | 
     """Ranks with a state: megatron's checkpoint save (``checkpoint.save_checkpoint``).
 
     ``pause`` (entry) and ``saved`` (return) are ``time.time()``: the checkpoint path's
-    downtime is a wall-clock span across processes, as the in-place path's is.
+    downtime is a wall-clock span across processes, as the in-place path's is. The ranks
+    first meet in a barrier on their training group, as a training step's last collective
+    leaves them (the pool hands the call to each process at a different moment; that
+    skew is the harness's, not the checkpoint's).
     """
+    import torch.distributed as dist
+
     state = ctx.objects.get("state")
     if state is None:
         return None
+    if dist.is_initialized():
+        dist.barrier()
     pause = time.time()
     out = save_checkpoint(state, directory, fsync=fsync)
     return {**out, "pause": pause, "saved": time.time()}
@@ -190,6 +197,11 @@ def w_resize(ctx: WorkerContext, *, keep_bits: bool, corrupt: bool = False,
     plan = prepared.plan
     cpu_compat.install()
     state = ctx.objects.pop("state", None)
+    # Every participant (old ranks and joiners) meets first on the migration group, as a
+    # training step's last collective leaves the old ranks and as joiners wait for the
+    # pause: the pool hands the call to each process at a different moment, and that skew
+    # is the harness's, not the resize's (the checkpoint path's save starts the same way).
+    prepared.group.transport().allgather(torch.zeros(8, dtype=torch.uint8), ctx.timeout_s)
     try:
         out = resize_in_place(prepared, state, keep_shards=keep_bits, faults=faults)
     except MigrationAborted:
