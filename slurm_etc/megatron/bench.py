@@ -93,11 +93,6 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
     return summary
 
 
-def _span(results: Sequence[dict | None], start: str = "pause", end: str = "ready") -> float:
-    rs = [r["seconds"] for r in results if r]
-    return max(r[end] for r in rs) - min(r[start] for r in rs)
-
-
 def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: int, gb: int,
                     staging_bytes: int | None, p2p_bytes: int, progress: Progress, tag: str,
                     log_level: int) -> tuple[dict, Sequence[dict | None] | None]:
@@ -290,7 +285,12 @@ def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
                  "phases": {k: r["seconds"][k] for k in names if k in r["seconds"]},
                  "span": r["seconds"]["ready"] - r["seconds"]["pause"]}
                 for i, r in enumerate(resized) if r]
-    return {"seconds": _span(parts), "phases": phase, "data_seconds": data,
+    # the job is down until the last new rank is ready; a departing process's own
+    # clean-up after the commit (dropping its groups) is no one's downtime
+    staying = [r for r in parts if r.get("new_rank") is not None] or parts
+    seconds = (max(r["seconds"]["ready"] for r in staying)
+               - min(r["seconds"]["pause"] for r in parts))
+    return {"seconds": seconds, "phases": phase, "data_seconds": data,
             "moved_bytes": moved, "achieved_gibps": moved / data / 2**30 if data else None,
             "per_rank": per_rank}
 
