@@ -165,24 +165,11 @@ def test_a_failed_rank_keeps_posting_so_an_abort_leaves_no_message_behind(at, ag
     # still sends to it (pack/before of round 1 at round 1's first vote, the others within
     # or right after round 0)
     rank, rnd = 2, (1 if at in ("pack", "before") else 0)
-    devices = group_devices(plan)
-    hub = ThreadHub(len(devices))
-    state, out = _old_state(plan), {}
+    state = _old_state(plan)
     faults = FaultInjector().fail(rank, at, rnd)
-
-    def work(r, device):
-        try:
-            out[device] = execute_migration(plan, hub.transports()[r], device,
-                                            state.get(device, ()), options=opts, faults=faults,
-                                            agreed=agreed)
-        except BaseException as exc:  # noqa: BLE001
-            out[device] = exc
-
-    threads = [threading.Thread(target=work, args=(r, d)) for r, d in enumerate(devices)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out, hub = _on_threads(plan, lambda device, transport: execute_migration(
+        plan, transport, device, state.get(device, ()), options=opts, faults=faults,
+        agreed=agreed))
     assert all(isinstance(res, MigrationAborted) for res in out.values()), out
     assert len({res.vote for res in out.values()}) == 1
     assert min(res.vote for res in out.values()) < max(r.stats.steps for r in out.values())
@@ -203,17 +190,17 @@ def test_stalled_sender_times_out_with_the_message_named():
         assert f"timed out receiving message {k} (device {src} -> device {dst}" in str(res)
 
 
-def _run_manual(plan, states, options_of, faults=None):
-    """Like run_threads, with per-device options."""
+def _on_threads(plan, run):
+    """``run(device, transport)`` on one thread per rank of the plan's migration group (a
+    ThreadHub's transports); per device its result or the exception it raised, and the hub."""
     devices = group_devices(plan)
     hub = ThreadHub(len(devices))
+    transports = hub.transports()
     out = {}
 
     def work(rank, device):
         try:
-            out[device] = execute_migration(plan, hub.transports()[rank], device,
-                                            states.get(device, ()), options=options_of(device),
-                                            faults=faults)
+            out[device] = run(device, transports[rank])
         except BaseException as exc:  # noqa: BLE001
             out[device] = exc
 
@@ -222,7 +209,15 @@ def _run_manual(plan, states, options_of, faults=None):
         t.start()
     for t in threads:
         t.join(60)
-    return out
+    assert set(out) == set(devices), out  # every rank ended (no thread hung)
+    return out, hub
+
+
+def _run_manual(plan, states, options_of, faults=None):
+    """Like run_threads, with per-device options."""
+    return _on_threads(plan, lambda device, transport: execute_migration(
+        plan, transport, device, states.get(device, ()), options=options_of(device),
+        faults=faults))[0]
 
 
 def test_ranks_with_different_staging_budgets_abort_at_the_first_vote():
@@ -238,29 +233,16 @@ def test_agree_names_ranks_with_different_programs_before_the_pause():
     """``agree`` (run by prepare_resize while the job trains) refuses what vote 0 would
     abort; ranks that agreed run the data phase without the gate and commit."""
     plan = make_plan(TINY_BF16, (1, 2, 2), (2, 2, 2), dist=True)
-    devices = group_devices(plan)
     for budgets, ok in (({}, True), ({2: 4 * 4096}, False)):
-        transports = ThreadHub(len(devices)).transports()
-        out = {}
 
-        def work(rank, device, budgets=budgets, transports=transports, out=out):
+        def run(device, transport, budgets=budgets):
             opts = dataclasses.replace(OPTS, staging_bytes=budgets.get(device, 4 * 8192))
             prog = compile_program(plan, device, opts.staging_bytes, opts.direct_min_bytes)
-            transport = transports[rank]
-            try:
-                agree(transport, prog, 10)
-                out[device] = execute_migration(plan, transport, device,
-                                                _old_state(plan).get(device, ()),
-                                                options=opts, program=prog, agreed=True)
-            except BaseException as exc:  # noqa: BLE001
-                out[device] = exc
+            agree(transport, prog, 10)
+            return execute_migration(plan, transport, device, _old_state(plan).get(device, ()),
+                                     options=opts, program=prog, agreed=True)
 
-        threads = [threading.Thread(target=work, args=(r, d)) for r, d in enumerate(devices)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert set(out) == set(devices), out
+        out, _ = _on_threads(plan, run)
         if ok:
             _committed(plan, out)
         else:
