@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .collector import collector_paused
 from .fake import dtype_for
 from .faults import FaultInjector
 from .memory import PeakMemory
@@ -658,7 +659,7 @@ def execute_migration(plan, transport: Transport, device: int,
     # off: a mode a process installed for its own reasons (megatron's CPU compatibility
     # mode rewrites device arguments) would otherwise wrap each of thousands of small
     # view and copy calls in Python; none of them creates a tensor on a device by name.
-    with torch._C.DisableTorchFunction():
+    with torch._C.DisableTorchFunction(), collector_paused():
         try:
             t_data = time.perf_counter()
             local_done = False
