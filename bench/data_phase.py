@@ -40,7 +40,12 @@ def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> 
     import torch.distributed as dist
 
     from slurm_etc.megatron.state import local_shards
-    from slurm_etc.migrate.executor import MigrationOptions, agree, allocate_destinations
+    from slurm_etc.migrate.executor import (
+        MigrationOptions,
+        agree,
+        allocate_destinations,
+        allocate_staging,
+    )
     from slurm_etc.migrate.group import connect_migration_group
     from slurm_etc.migrate.program import compile_program
 
@@ -57,6 +62,7 @@ def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> 
     ctx.objects["data"] = {
         "group": group, "program": program, "options": options,
         "destinations": allocate_destinations(program, options),
+        "staging": allocate_staging(program, options, group.transport()),
         "old": local_shards(state, plan.catalog) if state is not None else []}
     return {"steps": len(program.steps), "kept": len(program.kept)}
 
@@ -83,7 +89,8 @@ def w_data(ctx, tr: Transition, profile: bool = False) -> dict | None:
         prof.enable()
     result = execute_migration(plan, transport, ctx.index, d["old"],
                                options=d["options"], program=d["program"],
-                               destinations=d["destinations"], agreed=True)
+                               destinations=d["destinations"], staging=d["staging"],
+                               agreed=True)
     out = result.stats.as_dict()
     if prof is not None:
         import io

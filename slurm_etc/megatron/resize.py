@@ -49,6 +49,7 @@ class PreparedResize:
         group: the migration group (gloo backends of its own, outside the training groups).
         program: this process's part of the plan.
         destinations: the new shards' tensors, pages touched (empty on a departing process).
+        staging: the executor's send and receive staging buffers, pages touched.
         options: the executor's options.
         memory: peak memory measurement, started here, stopped at the commit (with a
             prepared world: when the new layout is installed, after the switch).
@@ -75,6 +76,7 @@ class PreparedResize:
     seconds: dict = field(default_factory=dict)
     world: Any = None
     receive: Destinations | None = None
+    staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
@@ -110,7 +112,12 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     """
     import torch.distributed as dist
 
-    from slurm_etc.migrate.executor import MigrationOptions, agree, allocate_destinations
+    from slurm_etc.migrate.executor import (
+        MigrationOptions,
+        agree,
+        allocate_destinations,
+        allocate_staging,
+    )
     from slurm_etc.migrate.group import connect_migration_group
     from slurm_etc.migrate.memory import PeakMemory
     from slurm_etc.migrate.program import compile_program
@@ -133,6 +140,7 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     # its first step on the wire with its first vote (no gate round trip in the pause)
     try:
         agree(group.transport(), program, group_timeout_s)
+        staging = allocate_staging(program, options, group.transport(), prefault=prefault)
     except BaseException:
         group.destroy()
         raise
@@ -155,7 +163,7 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
         destinations = allocate_destinations(program, options, prefault=prefault)
         seconds["allocate"] += time.perf_counter() - t
     return PreparedResize(plan, device, store, tag, group, program, destinations, options,
-                          memory, group_timeout_s, seconds, new_world, receive)
+                          memory, group_timeout_s, seconds, new_world, receive, staging)
 
 
 def _prepare_new_world(plan: Any, device: int, store: Any, tag: str, program: Any,
@@ -304,12 +312,13 @@ def _pause(prepared: PreparedResize, state: TrainingState | None, *, keep_shards
                                    options=dataclasses.replace(options, measure_memory=False),
                                    program=prepared.program,
                                    destinations=prepared.destinations, faults=faults,
+                                   staging=prepared.staging,
                                    commit=CommitDecision(prepared.store,
                                                          f"{prepared.tag}/commit"),
                                    agreed=True)
         committed = True
     finally:
-        prepared.destinations = []
+        prepared.destinations, prepared.staging = [], None
         prepared.group.destroy()
         if not committed and prepared.world is not None:
             prepared.world.drop()  # the old layout trains on

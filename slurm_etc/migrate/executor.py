@@ -479,6 +479,42 @@ def allocate_destinations(prog: Program, options: MigrationOptions | None = None
     return out
 
 
+def _staging_layout(prog: Program, options: MigrationOptions) -> tuple[tuple[int, int], ...]:
+    """(bytes, count) of the send and of the receive staging buffers ``prog`` needs."""
+    send_size, recv_size = prog.staging_sizes
+    per_side = 2 if options.overlap else 1
+    n_send = sum(st.send is not None for st in prog.steps)
+    n_recv = sum(st.recv is not None for st in prog.steps)
+    return (send_size, min(per_side, n_send)), (recv_size, min(per_side, n_recv))
+
+
+def allocate_staging(prog: Program, options: MigrationOptions, transport: Transport, *,
+                     prefault: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The staging buffers ``prog`` packs into and receives into (two of each with
+    ``options.overlap``, none where it sends or receives nothing), on the transport's
+    device; ``prefault`` writes their pages once, as :func:`allocate_destinations` does."""
+    send, recv = ([transport.empty(size) for _ in range(count)]
+                  for size, count in _staging_layout(prog, options))
+    if prefault:
+        for buf in send + recv:
+            buf.zero_()
+    return send, recv
+
+
+def _check_staging(prog: Program, options: MigrationOptions,
+                   staging: tuple[list[torch.Tensor], list[torch.Tensor]],
+                   dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    for name, bufs, (size, count) in zip(("send", "receive"), staging,
+                                         _staging_layout(prog, options)):
+        if len(bufs) != count or any(b.numel() < size or b.dtype != torch.uint8
+                                     or b.device != dev for b in bufs):
+            raise ValueError(f"{name} staging buffers: {len(bufs)} given ("
+                             f"{[(b.numel(), str(b.dtype), str(b.device)) for b in bufs]}); "
+                             f"this program needs {count} of {size} bytes (uint8) on {dev} "
+                             "(see allocate_staging)")
+    return list(staging[0]), list(staging[1])
+
+
 def _new_dtype(sp, options: MigrationOptions, default: torch.dtype | None = None
                ) -> torch.dtype:
     """dtype of a new shard: requested in ``options.dtypes``, else ``default`` (a kept old
@@ -518,7 +554,9 @@ def execute_migration(plan, transport: Transport, device: int,
                       program: Program | None = None,
                       destinations: Sequence[torch.Tensor | None] | None = None,
                       commit: Callable[[bool], bool] | None = None,
-                      agreed: bool = False) -> MigrationResult:
+                      agreed: bool = False,
+                      staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                      ) -> MigrationResult:
     """Run this process's part of ``plan`` (see module docstring).
 
     Args:
@@ -544,6 +582,8 @@ def execute_migration(plan, transport: Transport, device: int,
             (a rank dying inside the vote can then split the survivors).
         agreed: every rank already checked ``program`` against the others' (:func:`agree`
             on the same transport): vote 0 travels with step 0's data instead of gating it.
+        staging: the send and receive buffers, from :func:`allocate_staging` before the
+            pause (pages touched); default: fresh ones.
 
     Returns:
         MigrationResult with the new shards (one per state key, region and layer the new
@@ -603,14 +643,11 @@ def execute_migration(plan, transport: Transport, device: int,
                 stats.kept_whole_bytes += prog.new_specs[j].nbytes
             new_tensors.append(slot)
         run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
-        send_size, recv_size = prog.staging_sizes
-        n_send = sum(st.send is not None for st in steps)
-        n_recv = sum(st.recv is not None for st in steps)
-        send_bufs = [transport.empty(send_size)
-                     for _ in range(min(2 if options.overlap else 1, n_send))]
-        recv_bufs = [transport.empty(recv_size)
-                     for _ in range(min(2 if options.overlap else 1, n_recv))]
-        stats.staging_bytes = send_size * len(send_bufs) + recv_size * len(recv_bufs)
+        send_bufs, recv_bufs = (_check_staging(prog, options, staging, dev)
+                                if staging is not None
+                                else allocate_staging(prog, options, transport,
+                                                      prefault=False))
+        stats.staging_bytes = sum(b.numel() for b in send_bufs + recv_bufs)
     except Exception as exc:  # noqa: BLE001 - voted at the first vote
         run.fail("could not start", exc)
 

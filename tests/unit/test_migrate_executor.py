@@ -389,6 +389,41 @@ def test_replicas_that_stay_are_kept_whole_not_copied(prepared):
     assert sum(s["kept_whole_bytes"] for s in stats) < sum(s["local_bytes"] for s in stats)
 
 
+@pytest.mark.parametrize("bad", [None, "short", "missing"])
+def test_prepared_staging_is_used_or_refused_everywhere(bad):
+    """Staging buffers allocated (and touched) before the pause are the ones packed and
+    received into; buffers that do not fit abort the migration on every rank, naming them."""
+    from slurm_etc.migrate.executor import allocate_staging
+    from slurm_etc.migrate.program import compile_program
+
+    # a small staging budget: several chunks, every buffer used
+    opts = dataclasses.replace(OPTS, staging_bytes=1 << 16, direct_min_bytes=1 << 30)
+    plan = make_plan(TINY_BF16, (1, 2, 2), (2, 1, 2))
+    progs = {d: compile_program(plan, d, opts.staging_bytes, opts.direct_min_bytes)
+             for d in group_devices(plan)}
+    hub = ThreadHub(len(progs))
+    staging = {d: allocate_staging(p, opts, hub.transports()[0]) for d, p in progs.items()}
+    assert all(bool((b == 0).all()) for s, r in staging.values() for b in s + r)
+    victim = plan.new.devices[0]
+    if bad == "short":
+        staging[victim][1][0] = staging[victim][1][0][:-1]
+    elif bad == "missing":
+        staging[victim] = (staging[victim][0][:1], staging[victim][1])
+    state = _old_state(plan)
+    out, _ = _on_threads(plan, lambda device, transport: execute_migration(
+        plan, transport, device, state.get(device, []), options=opts,
+        program=progs[device], staging=staging[device]))
+    if bad is None:
+        _committed(plan, out)
+        assert all(res.stats.steps > 2 for res in out.values())
+        used = [bool(b.any()) for s, r in staging.values() for b in s + r]
+        assert used and all(used)  # every prepared buffer carried data
+        return
+    assert all(isinstance(r, MigrationAborted) for r in out.values()), out
+    assert "could not start" in str(out[plan.old.devices[0]])
+    assert "staging buffers" in str(out[plan.old.devices[0]])
+
+
 @pytest.mark.parametrize("bad", ["short", "strided", "count"])
 def test_unfit_destinations_abort_everywhere_naming_the_shard(bad):
     plan = make_plan(PRESETS["tiny"], (1, 2, 2), (2, 1, 2))
