@@ -299,7 +299,7 @@ def pack_figures(plan: Any, shards: list[LocalShard], device: torch.device,
         return _Run(p, ThreadHub(1).transports()[0], options, FaultInjector(), stats)
 
     run = new_run(prog)
-    run.old_bytes = _check_old_shards(prog, shards, device)
+    run.old_bytes = [t.view(torch.uint8) for t in _check_old_shards(prog, shards, device)]
     buf = torch.empty(prog.staging_sizes[0], dtype=torch.uint8, device=device)
     rrun = new_run(rprog)
     rrun.new_bytes = [t.view(torch.uint8) for t in

@@ -426,12 +426,13 @@ def _prod(xs) -> int:
 
 def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
                       device: torch.device) -> list[torch.Tensor]:
-    """Flat byte views of the old shards in spec order; raise ValueError on any mismatch."""
+    """The old shards flattened, in spec order; raise ValueError on any mismatch."""
     by_key = {}
     for sh in shards:
-        if sh.key in by_key:
-            raise ValueError(f"shard {sh.key} given twice")
-        by_key[sh.key] = sh
+        key = sh.key
+        if key in by_key:
+            raise ValueError(f"shard {key} given twice")
+        by_key[key] = sh
     out = []
     for sp in prog.old_specs:
         held = by_key.get(sp.key)
@@ -446,7 +447,7 @@ def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
             raise ValueError(f"shard {sp.key} is not contiguous")
         if t.device != device:
             raise ValueError(f"shard {sp.key} is on {t.device}, the transport on {device}")
-        out.append(t.detach().reshape(-1).view(torch.uint8))
+        out.append(t.detach().reshape(-1))
     expected = {sp.key for sp in prog.old_specs}
     extra = sorted(k for k in by_key if k not in expected)
     if extra:
@@ -592,6 +593,28 @@ def execute_migration(plan, transport: Transport, device: int,
     Raises:
         MigrationAborted: on every rank when any rank failed; the old shards are untouched.
     """
+    # The whole migration runs its tensor operations (checks, views, copies) with torch
+    # function modes off: a mode a process installed for its own reasons (megatron's CPU
+    # compatibility mode rewrites device arguments) would otherwise wrap each of thousands
+    # of small calls in Python (0.008 s measured on `small`); none of them creates a tensor
+    # on a device by name. Python's garbage collector waits too (see .collector).
+    with torch._C.DisableTorchFunction(), collector_paused():
+        return _execute(plan, transport, device, old_shards, options=options, faults=faults,
+                        program=program, destinations=destinations, commit=commit,
+                        agreed=agreed, staging=staging)
+
+
+def _execute(plan, transport: Transport, device: int,
+           old_shards: Sequence[LocalShard], *,
+           options: MigrationOptions | None = None,
+           faults: FaultInjector | None = None,
+           program: Program | None = None,
+           destinations: Sequence[torch.Tensor | None] | None = None,
+           commit: Callable[[bool], bool] | None = None,
+           agreed: bool = False,
+           staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+           ) -> MigrationResult:
+    """:func:`execute_migration` inside its context (torch function modes off, no GC)."""
     options = options or MigrationOptions()
     faults = faults or FaultInjector()
     t_start = time.perf_counter()
@@ -631,13 +654,13 @@ def execute_migration(plan, transport: Transport, device: int,
     try:
         faults.check(prog.group_rank, "start")
         mine = [sh for sh in old_shards if sh.state_key in catalog_keys]
-        run.old_bytes = _check_old_shards(prog, mine, dev)
+        old_flat = _check_old_shards(prog, mine, dev)
+        run.old_bytes = [t.view(torch.uint8) for t in old_flat]
         slots = (_check_destinations(prog, destinations, dev) if destinations is not None
                  else allocate_destinations(prog, options, dev, prefault=False))
-        old_by_key = {sh.key: sh.tensor for sh in mine}
         for j, slot in enumerate(slots):
             if slot is None:  # a kept shard (checked above): the old one is the new one, no copy
-                old = old_by_key[prog.old_specs[prog.kept[j]].key].detach().reshape(-1)
+                old = old_flat[prog.kept[j]]
                 slot = old.view(_new_dtype(prog.new_specs[j], options, old.dtype))
                 run.aliased.add(j)
                 stats.kept_whole_bytes += prog.new_specs[j].nbytes
@@ -692,92 +715,87 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail(f"failed before round {st.round}", exc)
 
-    # The data phase runs its tensor operations (views, copies) with torch function modes
-    # off: a mode a process installed for its own reasons (megatron's CPU compatibility
-    # mode rewrites device arguments) would otherwise wrap each of thousands of small
-    # view and copy calls in Python; none of them creates a tensor on a device by name.
-    with torch._C.DisableTorchFunction(), collector_paused():
-        try:
-            t_data = time.perf_counter()
-            local_done = False
-            gated = not agreed
-            if steps:
-                if run.failure is None:
-                    prepare(0)
-                before(steps[0])
-                faults.die_if(prog.group_rank, "before-send")
-                if gated:
-                    # Vote 0 is the gate: nothing goes on the wire before every rank started
-                    # and agrees on the plan and the chunking. The local copies need no peer:
-                    # they run while the vote travels (and while slower ranks still arrive).
-                    gate = run.post_vote(0)
-                    if run.failure is None:
-                        run.local_copies()
-                        local_done = True
-                    run.decide(0, gate)
-                elif run.failure is not None:
-                    # could not start (no buffers, no destinations): post nothing, and vote
-                    # so that no peer waits on this rank's operations
-                    run.failure.transport = True
-            previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
-            for i, st in enumerate(steps):
-                voted = i > 0 or not gated
-                if i > 0:
-                    before(st)
-                if voted:
-                    # Vote i travels with step i's data and is decided before that data is waited
-                    # for: a rank that failed still posts its operations (without packing or
-                    # unpacking) unless its transport failed, so no rank waits on a missing
-                    # operation, and every rank stops at the same vote as with a vote per step.
-                    ballot = run.post_vote(i)
-                recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
-                pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
-                                          send_bufs[i % len(send_bufs)] if send_bufs else None)
-                if pending:
-                    faults.die_if(prog.group_rank, "mid-transfer")
-                if not local_done and run.failure is None:
-                    run.local_copies()  # while the first step's data is on the wire
-                    local_done = True
-                if options.overlap:
-                    if previous is not None:
-                        finish(*previous)
-                        previous = None
-                    if i + 1 < len(steps) and run.failure is None:
-                        prepare(i + 1)
-                if voted:
-                    try:
-                        run.decide(i, ballot)
-                    except MigrationAborted as exc:
-                        if exc.transport_failed:
-                            _QUARANTINE.append(pending)
-                        else:  # every rank posted this step: let it complete, leave nothing behind
-                            _wait(run, st, pending)
-                        raise
-                if _wait(run, st, pending):
-                    previous = (i, received)
-                if not options.overlap:
-                    if previous is not None:
-                        finish(*previous)
-                        previous = None
-                    if i + 1 < len(steps) and run.failure is None:
-                        prepare(i + 1)
-            if previous is not None:
-                finish(*previous)
-            if not local_done and run.failure is None:
-                run.local_copies()
+    try:
+        t_data = time.perf_counter()
+        local_done = False
+        gated = not agreed
+        if steps:
             if run.failure is None:
+                prepare(0)
+            before(steps[0])
+            faults.die_if(prog.group_rank, "before-send")
+            if gated:
+                # Vote 0 is the gate: nothing goes on the wire before every rank started
+                # and agrees on the plan and the chunking. The local copies need no peer:
+                # they run while the vote travels (and while slower ranks still arrive).
+                gate = run.post_vote(0)
+                if run.failure is None:
+                    run.local_copies()
+                    local_done = True
+                run.decide(0, gate)
+            elif run.failure is not None:
+                # could not start (no buffers, no destinations): post nothing, and vote
+                # so that no peer waits on this rank's operations
+                run.failure.transport = True
+        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+        for i, st in enumerate(steps):
+            voted = i > 0 or not gated
+            if i > 0:
+                before(st)
+            if voted:
+                # Vote i travels with step i's data and is decided before that data is waited
+                # for: a rank that failed still posts its operations (without packing or
+                # unpacking) unless its transport failed, so no rank waits on a missing
+                # operation, and every rank stops at the same vote as with a vote per step.
+                ballot = run.post_vote(i)
+            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
+            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
+                                      send_bufs[i % len(send_bufs)] if send_bufs else None)
+            if pending:
+                faults.die_if(prog.group_rank, "mid-transfer")
+            if not local_done and run.failure is None:
+                run.local_copies()  # while the first step's data is on the wire
+                local_done = True
+            if options.overlap:
+                if previous is not None:
+                    finish(*previous)
+                    previous = None
+                if i + 1 < len(steps) and run.failure is None:
+                    prepare(i + 1)
+            if voted:
                 try:
-                    faults.check(prog.group_rank, "commit")
-                except Exception as exc:  # noqa: BLE001
-                    run.fail("failed before the commit vote", exc)
-            faults.die_if(prog.group_rank, "before-commit")
-            _commit_vote(run, len(steps), faults, commit)
-            stats.data_seconds = time.perf_counter() - t_data
-        finally:
-            if options.measure_memory:
-                memory.stop()
-                stats.memory_base, stats.memory_peak = memory.base, memory.peak
-                stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
+                    run.decide(i, ballot)
+                except MigrationAborted as exc:
+                    if exc.transport_failed:
+                        _QUARANTINE.append(pending)
+                    else:  # every rank posted this step: let it complete, leave nothing behind
+                        _wait(run, st, pending)
+                    raise
+            if _wait(run, st, pending):
+                previous = (i, received)
+            if not options.overlap:
+                if previous is not None:
+                    finish(*previous)
+                    previous = None
+                if i + 1 < len(steps) and run.failure is None:
+                    prepare(i + 1)
+        if previous is not None:
+            finish(*previous)
+        if not local_done and run.failure is None:
+            run.local_copies()
+        if run.failure is None:
+            try:
+                faults.check(prog.group_rank, "commit")
+            except Exception as exc:  # noqa: BLE001
+                run.fail("failed before the commit vote", exc)
+        faults.die_if(prog.group_rank, "before-commit")
+        _commit_vote(run, len(steps), faults, commit)
+        stats.data_seconds = time.perf_counter() - t_data
+    finally:
+        if options.measure_memory:
+            memory.stop()
+            stats.memory_base, stats.memory_peak = memory.base, memory.peak
+            stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
     stats.total_seconds = time.perf_counter() - t_start
     new_shards = [LocalShard(sp.state_key, sp.lo, sp.hi, sp.s, t)
                   for sp, t in zip(prog.new_specs, new_tensors)]
