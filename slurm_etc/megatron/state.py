@@ -28,6 +28,7 @@ megatron-core is imported lazily; on CPU install :mod:`.cpu_compat` first.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -91,40 +92,60 @@ def _box(sh: Any) -> tuple[Box3, Box3]:
     return (lo[0], lo[1], lo[2]), (hi[0], hi[1], hi[2])
 
 
-def _locate(data: torch.Tensor, params: Sequence[torch.Tensor], key: str) -> tuple[Any, int]:
-    """(parameter, element offset) of a contiguous view ``data`` of one of ``params``."""
-    if not data.is_contiguous():
-        raise StateError(f"{key}: the sharded tensor is not a contiguous view of a parameter")
-    ptr, storage = data.data_ptr(), data.untyped_storage().data_ptr()
-    for p in params:
-        if p.untyped_storage().data_ptr() != storage or p.dtype != data.dtype:
-            continue
-        off, rem = divmod(ptr - p.data_ptr(), p.element_size())
-        if rem == 0 and 0 <= off and off + data.numel() <= p.numel():
-            if not p.is_contiguous():
-                raise StateError(f"{key}: parameter is not contiguous")
-            return p, off
-    raise StateError(f"{key}: sharded tensor data is not part of any model parameter")
+class _ParamIndex:
+    """Finds the parameter a contiguous view lies in, by address: the parameters grouped by
+    storage and dtype, sorted by their first element (one bisection per view instead of a
+    scan over every parameter sharing DDP's one buffer)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        groups: dict[tuple[int, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.untyped_storage().data_ptr(), p.dtype), []).append(
+                (p.data_ptr(), i, p))
+        self._groups = {k: sorted(v, key=lambda e: (e[0], e[1])) for k, v in groups.items()}
+        self._starts = {k: [e[0] for e in v] for k, v in self._groups.items()}
+
+    def locate(self, data: torch.Tensor, key: str) -> tuple[Any, int]:
+        """(parameter, element offset) of ``data``, a contiguous view of one parameter."""
+        if not data.is_contiguous():
+            raise StateError(f"{key}: the sharded tensor is not a contiguous view of a "
+                             "parameter")
+        group = (data.untyped_storage().data_ptr(), data.dtype)
+        ptr = data.data_ptr()
+        starts = self._starts.get(group, [])
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0:
+            start, _, p = self._groups[group][i]
+            off, rem = divmod(ptr - start, p.element_size())
+            if rem == 0 and off + data.numel() <= p.numel():
+                if not p.is_contiguous():
+                    raise StateError(f"{key}: parameter is not contiguous")
+                return p, off
+        raise StateError(f"{key}: sharded tensor data is not part of any model parameter")
 
 
 def param_pieces(state: TrainingState) -> list[ParamPiece]:
     """Every model ShardedTensor of this rank as a piece of one of its parameters."""
     gpt = state.gpt
-    params = [p for p in gpt.parameters()]
     out_layer = getattr(gpt, "output_layer", None)
     out_weight = getattr(out_layer, "weight", None) if out_layer is not None else None
     tied = state.model_desc.tied_embeddings
+    sharded = list(iter_sharded_tensors(gpt.sharded_state_dict()))
     pieces = []
-    for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):
-        param, offset = _locate(sh.data, params, sh.key)
-        key = sh.key
-        if tied and key == EMBEDDING and out_weight is not None and param is out_weight:
-            key += TIED_SUFFIX  # the last stage's copy of the embedding (pp > 1)
-        lo, hi = _box(sh)
-        pieces.append(ParamPiece(key, param, offset, sh.data.numel(), lo, hi))
-        if tied and key == EMBEDDING and state.config.pp == 1:
-            pieces.append(ParamPiece(key + TIED_SUFFIX, param, offset, sh.data.numel(), lo, hi,
-                                     alias=True))
+    # plain tensor queries (addresses, sizes): without the CPU compatibility mode's
+    # Python wrapper around each of them
+    with torch._C.DisableTorchFunction():
+        index = _ParamIndex(list(gpt.parameters()))
+        for _path, sh in sharded:
+            param, offset = index.locate(sh.data, sh.key)
+            key = sh.key
+            if tied and key == EMBEDDING and out_weight is not None and param is out_weight:
+                key += TIED_SUFFIX  # the last stage's copy of the embedding (pp > 1)
+            lo, hi = _box(sh)
+            pieces.append(ParamPiece(key, param, offset, sh.data.numel(), lo, hi))
+            if tied and key == EMBEDDING and state.config.pp == 1:
+                pieces.append(ParamPiece(key + TIED_SUFFIX, param, offset, sh.data.numel(),
+                                         lo, hi, alias=True))
     return pieces
 
 
