@@ -57,6 +57,7 @@ def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> 
     group = connect_migration_group(plan, ctx.index, dist.PrefixStore(tag, ctx.store),
                                     timeout_s=ctx.timeout_s)
     program = compile_program(plan, ctx.index, options.staging_bytes, options.direct_min_bytes)
+    program.warm()  # as prepare_resize
     agree(group.transport(), program, ctx.timeout_s)  # as prepare_resize: no gate in the pause
     state = ctx.objects.get("state")
     ctx.objects["data"] = {

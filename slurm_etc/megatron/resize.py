@@ -136,6 +136,7 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     seconds["group"] = time.perf_counter() - t
     t = time.perf_counter()
     program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
+    program.warm()  # every step's operations worked out now, not in the pause
     # every rank's program checked against the others' now, so the pause's data phase puts
     # its first step on the wire with its first vote (no gate round trip in the pause)
     try:

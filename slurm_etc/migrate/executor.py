@@ -286,7 +286,7 @@ class _Run:
                 out.append(direct)
                 self.stats.direct_bytes += b - a
                 continue
-            for shard, off, sizes, strides, pos in side.segs.pieces(a, b):
+            for shard, off, sizes, strides, pos in self.prog.pieces(side, a, b):
                 src = self.old_bytes[shard]
                 at = a - c0 + pos
                 dsts.append(buf[at:at + _prod(sizes)].view(sizes))
@@ -326,7 +326,7 @@ class _Run:
         for tensor, a, b, staged in ops:
             if not staged:
                 continue
-            for shard, off, sizes, strides, pos in side.segs.pieces(a, b):
+            for shard, off, sizes, strides, pos in self.prog.pieces(side, a, b):
                 dst = self.new_bytes[shard]
                 dsts.append(dst.as_strided(sizes, strides, dst.storage_offset() + off))
                 srcs.append(tensor[pos:pos + _prod(sizes)].view(sizes))
@@ -337,19 +337,15 @@ class _Run:
         t0 = time.perf_counter()
         try:
             self.faults.check(self.prog.group_rank, "local")
-            src, dst = self.prog.local_src, self.prog.local_dst
             dsts: list[torch.Tensor] = []
             srcs: list[torch.Tensor] = []
-            for i in range(len(src)):
-                if int(dst.shard[i]) in self.aliased:
+            for old, new, sizes, old_strides, old_off, new_strides, new_off in (
+                    self.prog.local_pieces()):
+                if new in self.aliased:
                     continue
-                sizes = tuple(int(x) for x in src.sizes[i])
-                a = self.old_bytes[int(src.shard[i])]
-                b = self.new_bytes[int(dst.shard[i])]
-                dsts.append(b.as_strided(sizes, tuple(int(x) for x in dst.strides[i]),
-                                         b.storage_offset() + int(dst.offset[i])))
-                srcs.append(a.as_strided(sizes, tuple(int(x) for x in src.strides[i]),
-                                         a.storage_offset() + int(src.offset[i])))
+                a, b = self.old_bytes[old], self.new_bytes[new]
+                dsts.append(b.as_strided(sizes, new_strides, b.storage_offset() + new_off))
+                srcs.append(a.as_strided(sizes, old_strides, a.storage_offset() + old_off))
             _copy_all(dsts, srcs)
         except Exception as exc:  # noqa: BLE001 - voted, then raised on every rank
             self.fail("failed in its local copies", exc)

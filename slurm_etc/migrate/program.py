@@ -214,6 +214,8 @@ class Program:
     # new shard -> old shard of this device that it equals byte for byte (same tensor, box
     # and elements, all of it a local copy in place): kept whole, no copy needed
     kept: dict[int, int] = field(default_factory=dict)
+    # operations and pieces per step, computed once (see :meth:`ops`, :meth:`warm`)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def group_rank(self) -> int:
@@ -234,9 +236,48 @@ class Program:
         return chunk_range(side.nbytes, self.chunk_bytes, step.chunk)
 
     def ops(self, side: Side, step: Step) -> list[tuple[int, int, int]]:
-        """The operations this step's chunk of ``side`` travels as (see module docstring)."""
-        c0, c1 = self.chunk(side, step)
-        return side.segs.ops(c0, c1, self.direct_min)
+        """The operations this step's chunk of ``side`` travels as (see module docstring);
+        computed once (:meth:`warm` computes them all before the pause)."""
+        key = (side.msg, step.index)
+        ops = self._memo.get(key)
+        if ops is None:
+            c0, c1 = self.chunk(side, step)
+            ops = self._memo[key] = side.segs.ops(c0, c1, self.direct_min)
+        return ops
+
+    def pieces(self, side: Side, a: int, b: int) -> list[tuple[int, int, tuple, tuple, int]]:
+        """``side.segs.pieces(a, b)`` as a list, computed once."""
+        key = (side.msg, a, b)
+        pieces = self._memo.get(key)
+        if pieces is None:
+            pieces = self._memo[key] = list(side.segs.pieces(a, b))
+        return pieces
+
+    def local_pieces(self) -> list[tuple[int, int, tuple, tuple, int, tuple, int]]:
+        """The local copies, computed once: (old shard, new shard, sizes, old strides, old
+        byte offset, new strides, new byte offset) each."""
+        pieces = self._memo.get("local")
+        if pieces is None:
+            src, dst = self.local_src, self.local_dst
+            pieces = self._memo["local"] = [
+                (int(src.shard[i]), int(dst.shard[i]), tuple(int(x) for x in src.sizes[i]),
+                 tuple(int(x) for x in src.strides[i]), int(src.offset[i]),
+                 tuple(int(x) for x in dst.strides[i]), int(dst.offset[i]))
+                for i in range(len(src))]
+        return pieces
+
+    def warm(self) -> None:
+        """Compute every step's operations and the pieces of every operation that may be
+        staged, and the local copies, so that the data phase only builds views (run before
+        the pause)."""
+        self.local_pieces()
+        for st in self.steps:
+            for side in (self.sends.get(st.send), self.recvs.get(st.recv)):
+                if side is None:
+                    continue
+                for a, b, seg in self.ops(side, st):
+                    if seg < 0 or not side.segs.contiguous(seg):
+                        self.pieces(side, a, b)
 
 
 def group_devices(plan) -> tuple[int, ...]:

@@ -258,3 +258,29 @@ def test_programs_and_digests_are_deterministic():
     assert compile_program(a, 5, 4 * 1000).digest != pa.digest  # chunking is part of it
     with pytest.raises(ValueError, match="takes no part"):
         compile_program(a, 99)
+
+
+@pytest.mark.parametrize("staging", [1 << 14, 1 << 30])
+def test_warm_program_answers_as_computed_on_demand(staging):
+    """What warm() works out before the pause is what the data phase would compute itself:
+    every step's operations, the pieces of every operation, the local copies."""
+    plan = make_plan(dataclasses.replace(PRESETS["tiny"], param_dtype="bf16"), (1, 2, 2),
+                     (2, 1, 2))
+    for d in plan.participants:
+        warm = compile_program(plan, d, staging)
+        warm.warm()
+        cold = compile_program(plan, d, staging)
+        assert warm._memo and not cold._memo
+        for stp in cold.steps:
+            for side in (cold.sends.get(stp.send), cold.recvs.get(stp.recv)):
+                if side is None:
+                    continue
+                c0, c1 = cold.chunk(side, stp)
+                ops = side.segs.ops(c0, c1, cold.direct_min)
+                assert warm.ops(side, stp) == ops
+                for a, b, _ in ops:
+                    assert warm.pieces(side, a, b) == list(side.segs.pieces(a, b))
+        src, dst = cold.local_src, cold.local_dst
+        assert [p[:2] for p in warm.local_pieces()] == [
+            (int(src.shard[i]), int(dst.shard[i])) for i in range(len(src))]
+        assert sum(int(np.prod(p[2])) for p in warm.local_pieces()) == src.total
