@@ -7,9 +7,11 @@ program.py):
 2. For each step ``i``: post **vote** ``i``, then step ``i``'s sends and receives
    (``batch_isend_irecv``); while they fly, run the local copies (first step), unpack step
    ``i - 1``'s chunk from the other receive buffer and pack step ``i + 1``'s chunk into the
-   other send buffer; decide vote ``i``, then wait for step ``i`` (bounded). Parts of a chunk
-   that are one large contiguous range of a shard are sent from / received into the shard
-   directly, without staging.
+   other send buffer; decide vote ``i``; post vote ``i + 1`` and step ``i + 1`` (the other
+   buffers: the wire does not idle between steps), then wait for step ``i`` (bounded). Parts
+   of a chunk that are one large contiguous range of a shard are sent from / received into
+   the shard directly, without staging. Without ``overlap`` (one buffer each way) step
+   ``i + 1`` is packed and posted only after step ``i`` completed.
 3. Final **vote**: commit only if every rank voted success at every vote.
 
 Vote 0 is a **gate** unless the ranks agreed on the program before (:func:`agree`, run by
@@ -38,6 +40,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -733,22 +736,29 @@ def _execute(plan, transport: Transport, device: int,
                 # could not start (no buffers, no destinations): post nothing, and vote
                 # so that no peer waits on this rank's operations
                 run.failure.transport = True
-        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
-        for i, st in enumerate(steps):
-            voted = i > 0 or not gated
+
+        def post(i: int) -> tuple[Any, list, list]:
+            """Post vote ``i`` (unless it was the gate) and step ``i``'s operations."""
+            st = steps[i]
             if i > 0:
                 before(st)
-            if voted:
-                # Vote i travels with step i's data and is decided before that data is waited
-                # for: a rank that failed still posts its operations (without packing or
-                # unpacking) unless its transport failed, so no rank waits on a missing
-                # operation, and every rank stops at the same vote as with a vote per step.
-                ballot = run.post_vote(i)
+            # Vote i travels with step i's data and is decided before that data is waited
+            # for: a rank that failed still posts its operations (without packing or
+            # unpacking) unless its transport failed, so no rank waits on a missing
+            # operation, and every rank stops at the same vote as with a vote per step.
+            ballot = run.post_vote(i) if i > 0 or not gated else None
             recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
             pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
                                       send_bufs[i % len(send_bufs)] if send_bufs else None)
             if pending:
                 faults.die_if(prog.group_rank, "mid-transfer")
+            return ballot, pending, received
+
+        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+        ahead: tuple[Any, list, list] | None = None  # the next step, posted already
+        for i, st in enumerate(steps):
+            ballot, pending, received = ahead if ahead is not None else post(i)
+            ahead = None
             if not local_done and run.failure is None:
                 run.local_copies()  # while the first step's data is on the wire
                 local_done = True
@@ -758,7 +768,7 @@ def _execute(plan, transport: Transport, device: int,
                     previous = None
                 if i + 1 < len(steps) and run.failure is None:
                     prepare(i + 1)
-            if voted:
+            if ballot is not None:
                 try:
                     run.decide(i, ballot)
                 except MigrationAborted as exc:
@@ -767,6 +777,12 @@ def _execute(plan, transport: Transport, device: int,
                     else:  # every rank posted this step: let it complete, leave nothing behind
                         _wait(run, st, pending)
                     raise
+            if options.overlap and i + 1 < len(steps):
+                # Step i + 1 goes on the wire before step i is waited for: its buffers are
+                # the other pair (step i - 1's, sent and unpacked above), and every rank
+                # posts it after deciding vote i, so an abort there leaves nothing posted
+                # ahead. A failure seen while waiting for step i is voted one vote later.
+                ahead = post(i + 1)
             if _wait(run, st, pending):
                 previous = (i, received)
             if not options.overlap:
@@ -887,9 +903,15 @@ def _post(run: _Run, st: Step, send: list[torch.Tensor] | None,
 
 
 def _wait(run: _Run, st: Step, pending: list) -> bool:
-    """Wait for the step's operations (one deadline for all); True if they all completed."""
+    """Wait for the step's operations (one deadline for all); True if they all completed.
+
+    Operations posted before this rank's transport failed (the next step goes on the wire
+    before the current one is waited for) are not waited for: they are set aside."""
     if not pending:
         return run.failure is None
+    if run.failure is not None and run.failure.transport:
+        _QUARANTINE.append(pending)
+        return False
     t0 = time.perf_counter()
     deadline = time.monotonic() + run.options.timeout_s
     broken = False
