@@ -492,12 +492,21 @@ def allocate_staging(prog: Program, options: MigrationOptions, transport: Transp
                      prefault: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The staging buffers ``prog`` packs into and receives into (two of each with
     ``options.overlap``, none where it sends or receives nothing), on the transport's
-    device; ``prefault`` writes their pages once, as :func:`allocate_destinations` does."""
+    device. ``prefault`` writes once the bytes that staged operations will use (not the rest:
+    most of a chunk usually goes directly from or into the shards, and untouched pages cost
+    no memory)."""
     send, recv = ([transport.empty(size) for _ in range(count)]
                   for size, count in _staging_layout(prog, options))
     if prefault:
-        for buf in send + recv:
-            buf.zero_()
+        for i, st in enumerate(prog.steps):
+            for side, bufs in ((prog.sends.get(st.send), send), (prog.recvs.get(st.recv), recv)):
+                if side is None or not bufs:
+                    continue
+                c0, _ = prog.chunk(side, st)
+                buf = bufs[i % len(bufs)]
+                for a, b, seg in prog.ops(side, st):
+                    if seg < 0 or not side.segs.contiguous(seg):
+                        buf[a - c0:b - c0].zero_()
     return send, recv
 
 

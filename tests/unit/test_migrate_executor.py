@@ -403,7 +403,6 @@ def test_prepared_staging_is_used_or_refused_everywhere(bad):
              for d in group_devices(plan)}
     hub = ThreadHub(len(progs))
     staging = {d: allocate_staging(p, opts, hub.transports()[0]) for d, p in progs.items()}
-    assert all(bool((b == 0).all()) for s, r in staging.values() for b in s + r)
     victim = plan.new.devices[0]
     if bad == "short":
         staging[victim][1][0] = staging[victim][1][0][:-1]
