@@ -499,7 +499,8 @@ def allocate_staging(prog: Program, options: MigrationOptions, transport: Transp
                   for size, count in _staging_layout(prog, options))
     if prefault:
         for i, st in enumerate(prog.steps):
-            for side, bufs in ((prog.sends.get(st.send), send), (prog.recvs.get(st.recv), recv)):
+            for side, bufs in ((prog.sends[st.send] if st.send is not None else None, send),
+                               (prog.recvs[st.recv] if st.recv is not None else None, recv)):
                 if side is None or not bufs:
                     continue
                 c0, _ = prog.chunk(side, st)

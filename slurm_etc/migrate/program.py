@@ -272,9 +272,9 @@ class Program:
         the pause)."""
         self.local_pieces()
         for st in self.steps:
-            for side in (self.sends.get(st.send), self.recvs.get(st.recv)):
-                if side is None:
-                    continue
+            sides = ([self.sends[st.send]] if st.send is not None else []) + \
+                ([self.recvs[st.recv]] if st.recv is not None else [])
+            for side in sides:
                 for a, b, seg in self.ops(side, st):
                     if seg < 0 or not side.segs.contiguous(seg):
                         self.pieces(side, a, b)
