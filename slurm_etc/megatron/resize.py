@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 
@@ -233,6 +234,8 @@ class InstallInterrupted(RuntimeError):
         self.tag, self.new_rank, self.shards, self.resume = tag, new_rank, shards, resume
 
 
+# a full pass of Python's garbage collector costs 0.5 s here: none runs in the pause
+@collector_paused()
 def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                     keep_shards: bool = False, faults: Any = None,
                     build_new: Callable[[ParallelConfig], TrainingState] | None = None,
@@ -272,28 +275,15 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         MigrationAborted: on every process if any failed; ``state`` and its training groups
             are untouched and the job can train on in the old layout.
     """
-    from slurm_etc.migrate.collector import collector_paused
-
-    if prepared.world is not None and build_new is not None:
-        raise ValueError("the new layout was built by prepare_resize(world=True): pass "
-                         "build_new there, not to resize_in_place")
-    # a full pass of Python's garbage collector costs 0.5 s here: none runs in the pause
-    with collector_paused():
-        return _pause(prepared, state, keep_shards=keep_shards, faults=faults,
-                      build_new=build_new, held=held, install_wait=install_wait)
-
-
-def _pause(prepared: PreparedResize, state: TrainingState | None, *, keep_shards: bool,
-           faults: Any, build_new: Callable[[ParallelConfig], TrainingState] | None,
-           held: tuple[list[LocalShard], ResumeState] | None,
-           install_wait: Callable[[float], bool] | None) -> ResizeOutcome:
-    """:func:`resize_in_place`'s work, with the garbage collector held off."""
     import torch.distributed as dist
 
     from slurm_etc.migrate.decision import CommitDecision
     from slurm_etc.migrate.executor import execute_migration
 
     plan, device, options = prepared.plan, prepared.device, prepared.options
+    if prepared.world is not None and build_new is not None:
+        raise ValueError("the new layout was built by prepare_resize(world=True): pass "
+                         "build_new there, not to resize_in_place")
     seconds: dict[str, float] = {"pause": time.time()}
     t = time.perf_counter()
     catalog = plan.catalog

@@ -35,6 +35,7 @@ without a new rank (a shrink) get none back and may exit.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import time
@@ -557,6 +558,24 @@ def _check_destinations(prog: Program, tensors: Sequence[torch.Tensor | None],
     return list(tensors)
 
 
+def _plain_tensor_ops(func: Callable) -> Callable:
+    """Run ``func`` with torch function modes off and without the garbage collector.
+
+    A mode a process installed for its own reasons (megatron's CPU compatibility mode
+    rewrites device arguments) would otherwise wrap each of the migration's thousands of
+    small tensor calls (checks, views, copies) in Python (0.008 s measured on ``small``);
+    none of them creates a tensor on a device by name. See :mod:`.collector` for the
+    collector.
+    """
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction(), collector_paused():
+            return func(*args, **kwargs)
+
+    return run
+
+
+@_plain_tensor_ops
 def execute_migration(plan, transport: Transport, device: int,
                       old_shards: Sequence[LocalShard], *,
                       options: MigrationOptions | None = None,
@@ -602,28 +621,6 @@ def execute_migration(plan, transport: Transport, device: int,
     Raises:
         MigrationAborted: on every rank when any rank failed; the old shards are untouched.
     """
-    # The whole migration runs its tensor operations (checks, views, copies) with torch
-    # function modes off: a mode a process installed for its own reasons (megatron's CPU
-    # compatibility mode rewrites device arguments) would otherwise wrap each of thousands
-    # of small calls in Python (0.008 s measured on `small`); none of them creates a tensor
-    # on a device by name. Python's garbage collector waits too (see .collector).
-    with torch._C.DisableTorchFunction(), collector_paused():
-        return _execute(plan, transport, device, old_shards, options=options, faults=faults,
-                        program=program, destinations=destinations, commit=commit,
-                        agreed=agreed, staging=staging)
-
-
-def _execute(plan, transport: Transport, device: int,
-           old_shards: Sequence[LocalShard], *,
-           options: MigrationOptions | None = None,
-           faults: FaultInjector | None = None,
-           program: Program | None = None,
-           destinations: Sequence[torch.Tensor | None] | None = None,
-           commit: Callable[[bool], bool] | None = None,
-           agreed: bool = False,
-           staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-           ) -> MigrationResult:
-    """:func:`execute_migration` inside its context (torch function modes off, no GC)."""
     options = options or MigrationOptions()
     faults = faults or FaultInjector()
     t_start = time.perf_counter()
