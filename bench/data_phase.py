@@ -4,9 +4,10 @@ Local processes build a real megatron-core state under the old layout (as ``slur
 migrate`` does), connect the migration group and prepare the destinations once, then run,
 interleaved ``--repeat`` times on the same processes and the same migration group:
 
-* the executor's data phase (``execute_migration`` into the prepared destinations; the old
-  state is only read, so it can run again) with its per-rank parts: local copies, packing,
-  unpacking, waits on the wire, votes;
+* the executor's data phase (``execute_migration`` into the prepared destinations, the old
+  state that stays on a process placed in them first unless ``--no-place``; the old state
+  is only read, so it can run again) with its per-rank parts: local copies, packing,
+  unpacking, waits on the wire, votes (the commit vote after the data phase apart);
 * the plan's raw message pattern (``slurm_etc.migrate.pattern.raw_pattern``: same messages,
   peers, rounds and chunks, warm contiguous buffers, nothing else).
 
@@ -32,13 +33,17 @@ from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.pool.local import LocalWorkers
 
-PARTS = ("local_seconds", "pack_seconds", "unpack_seconds", "wait_seconds", "vote_seconds")
+PARTS = ("local_seconds", "pack_seconds", "unpack_seconds", "wait_seconds", "vote_seconds",
+         "commit_seconds")
 
 
-def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> dict | None:
-    """Every participant: migration group, program, destinations (as prepare_resize)."""
+def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None,
+            place: bool = True) -> dict | None:
+    """Every participant: migration group, program, destinations, the old state that
+    stays placed in them (as prepare_resize)."""
     import torch.distributed as dist
 
+    from slurm_etc.megatron.placement import place_staying_state
     from slurm_etc.megatron.state import local_shards
     from slurm_etc.migrate.executor import (
         MigrationOptions,
@@ -60,12 +65,16 @@ def w_setup(ctx, tr: Transition, tag: str, staging_bytes: int | None = None) -> 
     program.warm()  # as prepare_resize
     agree(group.transport(), program, ctx.timeout_s)  # as prepare_resize: no gate in the pause
     state = ctx.objects.get("state")
+    destinations = allocate_destinations(program, options)
+    placed = 0
+    if place and state is not None:  # as prepare_resize(state=...)
+        placed = place_staying_state(state, plan.catalog, program, destinations).bytes
     ctx.objects["data"] = {
         "group": group, "program": program, "options": options,
-        "destinations": allocate_destinations(program, options),
+        "destinations": destinations,
         "staging": allocate_staging(program, options, group.transport()),
         "old": local_shards(state, plan.catalog) if state is not None else []}
-    return {"steps": len(program.steps), "kept": len(program.kept)}
+    return {"steps": len(program.steps), "kept": len(program.kept), "placed": placed}
 
 
 def w_data(ctx, tr: Transition, profile: bool = False) -> dict | None:
@@ -127,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=None, metavar="DEVICE")
     ap.add_argument("--staging-mb", type=int, default=None,
                     help="executor staging budget per rank (MiB); default: the executor's")
+    ap.add_argument("--no-place", action="store_true",
+                    help="leave the old state that stays where it is (the data phase copies "
+                         "it locally)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -152,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         job.run(w_build, tr.model, tr.old, tag=f"{tag}/old", seed=1234, steps=1,
                 seq=min(tr.model.seq_length, 64), global_batch=gb)
         job.run(setup, tr, f"{tag}/migrate",
-                staging_bytes=args.staging_mb << 20 if args.staging_mb else None)
+                staging_bytes=args.staging_mb << 20 if args.staging_mb else None,
+                place=not args.no_place)
         job.run(data, tr)  # warm-up: first use of the pairs and destinations
         job.run(pattern, tr)
         for _ in range(args.repeat):
@@ -177,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": [r["raw"] / r["data"] for r in runs],
         "median_run_ranks": [{k: r.get(k) for k in ("data_seconds", *PARTS, "sent_bytes",
                                                       "received_bytes", "local_bytes",
-                                                      "kept_whole_bytes", "direct_bytes",
+                                                      "kept_whole_bytes", "in_place_bytes",
+                                                      "direct_bytes",
                                                       "steps")}
                              for r in med["ranks"]],
     }
@@ -196,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"median: data {summary['data_seconds']:.4f} s, raw pattern "
               f"{summary['raw_pattern_seconds']:.4f} s, data_over_raw_pattern "
               f"{summary['data_over_raw_pattern']:.2f}")
-        print("median run, per rank: data | local pack unpack wait vote | sent recv local "
-              "kept direct (MiB)")
+        print("median run, per rank: data | local pack unpack wait vote commit | sent recv "
+              "local kept in-place direct (MiB)")
         for r in summary["median_run_ranks"]:
             mib = [r[k] / 2**20 for k in ("sent_bytes", "received_bytes", "local_bytes",
-                                          "kept_whole_bytes", "direct_bytes")]
+                                          "kept_whole_bytes", "in_place_bytes",
+                                          "direct_bytes")]
             print(f"  {r['data_seconds']:.4f} | " + " ".join(f"{r[k]:.4f}" for k in PARTS)
                   + " | " + " ".join(f"{x:.1f}" for x in mib))
         if profile:

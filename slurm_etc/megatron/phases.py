@@ -155,7 +155,8 @@ def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | 
 def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
               staging_bytes: int | None, world: bool = True) -> dict | None:
     """Every worker of old ∪ new, before the pause: ``resize.prepare_resize`` (``world``:
-    the new layout's groups, model and optimizer built now, the migration's destinations)."""
+    the new layout's groups, model and optimizer built now, the migration's destinations,
+    and the old state that stays on the process moved into them)."""
     from slurm_etc.migrate.executor import MigrationOptions
 
     from . import cpu_compat
@@ -169,7 +170,8 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
         options = dataclasses.replace(options, staging_bytes=staging_bytes)
     cpu_compat.install()
     prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag, options=options,
-                              group_timeout_s=ctx.timeout_s, world=world)
+                              group_timeout_s=ctx.timeout_s, world=world,
+                              state=ctx.objects.get("state") if world else None)
     ctx.objects["prepared"] = prepared
     return {"seconds": prepared.seconds}
 

@@ -25,6 +25,7 @@ from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 
 from .build import TrainingState
+from .placement import Placed, give_back, place_staying_state
 from .state import (
     Destinations,
     ResumeState,
@@ -62,6 +63,8 @@ class PreparedResize:
             departing process or without ``world=True``).
         receive: where the migration writes into the prepared world's state
             (:class:`.state.Destinations`).
+        placed: the old tensors that now live in the prepared world's memory
+            (:mod:`.placement`; given back if the resize aborts).
     """
 
     plan: Any
@@ -78,12 +81,13 @@ class PreparedResize:
     world: Any = None
     receive: Destinations | None = None
     staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    placed: Placed | None = None
 
 
 def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
                    group_timeout_s: float = 300.0, prefault: bool = True, world: bool = False,
-                   build_new: Callable[[ParallelConfig], TrainingState] | None = None
-                   ) -> PreparedResize:
+                   build_new: Callable[[ParallelConfig], TrainingState] | None = None,
+                   state: TrainingState | None = None) -> PreparedResize:
     """What an in-place resize can do while the old layout still trains (collective over
     ``plan.participants``: old ∪ new minus lost devices): connect the migration group from
     ``store`` (keys under ``tag``; the training groups stay untouched), compile this
@@ -110,6 +114,11 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
             layout (runs with the new world's default group and megatron globals in place;
             default: :func:`.build.build_modules` of the catalog's model, no initial
             weights drawn).
+        state: with ``world=True`` on a process of both layouts, its live old state: the
+            part that stays on this process moves into the prepared world now
+            (:func:`.placement.place_staying_state`; the old layout may train on, in that
+            memory), so the pause copies none of it. Without it nothing of the training
+            state is read here.
     """
     import torch.distributed as dist
 
@@ -147,10 +156,10 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
         group.destroy()
         raise
     seconds["allocate"] = time.perf_counter() - t
-    new_world = receive = None
+    new_world = receive = placed = None
     # the same keys on every participant (0 where nothing is built)
     seconds.update(prepare_world=0.0, world_group=0.0, world_megatron_groups=0.0,
-                   world_build=0.0)
+                   world_build=0.0, place=0.0)
     if world and device in plan.new.devices:
         t = time.perf_counter()
         new_world, receive = _prepare_new_world(plan, device, store, tag, program, build_new,
@@ -158,6 +167,10 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
         seconds["prepare_world"] = time.perf_counter() - t
         seconds.update({f"world_{k}": v for k, v in new_world.seconds.items()})
         destinations = receive.tensors
+        if state is not None and program.old_rank is not None:
+            t = time.perf_counter()
+            placed = _place(state, plan, program, receive, new_world, group)
+            seconds["place"] = time.perf_counter() - t
     else:
         if build_new is not None and world:
             raise ValueError("build_new given to a process outside the new layout")
@@ -165,7 +178,21 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
         destinations = allocate_destinations(program, options, prefault=prefault)
         seconds["allocate"] += time.perf_counter() - t
     return PreparedResize(plan, device, store, tag, group, program, destinations, options,
-                          memory, group_timeout_s, seconds, new_world, receive, staging)
+                          memory, group_timeout_s, seconds, new_world, receive, staging, placed)
+
+
+def _place(state: TrainingState, plan: Any, program: Any, receive: Destinations,
+           new_world: Any, group: Any) -> Placed:
+    """The old state that stays here, moved into the prepared world (all of it given back,
+    the world and the group dropped, if that fails)."""
+    views = [None if j in receive.alias else (t if t is not None else receive.copy.get(j))
+             for j, t in enumerate(receive.tensors)]
+    try:
+        return place_staying_state(state, plan.catalog, program, views)
+    except BaseException:
+        new_world.drop()
+        group.destroy()
+        raise
 
 
 def _prepare_new_world(plan: Any, device: int, store: Any, tag: str, program: Any,
@@ -311,6 +338,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     finally:
         prepared.destinations, prepared.staging = [], None
         prepared.group.destroy()
+        if not committed and prepared.placed is not None:
+            give_back(prepared.placed)  # memory of its own again, outside the new world
         if not committed and prepared.world is not None:
             prepared.world.drop()  # the old layout trains on
             prepared.world = prepared.receive = None

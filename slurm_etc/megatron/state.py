@@ -575,7 +575,10 @@ def finish_install(state: TrainingState, dest: Destinations, shards: Sequence[Lo
         for j, tgt in dest.adopt.items():
             tgt.adopt(shards[j].tensor)
         for j, view in dest.copy.items():
-            view.copy_(shards[j].tensor.detach().reshape(-1))
+            src = shards[j].tensor.detach().reshape(-1)
+            if src.data_ptr() == view.data_ptr():
+                continue  # placed there before the pause (placement.py)
+            view.copy_(src)
             copied += view.numel() * view.element_size()
         for j, (tgt, a, b) in dest.alias.items():
             if not torch.equal(_bits(tgt.flat(shards[j].key)[a:b]), _bits(shards[j].tensor)):

@@ -119,13 +119,15 @@ class MigrationStats:
     received_bytes: int = 0
     local_bytes: int = 0
     kept_whole_bytes: int = 0  # of local_bytes: new shards that are old shards, not copied
+    in_place_bytes: int = 0  # of local_bytes: already where they go (placed before the pause)
     direct_bytes: int = 0
     old_state_bytes: int = 0
     new_state_bytes: int = 0
     staging_budget: int = 0
     staging_bytes: int = 0
     compile_seconds: float = 0.0
-    data_seconds: float = 0.0
+    data_seconds: float = 0.0  # from the first step to this rank's last byte in place
+    commit_seconds: float = 0.0  # the commit vote after it
     total_seconds: float = 0.0
     pack_seconds: float = 0.0
     unpack_seconds: float = 0.0
@@ -348,6 +350,10 @@ class _Run:
                 if new in self.aliased:
                     continue
                 a, b = self.old_bytes[old], self.new_bytes[new]
+                if (a.data_ptr() + old_off == b.data_ptr() + new_off
+                        and _same_walk(sizes, old_strides, new_strides)):
+                    self.stats.in_place_bytes += _prod(sizes)  # placed before the pause
+                    continue
                 dsts.append(b.as_strided(sizes, new_strides, b.storage_offset() + new_off))
                 srcs.append(a.as_strided(sizes, old_strides, a.storage_offset() + old_off))
             _copy_all(dsts, srcs)
@@ -422,6 +428,12 @@ def _prod(xs) -> int:
     for x in xs:
         n *= x
     return n
+
+
+def _same_walk(sizes, strides_a, strides_b) -> bool:
+    """Whether two strided views of ``sizes`` from one address cover the same bytes in
+    the same order (strides of axes of size 1 do not count)."""
+    return all(a == b for n, a, b in zip(sizes, strides_a, strides_b) if n != 1)
 
 
 def _check_old_shards(prog: Program, shards: Sequence[LocalShard],
@@ -808,8 +820,10 @@ def execute_migration(plan, transport: Transport, device: int,
             except Exception as exc:  # noqa: BLE001
                 run.fail("failed before the commit vote", exc)
         faults.die_if(prog.group_rank, "before-commit")
+        t_commit = time.perf_counter()
+        stats.data_seconds = t_commit - t_data
         _commit_vote(run, len(steps), faults, commit)
-        stats.data_seconds = time.perf_counter() - t_data
+        stats.commit_seconds = time.perf_counter() - t_commit
     finally:
         if options.measure_memory:
             memory.stop()

@@ -9,9 +9,10 @@ once), real megatron-core state, per transition:
    step, generator);
 2. the old layout trains one step alone: reference loss and state digest; the snapshot is
    put back;
-3. the new world is prepared, and the old layout trains the same step beside it: loss
-   and state digest must be bit-equal to the reference (the prepared world neither
-   disturbs the old groups nor the generator);
+3. the new world is prepared (the old state that stays on a process moved into it,
+   ``megatron/placement.py``), and the old layout trains the same step beside it, in that
+   memory: loss and state digest must be bit-equal to the reference (the prepared world
+   neither disturbs the old groups nor the generator; a planted stale placement is caught);
 4. the in-place resize into the prepared world; its state is snapshotted; it trains 2 steps;
 5. oracle, sharing nothing with the prepared path: fresh default group, megatron's own
    ``initialize_model_parallel``, the state built normally (``build_empty_state``) and the
@@ -19,7 +20,8 @@ once), real megatron-core state, per transition:
    final state digest must be bit-equal to the prepared world's.
 
 A last case aborts the resize before the switch: the prepared world is dropped (no group
-of it stays registered) and the old layout trains on, bit-equal to its reference.
+of it stays registered), the placed old tensors get memory of their own again, and the old
+layout trains on, bit-equal to its reference.
 
 The oracle is shown to catch a planted fault: ``test_oracle_catches_wrong_groups`` builds
 the prepared world with megatron's globals left at the OLD world during the build (as a
@@ -44,6 +46,9 @@ SEQ, SEED = 16, 7
 def P(dp, tp=1, pp=1, dist=False):  # noqa: N802 - reads like the CLI's dp=..,tp=..,pp=..
     return ParallelConfig(dp, tp, pp, distributed_optimizer=dist)
 
+
+# cases where the old state that stays on a process moves into the prepared world
+PLACED = ("tp-reshape",)
 
 CASES = {
     "grow": (P(1, 2, 1), P(2, 2, 1)),
@@ -127,9 +132,12 @@ def w_old(ctx, tr, *, tag, gb):
     return ref
 
 
-def w_prepare_and_step(ctx, tr, *, tag, gb, naive=False):
-    """Every participant: prepare the new world; the old ranks then train the reference
-    step beside it."""
+def w_prepare_and_step(ctx, tr, *, tag, gb, naive=False, stale=False):
+    """Every participant: prepare the new world, the old state that stays placed in it;
+    the old ranks then train the reference step beside it (in the placed memory).
+
+    ``stale`` plants a placement that did not carry the values over (the placed memory is
+    zeroed after the move)."""
     import torch.distributed.distributed_c10d as c10d
 
     from slurm_etc.megatron import cpu_compat
@@ -142,13 +150,21 @@ def w_prepare_and_step(ctx, tr, *, tag, gb, naive=False):
         return None
     ctx.objects["groups_before"] = len(c10d._world.pg_map)
     build_new = _naive_build(tr) if naive else None
+    state = ctx.objects.get("state")
     prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag,
                               options=MigrationOptions(timeout_s=120), group_timeout_s=120,
-                              world=True, build_new=build_new)
+                              world=True, build_new=build_new, state=state)
     ctx.objects["prepared"] = prepared
+    placed = prepared.placed
+    if stale and placed is not None:
+        import torch
+
+        with torch.no_grad():
+            for target in placed.targets:
+                target.base().zero_()
     out = {"prepared": prepared.world is not None,
-           "groups_prepared": len(prepared.world.groups) if prepared.world else 0}
-    state = ctx.objects.get("state")
+           "groups_prepared": len(prepared.world.groups) if prepared.world else 0,
+           "placed_bytes": placed.bytes if placed is not None else 0}
     if state is not None:
         out["step"] = (_step(state, gb), _digest(state))
     return out
@@ -197,7 +213,11 @@ def w_resize(ctx, *, faults=None):
             ctx.objects["state"] = state
         return {"aborted": True,
                 "groups_left": len(c10d._world.pg_map) - ctx.objects["groups_before"],
-                "digest": _digest(state) if state is not None else None}
+                "digest": _digest(state) if state is not None else None,
+                # the placed tensors have memory of their own again
+                "own_memory": state is None or all(
+                    p.untyped_storage().nbytes() == p.numel() * p.element_size()
+                    for p in state.gpt.parameters())}
     del state
     if out.state is None:
         ctx.drop()
@@ -207,7 +227,9 @@ def w_resize(ctx, *, faults=None):
     return {"new_rank": prepared.plan.new.devices.index(ctx.index),
             "phases": sorted(k for k in out.seconds if k not in ("pause", "ready")),
             "adopted": out.stats["adopted"],
-            "received_into_state_bytes": out.stats["received_into_state_bytes"]}
+            "received_into_state_bytes": out.stats["received_into_state_bytes"],
+            "in_place_bytes": out.stats["in_place_bytes"],
+            "copied_bytes": out.stats["copied_bytes"]}
 
 
 def w_train(ctx, *, gb, steps=2):
@@ -239,16 +261,18 @@ def w_normal_world(ctx, tr, *, tag, gb, steps=2):
 
 # -- the cases ---------------------------------------------------------------------------------
 
-def _run(workers, name, old, new, *, naive=False):
+def _run(workers, name, old, new, *, naive=False, stale=False):
     tr = Transition(TINY6, old, new)
     gb = batch_for(old, new)
-    tag = f"pw-{name}{'-naive' if naive else ''}"
+    tag = f"pw-{name}{'-naive' if naive else ''}{'-stale' if stale else ''}"
     refs = workers.run(w_old, tr, tag=tag, gb=gb)
     if naive:
         workers.run(w_keep_old_globals)
-    prepared = workers.run(w_prepare_and_step, tr, tag=f"{tag}/resize", gb=gb, naive=naive)
+    prepared = workers.run(w_prepare_and_step, tr, tag=f"{tag}/resize", gb=gb, naive=naive,
+                           stale=stale)
     for i, (ref, prep) in enumerate(zip(refs, prepared)):
-        if ref is not None:  # the old layout's step beside the prepared world: unchanged
+        if ref is not None:  # the old layout's step beside the prepared world, in the
+            # memory placed there: unchanged
             assert prep["step"] == ref, f"worker {i}: the old layout's step changed"
     resized = workers.run(w_resize)
     trained = workers.run(w_train, gb=gb)
@@ -271,6 +295,13 @@ def test_prepared_world_trains_like_a_normal_one(workers, name):
         r = resized[dev]
         assert r["phases"] == ["migrate", "resume", "switch"], r
         assert r["received_into_state_bytes"] > 0 or r["adopted"] > 0
+    placed = {dev: prepared[dev]["placed_bytes"] for dev in plan.new.devices}
+    in_place = {dev: resized[dev]["in_place_bytes"] for dev in plan.new.devices}
+    print(name, "placed", placed, "in place", in_place,
+          "copied at the switch", {dev: resized[dev]["copied_bytes"] for dev in placed})
+    if name in PLACED:  # the old state that stays was moved before the pause
+        staying = [d for d in plan.new.devices if d in plan.old.devices]
+        assert all(placed[d] > 0 for d in staying), placed
     departing = set(plan.old.devices) - set(plan.new.devices)
     for dev in departing:
         assert resized[dev] == {"new_rank": None}
@@ -281,25 +312,37 @@ def test_prepared_world_trains_like_a_normal_one(workers, name):
             f"device {dev}: prepared world {trained[dev]} != normally built {normal[dev]}")
 
 
+def test_a_stale_placement_is_caught(workers):
+    """Planted: the placed memory loses its values after the move (a placement that did
+    not carry them over): the old layout's step beside the prepared world differs from its
+    reference."""
+    old, new = CASES["tp-reshape"]
+    with pytest.raises(AssertionError, match="the old layout's step changed"):
+        _run(workers, "stale", old, new, stale=True)
+    workers.run(_drop)
+
+
 def test_abort_drops_the_prepared_world(workers):
     """A failure before the commit: every participant raises MigrationAborted, the prepared
-    world's groups are gone, the old layout trains on bit-equal to its reference."""
+    world's groups are gone, the old state that had moved into it has memory of its own
+    again, and the old layout trains on bit-equal to its reference."""
     from slurm_etc.migrate.faults import FaultInjector
 
-    old, new = CASES["grow"]
+    old, new = CASES["tp-reshape"]
     tr = Transition(TINY6, old, new)
     gb = batch_for(old, new)
     refs = workers.run(w_old, tr, tag="pw-abort", gb=gb)
     # the reference step was put back; beside the prepared world the same step again
     prepared = workers.run(w_prepare_and_step, tr, tag="pw-abort/resize", gb=gb)
-    assert [p["step"] for p in prepared[:2]] == refs[:2]
+    assert [p["step"] for p in prepared] == refs
+    assert all(p["placed_bytes"] > 0 for p in prepared)  # moved into the new world
     resized = workers.run(w_resize, faults=FaultInjector().fail(2, at="before"))
     assert all(r["aborted"] and r["groups_left"] == 0 for r in resized), resized
+    assert all(r["own_memory"] for r in resized), resized  # and given back
     # the old state is untouched by the aborted migration (and its generator too)
-    assert [r["digest"] for r in resized[:2]] == [p["step"][1] for p in prepared[:2]]
+    assert [r["digest"] for r in resized] == [p["step"][1] for p in prepared]
     after = workers.run(w_train, gb=gb, steps=1)
-    assert after[2:] == [None, None]
-    assert len({tuple(a[0]) for a in after[:2]}) == 1  # the old layout trains on, in step
+    assert len({tuple(a[0]) for a in after}) == 1  # the old layout trains on, in step
     workers.run(_drop)
 
 
