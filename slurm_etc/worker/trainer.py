@@ -489,7 +489,8 @@ class ElasticTrainer:
         began = time.time()
         options = MigrationOptions(timeout_s=proc.timeout_s)
         # The new layout's world (its groups, and the user's model, DDP and optimizer built
-        # empty) is prepared first and the migration writes straight into it; the pause
+        # empty) is prepared first and the migration writes straight into it, the old state
+        # that stays on this process moved in already (megatron/placement.py); the pause
         # then holds the data phase and the switch (see megatron/resize.py). The worker
         # prepares at the step boundary where the order was agreed, so the pause it reports
         # counts the preparation too.
@@ -499,7 +500,7 @@ class ElasticTrainer:
         try:
             prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
                                       group_timeout_s=proc.timeout_s, world=True,
-                                      build_new=build_new)
+                                      build_new=build_new, state=self.state)
         except BaseException:
             self.catalog = catalog
             raise
