@@ -15,6 +15,14 @@ Printed per repeat: the slowest rank's data phase and raw pattern and their rati
 median and each rank's parts in the median run. With ``--profile RANK`` that rank's data
 phase also runs under cProfile once (top functions by internal time).
 
+``--diagnose`` takes work out of the data phase to measure what it costs (the new state is
+then wrong: a measurement only, never a migration):
+
+* ``no-local``: the local copies are skipped;
+* ``scratch``: no local copies, and every operation sends from / receives into one scratch
+  buffer per rank instead of the shards (no packing, no unpacking, not the shards' memory):
+  the executor's message pattern, votes and steps on the wire alone.
+
     .venv/bin/python bench/data_phase.py --model small --from dp=1,tp=2,pp=2 \\
         --to dp=2,tp=1,pp=2 [--distributed-optimizer] [--repeat 5] [--profile 0] [--json]
 """
@@ -113,6 +121,36 @@ def w_data(ctx, tr: Transition, profile: bool = False) -> dict | None:
     return out
 
 
+def w_diagnose(ctx, mode: str) -> None:
+    """Take work out of this worker's data phase (see ``--diagnose``; a measurement only)."""
+    import torch
+
+    from slurm_etc.migrate import executor
+
+    executor._Run.local_copies = lambda self: None
+    if mode != "scratch":
+        return
+    scratch: dict[str, torch.Tensor] = {}
+
+    def buffer(kind: str, nbytes: int) -> torch.Tensor:
+        if kind not in scratch or scratch[kind].numel() < nbytes:
+            scratch[kind] = torch.ones(nbytes, dtype=torch.uint8)
+        return scratch[kind]
+
+    def pack(self, side, step, buf):
+        c0, c1 = self.prog.chunk(side, step)
+        b = buffer("send", c1 - c0)
+        return [b[a - c0:e - c0] for a, e, _ in self.prog.ops(side, step)]
+
+    def receive_into(self, side, step, buf):
+        c0, c1 = self.prog.chunk(side, step)
+        b = buffer("receive", c1 - c0)
+        return [(b[a - c0:e - c0], a, e, False) for a, e, _ in self.prog.ops(side, step)]
+
+    executor._Run.pack = pack
+    executor._Run.receive_into = receive_into
+
+
 def w_pattern(ctx, tr: Transition, chunked: bool = False) -> float | None:
     """The plan's raw pattern once on the same migration group (whole messages, or in the
     executor's chunks); this rank's seconds."""
@@ -139,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-place", action="store_true",
                     help="leave the old state that stays where it is (the data phase copies "
                          "it locally)")
+    ap.add_argument("--diagnose", choices=("no-local", "scratch"), default=None,
+                    help="take the local copies (no-local), or also packing, unpacking and "
+                         "the shards' memory (scratch), out of the data phase to measure "
+                         "what they cost; the new state is then wrong")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -153,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # the workers import this file by its module name (bench/ is on the path they get)
     from data_phase import w_data as data
+    from data_phase import w_diagnose as diagnose
     from data_phase import w_pattern as pattern
     from data_phase import w_setup as setup
 
@@ -166,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         job.run(setup, tr, f"{tag}/migrate",
                 staging_bytes=args.staging_mb << 20 if args.staging_mb else None,
                 place=not args.no_place)
+        if args.diagnose:
+            job.run(diagnose, args.diagnose)
         job.run(data, tr)  # warm-up: first use of the pairs and destinations
         job.run(pattern, tr)
         for _ in range(args.repeat):
@@ -182,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = tr.plan()
     med = sorted(runs, key=lambda r: r["data"])[len(runs) // 2]
     summary = {
-        "transition": str(tr), "moved_bytes": plan.moved_bytes, "messages": len(plan.messages),
+        "transition": str(tr), "diagnose": args.diagnose, "moved_bytes": plan.moved_bytes,
+        "messages": len(plan.messages),
         "rounds": plan.rounds, "load_1min": load,
         "data_seconds": statistics.median(r["data"] for r in runs),
         "raw_pattern_seconds": statistics.median(r["raw"] for r in runs),
@@ -202,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{summary['transition']}: moved {plan.moved_bytes / 2**20:.1f} MiB in "
               f"{len(plan.messages)} messages, {plan.rounds} rounds; load {load[0]:.1f} -> "
-              f"{load[1]:.1f}")
+              f"{load[1]:.1f}" + (f"; DIAGNOSE {args.diagnose}: the new state is not "
+                                   "built" if args.diagnose else ""))
         for r in runs:
             print(f"  data {r['data']:.4f} s  raw pattern {r['raw']:.4f} s  "
                   f"ratio {r['raw'] / r['data']:.2f}  (raw pattern in the executor's chunks "
