@@ -96,23 +96,24 @@ def shown(value: object) -> str:
 # ---------------------------------------------------------------- the bounds
 
 GPUS = 131_072
-NODES = Bound("nodes", 1, 16_384, "the largest clusters (Slurm's own tests go to 16k nodes)")
+NODES = Bound("nodes", 1, 16_384, "16,384 nodes x 8 GPUs is the devices bound")
 GPUS_PER_NODE = Bound("devices per node", 1, 1_024,
-                      "8-72 GPUs per node/rack domain today; 1,024 leaves room (CPU slots)")
-DEVICES = Bound("devices", 1, GPUS, "131,072 GPUs in one job: today's largest runs x 4")
+                      "8 GPUs per node today (72 in an NVL72 domain); CPU worker slots")
+DEVICES = Bound("devices", 1, GPUS, "above the largest training jobs reported (~100k GPUs)")
 NODE_INDEX = Bound("node index", 0, NODES.high - 1, "an index into at most 16,384 nodes")
 STEPS = Bound("steps", 0, 100_000_000, "1e6-step runs x 100")
-BATCH = Bound("samples", 1, 1 << 24, "16 Mi samples per global batch (today: ~16k)")
-SECONDS = Bound("seconds", 0, 30 * 86_400, "30 days: longer than any Slurm time limit here",
+BATCH = Bound("samples", 1, 1 << 24, "global batches of a few thousand samples today")
+SECONDS = Bound("seconds", 0, 30 * 86_400, "30 days: beyond common Slurm time limits",
                 integer=False)
 WATCH_S = Bound("seconds", 0.2, 86_400, "one redraw a day at the least", integer=False)
 HOURS = Bound("hours", 0.1, 24 * 366, "one simulated year", integer=False)
 SIM_JOBS = Bound("elastic jobs", 1, 1_024, "more elastic jobs than one cluster runs")
 SIM_SECONDS = Bound("seconds", 0, 366 * 86_400, "one simulated year", integer=False)
 TRACE_EVENTS = Bound("events", 0, 1_000_000,
-                     "three years of a busy 256-node cluster; the simulator's work and memory "
-                     "grow with the events (a synthetic trace's expected count: nodes x GPUs "
-                     "x hours x load, plus jobs x hours)")
+                     "about 2 years of the default 256-node synthetic cluster (1,384 events a "
+                     "day); the simulator's time and memory grow with the events (35 s for "
+                     "1,297 events measured here): a synthetic trace's expected count "
+                     "(nodes x GPUs x hours x load, plus jobs x hours) is checked too")
 TRACE_JOBS = Bound("elastic jobs", 0, 1_024, "as --jobs")
 TRACE_POLICIES = Bound("policies", 0, 4_096, "a policy per partition and account")
 SCRIPT_EVENTS = Bound("events", 0, 100_000, "a scripted local cluster, one event a step")
@@ -130,14 +131,14 @@ DEGREE = Bound("degrees", 1, GPUS, "a parallel degree within the devices bound")
 DEGREES = Bound("degrees in a list", 1, 64, "the distinct useful tp/pp degrees")
 
 # Model descriptions (megatron-core GPTModel), with room above today's largest models.
-LAYERS = Bound("layers", 1, 1_024, "today's deepest: ~128 layers")
-HIDDEN = Bound("hidden size", 1, 131_072, "today's widest: ~25k")
-FFN = Bound("MLP size", 1, 1_048_576, "today's: ~100k")
-HEADS = Bound("heads", 1, 4_096, "today's: ~128")
-VOCAB = Bound("tokens", 1, 1 << 24, "16 Mi tokens (today: ~256k)")
-SEQ = Bound("tokens", 1, 1 << 23, "8 Mi tokens of context (today: ~1M)")
+LAYERS = Bound("layers", 1, 1_024, "126 in a 405 B model")
+HIDDEN = Bound("hidden size", 1, 131_072, "16,384 in a 405 B model")
+FFN = Bound("MLP size", 1, 1_048_576, "53,248 in a 405 B model")
+HEADS = Bound("heads", 1, 4_096, "128 in a 405 B model")
+VOCAB = Bound("tokens", 1, 1 << 24, "256k-token vocabularies today")
+SEQ = Bound("tokens", 1, 1 << 23, "1M-token contexts today")
 VOCAB_DIVISOR = Bound("(divisor)", 1, 1 << 16, "megatron's default is 128")
-PARAMS = Bound("parameters", 1, 10 ** 13, "10 T parameters (today's largest: ~2 T)")
+PARAMS = Bound("parameters", 1, 10 ** 13, "models up to ~2 T parameters, x 5")
 
 # Free text: a Slurm name, a job id, a path.
 NAME_CHARS = 128
@@ -208,3 +209,17 @@ def read_capped(path: str | os.PathLike[str], limit: int = FILE_BYTES) -> bytes:
 def table() -> list[tuple[str, Bound]]:
     """Every named bound of this module, for the README table."""
     return [(name, b) for name, b in globals().items() if isinstance(b, Bound)]
+
+
+def markdown_table() -> str:
+    """The bounds as the Markdown table docs/bounds.md shows (a test keeps them equal)."""
+    rows = ["| bound | range | of | why |", "|---|---|---|---|"]
+    for name, b in table():
+        rows.append(f"| `{name}` | {figure(b.low)} .. {figure(b.high)} | {b.quantity} | "
+                    f"{b.why} |")
+    rows.append(f"| text | at most {NAME_CHARS} characters (names, ids), {LINE_CHARS:,} "
+                f"(a reason, a layout sequence, a node list), {PATH_CHARS:,} (paths, URLs) | "
+                "characters | no control characters (C0, DEL, C1) nor bidi overrides |")
+    rows.append(f"| files | at most {FILE_BYTES >> 20} MiB, JSON nested at most as deep as "
+                "Python's recursion limit | bytes | a model, hardware, trace or events file |")
+    return "\n".join(rows) + "\n"

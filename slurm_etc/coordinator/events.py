@@ -180,6 +180,11 @@ def load_script(path: str | Path) -> EventsScript:
             raise ScriptError(f"{source}: YAML scripts need PyYAML (pip install pyyaml); "
                               f"or write the script as JSON") from None
         try:
+            # An alias repeats a node by reference: a few lines of them expand to billions of
+            # values when the script is checked (billion laughs). Scripts need none.
+            if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(raw)):
+                raise ScriptError(f"{source}: YAML aliases (*name) are not allowed in a "
+                                  "script; write the values out")
             obj = yaml.safe_load(raw)
         except yaml.YAMLError as e:
             raise ScriptError(f"{source}: not valid YAML: {_one_line(str(e))}") from None

@@ -32,6 +32,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from slurm_etc import bounds
 from slurm_etc.cli import params
 from slurm_etc.cli.main import cli
 from slurm_etc.coordinator.events import EVENT_BOUNDS, SCRIPT_BOUNDS, EventSpec, ScriptSpec
@@ -443,9 +444,9 @@ def test_sizes_inside_the_bounds_still_work(box: Path) -> None:
 
 
 # The issue's cases through the real executable, under the memory limit it measured with.
-EXE_CASES = ["simulate-nodes-1e8", "simulate-hours-1e9", "trace-cluster-nodes-1e8",
-             "run-nodes-100000-gpus-1024", "run-events-nodes-x-gpus", "plan-add-nodes-1e11",
-             "model-hidden-4.48e12", "policy-max-nodes-1e20", "run-name-300"]
+EXE_CASES = ["simulate-hours-1e9", "trace-cluster-nodes-1e8", "run-nodes-100000-gpus-1024",
+             "run-events-nodes-x-gpus", "plan-add-nodes-1e11", "model-hidden-4.48e12",
+             "policy-max-nodes-1e20"]
 
 
 def _limit_memory() -> None:
@@ -465,3 +466,87 @@ def test_the_issue_cases_under_a_memory_limit(box: Path, case: str) -> None:
     assert words in _one_line(proc.stderr)
     assert proc.stdout == ""
     assert _tree(box) == before
+
+
+# ---------------------------------------------------------------- the documented table
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bounds.md"
+DOC_HEAD = """# Bounds: every size a user can type
+
+Generated from `slurm_etc/bounds.py`, the click definitions and the schemas' bounds tables by
+`python -m tests.unit.test_bounds_property > docs/bounds.md`;
+`tests/unit/test_bounds_property.py` fails when this file and the code differ, when an option
+or a numeric field has no bound, and unless every bound below refuses a value past it with one
+line, exit 2 and nothing written.
+
+A value past its bound is refused while the command line or the file is parsed, before
+anything is allocated, opened or written; products of bounded values are bounded too
+(nodes x GPUs per node, dp x tp x pp, a model's parameters, the old layout's nodes plus
+`--add-nodes`, a synthetic trace's expected events).
+
+"""
+
+
+def _where() -> dict[tuple[str, float, float], list[str]]:
+    """Each bound (by quantity and range) -> the options and fields it bounds."""
+    out: dict[tuple[str, float, float], list[str]] = {}
+
+    def add(b: bounds.Bound, where: str) -> None:
+        out.setdefault((b.quantity, b.high, b.why), []).append(where)
+
+    for path, _, p in sizing_params():
+        if isinstance(p.type, params.Number):
+            add(p.type.bound, f"`{' '.join(path)} {p.opts[0]}`")
+        elif isinstance(p.type, params.Layout):
+            add(bounds.DEVICES, f"`{' '.join(path)} {p.opts[0]}` (dp x tp x pp)")
+    for f, b in MODEL_BOUNDS.items():
+        add(b, f"model `{f}`")
+    for cls, table in TRACE_BOUNDS.items():
+        for f, b in table.items():
+            add(b, f"trace {_PART[cls.__name__]} `{f}`")
+    for f, b in {**SCRIPT_BOUNDS}.items():
+        add(b, f"events script `{f}`")
+    for f, b in EVENT_BOUNDS.items():
+        add(b, f"events script event `{f}`")
+    for f, b in POLICY_BOUNDS.items():
+        add(b, f"policy `{f}`")
+    return out
+
+
+# Bounds on counts and products, which no single option or field carries.
+COUNTS = {
+    "DEVICES": "nodes x GPUs per node of `run`, `simulate`, `plan` (with `--add-nodes`), a "
+               "trace's cluster, an events script",
+    "NODES": "`plan`: the old layout's nodes + `--add-nodes`",
+    "TRACE_EVENTS": "events in a trace; a synthetic trace's expected events",
+    "TRACE_JOBS": "elastic jobs in a trace", "TRACE_POLICIES": "policies in a trace",
+    "SCRIPT_EVENTS": "events in an events script",
+    "DEGREES": "policy `allowed_tp`/`allowed_pp`: degrees in the list",
+    "PARAMS": "a model's parameters (layers x (attention + MLP) + embeddings)",
+}
+
+
+def render_bounds_doc() -> str:
+    where = _where()
+    for name, b in bounds.table():
+        if name in COUNTS:
+            where.setdefault((b.quantity, b.high, b.why), []).append(COUNTS[name])
+    rows = ["| bound | range | of | applies to | why |", "|---|---|---|---|---|"]
+    for name, b in bounds.table():
+        used = where.get((b.quantity, b.high, b.why), [])
+        rows.append(f"| `{name}` | {bounds.figure(b.low)} .. {bounds.figure(b.high)} | "
+                    f"{b.quantity} | {', '.join(used)} | {b.why} |")
+    text = bounds.markdown_table().splitlines()[-2:]
+    rows += [r.replace(" | characters | ", " | characters | every text option and field | ")
+             .replace(" | bytes | ", " | bytes | `--model`, `--hardware`, `--trace`, "
+                      "`--events` files | ") for r in text]
+    return DOC_HEAD + "\n".join(rows) + "\n"
+
+
+def test_the_documented_table_is_the_code() -> None:
+    assert DOC.read_text() == render_bounds_doc(), (
+        "docs/bounds.md differs from the code: regenerate it (see its first lines)")
+
+
+if __name__ == "__main__":
+    print(render_bounds_doc(), end="")
