@@ -24,6 +24,7 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class BoundError(ValueError):
@@ -202,8 +203,25 @@ def read_capped(path: str | os.PathLike[str], limit: int = FILE_BYTES) -> bytes:
     with Path(path).open("rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise BoundError(f"{path} is larger than {limit >> 20} MiB; is it the right file?")
+        raise BoundError(f"larger than {limit >> 20} MiB; is it the right file?")
     return data
+
+
+def json_int(digits: str) -> int:
+    """``json.loads``'s ``parse_int``: an integer of more digits than any bound has is refused
+    before Python converts it (beyond 4,300 digits ``int()`` raises a bare ValueError)."""
+    if len(digits.lstrip("-")) > 40:
+        raise BoundError(f"a {len(digits.lstrip('-')):,}-digit integer is past every bound")
+    return int(digits)
+
+
+def load_json(data: bytes) -> Any:
+    """JSON from a user's file with bounded integers (``json_int``). Raises what
+    ``json.loads`` raises (JSONDecodeError, UnicodeDecodeError, RecursionError) and
+    BoundError."""
+    import json
+
+    return json.loads(data.decode(), parse_int=json_int)
 
 
 def table() -> list[tuple[str, Bound]]:

@@ -34,9 +34,9 @@ def load_hardware(value: str) -> Hardware:
         raise ConfigError(f"--hardware {value!r}: not a profile ({', '.join(PROFILES)}) "
                           "nor a JSON file of device figures")
     try:
-        figures = json.loads(bounds.read_capped(path).decode())
+        figures = bounds.load_json(bounds.read_capped(path))
     except bounds.BoundError as err:
-        raise ConfigError(f"--hardware {err}") from None
+        raise ConfigError(f"--hardware {value}: {err}") from None
     except RecursionError:
         raise ConfigError(f"--hardware {value}: nests too deeply to be device figures"
                           ) from None

@@ -203,9 +203,9 @@ def load_model(spec: str) -> ModelDesc:
         raise ConfigError(f"unknown model {spec!r}; presets: {', '.join(PRESETS)}, "
                           "or the path of a JSON model description")
     try:
-        data = json.loads(bounds.read_capped(path).decode())
+        data = bounds.load_json(bounds.read_capped(path))
     except bounds.BoundError as exc:
-        raise ConfigError(f"model file {exc}") from None
+        raise ConfigError(f"model file {spec}: {exc}") from None
     except RecursionError:
         raise ConfigError(f"model file {spec} nests too deeply to be a model description"
                           ) from None

@@ -120,9 +120,9 @@ def load_trace(path: str | Path) -> Trace:
         TraceError: unreadable file, malformed JSON or an invalid entry (with its place).
     """
     try:
-        data = json.loads(bounds.read_capped(path).decode())
+        data = bounds.load_json(bounds.read_capped(path))
     except bounds.BoundError as exc:
-        raise TraceError(f"trace file {exc}") from None
+        raise TraceError(f"trace file {path}: {exc}") from None
     except RecursionError:
         raise TraceError(f"trace file {path} nests too deeply to be a trace") from None
     except FileNotFoundError:

@@ -377,6 +377,12 @@ PRODUCT_AND_FOUND: list[tuple[str, list[str], dict[str, object], str]] = [
             "ffn_hidden": 524288}}, "parameters"),
     ("model-name-escape", ["plan", "--model", "{m}", *LAYOUTS],
      {"m": {**MODEL, "name": "m\x1b[2J"}}, "control character"),
+    ("model-5000-digits", ["plan", "--model", "{m}", *LAYOUTS],
+     {"m": json.dumps(MODEL).replace('"hidden": 64', '"hidden": ' + "9" * 5000)}, "digit"),
+    ("trace-5000-digits", ["simulate", "--trace", "{t}"],
+     {"t": json.dumps(TRACE).replace('"nodes": 4', '"nodes": ' + "9" * 5000)}, "digit"),
+    ("hardware-5000-digits", [*RUN, "--hardware", "{h}", *WORKER],
+     {"h": '{"memory_gib": ' + "9" * 5000 + "}"}, "digit"),
     ("model-deeply-nested", ["plan", "--model", "{m}", *LAYOUTS], {"m": "[" * 200_000},
      "nests too deeply"),
     ("policy-max-nodes-1e20", ["policy", "--db", "{box}/tmp/p.db", "set", "--partition", "gpu",
@@ -466,6 +472,17 @@ def test_the_issue_cases_under_a_memory_limit(box: Path, case: str) -> None:
     assert words in _one_line(proc.stderr)
     assert proc.stdout == ""
     assert _tree(box) == before
+
+
+def test_a_yaml_script_with_aliases_is_refused(box: Path) -> None:
+    """A few lines of YAML aliases expand to billions of values when checked."""
+    pytest.importorskip("yaml")
+    laughs = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n"
+        for i in range(8))
+    events = box / "tmp" / "events.yaml"
+    events.write_text(f"nodes: 2\n{laughs}")
+    refuse(box, [*RUN, "--events", str(events), *WORKER], "aliases")
 
 
 # ---------------------------------------------------------------- the documented table
