@@ -481,7 +481,7 @@ def test_a_yaml_script_with_aliases_is_refused(box: Path) -> None:
         f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n"
         for i in range(8))
     events = box / "tmp" / "events.yaml"
-    events.write_text(f"nodes: 2\n{laughs}")
+    events.write_text(f"{laughs}nodes: 2\nevents: [{{at_step: 1, grant: 1, reason: *i}}]\n")
     refuse(box, [*RUN, "--events", str(events), *WORKER], "aliases")
 
 
