@@ -108,7 +108,8 @@ TRACE_BOUNDS: dict[type, dict[str, bounds.Bound]] = {
                   "inter_node_gbps": bounds.GBPS},
     ElasticJobSpec: {"global_batch": bounds.BATCH, "nodes": bounds.NODES,
                      "micro_batch": bounds.BATCH, "start": bounds.SIM_SECONDS},
-    Event: {"t": bounds.SIM_SECONDS, "gpus": bounds.GPUS_PER_NODE, "nodes": bounds.NODES,
+    # a preemption takes GPUs across nodes; grow and submit are checked against one node
+    Event: {"t": bounds.SIM_SECONDS, "gpus": bounds.DEVICES, "nodes": bounds.NODES,
             "node": bounds.NODE_INDEX, "duration": bounds.SIM_SECONDS},
 }
 
