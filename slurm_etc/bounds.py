@@ -126,7 +126,9 @@ MEMORY_GIB = Bound("GiB", 0.001, 65_536.0, "64 TiB per device", integer=False)
 TFLOPS = Bound("TFLOP/s", 0.001, 1_000_000.0, "1 EFLOP/s per device", integer=False)
 MIB = Bound("MiB", 1, 1 << 20, "1 TiB of staging or probe memory per process")
 REPEAT = Bound("repeats", 1, 1_000, "a benchmark repeated 1,000 times")
-PROCESSES = Bound("local processes", 1, 1_024, "processes on one machine")
+PROCESSES = Bound("local processes", 1, 1_024,
+                  "processes on one machine (the local backend starts one per device it "
+                  "holds, so its scripted cluster has at most this many devices)")
 RESIZES_PER_HOUR = Bound("resizes per hour", 0, 3_600, "one a second")
 DEGREE = Bound("degrees", 1, GPUS, "a parallel degree within the devices bound")
 DEGREES = Bound("degrees in a list", 1, 64, "the distinct useful tp/pp degrees")

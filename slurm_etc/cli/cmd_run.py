@@ -176,9 +176,10 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         from ..coordinator.events import ScriptError, load_script, script_from_options
 
         if not events_file:
-            check_product("--nodes x --gpus-per-node",
+            # the local backend runs a process per device it holds, all on this host
+            check_product("the local cluster",
                           {"--nodes": nodes, "--gpus-per-node": gpus_per_node},
-                          bounds.DEVICES)
+                          bounds.PROCESSES)
         try:
             script = (load_script(events_file) if events_file
                       else script_from_options(nodes, gpus_per_node))

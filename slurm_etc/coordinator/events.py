@@ -264,10 +264,10 @@ def _validated(spec: ScriptSpec, source: str) -> EventsScript:
 
     if spec.initial_nodes > spec.nodes:
         raise fail(f"initial_nodes ({spec.initial_nodes}) exceeds nodes ({spec.nodes})")
-    try:  # before the topology lists every device
-        bounds.check_product("the cluster", {"nodes": spec.nodes,
-                                             "gpus_per_node": spec.gpus_per_node},
-                             bounds.DEVICES)
+    try:  # before the topology lists every device; each can become a process on this host
+        bounds.check_product("the local cluster", {"nodes": spec.nodes,
+                                                   "gpus_per_node": spec.gpus_per_node},
+                             bounds.PROCESSES)
         for i, ev in enumerate(spec.events, start=1):
             bounds.check_text(f"event {i}: reason", ev.reason, bounds.LINE_CHARS)
             for kind in _KINDS:

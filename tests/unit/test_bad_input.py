@@ -243,7 +243,7 @@ CASES: list[tuple[str, list[str], str]] = [
                                    "100000000000"], "--add-nodes"),
     ("run-nodes-x-gpus-past-bound", ["run", "--nodes", "16384", "--gpus-per-node", "1024",
                                      "--model", "tiny", "--global-batch", "8", *WORKER],
-     "131,072 devices"),
+     "1,024 local processes"),
     ("run-name-control-character", [*RUN, "--name", "a\x1b[2Jb", *WORKER], "U+001B"),
     ("policy-value-past-bound", ["policy", "--db", f"{M}/good.db", "set", "--partition", "gpu",
                                  "max_nodes=100000000000000000000"], "max_nodes"),

@@ -342,9 +342,11 @@ PRODUCT_AND_FOUND: list[tuple[str, list[str], dict[str, object], str]] = [
                                     "--model", "tiny", "--global-batch", "8", *WORKER], {},
      "--nodes"),
     ("run-nodes-x-gpus", ["run", "--nodes", "16384", "--gpus-per-node", "1024", "--model",
-                          "tiny", "--global-batch", "8", *WORKER], {}, "131,072 devices"),
+                          "tiny", "--global-batch", "8", *WORKER], {}, "1,024 local processes"),
     ("run-events-nodes-x-gpus", [*RUN, "--events", "{e}", *WORKER],
-     {"e": {"nodes": 16384, "gpus_per_node": 1024}}, "131,072 devices"),
+     {"e": {"nodes": 16384, "gpus_per_node": 1024}}, "1,024 local processes"),
+    ("run-events-local-processes", [*RUN, "--events", "{e}", *WORKER],
+     {"e": {"nodes": 513, "gpus_per_node": 2}}, "1,026"),
     ("run-events-reason-escape", [*RUN, "--events", "{e}", *WORKER],
      {"e": {"nodes": 2, "events": [{"at_step": 1, "grant": 1, "reason": "\x1b]0;x\x07"}]}},
      "control character"),
@@ -357,7 +359,7 @@ PRODUCT_AND_FOUND: list[tuple[str, list[str], dict[str, object], str]] = [
     ("run-timeout-inf", [*RUN, "--timeout", "inf", *WORKER], {}, "--timeout"),
     ("run-checkpoint-dir-not-made", [*RUN, "--checkpoint-every", "1", "--checkpoint-dir",
                                      "{box}/cwd/ck", "--events", "{e}", *WORKER],
-     {"e": {"nodes": 16384, "gpus_per_node": 1024}}, "devices"),
+     {"e": {"nodes": 16384, "gpus_per_node": 1024}}, "local processes"),
     ("plan-add-nodes-1e11", ["plan", "--model", "tiny", *LAYOUTS, "--add-nodes",
                              "100000000000"], {}, "--add-nodes"),
     ("plan-add-nodes-x-gpus", ["plan", "--model", "tiny", *LAYOUTS, "--add-nodes", "200",
@@ -532,8 +534,10 @@ def _where() -> dict[tuple[str, float, float], list[str]]:
 
 # Bounds on counts and products, which no single option or field carries.
 COUNTS = {
-    "DEVICES": "nodes x GPUs per node of `run`, `simulate`, `plan` (with `--add-nodes`), a "
-               "trace's cluster, an events script",
+    "DEVICES": "nodes x GPUs per node of `simulate`, `plan` (with `--add-nodes`), a "
+               "trace's cluster",
+    "PROCESSES": "the local backend's cluster: `run --nodes` x `--gpus-per-node`, an events "
+                 "script's `nodes` x `gpus_per_node`",
     "NODES": "`plan`: the old layout's nodes + `--add-nodes`",
     "TRACE_EVENTS": "events in a trace; a synthetic trace's expected events",
     "TRACE_JOBS": "elastic jobs in a trace", "TRACE_POLICIES": "policies in a trace",

@@ -185,5 +185,5 @@ def test_script_clusters_are_bounded(nodes: int, gpus_per_node: int) -> None:
     except ScriptError as exc:
         assert str(exc).startswith("fuzz.json")
         return
-    assert nodes * gpus_per_node <= bounds.DEVICES.high
+    assert nodes * gpus_per_node <= bounds.PROCESSES.high
     assert len(script.topology.nodes) == nodes
