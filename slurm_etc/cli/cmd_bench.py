@@ -17,8 +17,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import bounds
 from .cmd_plan import human_bytes
 from .cmd_verify import progress_printer, run_failed, transition_from_options
+from .params import Layout, Number, Text
 
 TARGETS = {
     "pause_le_data_plus_150ms": "in-place downtime <= data phase + 0.15 s",
@@ -140,22 +142,25 @@ def bench() -> None:
 
 
 @bench.command("migrate")
-@click.option("--model", "model_spec", required=True,
+@click.option("--model", "model_spec", required=True, type=Text(bounds.PATH_CHARS),
               help="Preset (tiny, small, ...) or a JSON model description file.")
-@click.option("--from", "from_spec", required=True, help="Current layout, e.g. dp=1,tp=2,pp=2.")
-@click.option("--to", "to_spec", required=True, help="Next layout, e.g. dp=2,tp=1,pp=2.")
+@click.option("--from", "from_spec", required=True, type=Layout(),
+              help="Current layout, e.g. dp=1,tp=2,pp=2.")
+@click.option("--to", "to_spec", required=True, type=Layout(),
+              help="Next layout, e.g. dp=2,tp=1,pp=2.")
 @click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
 @click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="Override the model's parameter dtype (bf16: mixed precision).")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--repeat", default=1, show_default=True, type=Number(bounds.REPEAT),
               help="Run both paths this many times; medians are reported.")
-@click.option("--steps", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--steps", default=1, show_default=True, type=Number(bounds.STEPS, low=1),
               help="Adam steps before the resize.")
-@click.option("--staging-mb", default=None, type=click.IntRange(min=1),
+@click.option("--staging-mb", default=None, type=Number(bounds.MIB),
               help="Executor staging budget per rank (MiB); default: the executor's.")
-@click.option("--p2p-mb", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--p2p-mb", default=256, show_default=True, type=Number(bounds.MIB),
               help="Size of the raw point-to-point probe (MiB).")
-@click.option("--max-processes", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-processes", default=8, show_default=True,
+              type=Number(bounds.PROCESSES),
               help="Refuse transitions that need more local processes.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, repeat, steps,

@@ -12,8 +12,10 @@ from rich.live import Live
 from rich.logging import RichHandler
 from rich.table import Table
 
+from .. import bounds
 from ..migrate.faults import KILL_PHASES, KillSpec
 from ..plan import load_model
+from .params import Number, SafePath, Text
 
 
 def _line(timeline, started: float) -> Table:
@@ -29,15 +31,16 @@ def _line(timeline, started: float) -> Table:
 
 
 @click.command()
-@click.option("--db", type=click.Path(dir_okay=False),
+@click.option("--db", type=SafePath(dir_okay=False),
               help="Where the job's record goes (default: ./slurm-etc-demo/demo.db).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", "out_dir", type=SafePath(file_okay=False, path_type=Path),
               default=Path("slurm-etc-demo"), show_default=True,
               help="Directory for the record, worker logs and the timeline PNG.")
-@click.option("--model", "model_spec", default="tiny", show_default=True)
-@click.option("--steps", type=click.IntRange(min=12), default=24, show_default=True,
+@click.option("--model", "model_spec", default="tiny", show_default=True,
+              type=Text(bounds.PATH_CHARS))
+@click.option("--steps", type=Number(bounds.STEPS, low=12), default=24, show_default=True,
               help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them).")
-@click.option("--inject", metavar="WHERE",
+@click.option("--inject", metavar="WHERE", type=Text(),
               help="Kill a worker (SIGKILL) at this phase of the first resize: "
                    f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "
                    "aborts (or, after the commit, completes) and is retried without it.")

@@ -7,11 +7,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import bounds
 from ..plan import Layout, ParallelConfig, Topology, default_pool, load_model, plan_migration
 from ..plan.errors import ConfigError
+from .params import Layout as LayoutText
+from .params import Number, Text, check_product
 
 # No job spans more nodes than this; a node list beyond it is a typo, not a plan.
-MAX_NODES = 100_000
+MAX_NODES = int(bounds.NODES.high)
 
 
 def _node_list(text: str | None) -> list[int]:
@@ -76,22 +79,25 @@ def render(summary: dict, console: Console) -> None:
 
 
 @click.command()
-@click.option("--model", "model_spec", required=True,
+@click.option("--model", "model_spec", required=True, type=Text(bounds.PATH_CHARS),
               help="Preset (tiny, small, gpt-1.3b, llama-7b, llama-13b, llama-70b, gpt-175b) or "
                    "a JSON model description file.")
-@click.option("--from", "from_spec", required=True, help="Current layout, e.g. dp=4,tp=2,pp=2.")
-@click.option("--to", "to_spec", required=True, help="Next layout, e.g. dp=3,tp=2,pp=2.")
-@click.option("--gpus-per-node", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--drop-nodes", default=None,
+@click.option("--from", "from_spec", required=True, type=LayoutText(),
+              help="Current layout, e.g. dp=4,tp=2,pp=2.")
+@click.option("--to", "to_spec", required=True, type=LayoutText(),
+              help="Next layout, e.g. dp=3,tp=2,pp=2.")
+@click.option("--gpus-per-node", default=8, show_default=True,
+              type=Number(bounds.GPUS_PER_NODE))
+@click.option("--drop-nodes", default=None, type=Text(bounds.LINE_CHARS),
               help="Node indices leaving the job (e.g. 0,3,5-7); default: keep the first nodes.")
-@click.option("--add-nodes", default=None, type=click.IntRange(min=0),
+@click.option("--add-nodes", default=None, type=Number(bounds.NODES, low=0),
               help="Nodes joining the job; default: as many as the new layout needs.")
 @click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
 @click.option("--intra-node-gbps", default=150.0, show_default=True,
-              type=click.FloatRange(min=0.001),
+              type=Number(bounds.GBPS),
               help="Per-device bandwidth inside a node (GB/s).")
 @click.option("--inter-node-gbps", default=25.0, show_default=True,
-              type=click.FloatRange(min=0.001),
+              type=Number(bounds.GBPS),
               help="Per-device bandwidth between nodes (GB/s).")
 @click.option("--no-tp-in-node", is_flag=True,
               help="Allow tensor-parallel groups to span nodes.")
@@ -104,6 +110,12 @@ def plan(model_spec, from_spec, to_spec, gpus_per_node, drop_nodes, add_nodes,
     new_cfg = ParallelConfig.parse(to_spec, distributed_optimizer)
     old_cfg.validate_for(model)
     new_cfg.validate_for(model)
+    # the devices the plan may use: the old layout's nodes and the added ones, x GPUs
+    old_nodes = -(-old_cfg.world // gpus_per_node)
+    nodes = old_nodes + (add_nodes or 0)
+    check_product("the old layout's nodes + --add-nodes", {"nodes": nodes}, bounds.NODES)
+    check_product("the plan's devices", {"nodes": nodes, "--gpus-per-node": gpus_per_node},
+                  bounds.DEVICES)
     topo = Topology(gpus_per_node, intra_node_gbps, inter_node_gbps)
     old = Layout(old_cfg, tuple(range(old_cfg.world)))
     pool = default_pool(old, new_cfg, topo, _node_list(drop_nodes), add_nodes)

@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import bounds
 from ..policy.admin import AdminVerdict, SacctmgrAnswer, adminlevel_command, verdict
 from ..policy.rules import (
     FIELDS,
@@ -39,6 +40,7 @@ from ..store import (
     unset_policy,
 )
 from .main import UserError
+from .params import SafePath, Text
 
 SACCTMGR_TIMEOUT_S = 10
 # Where sacctmgr is looked for: fixed system directories, not the caller's PATH, on which
@@ -172,7 +174,7 @@ def _table(policies: list[StoredPolicy], title: str,
 
 
 @click.group()
-@click.option("--db", "db_path", envvar="SLURM_ETC_DB", type=click.Path(dir_okay=False),
+@click.option("--db", "db_path", envvar="SLURM_ETC_DB", type=SafePath(dir_okay=False),
               help="SQLite database (default: $SLURM_ETC_DB or "
                    "~/.local/share/slurm-etc/etc.db).")
 @click.pass_context
@@ -183,8 +185,8 @@ def policy(ctx: click.Context, db_path: str | None) -> None:
 
 
 @policy.command()
-@click.option("--partition", help="Show this partition's policy.")
-@click.option("--account", help="Show this account's policy.")
+@click.option("--partition", type=Text(), help="Show this partition's policy.")
+@click.option("--account", type=Text(), help="Show this account's policy.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def show(ctx: click.Context, partition: str | None, account: str | None, as_json: bool) -> None:
@@ -223,10 +225,11 @@ def show(ctx: click.Context, partition: str | None, account: str | None, as_json
 
 
 @policy.command("set")
-@click.option("--partition", help="Set the policy of this partition.")
-@click.option("--account", help="Set the policy of this account.")
+@click.option("--partition", type=Text(), help="Set the policy of this partition.")
+@click.option("--account", type=Text(), help="Set the policy of this account.")
 @click.option("--json", "as_json", is_flag=True, help="Print the resulting policy as JSON.")
-@click.argument("assignments", nargs=-1, required=True, metavar="KEY=VALUE...")
+@click.argument("assignments", nargs=-1, required=True, metavar="KEY=VALUE...",
+                type=Text(bounds.LINE_CHARS + 32))
 @click.pass_context
 def set_(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
          assignments: tuple[str, ...]) -> None:
@@ -249,10 +252,10 @@ def set_(ctx: click.Context, partition: str | None, account: str | None, as_json
 
 
 @policy.command()
-@click.option("--partition", help="Unset fields of this partition's policy.")
-@click.option("--account", help="Unset fields of this account's policy.")
+@click.option("--partition", type=Text(), help="Unset fields of this partition's policy.")
+@click.option("--account", type=Text(), help="Unset fields of this account's policy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the remaining policy as JSON.")
-@click.argument("keys", nargs=-1, metavar="[KEY...]")
+@click.argument("keys", nargs=-1, metavar="[KEY...]", type=Text())
 @click.pass_context
 def unset(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
           keys: tuple[str, ...]) -> None:

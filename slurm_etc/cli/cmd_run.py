@@ -12,11 +12,13 @@ from typing import IO, Callable
 
 import click
 
+from .. import bounds
 from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
 from ..worker.recovery import Recovery
+from .params import Number, SafePath, Text, Unbounded, check_product
 
 
 def job_id_default() -> str:
@@ -32,7 +34,12 @@ def load_hardware(value: str) -> Hardware:
         raise ConfigError(f"--hardware {value!r}: not a profile ({', '.join(PROFILES)}) "
                           "nor a JSON file of device figures")
     try:
-        figures = json.loads(path.read_text())
+        figures = bounds.load_json(bounds.read_capped(path))
+    except bounds.BoundError as err:
+        raise ConfigError(f"--hardware {value}: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"--hardware {value}: nests too deeply to be device figures"
+                          ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"--hardware {value}: cannot read it ({err.__class__.__name__}: "
                           f"{getattr(err, 'strerror', None) or err})") from None
@@ -83,54 +90,61 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 @click.option("--backend", type=click.Choice(["local", "slurm"]), default="local",
               show_default=True, help="Where devices and workers come from.")
 @click.option("--events", "events_file", envvar="SLURM_ETC_RUN_EVENTS",
-              type=click.Path(dir_okay=False, path_type=Path),
+              type=SafePath(dir_okay=False, path_type=Path),
               help="Local backend: the scripted cluster (JSON; see docs/coordinator.md).")
-@click.option("--nodes", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--nodes", type=Number(bounds.NODES), default=2, show_default=True,
               help="Local backend without --events: simulated nodes.")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--gpus-per-node", type=Number(bounds.GPUS_PER_NODE), default=2,
+              show_default=True)
 @click.option("--model", "model_spec", envvar="SLURM_ETC_RUN_MODEL", required=True,
+              type=Text(bounds.PATH_CHARS),
               help="Preset or model JSON the workers train (planning and the chooser).")
-@click.option("--global-batch", type=click.IntRange(min=1), required=True)
-@click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--global-batch", type=Number(bounds.BATCH), required=True)
+@click.option("--micro-batch", type=Number(bounds.BATCH), default=1, show_default=True)
 @click.option("--distributed-optimizer", is_flag=True)
-@click.option("--policy-partition", help="Partition whose resize policy applies.")
-@click.option("--account", help="Account whose resize policy applies.")
-@click.option("--policy-db", help="Policy database (default: the policy store).")
-@click.option("--job-id", default=job_id_default, help="Default: $SLURM_JOB_ID.")
-@click.option("--name", default="elastic", show_default=True)
-@click.option("--db", help="The job's record: SQLite path or SQLAlchemy URL (default: "
-                           "node-local SQLite, published to --state-dir).")
-@click.option("--state-dir", type=click.Path(file_okay=False), help="Where snapshots go.")
-@click.option("--bind", default="127.0.0.1", show_default=True,
+@click.option("--policy-partition", type=Text(), help="Partition whose resize policy applies.")
+@click.option("--account", type=Text(), help="Account whose resize policy applies.")
+@click.option("--policy-db", type=Text(bounds.PATH_CHARS),
+              help="Policy database (default: the policy store).")
+@click.option("--job-id", type=Text(), default=job_id_default, help="Default: $SLURM_JOB_ID.")
+@click.option("--name", type=Text(), default="elastic", show_default=True)
+@click.option("--db", type=Text(bounds.PATH_CHARS),
+              help="The job's record: SQLite path or SQLAlchemy URL (default: "
+                   "node-local SQLite, published to --state-dir).")
+@click.option("--state-dir", type=SafePath(file_okay=False), help="Where snapshots go.")
+@click.option("--bind", type=Text(), default="127.0.0.1", show_default=True,
               help="Address the control channel and rendezvous store listen on.")
-@click.option("--advertise", help="Address workers connect to (needed with --bind 0.0.0.0).")
-@click.option("--timeout", "timeout_s", envvar="SLURM_ETC_RUN_TIMEOUT", type=float,
-              default=300.0, show_default=True,
+@click.option("--advertise", type=Text(bounds.PATH_CHARS),
+              help="Address workers connect to (needed with --bind 0.0.0.0).")
+@click.option("--timeout", "timeout_s", envvar="SLURM_ETC_RUN_TIMEOUT",
+              type=Number(bounds.SECONDS, low=0.001), default=300.0, show_default=True,
               help="Bound of every worker collective and resize (seconds).")
-@click.option("--hardware", default="h100", show_default=True, metavar="PROFILE|FILE.json",
+@click.option("--hardware", type=Text(bounds.PATH_CHARS), default="h100", show_default=True,
+              metavar="PROFILE|FILE.json",
               help="The devices' figures the layout chooser ranks layouts with: a profile ("
                    + ", ".join(PROFILES) + "; cpu: worker processes on CPUs) or a JSON "
                    "object of " + ", ".join(FIELDS) + " (missing ones from its \"base\" "
                    "profile, default h100). GPUs per node always come from the cluster.")
-@click.option("--peer-copy-every", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--peer-copy-every", type=Number(bounds.STEPS), default=0, show_default=True,
               metavar="N", help="Every N steps each worker copies its state to host memory "
               "on another node, so that a node lost without grace where no data-parallel "
               "replica holds its state (dp=1, distributed-optimizer shards) costs at most "
               "the steps since (rolled back, trained again). 0: off (its host memory is "
               "about 4x the per-device state; see the README).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
+@click.option("--checkpoint-every", type=Number(bounds.STEPS), default=0,
               show_default=True, metavar="M", help="A megatron-core checkpoint every M steps "
               "into --checkpoint-dir (the last one kept): the fallback when a node and the "
               "node holding its peer copy are lost together. 0: off.")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--checkpoint-dir", type=SafePath(file_okay=False, path_type=Path),
               help="Where --checkpoint-every writes (storage every node reaches).")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
-              type=click.Path(dir_okay=False, path_type=Path),
+              type=SafePath(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
                    "generation, t) to this file.")
 @click.option("--json", "as_json", envvar="SLURM_ETC_RUN_JSON", is_flag=True,
               help="A JSON summary on stdout at the end.")
-@click.argument("command", nargs=-1, required=True)
+@click.argument("command", nargs=-1, required=True, type=Unbounded(
+    "the worker's own command line, run as given: its arguments are the user's program's"))
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
@@ -148,9 +162,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     """
     from ..alloc.chooser import TrainingJob
     from ..coordinator.channel import ChannelError, check_addresses
-    from ..coordinator.loop import JobSpec
     from ..coordinator.policy_lookup import job_policy
-    from ..coordinator.run import run_job
 
     try:
         check_addresses(bind, advertise)
@@ -158,18 +170,26 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         raise ConfigError(str(err)) from None
     model = load_model(model_spec)
     figures = load_hardware(hardware)
-    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir)
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
-    policy = job_policy(policy_partition, account, policy_db)
-    if backend == "local":
+    script = None
+    if backend == "local":  # every input checked before anything is created or opened
         from ..coordinator.events import ScriptError, load_script, script_from_options
-        from ..coordinator.local_backend import LocalBackend
 
+        if not events_file:
+            # the local backend runs a process per device it holds, all on this host
+            check_product("the local cluster",
+                          {"--nodes": nodes, "--gpus-per-node": gpus_per_node},
+                          bounds.PROCESSES)
         try:
             script = (load_script(events_file) if events_file
                       else script_from_options(nodes, gpus_per_node))
         except ScriptError as err:
             raise ConfigError(str(err)) from None
+    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir)
+    policy = job_policy(policy_partition, account, policy_db)
+    if script is not None:
+        from ..coordinator.local_backend import LocalBackend
+
         be = LocalBackend(script)
         topology = be.topology
     else:
@@ -179,6 +199,9 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             raise ConfigError("the Slurm backend is not available in this build") from None
         be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
         topology = be.topology
+    from ..coordinator.loop import JobSpec  # the job's own machinery, once all is checked
+    from ..coordinator.run import run_job
+
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
                    recovery=recovery)

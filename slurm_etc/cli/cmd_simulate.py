@@ -9,30 +9,35 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import bounds
 from ..sim import TraceError, load_trace, simulate, synthetic_trace
 from ..sim.report import comparison, plot, rows
+from ..sim.synthetic import check_size
 from .main import UserError
+from .params import Number, SafePath
 
 
 @click.command("simulate")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+@click.option("--trace", "trace_path", type=SafePath(dir_okay=False),
               help="Replay this trace file (format: docs/allocator.md).")
 @click.option("--synthetic", is_flag=True, help="Generate a synthetic trace instead.")
-@click.option("--nodes", default=256, show_default=True, type=click.IntRange(min=2),
+@click.option("--nodes", default=256, show_default=True, type=Number(bounds.NODES, low=2),
               help="Synthetic: cluster nodes.")
-@click.option("--gpus-per-node", default=8, show_default=True, type=click.IntRange(1, 64),
+@click.option("--gpus-per-node", default=8, show_default=True,
+              type=Number(bounds.GPUS_PER_NODE),
               help="Synthetic: devices per node.")
-@click.option("--jobs", default=6, show_default=True, type=click.IntRange(min=1),
+@click.option("--jobs", default=6, show_default=True, type=Number(bounds.SIM_JOBS),
               help="Synthetic: elastic jobs.")
-@click.option("--hours", default=24.0, show_default=True, type=click.FloatRange(min=0.1),
+@click.option("--hours", default=24.0, show_default=True, type=Number(bounds.HOURS),
               help="Synthetic: simulated hours.")
 @click.option("--rigid-load", default=0.85, show_default=True,
-              type=click.FloatRange(0.0, 2.0),
+              type=Number(bounds.LOAD),
               help="Synthetic: rigid jobs' offered load, as a fraction of the cluster.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Synthetic: seed.")
-@click.option("--save-trace", type=click.Path(dir_okay=False),
+@click.option("--seed", default=0, show_default=True, type=Number(bounds.SEED),
+              help="Synthetic: seed.")
+@click.option("--save-trace", type=SafePath(dir_okay=False),
               help="Write the (synthetic) trace replayed to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+@click.option("--plot", "plot_path", type=SafePath(dir_okay=False),
               help="Write a PNG of occupancy and fragmentation over time.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_node: int,
@@ -50,6 +55,10 @@ def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_n
             raise UserError(str(exc)) from None
         source = f"trace {trace_path}"
     else:
+        try:  # the expected events (nodes x GPUs x hours, jobs x hours) before any is drawn
+            check_size(nodes, gpus_per_node, jobs, hours, rigid_load)
+        except bounds.BoundError as exc:
+            raise UserError(str(exc)) from None
         trace = synthetic_trace(nodes=nodes, gpus_per_node=gpus_per_node, jobs=jobs,
                                 hours=hours, seed=seed, rigid_load=rigid_load)
         source = (f"synthetic: {nodes} nodes x {gpus_per_node} GPUs, {jobs} elastic jobs, "

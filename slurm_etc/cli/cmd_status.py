@@ -27,6 +27,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .. import bounds
 from ..store import (
     JobDetail,
     StoreError,
@@ -38,6 +39,8 @@ from ..store import (
 )
 from ..store.location import on_network_fs
 from .main import UserError
+from .params import Number, SafePath
+from .params import Text as TextType
 
 SACCTMGR_TIMEOUT_S = 5
 SACCTMGR_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin")
@@ -352,16 +355,17 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
 
 
 @click.command("status")
-@click.argument("job_id", required=False, metavar="[JOBID]")
+@click.argument("job_id", required=False, metavar="[JOBID]", type=TextType())
 @click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL",
+              type=TextType(bounds.PATH_CHARS),
               help="Read this database (SQLite file, mysql+pymysql://... or "
                    "postgresql://...) instead of the state directory's snapshots.")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--state-dir", type=SafePath(file_okay=False, path_type=Path),
               envvar="SLURM_ETC_STATE_DIR",
               help="Where coordinators publish job snapshots (default: $SLURM_ETC_STATE_DIR "
                    "or ~/.local/share/slurm-etc/jobs).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--watch", type=click.FloatRange(min=0.2), is_flag=False,
+@click.option("--watch", type=Number(bounds.WATCH_S), is_flag=False,
               flag_value=DEFAULT_WATCH_S, default=None, metavar="[SECONDS]",
               help=f"Redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C.")
 @click.pass_context

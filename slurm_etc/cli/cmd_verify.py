@@ -19,9 +19,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import bounds
 from ..plan import ParallelConfig, load_model
 from ..plan.errors import ConfigError
 from .cmd_plan import human_bytes
+from .params import Layout, Number, Text
 
 RUN_FAILED = 3
 
@@ -139,25 +141,27 @@ def render(report: dict, console: Console) -> None:
 
 
 @click.command()
-@click.option("--model", "model_spec", required=True,
+@click.option("--model", "model_spec", required=True, type=Text(bounds.PATH_CHARS),
               help="Preset (tiny, tiny-llama, small, ...) or a JSON model description file.")
-@click.option("--from", "from_spec", help="Current layout, e.g. dp=1,tp=2,pp=2.")
-@click.option("--to", "to_spec", help="Next layout, e.g. dp=2,tp=1,pp=2.")
-@click.option("--sequence", help="Instead of --from/--to: the elastic trainer through "
+@click.option("--from", "from_spec", type=Layout(), help="Current layout, e.g. dp=1,tp=2,pp=2.")
+@click.option("--to", "to_spec", type=Layout(), help="Next layout, e.g. dp=2,tp=1,pp=2.")
+@click.option("--sequence", type=Text(bounds.LINE_CHARS),
+              help="Instead of --from/--to: the elastic trainer through "
                                  "several layouts against megatron's checkpoint-restart at "
                                  "every resize, e.g. 'dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> "
                                  "dp=3,tp=1,pp=1' (--steps: steps in each layout).")
-@click.option("--global-batch", type=click.IntRange(min=1),
+@click.option("--global-batch", type=Number(bounds.BATCH),
               help="With --sequence: the global batch every layout keeps (default: the "
                    "least multiple of every dp that is >= 8).")
 @click.option("--distributed-optimizer", is_flag=True, help="ZeRO-1 optimizer over dp.")
 @click.option("--param-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="Override the model's parameter dtype (bf16: mixed precision).")
-@click.option("--seed", default=1234, show_default=True, type=int)
-@click.option("--steps", default=2, show_default=True, type=click.IntRange(min=1),
+@click.option("--seed", default=1234, show_default=True, type=Number(bounds.SEED))
+@click.option("--steps", default=2, show_default=True, type=Number(bounds.STEPS, low=1),
               help="Adam steps before the resize (moments must be non-zero); with "
                    "--sequence, steps in each layout.")
-@click.option("--max-processes", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-processes", default=8, show_default=True,
+              type=Number(bounds.PROCESSES),
               help="Refuse transitions that need more local processes.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 @click.option("--corrupt", is_flag=True, hidden=True,

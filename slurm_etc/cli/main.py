@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from ..bounds import BoundError
 from ..coordinator.channel import SecretError
 from ..plan.errors import ConfigError
 from ..store.db import StoreError
@@ -13,7 +14,7 @@ from ..store.location import LocationError
 
 # Mistakes in what was asked or in the files named (a model, a trace, a corrupt, locked or
 # foreign database, an unknown job): one line, never a traceback.
-_DOMAIN_ERRORS = (ConfigError, StoreError, LocationError, SecretError)
+_DOMAIN_ERRORS = (ConfigError, StoreError, LocationError, SecretError, BoundError)
 
 
 class UserError(click.ClickException):

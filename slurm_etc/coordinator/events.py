@@ -56,6 +56,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
+from slurm_etc import bounds
 from slurm_etc.alloc.topology import ClusterTopology, Device
 
 from .backend import BackendEvent, Grant, Loss, PreemptNotice
@@ -66,30 +67,50 @@ ANCHOR = "a0"
 EventKind: TypeAlias = Literal["grant", "preempt", "lose"]
 _KINDS: tuple[EventKind, ...] = ("grant", "preempt", "lose")
 
-_Count = Annotated[int, msgspec.Meta(ge=1)]
-_Target = _Count | str | tuple[str, ...] | None
+# The bound of every size field of a script (events' node counts are counts of nodes): a
+# field added without one fails tests/unit/test_bounds_property.py. msgspec checks them while
+# decoding; products (nodes x gpus_per_node) and the event count in ``_validated``.
+SCRIPT_BOUNDS: dict[str, bounds.Bound] = {
+    "nodes": bounds.NODES, "gpus_per_node": bounds.GPUS_PER_NODE,
+    "initial_nodes": bounds.NODES, "grace_s": bounds.SECONDS,
+}
+EVENT_BOUNDS: dict[str, bounds.Bound] = {
+    "at_step": bounds.STEPS, "grant": bounds.NODES, "preempt": bounds.NODES,
+    "lose": bounds.NODES, "grace_s": bounds.SECONDS,
+}
+
+
+def _meta(bound: bounds.Bound, low: float | None = None) -> msgspec.Meta:
+    return msgspec.Meta(ge=bound.low if low is None else low, le=bound.high)
+
+
+_Count = Annotated[int, _meta(bounds.NODES)]
+_Name = Annotated[str, msgspec.Meta(max_length=bounds.NAME_CHARS)]
+_Target = (_Count | _Name | Annotated[tuple[_Name, ...], msgspec.Meta(max_length=bounds.GPUS)]
+           | None)
 
 
 class EventSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One event as written in a script."""
 
-    at_step: Annotated[int, msgspec.Meta(ge=0)]
+    at_step: Annotated[int, _meta(bounds.STEPS)]
     grant: _Target = None
     preempt: _Target = None
     lose: _Target = None
-    grace_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    reason: str = ""
+    grace_s: Annotated[float, _meta(bounds.SECONDS)] | None = None
+    reason: Annotated[str, msgspec.Meta(max_length=bounds.LINE_CHARS)] = ""
 
 
 class ScriptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A script as written (see the module doc)."""
 
-    nodes: Annotated[int, msgspec.Meta(ge=1, le=100_000)]
-    gpus_per_node: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    initial_nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
-    grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    nodes: Annotated[int, _meta(bounds.NODES)]
+    gpus_per_node: Annotated[int, _meta(bounds.GPUS_PER_NODE)] = 1
+    initial_nodes: Annotated[int, _meta(bounds.NODES)] = 1
+    grace_s: Annotated[float, _meta(bounds.SECONDS)] = 30.0
     grant_requests: bool = False
-    events: tuple[EventSpec, ...] = ()
+    events: Annotated[tuple[EventSpec, ...],
+                      msgspec.Meta(max_length=int(bounds.SCRIPT_EVENTS.high))] = ()
 
 
 class ScriptError(ValueError):
@@ -147,9 +168,11 @@ def load_script(path: str | Path) -> EventsScript:
     path = Path(path)
     source = path.name
     try:
-        raw = path.read_bytes()
+        raw = bounds.read_capped(path)
     except OSError as e:
         raise ScriptError(f"{source}: cannot read {path}: {e.strerror}") from None
+    except bounds.BoundError as e:
+        raise ScriptError(f"{source}: {e}") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             yaml: Any = importlib.import_module("yaml")
@@ -157,6 +180,11 @@ def load_script(path: str | Path) -> EventsScript:
             raise ScriptError(f"{source}: YAML scripts need PyYAML (pip install pyyaml); "
                               f"or write the script as JSON") from None
         try:
+            # An alias repeats a node by reference: a few lines of them expand to billions of
+            # values when the script is checked (billion laughs). Scripts need none.
+            if any(isinstance(t, yaml.AliasToken) for t in yaml.scan(raw)):
+                raise ScriptError(f"{source}: YAML aliases (*name) are not allowed in a "
+                                  "script; write the values out")
             obj = yaml.safe_load(raw)
         except yaml.YAMLError as e:
             raise ScriptError(f"{source}: not valid YAML: {_one_line(str(e))}") from None
@@ -236,6 +264,19 @@ def _validated(spec: ScriptSpec, source: str) -> EventsScript:
 
     if spec.initial_nodes > spec.nodes:
         raise fail(f"initial_nodes ({spec.initial_nodes}) exceeds nodes ({spec.nodes})")
+    try:  # before the topology lists every device; each can become a process on this host
+        bounds.check_product("the local cluster", {"nodes": spec.nodes,
+                                                   "gpus_per_node": spec.gpus_per_node},
+                             bounds.PROCESSES)
+        for i, ev in enumerate(spec.events, start=1):
+            bounds.check_text(f"event {i}: reason", ev.reason, bounds.LINE_CHARS)
+            for kind in _KINDS:
+                target = getattr(ev, kind)
+                for name in ((target,) if isinstance(target, str) else
+                             target if isinstance(target, tuple) else ()):
+                    bounds.check_text(f"event {i}: {kind}: a name", name)
+    except bounds.BoundError as e:
+        raise fail(str(e)) from None
     topology = ClusterTopology(spec.gpus_per_node,
                                tuple(f"n{i}" for i in range(spec.nodes)))
     events: list[ScriptedEvent] = []

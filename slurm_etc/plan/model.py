@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .. import bounds
 from .errors import ConfigError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -70,6 +71,7 @@ class ModelDesc:
                 or isinstance(self.num_query_groups, bool)):
             raise ConfigError(f"model {self.name}: num_query_groups must be a positive "
                               f"integer or null, got {self.num_query_groups!r}")
+        self._check_bounds()
         if self.hidden % self.num_heads:
             raise ConfigError(f"model {self.name}: num_heads ({self.num_heads}) must divide "
                               f"hidden ({self.hidden})")
@@ -80,6 +82,32 @@ class ModelDesc:
         if self.param_dtype not in DTYPE_BYTES or self.param_dtype == "fp16":
             raise ConfigError(f"model {self.name}: param_dtype must be 'fp32' or 'bf16', "
                               f"got {self.param_dtype!r}")
+
+    def _check_bounds(self) -> None:
+        """Every size within its bound, and the parameter count (layers x hidden x ...)
+        too, before anything multiplies them (a catalog, a plan, an allocation)."""
+        try:
+            bounds.check_text("model name", self.name, bounds.NAME_CHARS)
+            for f, bound in MODEL_BOUNDS.items():
+                value = getattr(self, f)
+                if value is not None:
+                    bound.check(f, value)
+            bounds.check_product(
+                f"model {self.name}", {"parameters": self.parameter_estimate()},
+                bounds.PARAMS)
+        except bounds.BoundError as exc:
+            name = self.name if bounds.control_character(str(self.name)) is None else "?"
+            raise ConfigError(f"model {name}: {exc}") from None
+
+    def parameter_estimate(self) -> int:
+        """Weights in all (embeddings, attention, MLP; norms and biases left out): what the
+        bound on model size is checked against."""
+        h = self.hidden
+        mlp = (3 if self.swiglu else 2) * self.ffn_hidden * h
+        layer = self.qkv_rows * h + h * h + mlp
+        embed = self.padded_vocab * h * (1 if self.tied_embeddings else 2)
+        position = self.seq_length * h if self.learned_position_embeddings else 0
+        return self.num_layers * layer + embed + position
 
     @property
     def query_groups(self) -> int:
@@ -120,6 +148,15 @@ class ModelDesc:
         except TypeError as exc:  # missing required fields
             raise ConfigError(f"model description: {exc}") from None
 
+
+
+# The bound of every size field: a field added to ModelDesc without one fails
+# tests/unit/test_bounds_property.py.
+MODEL_BOUNDS: dict[str, bounds.Bound] = {
+    "num_layers": bounds.LAYERS, "hidden": bounds.HIDDEN, "ffn_hidden": bounds.FFN,
+    "num_heads": bounds.HEADS, "num_query_groups": bounds.HEADS, "vocab_size": bounds.VOCAB,
+    "seq_length": bounds.SEQ, "vocab_divisor": bounds.VOCAB_DIVISOR,
+}
 
 
 def _llama(m: ModelDesc) -> ModelDesc:
@@ -166,7 +203,12 @@ def load_model(spec: str) -> ModelDesc:
         raise ConfigError(f"unknown model {spec!r}; presets: {', '.join(PRESETS)}, "
                           "or the path of a JSON model description")
     try:
-        data = json.loads(path.read_text())
+        data = bounds.load_json(bounds.read_capped(path))
+    except bounds.BoundError as exc:
+        raise ConfigError(f"model file {spec}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"model file {spec} nests too deeply to be a model description"
+                          ) from None
     except FileNotFoundError:
         raise ConfigError(f"model file {spec} does not exist") from None
     except IsADirectoryError:

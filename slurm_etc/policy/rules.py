@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from .. import bounds
+
 SCOPE_KINDS = ("partition", "account")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -74,14 +76,17 @@ class ResizePolicy:
             value = getattr(self, name)
             low = 1 if name in ("min_nodes", "max_nodes") else 0
             if value is not None and (not _is_int(value) or value < low):
-                raise PolicyError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise PolicyError(f"{name} must be an integer >= {low}, got "
+                                  f"{bounds.shown(value)}")
+            _bounded(name, value)
         for name in ("allowed_tp", "allowed_pp"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not value or not all(_is_int(v) and v >= 1 for v in value):
                 raise PolicyError(f"{name} must be a non-empty list of positive integers, "
-                                  f"got {value!r}")
+                                  f"got {bounds.shown(value)}")
+            _bounded(name, value)
             object.__setattr__(self, name, tuple(sorted(set(value))))
         if self.grow is not None and not isinstance(self.grow, bool):
             raise PolicyError(f"grow must be true or false, got {self.grow!r}")
@@ -104,6 +109,29 @@ class ResizePolicy:
 
 
 FIELDS = tuple(f.name for f in fields(ResizePolicy))
+
+# The bound of every numeric field (of each degree, for the lists): a numeric field added
+# without one fails tests/unit/test_bounds_property.py.
+POLICY_BOUNDS: dict[str, bounds.Bound] = {
+    "min_nodes": bounds.NODES, "max_nodes": bounds.NODES, "allowed_tp": bounds.DEGREE,
+    "allowed_pp": bounds.DEGREE, "preempt_grace_s": bounds.SECONDS,
+    "max_resizes_per_hour": bounds.RESIZES_PER_HOUR,
+}
+
+
+def _bounded(name: str, value: object) -> None:
+    """PolicyError unless ``value`` (a number or a list of degrees) is within its bound."""
+    if value is None:
+        return
+    try:
+        if isinstance(value, tuple):
+            bounds.DEGREES.check(f"{name} (the number of degrees)", len(value))
+            for v in value:
+                POLICY_BOUNDS[name].check(name, v)
+        else:
+            POLICY_BOUNDS[name].check(name, value)
+    except bounds.BoundError as exc:
+        raise PolicyError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -179,7 +207,12 @@ def parse_assignments(items: Iterable[str]) -> dict[str, PolicyValue]:
             raise PolicyError(f"unknown policy key {key!r}; valid keys: {', '.join(FIELDS)}")
         if key in out:
             raise PolicyError(f"policy key {key} given twice")
-        out[key] = _parse_value(key, raw)
+        value = _parse_value(key, raw)
+        # Each value checked alone now (type, range, bound), before any store is opened;
+        # how values relate (min <= max) is checked once merged with the stored policy.
+        alone: dict[str, Any] = {key: value}  # checked by __post_init__, hence Any
+        ResizePolicy(**alone)
+        out[key] = value
     return out
 
 
@@ -207,6 +240,10 @@ def updated(policy: ResizePolicy, changes: Mapping[str, Any]) -> ResizePolicy:
 
 
 def _parse_value(key: str, raw: str) -> PolicyValue:
+    if len(raw) > bounds.LINE_CHARS:
+        # int() of a 4,300-digit string is refused by Python, a longer one is slow work
+        raise PolicyError(f"{key}: the value is {len(raw):,} characters long; the bound is "
+                          f"{bounds.LINE_CHARS:,}")
     if key in ("allowed_tp", "allowed_pp"):
         parts = [p for p in raw.replace(" ", "").split(",") if p]
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 
+from .. import bounds
 from ..policy.rules import ResizePolicy, Scope
 from .trace import ClusterSpec, ElasticJobSpec, Event, Trace
 
@@ -27,6 +28,48 @@ HOUR = 3600.0
 # (model, global batch): batch sizes as published recipes use them.
 JOB_MIX = (("gpt-1.3b", 512), ("llama-7b", 1024), ("llama-13b", 1536), ("gpt-1.3b", 768),
            ("llama-7b", 512), ("llama-13b", 1024))
+
+
+# Events per hour: each elastic job grows (60/25) and is preempted (1/1.5); nodes fail (and
+# recover) at one per 2 h per 256 nodes.
+_ELASTIC_PER_JOB_HOUR = 60 / 25 + 1 / 1.5
+_FAILS_PER_NODE_HOUR = 0.5 / 256
+
+
+def _rigid_rate(nodes: int, gpus_per_node: int, rigid_load: float) -> float:
+    """Rigid jobs per hour: 0.5 h plus an exponential part (mean 2 h), at most 6 h."""
+    mean_hours = 0.5 + 2.0 * (1 - math.exp(-(6.0 - 0.5) / 2.0))
+    mean_gpus = 0.5 * (1 + 2 + 4) / 3 + 0.5 * 4.5 * gpus_per_node
+    return rigid_load * nodes * gpus_per_node / (mean_gpus * mean_hours)
+
+
+def expected_events(nodes: int, gpus_per_node: int, jobs: int, hours: float,
+                    rigid_load: float) -> float:
+    """How many events a synthetic trace of these sizes holds on average."""
+    per_hour = (_rigid_rate(nodes, gpus_per_node, rigid_load) + jobs * _ELASTIC_PER_JOB_HOUR
+                + 2 * _FAILS_PER_NODE_HOUR * nodes)
+    return per_hour * hours
+
+
+def check_size(nodes: int, gpus_per_node: int, jobs: int, hours: float,
+               rigid_load: float) -> None:
+    """Refuse sizes whose trace could not be generated or simulated (BoundError), before
+    anything is drawn: each size within its bound, the devices (nodes x GPUs) and the expected
+    events (nodes x GPUs x hours x load, jobs x hours) too."""
+    bounds.NODES.check("nodes", nodes)
+    bounds.GPUS_PER_NODE.check("gpus_per_node", gpus_per_node)
+    bounds.SIM_JOBS.check("jobs", jobs)
+    bounds.HOURS.check("hours", hours)
+    bounds.LOAD.check("rigid_load", rigid_load)
+    bounds.check_product("the synthetic cluster", {"nodes": nodes,
+                                                   "gpus_per_node": gpus_per_node},
+                         bounds.DEVICES)
+    expected = expected_events(nodes, gpus_per_node, jobs, hours, rigid_load)
+    if expected > bounds.TRACE_EVENTS.high:
+        raise bounds.BoundError(
+            f"a synthetic trace of {nodes:,} nodes x {gpus_per_node} GPUs, {jobs} jobs and "
+            f"{hours:g} h holds about {expected:,.0f} events; the bound is "
+            f"{bounds.TRACE_EVENTS.high:,.0f} (fewer hours or nodes)")
 
 
 def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
@@ -43,6 +86,7 @@ def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
         nodes_per_switch: nodes per leaf switch.
         rigid_load: rigid jobs' offered load as a fraction of the cluster's GPUs.
     """
+    check_size(nodes, gpus_per_node, jobs, hours, rigid_load)
     rng = random.Random(seed)
     G = gpus_per_node
     end = hours * HOUR
@@ -69,11 +113,7 @@ def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
             yield round(t)  # whole seconds keep saved traces readable
             t += rng.expovariate(rate_per_hour) * HOUR
 
-    # Rigid jobs: 0.5 h plus an exponential part (mean 2 h), at most 6 h.
-    mean_hours = 0.5 + 2.0 * (1 - math.exp(-(6.0 - 0.5) / 2.0))
-    mean_gpus = 0.5 * (1 + 2 + 4) / 3 + 0.5 * 4.5 * G
-    rate = rigid_load * nodes * G / (mean_gpus * mean_hours)
-    for k, t in enumerate(poisson(rate)):
+    for k, t in enumerate(poisson(_rigid_rate(nodes, G, rigid_load))):
         duration = round(min(0.5 * HOUR + rng.expovariate(1 / (2.0 * HOUR)), 6 * HOUR))
         if rng.random() < 0.5:
             events.append(Event(t, "submit", job=f"rigid-{k}", gpus=rng.choice((1, 2, 4)),
@@ -93,7 +133,7 @@ def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
             if t > j.start:
                 events.append(Event(t, "preempt", job=j.name, gpus=rng.choice((8, 16, 24, 32)),
                                     duration=round(rng.uniform(1, 3) * HOUR)))
-    for t in poisson(0.5 * nodes / 256):
+    for t in poisson(_FAILS_PER_NODE_HOUR * nodes):
         node = rng.randrange(nodes)
         events.append(Event(t, "fail", node=node))
         back = t + round(rng.uniform(1, 4) * HOUR)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .. import bounds
 from ..alloc.chooser import Hardware, TrainingJob
 from ..plan.errors import ConfigError
 from ..plan.model import load_model
@@ -98,6 +99,21 @@ class Trace:
         }
 
 
+# The bound of every numeric field, per part of a trace: a numeric field added without one
+# fails tests/unit/test_bounds_property.py. Text fields are bounded by ``bounds.check_text``.
+TRACE_BOUNDS: dict[type, dict[str, bounds.Bound]] = {
+    ClusterSpec: {"nodes": bounds.NODES, "gpus_per_node": bounds.GPUS_PER_NODE,
+                  "nodes_per_switch": bounds.NODES, "memory_gib": bounds.MEMORY_GIB,
+                  "tflops": bounds.TFLOPS, "intra_node_gbps": bounds.GBPS,
+                  "inter_node_gbps": bounds.GBPS},
+    ElasticJobSpec: {"global_batch": bounds.BATCH, "nodes": bounds.NODES,
+                     "micro_batch": bounds.BATCH, "start": bounds.SIM_SECONDS},
+    # a preemption takes GPUs across nodes; grow and submit are checked against one node
+    Event: {"t": bounds.SIM_SECONDS, "gpus": bounds.DEVICES, "nodes": bounds.NODES,
+            "node": bounds.NODE_INDEX, "duration": bounds.SIM_SECONDS},
+}
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read and validate a trace file.
 
@@ -105,7 +121,11 @@ def load_trace(path: str | Path) -> Trace:
         TraceError: unreadable file, malformed JSON or an invalid entry (with its place).
     """
     try:
-        data = json.loads(Path(path).read_text())
+        data = bounds.load_json(bounds.read_capped(path))
+    except bounds.BoundError as exc:
+        raise TraceError(f"trace file {path}: {exc}") from None
+    except RecursionError:
+        raise TraceError(f"trace file {path} nests too deeply to be a trace") from None
     except FileNotFoundError:
         raise TraceError(f"trace file {path} does not exist") from None
     except json.JSONDecodeError as exc:
@@ -125,11 +145,14 @@ def parse_trace(data: dict, where: str = "trace") -> Trace:
     if not isinstance(data, dict):
         raise TraceError(f"{where}: expected a JSON object with cluster, jobs, events")
     cluster = _build(ClusterSpec, data.get("cluster"), f"{where}: cluster")
-    if cluster.nodes < 1 or cluster.gpus_per_node < 1 or cluster.nodes_per_switch < 1:
-        raise TraceError(f"{where}: cluster: nodes, gpus_per_node and nodes_per_switch must "
-                         "be positive")
+    _bounded(f"{where}: cluster", bounds.check_product, "devices",
+             {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node}, bounds.DEVICES)
+    raw_jobs = _list(data, "jobs", where)
+    raw_events = _list(data, "events", where)
+    _bounded(where, bounds.TRACE_JOBS.check, "the number of jobs", len(raw_jobs))
+    _bounded(where, bounds.TRACE_EVENTS.check, "the number of events", len(raw_events))
     jobs = tuple(_build(ElasticJobSpec, j, f"{where}: jobs[{i}]")
-                 for i, j in enumerate(_list(data, "jobs", where)))
+                 for i, j in enumerate(raw_jobs))
     names = [j.name for j in jobs]
     if len(set(names)) != len(names):
         raise TraceError(f"{where}: elastic job names must be unique")
@@ -140,10 +163,11 @@ def parse_trace(data: dict, where: str = "trace") -> Trace:
             raise TraceError(f"{where}: jobs[{i}] ({j.name}): {exc}") from None
         if j.nodes < 1 or j.nodes > cluster.nodes:
             raise TraceError(f"{where}: jobs[{i}] ({j.name}): nodes must be 1..{cluster.nodes}")
-    policies = tuple(_policy(p, f"{where}: policies[{i}]")
-                     for i, p in enumerate(_list(data, "policies", where, required=False)))
+    raw_policies = _list(data, "policies", where, required=False)
+    _bounded(where, bounds.TRACE_POLICIES.check, "the number of policies", len(raw_policies))
+    policies = tuple(_policy(p, f"{where}: policies[{i}]") for i, p in enumerate(raw_policies))
     events = []
-    for i, e in enumerate(_list(data, "events", where)):
+    for i, e in enumerate(raw_events):
         event = _build(Event, e, f"{where}: events[{i}]")
         _check_event(event, set(names), cluster, f"{where}: events[{i}]")
         events.append(event)
@@ -152,7 +176,16 @@ def parse_trace(data: dict, where: str = "trace") -> Trace:
     if (not isinstance(duration, (int, float)) or isinstance(duration, bool)
             or not math.isfinite(duration) or duration <= 0):
         raise TraceError(f"{where}: duration must be a positive number of seconds")
+    _bounded(where, bounds.SIM_SECONDS.check, "duration", duration)
     return Trace(cluster, jobs, tuple(events), float(duration), policies)
+
+
+def _bounded(where: str, check: Any, *args: Any) -> None:
+    """``check(*args)``, a bounds check, its refusal as a TraceError naming ``where``."""
+    try:
+        check(*args)
+    except bounds.BoundError as exc:
+        raise TraceError(f"{where}: {exc}") from None
 
 
 def _list(data: dict, key: str, where: str, required: bool = True) -> list:
@@ -171,6 +204,16 @@ def _build(cls, raw, where: str):
         raise TraceError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: "
                          f"{', '.join(names)}")
     _check_types(cls, raw, where)
+    limits = TRACE_BOUNDS.get(cls, {})
+    for f in fields(cls):
+        value = raw.get(f.name)
+        if value is None:
+            continue
+        if f.name in limits:
+            _bounded(where, limits[f.name].check, f.name, value)
+        elif isinstance(value, str):
+            _bounded(where, bounds.check_text, f.name, value,
+                     bounds.PATH_CHARS if f.name == "model" else bounds.NAME_CHARS)
     try:
         return cls(**raw)
     except TypeError as exc:

@@ -235,6 +235,18 @@ CASES: list[tuple[str, list[str], str]] = [
      "--trace FILE or --synthetic"),
     ("simulate-negative-nodes", ["simulate", "--synthetic", "--nodes", "-3"], "--nodes"),
     ("simulate-negative-hours", ["simulate", "--synthetic", "--hours", "-1"], "--hours"),
+    # sizes past their bound and control characters (the whole class is walked in
+    # test_bounds_property.py; these keep one of each in this table)
+    ("simulate-nodes-past-bound", ["simulate", "--synthetic", "--nodes", "100000000"],
+     "exceeds the bound of 16,384 nodes"),
+    ("plan-add-nodes-past-bound", ["plan", "--model", "tiny", *L, "--add-nodes",
+                                   "100000000000"], "--add-nodes"),
+    ("run-nodes-x-gpus-past-bound", ["run", "--nodes", "16384", "--gpus-per-node", "1024",
+                                     "--model", "tiny", "--global-batch", "8", *WORKER],
+     "1,024 local processes"),
+    ("run-name-control-character", [*RUN, "--name", "a\x1b[2Jb", *WORKER], "U+001B"),
+    ("policy-value-past-bound", ["policy", "--db", f"{M}/good.db", "set", "--partition", "gpu",
+                                 "max_nodes=100000000000000000000"], "max_nodes"),
     # --- verify
     ("verify-no-layouts", ["verify", "--model", "tiny"], "--from and --to"),
     ("verify-model-malformed", ["verify", "--model", f"{M}/bad.json", *L], "not valid JSON"),

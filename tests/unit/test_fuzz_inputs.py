@@ -13,12 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slurm_etc import bounds
 from slurm_etc.cli.cmd_plan import MAX_NODES, _node_list
 from slurm_etc.coordinator.events import ScriptError, parse_script
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.plan.model import ModelDesc
-from slurm_etc.policy.rules import PolicyError, check_keys, parse_assignments
+from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
+from slurm_etc.policy.rules import POLICY_BOUNDS, PolicyError, check_keys, parse_assignments
 from slurm_etc.sim.trace import TraceError, parse_trace
 
 pytestmark = pytest.mark.unit
@@ -136,3 +137,53 @@ def test_trace_parser(data: Any) -> None:
         parse_trace(data, "fuzz")  # type: ignore[arg-type]
     except TraceError:
         pass
+
+
+# ---------------------------------------------------------------- sizes (slurm_etc/bounds.py)
+# Whatever huge number a size field gets, the parser refuses it with its own error naming the
+# field, and every model it accepts is within every bound (the parameter count too).
+
+BIG = st.integers(1, 2**80) | st.floats(allow_nan=True, allow_infinity=True)
+SIZES = settings(FUZZ, max_examples=100)
+
+
+@SIZES
+@given(st.dictionaries(st.sampled_from(sorted(MODEL_BOUNDS)), BIG, min_size=1, max_size=4))
+def test_model_sizes_are_bounded(sizes: dict[str, Any]) -> None:
+    try:
+        model = ModelDesc.from_json({**VALID_MODEL, **sizes})
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+        return
+    for f, bound in MODEL_BOUNDS.items():
+        value = getattr(model, f)
+        assert value is None or bound.low <= value <= bound.high
+    assert model.parameter_estimate() <= bounds.PARAMS.high
+
+
+@SIZES
+@given(st.sampled_from(sorted(POLICY_BOUNDS)), st.integers(-(2**80), 2**80),
+       st.sampled_from(["", "s", "m", "h"]))
+def test_policy_values_are_bounded(key: str, value: int, unit: str) -> None:
+    raw = f"{value}{unit if key == 'preempt_grace_s' else ''}"
+    try:
+        parsed = parse_assignments([f"{key}={raw}"])[key]
+    except PolicyError as exc:
+        assert key in str(exc) or "integer" in str(exc)
+        return
+    bound = POLICY_BOUNDS[key]
+    for v in parsed if isinstance(parsed, tuple) else (parsed,):
+        assert isinstance(v, int) and v <= bound.high
+
+
+@SIZES
+@given(st.integers(1, 2**70), st.integers(1, 2**70))
+def test_script_clusters_are_bounded(nodes: int, gpus_per_node: int) -> None:
+    try:
+        script = parse_script(json.dumps({"nodes": nodes, "gpus_per_node": gpus_per_node}),
+                              "fuzz.json")
+    except ScriptError as exc:
+        assert str(exc).startswith("fuzz.json")
+        return
+    assert nodes * gpus_per_node <= bounds.PROCESSES.high
+    assert len(script.topology.nodes) == nodes
