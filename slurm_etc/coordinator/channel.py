@@ -77,7 +77,13 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 import zmq
 
-from slurm_etc.protocol.keys import ZapGuard, curve_keys, make_client, make_server
+from slurm_etc.protocol.keys import (
+    HandshakeWatch,
+    ZapGuard,
+    curve_keys,
+    make_client,
+    make_server,
+)
 from slurm_etc.worker.control import (
     ENCODER,
     REPORT_DECODER,
@@ -570,6 +576,7 @@ class CoordinatorChannel:
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
+            self._handshakes = HandshakeWatch(self._sock, f"[job {job} coordinator] channel:")
             self._sock.bind(f"tcp://{_bracket(host)}:{port or '*'}")
             endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
@@ -599,7 +606,7 @@ class CoordinatorChannel:
     @property
     def refused_handshakes(self) -> int:
         """Peers dropped at the CURVE handshake (no key of this job)."""
-        return self._zap.refused
+        return self._handshakes.drain() if not self._closed else self._handshakes.refused
 
     @property
     def vranks(self) -> frozenset[int]:
@@ -664,6 +671,7 @@ class CoordinatorChannel:
         Rejected messages are counted and skipped; nothing a peer sends raises here."""
         if self._closed:
             raise ChannelError(f"the control channel of job {self.job} is closed")
+        self._handshakes.drain()
         deadline = time.monotonic() + max(0.0, timeout_s)
         late = 0
         while True:
@@ -712,6 +720,8 @@ class CoordinatorChannel:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_handshakes"):
+            self._handshakes.close()
         self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
         self._sock.close()
         self._zap.close()

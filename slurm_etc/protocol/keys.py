@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -22,6 +24,8 @@ import zmq
 from zmq.utils import z85
 
 Purpose = Literal["channel", "store"]
+
+logger = logging.getLogger(__name__)
 
 _LABEL: Final = "slurm-etc/v1/curve/{purpose}/{side}"
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
@@ -108,3 +112,44 @@ class ZapGuard:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close()
+
+
+class HandshakeWatch:
+    """Counts the handshakes a listening socket refused (a peer without the job's keys:
+    a wrong server key fails before the ZAP handler is asked, a wrong client key at it,
+    a NULL or PLAIN peer at the mechanism), from the socket's monitor. Call :meth:`drain`
+    from the thread that uses the socket; unread events are bounded by zmq's queue."""
+
+    EVENTS: Final = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def __init__(self, sock: zmq.Socket, label: str = "", *,
+                 interval_s: float = 10.0) -> None:
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(self.EVENTS)
+        self.refused = 0
+        self.label, self._interval_s = label, interval_s
+        self._logged, self._logged_at = 0, -interval_s
+
+    def drain(self) -> int:
+        """Read the events waiting; the total refused so far (one log line per interval
+        at most: a flood of refused peers does not flood the log)."""
+        for _ in range(10_000):
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            self.refused += 1
+        now = time.monotonic()
+        if self.refused > self._logged and now - self._logged_at >= self._interval_s:
+            logger.warning("%s refused %d handshake(s) of peers without this job's key "
+                           "(%d in all)", self.label, self.refused - self._logged, self.refused)
+            self._logged, self._logged_at = self.refused, now
+        return self.refused
+
+    def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)

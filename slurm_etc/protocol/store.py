@@ -38,7 +38,7 @@ import msgspec
 import torch.distributed as dist
 import zmq
 
-from .keys import CurveKeys, ZapGuard, curve_keys, make_client, make_server
+from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class StoreServer:
             self._sock.setsockopt(zmq.SNDHWM, 10_000)
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
+            self._handshakes = HandshakeWatch(self._sock, f"[job {job}] rendezvous store:")
             self._sock.bind(f"tcp://{_bracket(host)}:*")
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -166,7 +167,7 @@ class StoreServer:
     @property
     def refused_handshakes(self) -> int:
         """Peers dropped at the handshake (no key of this job)."""
-        return self._zap.refused
+        return self._handshakes.refused
 
     def stats(self) -> dict[str, int]:
         """Keys held, bytes held (keys + values), requests refused for a bound."""
@@ -202,6 +203,8 @@ class StoreServer:
         self.close()
 
     def _close_sockets(self) -> None:
+        if hasattr(self, "_handshakes"):
+            self._handshakes.close()
         self._sock.close(linger=0)
         self._zap.close()
         self._ctx.term()
@@ -228,6 +231,7 @@ class StoreServer:
                 self._handle(frames)
             if self._blocked:
                 self._expire(time.monotonic())
+            self._handshakes.drain()
 
     def _reply(self, routing: bytes, reply: Reply) -> None:
         try:
