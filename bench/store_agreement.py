@@ -3,7 +3,8 @@ old store, polled with ``check`` every 2 ms as the trainer did) against the job'
 store (:mod:`slurm_etc.protocol.store`, the server answers the wait).
 
 Each of ``--ranks`` processes does, per step, what ``ElasticTrainer._agree`` does: set its
-key of this step, delete its key of step - 2, wait for every rank's key, read them all.
+key of this step, delete its key of step - 2, wait for every rank's key, read them all
+(before: four requests and polling; now: one request the server answers when all are there).
 Prints the median and 90th percentile of one step's agreement per store, in ms::
 
     OMP_NUM_THREADS=1 python bench/store_agreement.py --ranks 4 --steps 300
@@ -23,7 +24,7 @@ def _rank(kind: str, rank: int, world: int, port: int, secret: bytes, steps: int
           out: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from slurm_etc.protocol.store import StoreClient, wait_for_keys
+    from slurm_etc.protocol.store import StoreClient, agree_step
 
     if kind == "tcpstore":
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
@@ -33,17 +34,18 @@ def _rank(kind: str, rank: int, world: int, port: int, secret: bytes, steps: int
     times = []
     for step in range(steps):
         keys = [f"j/g0/agree/{step}/{r}" for r in range(world)]
+        stale = f"j/g0/agree/{step - 2}/{rank}" if step >= 2 else ""
         t0 = time.perf_counter()
-        store.set(keys[rank], b"-")
-        if step >= 2:
-            store.delete_key(f"j/g0/agree/{step - 2}/{rank}")
-        if kind == "tcpstore":
+        if kind == "tcpstore":  # the trainer before: set, delete, poll check, multi_get
+            store.set(keys[rank], b"-")
+            if stale:
+                store.delete_key(stale)
             while not store.check(keys):
                 time.sleep(0.002)
-        else:
-            while not wait_for_keys(store, keys, 0.05):
+            store.multi_get(keys)
+        else:  # the trainer now (ElasticTrainer._agree)
+            while agree_step(store, keys[rank], b"-", stale, keys, 0.05) is None:
                 pass
-        store.multi_get(keys)
         times.append(time.perf_counter() - t0)
     out.put(times[10:])  # the first steps include connecting
 

@@ -314,6 +314,15 @@ class StoreServer:
                 return Reply(req.id, "ok", number=int(value is not None))
             if op == "num_keys":
                 return Reply(req.id, "ok", number=len(self._data))
+            if op == "agree":  # [own, stale or "", *keys]: set, delete, then a multi_get
+                if len(req.keys) < 3 or len(req.values) != 1:
+                    raise _Refused("bad", "agree takes its key, a stale key and the keys")
+                self._put(req.keys[0], req.values[0])
+                stale = self._data.pop(req.keys[1], None) if req.keys[1] else None
+                if stale is not None:
+                    self._bytes -= len(req.keys[1]) + len(stale)
+                req = Request(req.id, "multi_get", req.keys[2:], [], 0, req.timeout_ms)
+                op = req.op
             if op in ("get", "multi_get", "wait"):
                 missing = {k for k in req.keys if k not in self._data}
                 if not missing:
@@ -520,6 +529,16 @@ class StoreClient(dist.Store):
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._call("multi_set", list(keys), [_bytes(v) for v in values])
 
+    def agree(self, own: str, value: bytes, stale: str, keys: list[str],
+              timeout_s: float) -> list[bytes] | None:
+        """One step's agreement in one round trip: set ``own``, delete ``stale`` (if not
+        empty), and the values of ``keys`` once all are there; None after ``timeout_s``."""
+        try:
+            return list(self._call("agree", [own, stale, *keys], [value],
+                                   timeout=timedelta(seconds=timeout_s)).values)
+        except StoreTimeout:
+            return None
+
 
 def _bytes(value: Any) -> bytes:
     if isinstance(value, str):
@@ -532,6 +551,21 @@ def _first(keys: Sequence[str]) -> str:
         return "no key"
     more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
     return f"{keys[0][:80]!r}{more}"
+
+
+def agree_step(store: Any, own: str, value: bytes, stale: str, keys: list[str],
+               timeout_s: float) -> list[bytes] | None:
+    """Set ``own``, delete ``stale``, and the values of ``keys`` once every one is there
+    (None after ``timeout_s``: call again, it is idempotent). One round trip on the job's
+    store; on another ``torch.distributed.Store`` (the tests' TCPStore) four."""
+    if isinstance(store, StoreClient):
+        return store.agree(own, value, stale, keys, timeout_s)
+    store.set(own, value)
+    if stale:
+        store.delete_key(stale)
+    if not wait_for_keys(store, keys, timeout_s):
+        return None
+    return list(store.multi_get(keys))
 
 
 def wait_for_keys(store: Any, keys: list[str], timeout_s: float) -> bool:

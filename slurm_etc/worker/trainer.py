@@ -53,7 +53,7 @@ from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.protocol.store import wait_for_keys
+from slurm_etc.protocol.store import agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from .control import (
@@ -439,12 +439,14 @@ class ElasticTrainer:
         base = f"{proc.job}/g{self.generation}/agree" + (f".{self._attempt}"
                                                          if self._attempt else "")
         keys = [f"{base}/{self.step}/{r}" for r in range(layout.config.world)]
-        proc.store.set(keys[rank], ENCODER.encode(self._pending) if self._pending else b"-")
-        if self.step >= 2:  # every peer read it before the step after it could start
-            proc.store.delete_key(f"{base}/{self.step - 2}/{rank}")
+        mine = ENCODER.encode(self._pending) if self._pending else b"-"
+        # every peer read the key of step - 2 before the step after it could start
+        stale = f"{base}/{self.step - 2}/{rank}" if self.step >= 2 else ""
         deadline = time.monotonic() + proc.timeout_s
-        # the store answers when the keys are there; each slice, orders are looked at
-        while not wait_for_keys(proc.store, keys, AGREE_SLICE_S):
+        # the store answers when the keys are there (one round trip); each slice, orders
+        # are looked at
+        while (values := agree_step(proc.store, keys[rank], mine, stale, keys,
+                                    AGREE_SLICE_S)) is None:
             self._take_orders()
             if self._names_the_dead(self._pending):
                 order, self._pending = self._pending, None
@@ -452,7 +454,6 @@ class ElasticTrainer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
-        values = proc.store.multi_get(keys)
         self._pending = None
         orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
                   if o.generation not in self._aborted]

@@ -265,3 +265,26 @@ def test_channel_multipart_flood_from_a_peer_without_the_secret(key: bytes) -> N
             w.report(Hello("j", 0, 0, "h", 1))
             got = c.recv(5)
             assert got is not None and got[0] == 0
+
+
+def test_agreement_in_one_round_trip(client: StoreClient, server: StoreServer) -> None:
+    """What ElasticTrainer._agree sends: set, delete step - 2, all keys' values or None."""
+    from slurm_etc.protocol.store import agree_step
+
+    client.set("j/g0/agree/1/0", b"old")
+    keys = ["j/g0/agree/3/0", "j/g0/agree/3/1"]
+    t0 = time.monotonic()
+    assert agree_step(client, keys[0], b"-", "j/g0/agree/1/0", keys, 0.2) is None
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    assert not client.check(["j/g0/agree/1/0"]) and client.check([keys[0]])
+    got: list[list[bytes] | None] = []
+    t = threading.Thread(target=lambda: got.append(
+        agree_step(client, keys[0], b"-", "", keys, 5.0)))
+    t.start()
+    time.sleep(0.2)
+    assert agree_step(client, keys[1], b"stop", "", keys, 5.0) == [b"-", b"stop"]
+    t.join(5)
+    assert got == [[b"-", b"stop"]]
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    tcp.set(keys[1], b"stop")
+    assert agree_step(tcp, keys[0], b"-", "", keys, 1.0) == [b"-", b"stop"]
