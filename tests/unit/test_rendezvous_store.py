@@ -288,3 +288,24 @@ def test_agreement_in_one_round_trip(client: StoreClient, server: StoreServer) -
     tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tcp.set(keys[1], b"stop")
     assert agree_step(tcp, keys[0], b"-", "", keys, 1.0) == [b"-", b"stop"]
+
+
+def test_a_committed_resize_retires_the_generations_before_it(key: bytes) -> None:
+    """The coordinator's wiring (coordinator/run.py): a worker's authenticated Resized
+    "committed" of generation g makes the store drop every key of generations < g."""
+    from slurm_etc.worker.control import Resized
+
+    with StoreServer(key, "127.0.0.1", job="j") as store, \
+            CoordinatorChannel("j", key, "127.0.0.1", rendezvous=("127.0.0.1", store.port),
+                               on_commit=store.retire_generations) as c, \
+            WorkerChannel("j", 0, c.address, key) as w:
+        client = StoreClient("127.0.0.1", store.port, key)
+        for k in ("j/g0/agree/5/0", "j/g1/trainer", "j/g1/train/x", "j/g2/commit"):
+            client.set(k, b"1")
+        w.report(Resized("j", 1, 0, "aborted", 5))
+        w.report(Resized("j", 2, 0, "committed", 5))
+        got = [c.recv(5), c.recv(5)]
+        assert [type(g[1]).__name__ for g in got if g] == ["Resized", "Resized"]
+        assert not client.check(["j/g0/agree/5/0"]) and not client.check(["j/g1/trainer"])
+        assert client.check(["j/g2/commit"]) and client.num_keys() == 1
+        client.close()
