@@ -94,6 +94,8 @@ def test_an_attacker_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     assert not marker.exists(), f"an unpickled value ran the attacker's code: {attack}"
     assert attack["store_clients"] == 0 and attack["keys_listed"] == 0, attack
     assert not attack["overwritten"] and not attack["forged"] and not attack["flooded_bytes"]
+    # the channel closed the connection of the never-ending multipart message at once
+    assert attack["multipart_bytes_sent"] < 64 * (8 << 20), attack
     assert out["state"] == "finished" and out["step"] == STEPS, out
     store = open_store_readonly(tmp_path / "job.db")
     try:
