@@ -106,7 +106,7 @@ class StoreTimeout(StoreError):
     TCPStore)."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a member of the blocked set
 class _Waiter:
     routing: bytes
     request: Request
@@ -133,7 +133,7 @@ class StoreServer:
         self._bytes = 0
         self._lock = threading.Lock()
         self._waiters: dict[str, list[_Waiter]] = {}
-        self._blocked: list[_Waiter] = []
+        self._blocked: set[_Waiter] = set()
         self.refused = 0  # requests refused for a bound
         self._ctx = zmq.Context()
         self._zap = ZapGuard(self._ctx, {self._keys.client_public})
@@ -332,7 +332,7 @@ class StoreServer:
                 if len(self._blocked) >= lim.waiters:
                     raise _Refused("full", f"{len(self._blocked)} requests already waiting")
                 w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing)
-                self._blocked.append(w)
+                self._blocked.add(w)
                 for k in missing:
                     self._waiters.setdefault(k, []).append(w)
                 return None
