@@ -5,6 +5,12 @@ One ``CoordinatorChannel`` (a zmq ROUTER socket the coordinator binds) and one
 coordinator binds an explicit interface and advertises an explicit address, since workers
 may run on other nodes (loopback by default, for the local backend).
 
+Transport: zmq CURVE with keys derived from the job's secret (:mod:`slurm_etc.protocol.keys`);
+the coordinator's ZAP handler admits only the job's client key, so a peer without the secret
+is dropped at the handshake, before zmq buffers anything it sends (a never-ending multipart
+message of such a peer costs nothing). The envelope checks below stay behind it: they name
+the sender, the generation and bound replays, which CURVE alone does not.
+
 Wire format: every message is two zmq frames, ``[envelope, mac]``:
 
 * ``envelope`` is a msgpack map (:class:`Envelope`): protocol version, job, generation,
@@ -32,7 +38,7 @@ How the coordinator's reconcile loop uses it::
 
     secret = create_secret(job, exist_ok=True)        # a restarted coordinator reuses it
     with CoordinatorChannel(job, secret, bind="127.0.0.1") as channel:
-        channel.set_rendezvous(store_host, store_port)  # the TCPStore the coordinator hosts
+        channel.set_rendezvous(store_host, store_port)  # the StoreServer it hosts
         env = channel.worker_env()                      # merged into every launch's env
         ...
         channel.generation = g + 1                      # before launching generation g+1
@@ -71,6 +77,13 @@ from typing import Final, Literal, TypeAlias
 import msgspec
 import zmq
 
+from slurm_etc.protocol.keys import (
+    HandshakeWatch,
+    ZapGuard,
+    curve_keys,
+    make_client,
+    make_server,
+)
 from slurm_etc.worker.control import (
     ENCODER,
     REPORT_DECODER,
@@ -79,6 +92,7 @@ from slurm_etc.worker.control import (
     Order,
     Report,
     Resize,
+    Resized,
     Stop,
 )
 
@@ -154,8 +168,9 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
     """The coordinator's answer to a Hello: where the job's rendezvous store is.
 
-    Workers build their training and migration process groups from the torch ``TCPStore``
-    at ``store_host:store_port`` that the coordinator hosts (key prefixes per generation).
+    Workers build their training and migration process groups from the rendezvous store
+    (:class:`~slurm_etc.protocol.store.StoreServer`, CURVE with the job's keys) at
+    ``store_host:store_port`` that the coordinator hosts (key prefixes per generation).
     A coordinator may send a new Welcome at any time (e.g. restarted with a new store)."""
 
     job: str
@@ -483,7 +498,7 @@ class _RejectLog:
 # --------------------------------------------------------------------------- sockets
 
 
-def _split_bind(bind: str) -> tuple[str, int]:
+def split_bind(bind: str) -> tuple[str, int]:
     """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` -> (host, port); port 0 = any."""
     if bind.startswith("["):
         host, _, rest = bind[1:].partition("]")
@@ -519,6 +534,8 @@ class CoordinatorChannel:
             answered with a :class:`Welcome`.
         window_s: accepted distance between a message's timestamp and this clock.
         queue_limit: messages queued per worker before sends fail.
+        on_commit: called with a generation when a worker reports its resize committed
+            (the rendezvous store then deletes the keys of the generations before it).
 
     Not thread-safe: use it from the coordinator's loop thread.
     """
@@ -527,8 +544,9 @@ class CoordinatorChannel:
                  advertise: str | None = None, generation: int = 0,
                  rendezvous: tuple[str, int] | None = None,
                  window_s: float = DEFAULT_WINDOW_S, queue_limit: int = DEFAULT_QUEUE,
-                 clock: Callable[[], float] = time.time) -> None:
-        host, port = _split_bind(bind)
+                 clock: Callable[[], float] = time.time,
+                 on_commit: Callable[[int], object] | None = None) -> None:
+        host, port = split_bind(bind)
         if advertise is None:
             if host in ("0.0.0.0", "::", "*"):
                 raise ChannelError(f"binding {host} listens on every interface: give the "
@@ -542,10 +560,15 @@ class CoordinatorChannel:
         self._rejects = _RejectLog(f"[job {job} coordinator]")
         self._peers: dict[int, bytes] = {}
         self._rendezvous = rendezvous
+        self._on_commit = on_commit
+        self._committed = -1
+        keys = curve_keys(_key_of(secret), "channel")
         self._ctx = zmq.Context()
+        self._zap = ZapGuard(self._ctx, {keys.client_public})
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._closed = False
         try:
+            make_server(self._sock, keys)
             self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -553,6 +576,7 @@ class CoordinatorChannel:
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
+            self._handshakes = HandshakeWatch(self._sock, f"[job {job} coordinator] channel:")
             self._sock.bind(f"tcp://{_bracket(host)}:{port or '*'}")
             endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
@@ -578,6 +602,11 @@ class CoordinatorChannel:
     def rejected(self) -> Counter[str]:
         """How many received messages were dropped, by reason (a copy)."""
         return Counter(self._rejects.counts)
+
+    @property
+    def refused_handshakes(self) -> int:
+        """Peers dropped at the CURVE handshake (no key of this job)."""
+        return self._handshakes.drain() if not self._closed else self._handshakes.refused
 
     @property
     def vranks(self) -> frozenset[int]:
@@ -642,6 +671,7 @@ class CoordinatorChannel:
         Rejected messages are counted and skipped; nothing a peer sends raises here."""
         if self._closed:
             raise ChannelError(f"the control channel of job {self.job} is closed")
+        self._handshakes.drain()
         deadline = time.monotonic() + max(0.0, timeout_s)
         late = 0
         while True:
@@ -678,6 +708,11 @@ class CoordinatorChannel:
         self._peers[vrank] = routing
         if isinstance(report, Hello) and self._rendezvous is not None:
             self.welcome(vrank)
+        if (isinstance(report, Resized) and report.outcome == "committed"
+                and report.generation > self._committed):
+            self._committed = report.generation
+            if self._on_commit is not None:
+                self._on_commit(report.generation)
         return vrank, report
 
     def close(self, linger_s: float = 0.5) -> None:
@@ -685,8 +720,11 @@ class CoordinatorChannel:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_handshakes"):
+            self._handshakes.close()
         self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
         self._sock.close()
+        self._zap.close()
         self._ctx.term()
 
 
@@ -728,6 +766,7 @@ class WorkerChannel:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
+            make_client(self._sock, curve_keys(_key_of(secret), "channel"))
             self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)

@@ -6,15 +6,15 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.protocol.store import StoreServer
 from slurm_etc.store import jobs as record
 
 from .backend import Backend
-from .channel import CoordinatorChannel, create_secret
+from .channel import CoordinatorChannel, create_secret, split_bind
 from .loop import Coordinator, JobSpec, owner
 
 logger = logging.getLogger(__name__)
@@ -31,18 +31,22 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     The record is created before anything starts; the backend is closed (every worker
     stopped) whatever happens.
     """
-    import torch.distributed as dist
-
     store = record.open_job_store(spec.job_id, db=db, state_dir=state_dir)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
                       backend=backend_name, model=spec.job.model.name)
-    host = advertise or bind
-    rendezvous = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=spec.worker_timeout_s))
-    channel = CoordinatorChannel(spec.job_id, secret, bind, advertise=advertise)
-    channel.set_rendezvous(host, rendezvous.port)
+    # The rendezvous store listens on the bind host only (any free port), over CURVE with
+    # the job's keys; a committed generation retires the keys of those before it.
+    bind_host = split_bind(bind)[0]
+    rendezvous = StoreServer(secret.key, bind_host, job=spec.job_id)
+    try:
+        channel = CoordinatorChannel(spec.job_id, secret, bind, advertise=advertise,
+                                     on_commit=rendezvous.retire_generations)
+    except BaseException:
+        rendezvous.close()
+        raise
+    channel.set_rendezvous(advertise or bind_host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
     # SIGTERM (scancel, the time limit, a requeue) ends the loop through the same clean
@@ -55,6 +59,7 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
         try:
             backend.close()
             channel.close()
+            rendezvous.close()
             store.close()
         finally:
             _on_sigterm(previous)

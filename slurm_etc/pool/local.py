@@ -6,8 +6,11 @@ cores), so :class:`LocalWorkers` starts its processes once and serves many calls
     with LocalWorkers(4, preload=("megatron.core",)) as workers:
         results = workers.run(w_phase, cfg)   # [result of worker 0, of worker 1, ...]
 
-The workers are joined by a ``TCPStore`` the parent hosts on 127.0.0.1, as a job's processes
-are by its coordinator. Two calling conventions:
+The workers are joined by a rendezvous store the parent hosts on 127.0.0.1
+(:class:`~slurm_etc.protocol.store.StoreServer`, CURVE with a secret drawn per pool and
+handed to the workers through their spawn pipe), as a job's processes are by its
+coordinator: another user on the machine can neither read nor forge what the workers act
+on (the trainer's step agreement, a resize's state). Two calling conventions:
 
 * by default ``w_phase(ctx, *args, **kwargs)`` gets a :class:`WorkerContext` (index, size,
   the store, live objects kept between calls) and starts the process groups it needs from
@@ -56,7 +59,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from slurm_etc.protocol.store import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ def _configure_logging(index: int, log_level: int) -> None:
 
 def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid: int,
                  preload: Sequence[str], timeout_s: float, log_level: int,
-                 default_group: bool) -> None:
+                 default_group: bool, secret: bytes) -> None:
     """Entry point of one worker: import, join the store, then serve calls until told to stop."""
     os.environ.update(WORKER_ENV)
     # Ctrl-C reaches the whole process group: let the parent decide when workers stop.
@@ -192,13 +195,13 @@ def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid:
     import importlib
 
     import torch
-    import torch.distributed as dist
+
+    from slurm_etc.protocol.store import StoreClient
 
     torch.set_num_threads(1)
     for module in preload:
         importlib.import_module(module)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = StoreClient("127.0.0.1", port, secret, timeout=timedelta(seconds=timeout_s))
     ctx = WorkerContext(index, size, store, timeout_s)
     if default_group:
         ctx.init_group(DEFAULT_GROUP_TAG, index, size)
@@ -262,7 +265,7 @@ class LocalWorkers:
         self.default_group = default_group
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
-        self._store: TCPStore | None = None
+        self._store: StoreServer | None = None
         self.start_seconds: float | None = None
         self.start_seconds_each: list[float] = []
 
@@ -301,12 +304,15 @@ class LocalWorkers:
                                START_ATTEMPTS)
 
     def _spawn(self, one_at_a_time: bool = False) -> float:
-        import torch.distributed as dist
+        import secrets
+
+        from slurm_etc.protocol.store import StoreServer
 
         t0 = time.perf_counter()
-        store = self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
-                                            wait_for_workers=False,
-                                            timeout=timedelta(seconds=self.timeout_s))
+        secret = secrets.token_bytes(32)
+        if self._store is not None:
+            self._store.close()
+        store = self._store = StoreServer(secret, "127.0.0.1", job="pool")
         mp = multiprocessing.get_context("spawn")
         spawned: list[float] = []
         ready: dict[int, float] = {}
@@ -317,7 +323,7 @@ class LocalWorkers:
                 proc = mp.Process(target=_worker_main, name=f"slurm-etc-worker-{index}",
                                   args=(index, self.size, store.port, child_conn,
                                         os.getpid(), self.preload, self.timeout_s,
-                                        self.log_level, self.default_group))
+                                        self.log_level, self.default_group, secret))
                 spawned.append(time.perf_counter())
                 proc.start()
                 child_conn.close()
@@ -363,6 +369,8 @@ class LocalWorkers:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self._store is not None:
+            self._store.close()
         self._store = None
         return time.perf_counter() - t0
 

@@ -4,7 +4,8 @@ The user's training script ends with ``sys.exit(run_worker(make_trainer(...)))``
 backend's environment says who the process is (``SLURM_ETC_JOB``, ``_VRANK``,
 ``_GENERATION``, the channel's address and the path of the job's secret file, and the
 run's peer-copy and checkpoint settings: ``worker.recovery.Recovery``); the worker
-joins the control channel, is welcomed with the address of the job's rendezvous store, and
+joins the control channel, is welcomed with the address of the job's rendezvous store
+(:class:`~slurm_etc.protocol.store.StoreClient`, authenticated with the same secret), and
 trains: from the start in ``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it
 waits for the resize that brings it in.
 """
@@ -33,9 +34,9 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     The preemption signal of a member allocation goes to the coordinator, which orders the
     resize: a worker ignores SIGUSR2 so that it trains on until the migration committed.
     """
-    import torch.distributed as dist
-
-    from slurm_etc.coordinator.channel import WorkerChannel
+    from slurm_etc.coordinator.channel import WorkerChannel, load_secret
+    from slurm_etc.coordinator.env import SECRET_FILE
+    from slurm_etc.protocol.store import StoreClient
 
     env = os.environ if environ is None else environ
     # the run's --peer-copy-every / --checkpoint-every / --checkpoint-dir, over the
@@ -48,8 +49,11 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     control = WorkerChannel.from_env(env)
     try:
         welcome = control.join(JOIN_TIMEOUT_S, pid=os.getpid())
-        store = dist.TCPStore(welcome.store_host, welcome.store_port, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        # the store speaks CURVE with keys derived from the job's secret: nobody without
+        # it can read or write what the workers agree on
+        store = StoreClient(welcome.store_host, welcome.store_port,
+                            load_secret(env[SECRET_FILE]).key,
+                            timeout=timedelta(seconds=timeout))
         layout = parse_layout(env[LAYOUT]) if env.get(LAYOUT) else None
         proc = WorkerProcess(
             job=env["SLURM_ETC_JOB"], vrank=int(env["SLURM_ETC_VRANK"]), store=store,

@@ -31,7 +31,6 @@ the last trained are lost and replayed on the same samples.
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_etc.migrate.shards import LocalShard, box3
+from slurm_etc.protocol.values import decode_value, encode_value
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Snapshot:
         step: the trainer step the snapshot was taken after.
         flat: all shards, each at ``index[i][5]`` bytes, ``_ALIGN``-aligned.
         index: per shard ``(state_key, lo, hi, s, dtype name, offset, numel)``.
-        meta: Adam step, CPU RNG, megatron RNG extras, trainer state (pickled-size small).
+        meta: Adam step, CPU RNG, megatron RNG extras, trainer state (kilobytes).
     """
 
     step: int
@@ -121,7 +121,7 @@ class PeerCopies:
         self.prune(step)
         snap = self._take(step, shards, meta)
         self.own[step] = snap
-        head = pickle.dumps((snap.index, snap.meta))
+        head = encode_value((snap.index, snap.meta))
         ops, sizes = [], {w: torch.zeros(2, dtype=torch.int64) for w in self.wards}
         mine = torch.tensor([len(head), snap.nbytes], dtype=torch.int64)
         ops.append(dist.P2POp(dist.isend, mine, self.buddy))
@@ -136,7 +136,7 @@ class PeerCopies:
             ops += [dist.P2POp(dist.irecv, heads[w], w), dist.P2POp(dist.irecv, flats[w], w)]
         _wait(dist.batch_isend_irecv(ops))
         for w in self.wards:
-            index, wmeta = pickle.loads(heads[w].numpy().tobytes())
+            index, wmeta = _head(decode_value(heads[w].numpy().tobytes()))
             kept = self.copies.setdefault(w, {})
             if self.stale_copies and kept:
                 prev = kept[max(kept)]
@@ -239,10 +239,25 @@ def _wait(works: list) -> None:
         w.wait()
 
 
+def _head(value: Any) -> tuple[list[tuple], dict]:
+    """A ward's (index, meta) as :meth:`PeerCopies.refresh` sent it (over gloo, whose
+    connections are not authenticated: checked, never unpickled)."""
+    index, meta = value
+    out = []
+    for key, lo, hi, s, dtype, off, numel in index:
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"a peer copy's head names dtype {str(dtype)[:20]!r}")
+        out.append((str(key), box3(lo), box3(hi), int(s), str(dtype), int(off), int(numel)))
+    if not isinstance(meta, dict):
+        raise ValueError("a peer copy's head carries no meta")
+    return out, meta
+
+
 def own_client(store: Any, timeout_s: float) -> Any:
     """A connection of its own to a TCPStore: a client's blocking wait holds its socket, so
     two threads waiting through one client (the rank and its stand-in, in one rendezvous)
-    would deadlock."""
+    would deadlock. The job's :class:`~slurm_etc.protocol.store.StoreClient` gives each
+    thread a socket of its own: it is shared as it is."""
     from datetime import timedelta
 
     if isinstance(store, dist.TCPStore):

@@ -35,7 +35,6 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +53,8 @@ from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
+from slurm_etc.protocol.store import agree_step, wait_for_keys
+from slurm_etc.protocol.values import decode_value, encode_value
 
 from .control import (
     ENCODER,
@@ -79,6 +80,8 @@ STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
 # A new rank that waits this long for its peers to install a committed layout reports the
 # commit at once: the coordinator can then settle it and name a peer that died meanwhile.
 EARLY_COMMIT_REPORT_S = 2.0
+# A rank waiting for its peers at the step agreement looks at its orders this often.
+AGREE_SLICE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -344,12 +347,12 @@ class ElasticTrainer:
 
         state, cfg = self._live()
         load_checkpoint(state, directory, optimizer=True)
-        saved = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        saved = torch.load(os.path.join(directory, "trainer.pt"), weights_only=True)
         self._restore_trainer_state(saved)
         old = ParallelConfig.parse(saved["config"].replace(",dist-opt", ""),
                                    cfg.distributed_optimizer)
         src = rng_source(old, cfg, dist.get_rank(), saved["num_layers"])
-        rng = torch.load(os.path.join(directory, "rng", f"{src}.pt"), weights_only=False)
+        rng = torch.load(os.path.join(directory, "rng", f"{src}.pt"), weights_only=True)
         torch.set_rng_state(rng.pop("cpu"))
         _set_rng_extras(rng)
 
@@ -436,11 +439,14 @@ class ElasticTrainer:
         base = f"{proc.job}/g{self.generation}/agree" + (f".{self._attempt}"
                                                          if self._attempt else "")
         keys = [f"{base}/{self.step}/{r}" for r in range(layout.config.world)]
-        proc.store.set(keys[rank], ENCODER.encode(self._pending) if self._pending else b"-")
-        if self.step >= 2:  # every peer read it before the step after it could start
-            proc.store.delete_key(f"{base}/{self.step - 2}/{rank}")
+        mine = ENCODER.encode(self._pending) if self._pending else b"-"
+        # every peer read the key of step - 2 before the step after it could start
+        stale = f"{base}/{self.step - 2}/{rank}" if self.step >= 2 else ""
         deadline = time.monotonic() + proc.timeout_s
-        while not proc.store.check(keys):
+        # the store answers when the keys are there (one round trip); each slice, orders
+        # are looked at
+        while (values := agree_step(proc.store, keys[rank], mine, stale, keys,
+                                    AGREE_SLICE_S)) is None:
             self._take_orders()
             if self._names_the_dead(self._pending):
                 order, self._pending = self._pending, None
@@ -448,8 +454,6 @@ class ElasticTrainer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
-            time.sleep(0.002)
-        values = proc.store.multi_get(keys)
         self._pending = None
         orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
                   if o.generation not in self._aborted]
@@ -561,9 +565,9 @@ class ElasticTrainer:
         tag = f"{proc.job}/g{order.generation}"
         self._log("resize to generation %d committed, not installed: %s", order.generation,
                   err)
-        trainer = pickle.loads(proc.store.get(f"{tag}/trainer"))
+        trainer = decode_value(proc.store.get(f"{tag}/trainer"))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
-        rng = pickle.loads(proc.store.get(f"{tag}/rng/{src}"))
+        rng = decode_value(proc.store.get(f"{tag}/rng/{src}"))
         self._held = (err.shards, err.resume)
         self._held_extras = (trainer, rng)
         self.state = None  # its training groups are gone since the commit
@@ -620,8 +624,8 @@ class ElasticTrainer:
         trainer, rng = (self._held_extras if self._held is not None
                         else (self._trainer_state(), _rng_extras()))
         if proc.vrank == self._publisher(old):
-            proc.store.set(f"{tag}/trainer", pickle.dumps(trainer))
-        proc.store.set(f"{tag}/rng/{rank}", pickle.dumps(rng))
+            proc.store.set(f"{tag}/trainer", encode_value(trainer))
+        proc.store.set(f"{tag}/rng/{rank}", encode_value(rng))
 
     def _trainer_state(self) -> dict:
         state, _cfg = self._live()
@@ -633,9 +637,9 @@ class ElasticTrainer:
 
     def _adopt_extras(self, tag: str, old: Layout, new: Layout, plan: Any) -> None:
         proc = self._proc()
-        self._restore_trainer_state(pickle.loads(proc.store.get(f"{tag}/trainer")))
+        self._restore_trainer_state(decode_value(proc.store.get(f"{tag}/trainer")))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
-        _set_rng_extras(pickle.loads(proc.store.get(f"{tag}/rng/{src}")))
+        _set_rng_extras(decode_value(proc.store.get(f"{tag}/rng/{src}")))
         self._held_extras = ({}, {})
 
     def _restore_trainer_state(self, saved: dict) -> None:
@@ -786,17 +790,14 @@ class ElasticTrainer:
         mine = {"step": self.step, "checkpoint": self._latest_checkpoint(),
                 **(self.peers.holdings() if self.peers and self._peers_gen == self.generation
                    else {"own": [], "copies": {}})}
-        proc.store.set(f"{tag}/holdings/{proc.vrank}", pickle.dumps(mine))
+        proc.store.set(f"{tag}/holdings/{proc.vrank}", encode_value(mine))
         survivors = [(r, d) for r, d in enumerate(old.devices) if d not in lost]
         keys = [f"{tag}/holdings/{d}" for _r, d in survivors]
-        deadline = time.monotonic() + proc.timeout_s
-        while not proc.store.check(keys):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"survivors of {old.config} did not publish what they hold "
-                                   f"within {proc.timeout_s:.0f} s")
-            time.sleep(0.005)
-        return {r: pickle.loads(v) for (r, _d), v in zip(survivors, proc.store.multi_get(keys),
-                                                         strict=True)}
+        if not wait_for_keys(proc.store, keys, proc.timeout_s):
+            raise RuntimeError(f"survivors of {old.config} did not publish what they hold "
+                               f"within {proc.timeout_s:.0f} s")
+        return {r: decode_value(v) for (r, _d), v in zip(
+            survivors, proc.store.multi_get(keys), strict=True)}
 
     def _roll_back_to_copies(self, order: Resize, tag: str, old: Layout, new: Layout,
                              back: int, last: int, lost_ranks: list[int],
@@ -851,10 +852,10 @@ class ElasticTrainer:
         """What old rank ``ward`` would publish in a resize, from its peer copy."""
         proc = self._proc()
         if ward == 0:  # the publisher when no device counts as lost
-            proc.store.set(f"{tag}/trainer", pickle.dumps(meta["trainer"]))
+            proc.store.set(f"{tag}/trainer", encode_value(meta["trainer"]))
             if self.catalog is not None:
                 proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
-        proc.store.set(f"{tag}/rng/{ward}", pickle.dumps(meta["extras"]))
+        proc.store.set(f"{tag}/rng/{ward}", encode_value(meta["extras"]))
 
     def _forget_steps_after(self, back: int, generation: int, last: int) -> None:
         """Steps after ``back`` are lost: out of the history, reported, replayed."""

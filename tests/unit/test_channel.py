@@ -38,6 +38,7 @@ from slurm_etc.coordinator.channel import (
     decode_to_worker,
     load_secret,
 )
+from slurm_etc.protocol.keys import ZapGuard, curve_keys, make_client, make_server
 from slurm_etc.worker.control import (
     ENCODER,
     Abort,
@@ -92,10 +93,13 @@ def resize(generation: int) -> Resize:
                   deadline=1_900_000_000.0, reason="grant")
 
 
-def raw_dealer(coordinator: CoordinatorChannel) -> zmq.Socket:
+def raw_dealer(coordinator: CoordinatorChannel, key: bytes) -> zmq.Socket:
+    """A peer that holds the job's secret (it passes the CURVE handshake) and sends what
+    it likes: what the envelope checks behind the transport must reject."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    make_client(s, curve_keys(key, "channel"))
     s.connect(coordinator.address)
     return s
 
@@ -266,22 +270,41 @@ def test_bind_and_advertise(key: bytes) -> None:
 # --------------------------------------------------------------------------- rejections
 
 
-def test_wrong_secret_is_rejected(coordinator: CoordinatorChannel) -> None:
+def test_wrong_secret_is_dropped_at_the_handshake(coordinator: CoordinatorChannel) -> None:
     with worker(coordinator, secrets.token_bytes(32)) as w:
         w.report(Hello(JOB, 0, 0, "h", 1))
-        recv_until_rejected(coordinator, "mac")
+        deadline = time.monotonic() + 5
+        while coordinator.refused_handshakes < 1 and time.monotonic() < deadline:
+            assert coordinator.recv(0.05) is None
+    assert coordinator.refused_handshakes >= 1
+    assert sum(coordinator.rejected.values()) == 0  # nothing of it reached the checks
     assert coordinator.vranks == frozenset()
 
 
-def fake_coordinator() -> tuple[zmq.Socket, str]:
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+def fake_coordinator(key: bytes) -> tuple[zmq.Socket, str]:
+    """A ROUTER with the CURVE keys of ``key`` (its context admits the job's client key)."""
+    ctx = zmq.Context()
+    keys = curve_keys(key, "channel")
+    ZapGuard(ctx, {keys.client_public})  # lives as long as the context
+    router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    make_server(router, keys)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     return router, f"tcp://127.0.0.1:{port}"
 
 
+def test_worker_reaches_no_coordinator_of_another_secret(key: bytes) -> None:
+    router, address = fake_coordinator(secrets.token_bytes(32))
+    with WorkerChannel(JOB, 0, address, key) as w:
+        w.report(Hello(JOB, 0, 0, "h", 1))
+        assert not router.poll(1000)  # the handshake failed: nothing arrives
+        assert w.wait(0.2) is None and w.rendezvous is None
+    router.close()
+
+
 def test_worker_rejects_a_coordinator_with_the_wrong_secret(key: bytes) -> None:
-    router, address = fake_coordinator()
+    # past the transport (it holds the job's CURVE keys) but signing with another key
+    router, address = fake_coordinator(key)
     with WorkerChannel(JOB, 0, address, key) as w:
         w.report(Hello(JOB, 0, 0, "h", 1))
         assert router.poll(5000)
@@ -299,7 +322,7 @@ def test_tampered_byte_is_rejected(coordinator: CoordinatorChannel, key: bytes) 
     frames = Sealer(JOB, key, 0).seal(COORDINATOR, 0, Hello(JOB, 0, 0, "h", 1))
     data = bytearray(frames[0])
     data[len(data) // 2] ^= 0x01
-    s = raw_dealer(coordinator)
+    s = raw_dealer(coordinator, key)
     s.send_multipart([bytes(data), frames[1]])
     mac = bytearray(frames[1])
     mac[0] ^= 0x80
@@ -324,7 +347,7 @@ def test_every_single_bit_flip_is_rejected(key: bytes) -> None:
 def test_replay_is_rejected(coordinator: CoordinatorChannel, key: bytes) -> None:
     sealer = Sealer(JOB, key, 0)
     hello = sealer.seal(COORDINATOR, 0, Hello(JOB, 0, 0, "h", 1))
-    s = raw_dealer(coordinator)
+    s = raw_dealer(coordinator, key)
     s.send_multipart(hello)
     got = coordinator.recv(5)
     assert got is not None and got[0] == 0
@@ -392,7 +415,7 @@ def test_recipient_sender_and_body_mismatches_are_rejected(key: bytes) -> None:
 
 def test_garbage_frames_do_not_crash_the_coordinator(coordinator: CoordinatorChannel,
                                                      key: bytes) -> None:
-    s = raw_dealer(coordinator)
+    s = raw_dealer(coordinator, key)
     garbage: list[list[bytes]] = [
         [b""], [b"x"], [b"a", b"b", b"c"], [b"", b""], [os.urandom(1000), os.urandom(32)],
         [b"\xff" * 64, b"\x00" * MAC_BYTES], [b"\x91" * 10000, b"\x00" * MAC_BYTES],
@@ -420,7 +443,7 @@ def test_garbage_frames_do_not_crash_the_coordinator(coordinator: CoordinatorCha
 
 
 def test_garbage_does_not_crash_a_worker(key: bytes) -> None:
-    router, address = fake_coordinator()
+    router, address = fake_coordinator(key)
     with WorkerChannel(JOB, 0, address, key) as w:
         w.report(Hello(JOB, 0, 0, "h", 1))
         assert router.poll(5000)
@@ -600,13 +623,15 @@ def test_no_secret_in_logs_or_reprs(tmp_path, caplog: pytest.LogCaptureFixture) 
             w.wait(0.2)
         with WorkerChannel(JOB, 1, c.address, secrets.token_bytes(32)) as bad:
             bad.report(Hello(JOB, 0, 1, "h", 1))
-            recv_until_rejected(c, "mac")
+            deadline = time.monotonic() + 5
+            while c.refused_handshakes < 1 and time.monotonic() < deadline:
+                c.recv(0.05)
         texts = [caplog.text, repr(s), str(s), repr(c), repr(w)]
     os.chmod(s.path, 0o644)
     with pytest.raises(SecretError) as e:
         load_secret(s.path)
     texts.append(str(e.value))
-    assert any("dropped a message (mac)" in t for t in texts)
+    assert any("refused 1 handshake(s)" in t for t in texts)
     forms = [s.key.hex(), base64.b64encode(s.key).decode(), s.key.hex().upper(),
              repr(s.key)[2:-1]]
     for text in texts:
@@ -616,9 +641,10 @@ def test_no_secret_in_logs_or_reprs(tmp_path, caplog: pytest.LogCaptureFixture) 
 
 
 def test_rejections_are_counted_but_logged_rate_limited(
-        coordinator: CoordinatorChannel, caplog: pytest.LogCaptureFixture) -> None:
+        coordinator: CoordinatorChannel, key: bytes,
+        caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="slurm_etc.coordinator.channel")
-    s = raw_dealer(coordinator)
+    s = raw_dealer(coordinator, key)
     for _ in range(50):
         s.send_multipart([os.urandom(64), os.urandom(32)])
     recv_until_rejected(coordinator, "mac", 50)

@@ -1,0 +1,579 @@
+"""The job's rendezvous store: served by the coordinator over CURVE, bounded, with a
+``torch.distributed.Store`` client for the workers.
+
+Workers meet here: gloo's rendezvous of every training and migration group (through
+``PrefixStore``), the per-step agreement, a resize's trainer state, RNG extras, holdings and
+commit decision. What torch's ``TCPStore`` lacked, this has:
+
+* **authenticated transport.** A zmq ROUTER with CURVE keys derived from the job's secret
+  (:mod:`.keys`); its ZAP handler admits only the job's client key, so a peer without the
+  secret is dropped at the handshake: it can neither list, read nor write keys, and nothing
+  it sends is buffered.
+* **bounded.** Per value (:attr:`StoreLimits.value_bytes`), per key name, number of keys
+  and total bytes; a write past a bound is an error to that client (``StoreFull``), never
+  growth. zmq bounds a request's size (``MAXMSGSIZE``) and the queue per peer.
+* **past keys deleted.** :meth:`StoreServer.retire_generations` drops every key of the
+  job's generations before a committed one (the trainer deletes its agreement keys of
+  step - 2 itself).
+* **listens only where told** (``bind``), unlike ``TCPStore`` which listens on every
+  interface whatever host it is given.
+* **blocking get/wait served by the server** (no polling over the wire) and a client that
+  may be used from several threads at once (one socket per thread).
+
+Wire: a request is one frame, the msgpack array of :class:`Request`; a reply one frame, a
+:class:`Reply`. Values are bytes; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final
+
+import msgspec
+import torch.distributed as dist
+import zmq
+
+from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
+
+logger = logging.getLogger(__name__)
+
+# Over any request's own time limit, how long a client waits for the server's answer
+# before it calls the coordinator unreachable.
+_REPLY_GRACE_S: Final = 10.0
+_DEFAULT_TIMEOUT: Final = timedelta(seconds=300)
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """Bounds of one job's store. Defaults fit a 16k-rank job's rendezvous (every rank in
+    ~10 groups per generation, two generations live) with room; values there are under a
+    kilobyte except a resize's trainer state and model description (kilobytes)."""
+
+    value_bytes: int = 4 * 2**20
+    key_bytes: int = 1024
+    keys: int = 1_000_000
+    total_bytes: int = 256 * 2**20
+    keys_per_request: int = 65_536
+    waiters: int = 100_000  # blocked get/wait requests held at once
+
+    @property
+    def request_bytes(self) -> int:
+        return self.value_bytes + self.key_bytes + 4096
+
+
+class Request(msgspec.Struct, array_like=True, frozen=True):
+    """``op`` with its keys, values (set / multi_set / compare_set: expected, desired),
+    ``amount`` (add) and ``timeout_ms`` (blocking ops)."""
+
+    id: int
+    op: str
+    keys: list[str] = []
+    values: list[bytes] = []
+    amount: int = 0
+    timeout_ms: int = 0
+
+
+class Reply(msgspec.Struct, array_like=True, frozen=True):
+    """``status``: ok, timeout, full (a bound), bad (malformed request)."""
+
+    id: int
+    status: str
+    values: list[bytes] = []
+    number: int = 0
+    error: str = ""
+
+
+_REQUEST = msgspec.msgpack.Decoder(Request)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class StoreError(RuntimeError):
+    """The store refused a request, or cannot be reached."""
+
+
+class StoreFull(StoreError):
+    """A write past one of the store's bounds."""
+
+
+class StoreTimeout(StoreError):
+    """Keys did not appear within the timeout (what torch's ``DistStoreError`` says for a
+    TCPStore)."""
+
+
+@dataclass(eq=False)  # hashed by identity: a member of the blocked set
+class _Waiter:
+    routing: bytes
+    request: Request
+    deadline: float
+    missing: set[str]
+
+
+class StoreServer:
+    """The store the coordinator hosts: a thread serving a CURVE ROUTER socket.
+
+    Args:
+        secret: the job's secret bytes (the keys are derived from it).
+        bind: the interface to listen on (``host``; any free port).
+        limits: the bounds (:class:`StoreLimits`).
+        job: the job id whose generation keys :meth:`retire_generations` recognises.
+    """
+
+    def __init__(self, secret: bytes, bind: str = "127.0.0.1", *, job: str = "",
+                 limits: StoreLimits | None = None) -> None:
+        self.limits = limits or StoreLimits()
+        self.job = job
+        self._keys = curve_keys(secret, "store")
+        self._data: dict[str, bytes] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._blocked: set[_Waiter] = set()
+        self.refused = 0  # requests refused for a bound
+        self._ctx = zmq.Context()
+        self._zap = ZapGuard(self._ctx, {self._keys.client_public})
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        host = bind.strip("[]")
+        try:
+            make_server(self._sock, self._keys)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.request_bytes)
+            self._sock.setsockopt(zmq.RCVHWM, 64)
+            self._sock.setsockopt(zmq.SNDHWM, 10_000)
+            if ":" in host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._handshakes = HandshakeWatch(self._sock, f"[job {job}] rendezvous store:")
+            self._sock.bind(f"tcp://{_bracket(host)}:*")
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise StoreError(f"cannot bind the rendezvous store to {bind}: {e}") from None
+        endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.host = host
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="slurm-etc-store",
+                                        daemon=True)
+        self._thread.start()
+        logger.info("[job %s] rendezvous store on %s:%d (CURVE)", job, _bracket(host),
+                    self.port)
+
+    # -- what the coordinator calls ----------------------------------------------------------
+
+    @property
+    def refused_handshakes(self) -> int:
+        """Peers dropped at the handshake (no key of this job)."""
+        return self._handshakes.refused
+
+    def stats(self) -> dict[str, int]:
+        """Keys held, bytes held (keys + values), requests refused for a bound."""
+        with self._lock:
+            return {"keys": len(self._data), "bytes": self._bytes, "refused": self.refused}
+
+    def retire_generations(self, below: int) -> int:
+        """Delete every key of this job's generations ``< below`` (``<job>/g<N>/...`` and
+        ``<job>/g<N>.``...): a committed generation ``below`` made them dead. Returns how
+        many keys went."""
+        pattern = re.compile(rf"{re.escape(self.job)}/g(\d+)[/.]")
+        with self._lock:
+            dead = [k for k in self._data
+                    if (m := pattern.match(k)) is not None and int(m.group(1)) < below]
+            for k in dead:
+                self._bytes -= len(k) + len(self._data.pop(k))
+        if dead:
+            logger.debug("[job %s] store: %d keys of generations < %d deleted", self.job,
+                         len(dead), below)
+        return len(dead)
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._close_sockets()
+
+    def __enter__(self) -> "StoreServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        if hasattr(self, "_handshakes"):
+            self._handshakes.close()
+        self._sock.close(linger=0)
+        self._zap.close()
+        self._ctx.term()
+
+    # -- the serving thread -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            wait_ms = 100
+            if self._blocked:
+                soonest = min(w.deadline for w in self._blocked)
+                wait_ms = max(0, min(wait_ms, int((soonest - time.monotonic()) * 1000) + 1))
+            try:
+                ready = self._sock.poll(wait_ms)
+            except zmq.ZMQError:
+                return
+            for _ in range(1000 if ready else 0):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    return
+                self._handle(frames)
+            if self._blocked:
+                self._expire(time.monotonic())
+            self._handshakes.drain()
+
+    def _reply(self, routing: bytes, reply: Reply) -> None:
+        try:
+            self._sock.send_multipart([routing, _ENCODER.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a client gone, or its queue full: it retries or fails
+            logger.debug("store: reply to a client not sent (%s)", e)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        routing = frames[0]
+        if len(frames) != 2:
+            self._reply(routing, Reply(0, "bad", error=f"{len(frames) - 1} frames, expected 1"))
+            return
+        try:
+            req = _REQUEST.decode(frames[1])
+        except (msgspec.DecodeError, RecursionError) as e:
+            self._reply(routing, Reply(0, "bad", error=str(e)[:200]))
+            return
+        try:
+            reply = self._apply(routing, req)
+        except _Refused as r:
+            self.refused += r.status == "full"
+            reply = Reply(req.id, r.status, error=r.detail)
+        if reply is not None:
+            self._reply(routing, reply)
+
+    def _apply(self, routing: bytes, req: Request) -> Reply | None:  # noqa: C901 - one switch
+        lim = self.limits
+        if len(req.keys) > lim.keys_per_request or len(req.values) > lim.keys_per_request:
+            raise _Refused("full", f"{len(req.keys)} keys in one request (at most "
+                                   f"{lim.keys_per_request})")
+        for k in req.keys:
+            if len(k) > lim.key_bytes:
+                raise _Refused("full", f"a key of {len(k)} characters (at most "
+                                       f"{lim.key_bytes})")
+        op = req.op
+        with self._lock:
+            if op == "set":
+                self._one(req)
+                self._put(req.keys[0], req.values[0] if req.values else b"")
+                return Reply(req.id, "ok")
+            if op == "multi_set":
+                if len(req.keys) != len(req.values):
+                    raise _Refused("bad", f"{len(req.keys)} keys, {len(req.values)} values")
+                self._fits(req.keys, req.values)
+                for k, v in zip(req.keys, req.values, strict=True):
+                    self._put(k, v)
+                return Reply(req.id, "ok")
+            if op == "add":
+                self._one(req)
+                key = req.keys[0]
+                try:
+                    now = int(self._data.get(key, b"0")) + req.amount
+                except ValueError:
+                    raise _Refused("bad", f"key {key[:80]!r} does not hold an integer"
+                                   ) from None
+                self._put(key, str(now).encode())
+                return Reply(req.id, "ok", number=now)
+            if op == "compare_set":
+                self._one(req)
+                if len(req.values) != 2:
+                    raise _Refused("bad", "compare_set takes expected and desired values")
+                key, (expected, desired) = req.keys[0], req.values
+                current = self._data.get(key)
+                if current is None:
+                    if expected:
+                        return Reply(req.id, "ok", values=[expected])
+                    self._put(key, desired)
+                    return Reply(req.id, "ok", values=[desired])
+                if current == expected:
+                    self._put(key, desired)
+                    return Reply(req.id, "ok", values=[desired])
+                return Reply(req.id, "ok", values=[current])
+            if op == "check":
+                return Reply(req.id, "ok", number=int(all(k in self._data for k in req.keys)))
+            if op == "delete_key":
+                self._one(req)
+                value = self._data.pop(req.keys[0], None)
+                if value is not None:
+                    self._bytes -= len(req.keys[0]) + len(value)
+                return Reply(req.id, "ok", number=int(value is not None))
+            if op == "num_keys":
+                return Reply(req.id, "ok", number=len(self._data))
+            if op == "agree":  # [own, stale or "", *keys]: set, delete, then a multi_get
+                if len(req.keys) < 3 or len(req.values) != 1:
+                    raise _Refused("bad", "agree takes its key, a stale key and the keys")
+                self._put(req.keys[0], req.values[0])
+                stale = self._data.pop(req.keys[1], None) if req.keys[1] else None
+                if stale is not None:
+                    self._bytes -= len(req.keys[1]) + len(stale)
+                req = Request(req.id, "multi_get", req.keys[2:], [], 0, req.timeout_ms)
+                op = req.op
+            if op in ("get", "multi_get", "wait"):
+                missing = {k for k in req.keys if k not in self._data}
+                if not missing:
+                    return self._answer(req)
+                if req.timeout_ms <= 0:
+                    return Reply(req.id, "timeout", error=f"{len(missing)} keys missing")
+                if len(self._blocked) >= lim.waiters:
+                    raise _Refused("full", f"{len(self._blocked)} requests already waiting")
+                w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing)
+                self._blocked.add(w)
+                for k in missing:
+                    self._waiters.setdefault(k, []).append(w)
+                return None
+        raise _Refused("bad", f"unknown operation {op[:40]!r}")
+
+    def _answer(self, req: Request) -> Reply:
+        if req.op == "wait":
+            return Reply(req.id, "ok")
+        return Reply(req.id, "ok", values=[self._data[k] for k in req.keys])
+
+    @staticmethod
+    def _one(req: Request) -> None:
+        if len(req.keys) != 1:
+            raise _Refused("bad", f"{req.op} takes one key, got {len(req.keys)}")
+
+    def _fits(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        lim = self.limits
+        grow_keys, grow_bytes = 0, 0
+        for k, v in zip(keys, values, strict=True):
+            if len(v) > lim.value_bytes:
+                raise _Refused("full", f"a value of {len(v)} bytes for {k[:80]!r} (at most "
+                                       f"{lim.value_bytes})")
+            old = self._data.get(k)
+            grow_keys += old is None
+            grow_bytes += len(v) - (len(old) if old is not None else -len(k))
+        if len(self._data) + grow_keys > lim.keys:
+            raise _Refused("full", f"the store holds {len(self._data)} keys (at most "
+                                   f"{lim.keys})")
+        if self._bytes + grow_bytes > lim.total_bytes:
+            raise _Refused("full", f"the store holds {self._bytes} bytes (at most "
+                                   f"{lim.total_bytes}); {grow_bytes} more refused")
+
+    def _put(self, key: str, value: bytes) -> None:
+        """Store (the lock held), after the bounds; wake the waiters of ``key``."""
+        self._fits([key], [value])
+        old = self._data.get(key)
+        self._bytes += len(value) - (len(old) if old is not None else -len(key))
+        self._data[key] = value
+        for w in self._waiters.pop(key, ()):
+            w.missing.discard(key)
+            if not w.missing and w in self._blocked:
+                w.missing = {k for k in w.request.keys if k not in self._data}
+                if w.missing:  # one of its keys was deleted meanwhile: wait on for it
+                    for k in w.missing:
+                        self._waiters.setdefault(k, []).append(w)
+                    continue
+                self._blocked.remove(w)
+                self._reply(w.routing, self._answer(w.request))
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [w for w in self._blocked if w.deadline <= now]
+            for w in late:
+                self._blocked.remove(w)
+                for k in w.missing:
+                    ws = self._waiters.get(k)
+                    if ws is not None:
+                        ws[:] = [x for x in ws if x is not w]
+                        if not ws:
+                            del self._waiters[k]
+                self._reply(w.routing, Reply(w.request.id, "timeout",
+                                             error=f"{len(w.missing)} keys missing"))
+
+
+class _Refused(Exception):
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class StoreClient(dist.Store):
+    """A worker's ``torch.distributed.Store`` over the job's :class:`StoreServer`.
+
+    Usable from several threads at once (each gets a socket of its own, so a thread
+    blocked in ``wait`` does not hold the others up); gloo takes it through
+    ``PrefixStore``. Blocking ``get``/``wait``/``multi_get`` wait on the server.
+
+    Args:
+        host, port: the server's address (the coordinator's Welcome).
+        secret: the job's secret bytes.
+        timeout: default bound of blocking requests.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, *,
+                 timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+        super().__init__()
+        self.host, self.port = host, port
+        self._keys: CurveKeys = curve_keys(secret, "store")
+        self._timeout = timeout
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+        self._ids = 0
+
+    def __repr__(self) -> str:
+        return f"StoreClient({_bracket(self.host)}:{self.port})"
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            make_client(sock, self._keys)
+            sock.setsockopt(zmq.LINGER, 0)
+            if ":" in self.host:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(f"tcp://{_bracket(self.host)}:{self.port}")
+            self._local.sock = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _call(self, op: str, keys: Sequence[str] = (), values: Sequence[bytes] = (), *,
+              amount: int = 0, timeout: timedelta | None = None) -> Reply:
+        limit = (timeout if timeout is not None else self._timeout).total_seconds()
+        with self._lock:
+            self._ids += 1
+            rid = self._ids
+        sock = self._socket()
+        sock.send(_ENCODER.encode(Request(rid, op, list(keys), [bytes(v) for v in values],
+                                          amount, int(limit * 1000))))
+        deadline = time.monotonic() + limit + _REPLY_GRACE_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+                # the answer may still come: this socket is unusable for the next request
+                sock.close(linger=0)
+                self._local.sock = None
+                raise StoreError(f"no answer from the rendezvous store at "
+                                 f"{_bracket(self.host)}:{self.port} within "
+                                 f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
+            try:
+                reply = _REPLY.decode(sock.recv())
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if reply.id != rid:
+                continue  # an answer to a request given up on
+            if reply.status == "ok":
+                return reply
+            if reply.status == "timeout":
+                raise StoreTimeout(f"rendezvous store: {op} of {_first(keys)} timed out "
+                                   f"after {limit:g} s ({reply.error})")
+            if reply.status == "full":
+                raise StoreFull(f"rendezvous store refused {op} of {_first(keys)}: "
+                                f"{reply.error}")
+            raise StoreError(f"rendezvous store refused {op} of {_first(keys)}: {reply.error}")
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._sockets:
+                s.close(linger=0)
+            self._sockets = []
+        self._local = threading.local()
+
+    # -- torch.distributed.Store -----------------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", [key], [_bytes(value)])
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", [key]).values[0]
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", [key], amount=int(amount)).number
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        return self._call("compare_set", [key],
+                          [_bytes(expected_value), _bytes(desired_value)]).values[0]
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._call("wait", list(keys), timeout=timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", list(keys)).number)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("delete_key", [key]).number)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys").number
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return list(self._call("multi_get", list(keys)).values)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._call("multi_set", list(keys), [_bytes(v) for v in values])
+
+    def agree(self, own: str, value: bytes, stale: str, keys: list[str],
+              timeout_s: float) -> list[bytes] | None:
+        """One step's agreement in one round trip: set ``own``, delete ``stale`` (if not
+        empty), and the values of ``keys`` once all are there; None after ``timeout_s``."""
+        try:
+            return list(self._call("agree", [own, stale, *keys], [value],
+                                   timeout=timedelta(seconds=timeout_s)).values)
+        except StoreTimeout:
+            return None
+
+
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _first(keys: Sequence[str]) -> str:
+    if not keys:
+        return "no key"
+    more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+    return f"{keys[0][:80]!r}{more}"
+
+
+def agree_step(store: Any, own: str, value: bytes, stale: str, keys: list[str],
+               timeout_s: float) -> list[bytes] | None:
+    """Set ``own``, delete ``stale``, and the values of ``keys`` once every one is there
+    (None after ``timeout_s``: call again, it is idempotent). One round trip on the job's
+    store; on another ``torch.distributed.Store`` (the tests' TCPStore) four."""
+    if isinstance(store, StoreClient):
+        return store.agree(own, value, stale, keys, timeout_s)
+    store.set(own, value)
+    if stale:
+        store.delete_key(stale)
+    if not wait_for_keys(store, keys, timeout_s):
+        return None
+    return list(store.multi_get(keys))
+
+
+def wait_for_keys(store: Any, keys: list[str], timeout_s: float) -> bool:
+    """Whether every key of ``keys`` is in ``store`` within ``timeout_s`` (a wait the
+    server answers, for this store and torch's; False on the timeout, which callers use as
+    a slice to look at their orders)."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except (StoreTimeout, dist.DistStoreError):
+        return False
+    return True
