@@ -197,5 +197,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             progress_out.close()
     if as_json:
         click.echo(json.dumps(out))
+    if out.get("signal"):  # cancelled by a signal: the shell's convention
+        raise SystemExit(128 + int(out["signal"]))
     if out["state"] != "finished":
         raise SystemExit(1)

@@ -80,6 +80,8 @@ POLL_S = 0.02
 # An order not yet answered is sent again (a worker drops messages older than its replay
 # window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
 RESEND_S = 5.0
+# Every worker of the layout gone and nothing pending for this long: the job has failed.
+DEAD_GRACE_S = 1.0
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 # where inject() may kill: events polled and not recorded; recorded and not acted on; a node
 # request sent (recorded before it); a resize ordered and its outcome not recorded; its
@@ -177,6 +179,8 @@ class Coordinator:
         self._noticed_at: float | None = None
         self._event_ids: list[int] = []
         self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
+        self.cancelled: str | None = None  # why the job was cancelled (a signal)
+        self._dead_since: float | None = None  # since when no worker of the layout lives
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -188,12 +192,18 @@ class Coordinator:
         record.set_job_state(self.store, self.spec.job_id, "running")
         try:
             while True:
+                if self.cancelled is not None:
+                    return self._end("cancelled", self.cancelled)
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
                     return self._end("finished", f"trained to step {self.step}")
+                dead = self._nothing_left()
+                if dead is not None:
+                    logger.error("job %s stops: %s", self.spec.job_id, dead)
+                    return self._end("failed", dead)
                 if self.inflight is not None:
                     self._settle()
                 elif self.dirty:
@@ -203,6 +213,37 @@ class Coordinator:
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
+
+    def cancel(self, reason: str) -> None:
+        """End the job as ``cancelled`` with ``reason`` at the loop's next turn (a signal
+        handler calls it: nothing is cut short in the middle of a record write or an
+        action)."""
+        self.cancelled = reason
+
+    def _nothing_left(self) -> str | None:
+        """Why the job cannot go on when every worker of the layout has exited and nothing
+        is pending (no resize in flight, no node request open, no event waiting for its
+        decision) for DEAD_GRACE_S (a worker's last report may trail its exit); None
+        while anything is alive or pending. A vrank the backend never reported is not
+        counted as dead."""
+        if (self.layout is None or self.inflight is not None or self.growing
+                or self._event_ids):
+            self._dead_since = None
+            return None
+        workers = self.backend.workers()
+        states = [workers.get(v) for v in self.layout.devices]
+        if any(w is None or w.running for w in states):
+            self._dead_since = None
+            return None
+        now = time.monotonic()
+        if self._dead_since is None:
+            self._dead_since = now
+        if now - self._dead_since < DEAD_GRACE_S:
+            return None
+        codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
+        return (f"every worker of generation {self.generation} exited ({codes}) at step "
+                f"{self.step} and nothing is pending: nothing left to train (the workers' "
+                "logs say why)")
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):

@@ -45,31 +45,50 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     channel.set_rendezvous(host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
-    # SIGTERM (scancel, the time limit, a requeue) ends the loop through the same clean
-    # close as any other end: workers stopped, members cancelled, the record closed.
-    previous = _on_sigterm(_terminate)
+    # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
+    # through the same clean close as any other end: workers stopped, members cancelled,
+    # the record ended as cancelled with the signal as its reason.
+    got: list[int] = []
+
+    def cancel(signum: int, _frame: Any) -> None:
+        if got:
+            return  # a second signal does not cut the close short
+        got.append(signum)
+        name = signal.Signals(signum).name
+        logger.warning("coordinator: got %s; stopping the workers and closing", name)
+        coordinator.cancel(f"cancelled by {name} ({_SIGNAL_CAUSES.get(signum, 'a signal')})")
+
+    previous = _on_signals(cancel)
     try:
         state = coordinator.run(deadline_s=deadline_s)
     finally:
-        _on_sigterm(signal.SIG_IGN)  # a second SIGTERM does not cut the close short
+        _on_signals(signal.SIG_IGN)  # a signal now does not cut the close short
         try:
             backend.close()
             channel.close()
             store.close()
         finally:
-            _on_sigterm(previous)
-    return {"state": state, "reaction_s": coordinator.reaction_s,
-            "generation": coordinator.generation, "step": coordinator.step}
+            _restore_signals(previous)
+    out: dict[str, Any] = {"state": state, "reaction_s": coordinator.reaction_s,
+                           "generation": coordinator.generation, "step": coordinator.step}
+    if got:
+        out["signal"] = got[0]
+    return out
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    logger.warning("coordinator: got SIGTERM; stopping the workers and closing")
-    raise SystemExit(128 + signum)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGNAL_CAUSES = {signal.SIGTERM: "scancel, the time limit or a requeue",
+                  signal.SIGINT: "an interrupt"}
 
 
-def _on_sigterm(handler: Any) -> Any:
-    """Install ``handler`` for SIGTERM (main thread only; elsewhere nothing), returning the
-    previous one."""
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+def _on_signals(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for SIGTERM and SIGINT (main thread only; elsewhere nothing),
+    returning the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in _SIGNALS}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)
