@@ -77,7 +77,7 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_SIGNAL_CAUSES = {signal.SIGTERM: "scancel, the time limit or a requeue",
+_SIGNAL_CAUSES: dict[int, str] = {signal.SIGTERM: "scancel, the time limit or a requeue",
                   signal.SIGINT: "an interrupt"}
 
 
