@@ -16,7 +16,7 @@ from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
-from ..worker.recovery import Recovery
+from ..worker.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
 
 
 def job_id_default() -> str:
@@ -60,7 +60,8 @@ def open_progress(path: Path | None
 
 
 def recovery_options(peer_copy_every: int, checkpoint_every: int,
-                     checkpoint_dir: Path | None) -> Recovery:
+                     checkpoint_dir: Path | None,
+                     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS) -> Recovery:
     """The workers' peer-copy and checkpoint settings; the checkpoint directory is created
     (owner-only when new) and must be writable. One line on any mistake."""
     if checkpoint_dir is not None and not checkpoint_every:
@@ -76,7 +77,8 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                               f"({err.strerror})") from None
         if not os.access(where, os.W_OK | os.X_OK):
             raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: not writable by this user")
-    return Recovery(peer_copy_every, checkpoint_every, None if where is None else str(where))
+    return Recovery(peer_copy_every, checkpoint_every, None if where is None else str(where),
+                    keep_checkpoints)
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -120,8 +122,13 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               "about 4x the per-device state; see the README).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
               show_default=True, metavar="M", help="A megatron-core checkpoint every M steps "
-              "into --checkpoint-dir (the last one kept): the fallback when a node and the "
-              "node holding its peer copy are lost together. 0: off.")
+              "into --checkpoint-dir (the newest --keep-checkpoints kept): the fallback when "
+              "a node and the node holding its peer copy are lost together, and where a "
+              "restarted job trains on from (the newest complete one). 0: off.")
+@click.option("--keep-checkpoints", type=click.IntRange(min=1, max=1000),
+              default=DEFAULT_KEEP_CHECKPOINTS, show_default=True, metavar="K",
+              help="How many of the newest complete checkpoints stay; an older one is "
+                   "deleted only once a newer one is complete.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where --checkpoint-every writes (storage every node reaches).")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
@@ -134,7 +141,7 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
-        checkpoint_dir, progress_file, as_json, command):
+        keep_checkpoints, checkpoint_dir, progress_file, as_json, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -158,7 +165,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         raise ConfigError(str(err)) from None
     model = load_model(model_spec)
     figures = load_hardware(hardware)
-    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir)
+    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir,
+                                keep_checkpoints)
     job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
     policy = job_policy(policy_partition, account, policy_db)
     if backend == "local":

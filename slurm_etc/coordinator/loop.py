@@ -55,7 +55,7 @@ from slurm_etc.worker.control import (
     Stop,
     format_layout,
 )
-from slurm_etc.worker.recovery import Recovery
+from slurm_etc.worker.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.worker.trainer import plan_digest
 
 from .backend import (
@@ -526,10 +526,21 @@ class Coordinator:
         self.layout, self.generation = layout, gen
         self.channel.generation = gen
         workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
-        perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
-                                            {**self._worker_env(), LAYOUT: format_layout(layout)}))
+        env = {**self._worker_env(), LAYOUT: format_layout(layout)}
+        # The first layout trains on from the newest complete checkpoint (a restarted
+        # coordinator's workers do not outlive it, so nothing else holds the state): every
+        # worker loads the same one, and no step below it is trained or written again.
+        where = self.spec.recovery.checkpoint_dir if self.spec.recovery.checkpoint_every \
+            else None
+        newest = newest_checkpoint(where)
+        if where is not None and newest is not None:
+            env[RESUME_FROM] = os.path.join(where, f"step-{newest}")
+            self.step = max(self.step, newest)
+            logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
+                           newest, env[RESUME_FROM])
+        perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
         record.open_generation(self.store, self.spec.job_id, gen, str(layout.config),
-                               layout.devices, self.vranks, first_step=0)
+                               layout.devices, self.vranks, first_step=self.step)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
     def _resize(self, action: ResizeDecision) -> None:

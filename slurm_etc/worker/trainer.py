@@ -68,7 +68,14 @@ from .control import (
     Stop,
 )
 from .data import check_batch, microbatch_samples
-from .recovery import Recovery
+from .lifeline import children_die_with_me
+from .recovery import (
+    DEFAULT_KEEP_CHECKPOINTS,
+    Recovery,
+    checkpoint_steps,
+    checkpoints_to_delete,
+    newest_checkpoint,
+)
 from .redundancy import PeerCopies
 
 logger = logging.getLogger(__name__)
@@ -177,8 +184,8 @@ class ElasticTrainer:
             another node (:mod:`.redundancy`), so that a node lost without grace loses at
             most these steps even where no dp replica survives; 0: off.
         checkpoint_every, checkpoint_dir: a megatron-core checkpoint every this many steps
-            into ``checkpoint_dir`` (the last one kept): the fallback when neither a replica
-            nor a peer copy survives a loss; 0: off.
+            into ``checkpoint_dir`` (the newest ``recovery.keep_checkpoints`` kept): the
+            fallback when neither a replica nor a peer copy survives a loss; 0: off.
     """
 
     def __init__(self, *, model_provider: Callable[..., Any], forward_step: Callable[..., Any],
@@ -207,6 +214,8 @@ class ElasticTrainer:
         self.collate = collate or _stack
         self.peer_copy_every = peer_copy_every
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        self.keep_checkpoints = DEFAULT_KEEP_CHECKPOINTS
+        self.resume_from: str | None = None  # a checkpoint the first layout loads
         self.peers: PeerCopies | None = None  # this layout's snapshots and peer copies
         self._peers_gen = -1
         self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
@@ -250,9 +259,12 @@ class ElasticTrainer:
 
         if not torch.cuda.is_available():
             cpu_compat.install()
+        # what this worker forks (megatron's checkpoint Manager, data loaders) ends with it
+        children_die_with_me()
         self.proc = proc
         self._kill = kill_spec_from_env()  # fault injection: SLURM_ETC_INJECT
         self._dataset = self.dataset_provider()
+        resume_from = resume_from or self.resume_from
         if proc.layout is not None and proc.vrank in proc.layout.devices:
             self.layout, self.generation = proc.layout, proc.generation
             self._start_group(f"{proc.job}/g{proc.generation}/train",
@@ -686,12 +698,14 @@ class ElasticTrainer:
     @property
     def recovery(self) -> Recovery:
         """What a node lost without grace is rebuilt from (peer copies, checkpoints)."""
-        return Recovery(self.peer_copy_every, self.checkpoint_every, self.checkpoint_dir)
+        return Recovery(self.peer_copy_every, self.checkpoint_every, self.checkpoint_dir,
+                        self.keep_checkpoints, self.resume_from)
 
     @recovery.setter
     def recovery(self, value: Recovery) -> None:
         self.peer_copy_every = value.peer_copy_every
         self.checkpoint_every, self.checkpoint_dir = value.checkpoint_every, value.checkpoint_dir
+        self.keep_checkpoints, self.resume_from = value.keep_checkpoints, value.resume_from
 
     def _peer_copies(self) -> PeerCopies | None:
         """This layout's PeerCopies (a new layout starts with none: a resize drops them);
@@ -727,30 +741,50 @@ class ElasticTrainer:
                 "extras": _rng_extras(), "trainer": self._trainer_state()}
 
     def _save_periodic(self) -> None:
-        """megatron-core checkpoint of this step into ``checkpoint_dir/step-N``; rank 0 then
-        points ``latest`` at it and removes the older ones."""
+        """megatron-core checkpoint of this step into ``checkpoint_dir/step-N``.
+
+        Written as ``step-N.partial`` and renamed by rank 0 once every rank wrote its part
+        and it is synced, so a ``step-N`` is always complete; only then are the complete
+        ones older than the newest ``keep_checkpoints`` deleted (the newest never). A step
+        below the newest complete checkpoint is not written: a job resumed from it (or
+        replaying steps after a rollback) never puts an older step beside a newer one."""
         import shutil
 
         root = str(self.checkpoint_dir)
-        path = os.path.join(root, f"step-{self.step}")
-        self.save_checkpoint(path)  # ends with a barrier: every rank wrote its part
-        if dist.get_rank() == 0:
+        newest = newest_checkpoint(root)  # every rank reads the same: nothing is renamed now
+        if newest is not None and newest > self.step:
+            self._log("step %d: no checkpoint (the directory has the newer step %d)",
+                      self.step, newest)
+            return
+        final = os.path.join(root, f"step-{self.step}")
+        partial = final + ".partial"
+        rank = dist.get_rank()
+        if rank == 0:  # a save that died half-way left its files behind
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier()
+        self.save_checkpoint(partial)  # ends with a barrier: every rank wrote its part
+        if rank == 0:
+            old = final + ".old"
+            if os.path.isdir(final):  # the same step again (replayed after a rollback)
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(partial, final)
+            _fsync_dir(root)
+            shutil.rmtree(old, ignore_errors=True)
             tmp = os.path.join(root, "latest.tmp")
             with open(tmp, "w") as f:
                 f.write(str(self.step))
             os.replace(tmp, os.path.join(root, "latest"))
-            for name in os.listdir(root):
-                if name.startswith("step-") and name != f"step-{self.step}":
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            for step in checkpoints_to_delete(checkpoint_steps(root), self.keep_checkpoints):
+                shutil.rmtree(os.path.join(root, f"step-{step}"), ignore_errors=True)
+        # nobody reads the directory before this rank renamed it
+        dist.barrier()
 
     def _latest_checkpoint(self) -> int | None:
+        """The newest complete periodic checkpoint's step (None: none, or they are off)."""
         if not self.checkpoint_every:
             return None
-        try:
-            with open(os.path.join(str(self.checkpoint_dir), "latest")) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
+        return newest_checkpoint(str(self.checkpoint_dir))
 
     def _rebuild_lost(self, order: Resize, tag: str, old: Layout, new: Layout,
                       err: StateLostError) -> Any:
@@ -1014,6 +1048,15 @@ def plan_digest(plan: Any) -> str:
     for arr in (m.src, m.dst, m.nbytes, m.round):
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _stack(samples: list) -> Any:
