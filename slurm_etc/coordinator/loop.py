@@ -73,6 +73,7 @@ from .backend import (
     WorkerSpec,
     perform,
 )
+from .journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ POLL_S = 0.02
 # An order not yet answered is sent again (a worker drops messages older than its replay
 # window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
 RESEND_S = 5.0
+# At the end, how long a record that fell behind (a full disk) is given to catch up.
+END_CATCH_UP_S = 30.0
 # Every worker of the layout gone and nothing pending for this long: the job has failed.
 DEAD_GRACE_S = 1.0
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
@@ -150,6 +153,7 @@ class Coordinator:
                  topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
                  progress: Callable[[dict], None] | None = None) -> None:
         self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
+        self.journal = Journal(store)
         self.topology = topology
         self.clock = clock
         self.progress = progress or (lambda _s: None)
@@ -177,7 +181,9 @@ class Coordinator:
         self.reason = ""
         self.reaction_s: list[float] = []
         self._noticed_at: float | None = None
-        self._event_ids: list[int] = []
+        # ids of events recorded and not yet decided on (a Deferred while the record is
+        # behind: see journal.py)
+        self._event_ids: list[Any] = []
         self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
         self.cancelled: str | None = None  # why the job was cancelled (a signal)
         self._dead_since: float | None = None  # since when no worker of the layout lives
@@ -194,6 +200,7 @@ class Coordinator:
             while True:
                 if self.cancelled is not None:
                     return self._end("cancelled", self.cancelled)
+                self.journal.retry()
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
@@ -293,12 +300,13 @@ class Coordinator:
             if live:
                 self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1, reason), live)
             try:
-                record.close_generation(self.store, self.spec.job_id, self.generation,
+                self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                         reason=reason, last_step=self.step,
                                         last_loss=self.loss)
             except record.RecordError:
                 pass  # never opened: its launch was refused
-        record.set_job_state(self.store, self.spec.job_id, state, reason=reason)
+        self.journal.write(record.set_job_state, self.spec.job_id, state, reason=reason)
+        self.journal.catch_up(END_CATCH_UP_S)
         logger.info("job %s %s: %s", self.spec.job_id, state, reason)
         return result or state
 
@@ -355,7 +363,8 @@ class Coordinator:
             self.dirty = True
         if seen:
             inject("before-record")
-            self._event_ids += record.record_observed(self.store, self.spec.job_id, seen)
+            ids = self.journal.write(record.record_observed, self.spec.job_id, seen)
+            self._event_ids += ids if isinstance(ids, list) else [ids]  # or a Deferred
             for o in seen:
                 logger.info("event: %s %s", o.kind, o.payload["summary"])
 
@@ -414,7 +423,7 @@ class Coordinator:
             self.dirty, self.dirty_at_first_step = True, False
         self._report_step(report.step)
         if report.generation == self.generation:  # else not committed yet
-            record.record_progress(self.store, self.spec.job_id,
+            self.journal.write(record.record_progress, self.spec.job_id,
                                    report.generation, last_step=report.step,
                                    last_loss=report.loss)
         self.progress({"step": report.step, "loss": report.loss,
@@ -481,19 +490,20 @@ class Coordinator:
                                                action.reason)
                         # recorded before it is sent: a restarted coordinator's keys
                         # continue after it (a duplicate key would be the same request)
-                        eid = record.record_event(
-                            self.store, self.spec.job_id, "request", source="coordinator",
+                        eid = self.journal.write(
+                            record.record_event, self.spec.job_id, "request", source="coordinator",
                             key=f"request:{request.key}",
                             payload={"nodes": request.nodes, "summary": request.reason[:200]})
                         perform(self.backend, request)
                         inject("after-request")
-                        record.mark_event_handled(self.store, eid, "sent")
+                        self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
                     logger.warning("paused: %s", action.reason)
         if self.inflight is None:
             self._stop_idle("no resize takes them in")
             self._release_now()
-        record.mark_events_handled(self.store, self._event_ids, decision.reason[:200])
+        self.journal.write(record.mark_events_handled, list(self._event_ids),
+                           decision.reason[:200])
         self._event_ids.clear()
 
     def _release_now(self) -> None:
@@ -508,7 +518,7 @@ class Coordinator:
         for d in free:
             self.held.pop(d, None)
             self.notices.pop(d, None)
-        record.set_device_state(self.store, self.spec.job_id, sorted(free), "released")
+        self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
 
     # -- acting ---------------------------------------------------------------------------
 
@@ -539,7 +549,7 @@ class Coordinator:
             logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
                            newest, env[RESUME_FROM])
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
-        record.open_generation(self.store, self.spec.job_id, gen, str(layout.config),
+        self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
                                layout.devices, self.vranks, first_step=self.step)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
@@ -599,8 +609,8 @@ class Coordinator:
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
                            plan.est_seconds, left)
-        mid = record.record_migration_start(
-            self.store, self.spec.job_id, from_generation=self.generation,
+        mid = self.journal.write(
+            record.record_migration_start, self.spec.job_id, from_generation=self.generation,
             to_generation=gen, plan_digest=order.plan_digest, moved_bytes=plan.moved_bytes,
             kept_bytes=plan.kept_bytes, lower_bound_bytes=plan.lower_bound_moved_bytes,
             messages=len(plan.messages), rounds=plan.rounds,
@@ -674,11 +684,11 @@ class Coordinator:
             self._aborted(fl, wall, why)
             return
         lost_steps, rebuilt_from = _rebuilt(fl)
-        record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="committed",
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from)
         inject("after-commit-record")
-        record.close_generation(self.store, self.spec.job_id, self.generation,
+        self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
                                 last_step=self.step, last_loss=self.loss)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
@@ -698,8 +708,8 @@ class Coordinator:
         for d in gone:
             self.held.pop(d, None)
             self.notices.pop(d, None)
-        record.open_generation(self.store, self.spec.job_id, self.generation, str(new.config),
-                               new.devices, self.vranks, first_step=self.step)
+        self.journal.write(record.open_generation, self.spec.job_id, self.generation,
+                           str(new.config), new.devices, self.vranks, first_step=self.step)
         self.resize_times.append(self.clock())
         self.inflight = None
         if self._noticed_at is not None:  # a notice that came during this resize waited
@@ -716,7 +726,7 @@ class Coordinator:
 
     def _finished_first(self, fl: _Inflight) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
-        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
                                        measured_seconds=time.monotonic() - fl.started,
                                        error="training finished before the resize began")
         perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
@@ -726,7 +736,7 @@ class Coordinator:
         """The resize aborted everywhere (two-phase: no worker installed anything): record
         it, keep the old layout, and decide again. A resize that aborted with nobody dead
         (a refusal, a failure inside the migration) would abort again: the job stops."""
-        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
                                        measured_seconds=wall, error=why[:500])
         logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
         self.inflight = None

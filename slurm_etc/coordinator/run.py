@@ -12,6 +12,7 @@ from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.store import jobs as record
+from slurm_etc.store.db import StoreError
 
 from .backend import Backend
 from .channel import CoordinatorChannel, create_secret
@@ -33,7 +34,7 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     """
     import torch.distributed as dist
 
-    store = record.open_job_store(spec.job_id, db=db, state_dir=state_dir)
+    store = _open_record(spec.job_id, db, state_dir)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
@@ -74,6 +75,19 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     if got:
         out["signal"] = got[0]
     return out
+
+
+def _open_record(job_id: str, db: str | None, state_dir: str | None) -> Any:
+    """The job's store; a disk that is full or failing at the start (SQLite's own errors,
+    the OS's) is one StoreError line, never a traceback."""
+    import sqlite3
+
+    try:
+        return record.open_job_store(job_id, db=db, state_dir=state_dir)
+    except (sqlite3.Error, OSError) as err:
+        where = db or state_dir or "the default location"
+        raise StoreError(f"cannot open the record of job {job_id} in {where}: "
+                         f"{getattr(err, 'strerror', None) or err}") from None
 
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
