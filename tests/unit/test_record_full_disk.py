@@ -104,6 +104,41 @@ def test_training_goes_on_through_a_full_disk_and_the_record_catches_up(small_fs
         assert (state, last) == ("finished", STEPS), path
 
 
+def test_a_full_state_directory_warns_once_and_publishes_when_space_returns(small_fs,
+                                                                          caplog):
+    """The record on a disk with room, the shared state directory full: the snapshot cannot
+    be published after each commit; one warning for the outage (not one per step), and the
+    snapshot is published again, ``finished``, once space returns."""
+    job = "full-state"
+    spec = JobSpec(job, "t", (sys.executable, str(FAKE)),
+                   TrainingJob(load_model("small"), 16, 1, True), EffectivePolicy(grow=False),
+                   Hardware(gpus_per_node=2), worker_timeout_s=30.0,
+                   env={"FAKE_STEPS": str(STEPS), "FAKE_STEP_S": "0.05"})
+    backend = LocalBackend(script_from_options(1, 2), log_dir=small_fs.parent / "workers")
+    db, states = small_fs.parent / "job.db", small_fs / "state"
+    ballast: list[Path] = []
+
+    def progress(p: dict) -> None:
+        if p["step"] >= FULL_AT and not ballast:
+            ballast.append(fill(small_fs))
+        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
+            ballast[0].unlink()
+
+    caplog.set_level(logging.INFO)
+    out = run_job(spec, backend, backend.topology, db=str(db), state_dir=str(states),
+                  secret_dir=small_fs.parent / "keys", deadline_s=120, progress=progress)
+    assert out["state"] == "finished", out
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    failed = [m for m in warned if "cannot publish" in m]
+    assert len(failed) == 1, failed[:3]
+    assert any("published" in m and "again" in m for m in warned), warned
+    con = sqlite3.connect(f"file:{states / (job + '.db')}?mode=ro", uri=True)
+    try:
+        assert con.execute("SELECT state FROM jobs").fetchone() == ("finished",)
+    finally:
+        con.close()
+
+
 def test_a_full_disk_at_the_start_is_one_line(small_fs):
     fill(small_fs)
     got = subprocess.run([SLURM_ETC, "run", "--model", "tiny", "--global-batch", "8",
