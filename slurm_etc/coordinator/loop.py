@@ -43,10 +43,14 @@ from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
 from slurm_etc.worker.control import (
+    DEFAULT_REATTACH_WAIT_S,
     GPUS_PER_NODE,
+    HEARTBEAT_S,
     LAYOUT,
+    REATTACH_WAIT,
     TIMEOUT,
     Exited,
+    Heartbeat,
     Hello,
     LayoutSpec,
     Progress,
@@ -82,7 +86,7 @@ POLL_S = 0.02
 # window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
 RESEND_S = 5.0
 # At the end, how long a record that fell behind (a full disk) is given to catch up.
-END_CATCH_UP_S = 30.0
+END_CATCH_UP_S = 10.0
 # Every worker of the layout gone and nothing pending for this long: the job has failed.
 DEAD_GRACE_S = 1.0
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
@@ -108,6 +112,8 @@ class JobSpec:
         env: extra environment for every worker.
         recovery: peer copies and periodic checkpoints the workers keep (passed to them),
             from which a loss that no replica covers is rebuilt.
+        reattach_wait_s: how long a worker that hears nothing from this coordinator (a
+            heartbeat every HEARTBEAT_S) waits for it before it exits.
     """
 
     job_id: str
@@ -119,6 +125,7 @@ class JobSpec:
     worker_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
     recovery: Recovery = field(default_factory=Recovery)
+    reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
 
 
 @dataclass
@@ -187,6 +194,7 @@ class Coordinator:
         self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
         self.cancelled: str | None = None  # why the job was cancelled (a signal)
         self._dead_since: float | None = None  # since when no worker of the layout lives
+        self._beat_at = 0.0  # when the last heartbeat went out
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -201,6 +209,7 @@ class Coordinator:
                 if self.cancelled is not None:
                     return self._end("cancelled", self.cancelled)
                 self.journal.retry()
+                self._heartbeat()
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
@@ -220,6 +229,19 @@ class Coordinator:
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, tell every running worker that this coordinator lives (a
+        worker that hears nothing for its reattach wait exits: workers never outlive
+        their coordinator for long, on any backend)."""
+        now = time.monotonic()
+        if now - self._beat_at < HEARTBEAT_S:
+            return
+        self._beat_at = now
+        running = [v for v, w in self.backend.workers().items() if w.running]
+        if running:
+            self.channel.broadcast(Heartbeat(self.spec.job_id, self.channel.generation),
+                                   running)
 
     def cancel(self, reason: str) -> None:
         """End the job as ``cancelled`` with ``reason`` at the loop's next turn (a signal
@@ -525,7 +547,8 @@ class Coordinator:
     def _worker_env(self) -> dict[str, str]:
         return {**self.spec.env, **self.spec.recovery.env(), **self.channel.worker_env(),
                 GPUS_PER_NODE: str(self.topology.gpus_per_node),
-                TIMEOUT: str(self.spec.worker_timeout_s)}
+                TIMEOUT: str(self.spec.worker_timeout_s),
+                REATTACH_WAIT: str(self.spec.reattach_wait_s)}
 
     def _start(self, action: ResizeDecision) -> None:
         from slurm_etc.alloc.vranks import identity_layout

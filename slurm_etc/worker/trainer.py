@@ -57,6 +57,7 @@ from slurm_etc.plan.model import ModelDesc
 
 from .control import (
     ENCODER,
+    HOLD_AFTER_S,
     ORDER_DECODER,
     Abort,
     Control,
@@ -118,6 +119,8 @@ class WorkerProcess:
         topology: devices per node (the plan's topology).
         keep_tp_in_node: plan with tensor-parallel groups inside a node.
         timeout_s: bound of every collective and rendezvous.
+        reattach_wait_s: how long this process waits for a silent coordinator before it
+            exits (None: no bound, e.g. a control seam without heartbeats).
     """
 
     job: str
@@ -129,6 +132,11 @@ class WorkerProcess:
     topology: Topology = field(default_factory=Topology)
     keep_tp_in_node: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    reattach_wait_s: float | None = None
+
+
+class CoordinatorLost(Exception):
+    """Nothing heard from the coordinator for the reattach wait (one line: how long)."""
 
 
 @dataclass
@@ -252,9 +260,18 @@ class ElasticTrainer:
         ``resume_from``: a checkpoint directory written by :meth:`save_checkpoint` (the
         checkpoint-restart path; any layout megatron can reshard it to).
 
-        Returns why it ended: ``"done"``, ``"stopped"`` or ``"left"``. The trained state
-        stays in ``self.state`` until :meth:`close`.
+        Returns why it ended: ``"done"``, ``"stopped"``, ``"left"``, or
+        ``"coordinator-lost"`` (nothing heard from the coordinator for
+        ``proc.reattach_wait_s``). The trained state stays in ``self.state`` until
+        :meth:`close`.
         """
+        try:
+            return self._run(proc, resume_from)
+        except CoordinatorLost as lost:
+            self._log("%s", lost)
+            return self._exit("coordinator-lost")
+
+    def _run(self, proc: WorkerProcess, resume_from: str | None) -> str:
         from slurm_etc.megatron import cpu_compat
 
         if not torch.cuda.is_available():
@@ -286,6 +303,7 @@ class ElasticTrainer:
             try:
                 order = self._agree()
                 if order is None and self.step < self.train_steps:
+                    self._hold_while_silent()
                     self.train_step()
                     self._after_step()
                     continue
@@ -407,6 +425,7 @@ class ElasticTrainer:
         """A joining process waits for the resize that brings it in."""
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
+            self._check_coordinator()
             order = proc.control.wait(min(1.0, deadline - time.monotonic()))
             if isinstance(order, Stop | Resize) and order.generation > self.generation and (
                     order.generation not in self._aborted) and (
@@ -415,10 +434,49 @@ class ElasticTrainer:
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
 
+    def _silence(self) -> float | None:
+        """Seconds since the coordinator was last heard of (its heartbeats, orders); None
+        where that is not known (a control seam without a clock, no reattach wait)."""
+        proc = self._proc()
+        heard = getattr(proc.control, "heard_at", None)
+        if heard is None or not proc.reattach_wait_s:
+            return None
+        return time.monotonic() - heard
+
+    def _check_coordinator(self) -> None:
+        silent = self._silence()
+        wait = self._proc().reattach_wait_s
+        if silent is not None and wait is not None and silent > wait:
+            raise CoordinatorLost(f"no word from the coordinator for {silent:.0f} s (it waits "
+                                  f"{wait:.0f} s for a reattach): exiting at step {self.step}")
+
+    def _hold_while_silent(self) -> None:
+        """At a step boundary: while the coordinator is silent (killed, or stuck), train
+        no step (none it could record); go on when it speaks again, exit past the
+        reattach wait (CoordinatorLost from _take_orders)."""
+        proc = self._proc()
+        silent = self._silence()
+        hold = min(HOLD_AFTER_S, (proc.reattach_wait_s or 0.0) / 2)
+        if silent is None or silent < hold:
+            return
+        self._log("no word from the coordinator for %.0f s: holding at step %d (exiting "
+                  "after %.0f s of silence)", silent, self.step, proc.reattach_wait_s)
+        while (silent := self._silence()) is not None and silent >= hold:
+            time.sleep(0.1)
+            self._take_orders()
+        self._log("the coordinator speaks again: training on")
+
     def _take_orders(self) -> None:
         """Drain the control seam into ``_pending`` (the newest order; an Abort cancels the
-        pending resize of its generation)."""
+        pending resize of its generation). Raises CoordinatorLost once the coordinator has
+        been silent past the reattach wait."""
         proc = self._proc()
+        try:
+            self._drain_orders(proc)
+        finally:
+            self._check_coordinator()  # after the drain: what just came counts as heard
+
+    def _drain_orders(self, proc: WorkerProcess) -> None:
         while (order := proc.control.poll()) is not None:
             if order.generation <= self.generation or order.generation in self._aborted:
                 continue

@@ -137,3 +137,37 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     assert (first_step, state) == (newest, "finished")
     worker_logs = "".join(p.read_text() for p in tmp_path.glob(f"workers-{second.pid}/*.log"))
     assert f"from step {newest}" in worker_logs, worker_logs[-2000:]
+
+
+def test_orphaned_workers_exit_within_their_reattach_wait(tmp_path: Path) -> None:
+    """Workers the parent-death signal cannot reach (started behind a shell: only the shell
+    dies with the coordinator) hear no heartbeat, hold, and exit within the reattach wait
+    (8 s here) plus a step; before, they trained on until their collective timeout."""
+    job = f"orphans-{os.getpid()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path), job, "200", "0",
+                               "orphans"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "driver.log", "w"))
+    progress = tmp_path / "progress.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not progress.exists() or len(progress.read_text().splitlines()) < 3:
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training step"
+            time.sleep(0.1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    killed_at = time.monotonic()
+    assert _workers_of(job), "no orphaned worker to watch (the wrapper did not orphan them)"
+    while _workers_of(job) and time.monotonic() - killed_at < 120:
+        time.sleep(0.2)
+    lived = time.monotonic() - killed_at
+    left = _workers_of(job)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left and lived < 8.0 + 12.0, f"workers {left} lived {lived:.1f} s"
+    logs = "".join(p.read_text() for p in tmp_path.glob("workers-*/*.log"))
+    assert "no word from the coordinator" in logs, logs[-2000:]
