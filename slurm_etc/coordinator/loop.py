@@ -310,10 +310,39 @@ class Coordinator:
         key = (last.key or "").removeprefix("request:")
         if key in answered or key != f"grow-{self.requests}":
             return
-        self.growing = int(last.payload.get("nodes", 1))
+        nodes = last.payload.get("nodes")
+        refusal = self._refuse_restored(nodes)
+        if refusal is not None:
+            # recorded as answered: no later restart sends it either
+            eid = self.journal.write(record.record_event, self.spec.job_id, "request-failed",
+                                     source="coordinator", key=f"request-refused:{key}",
+                                     payload={"request": key, "summary": refusal[:200]})
+            self.journal.write(record.mark_event_handled, eid, "dropped at a restart")
+            logger.warning("coordinator restarted: request %s is still open but %s; dropped",
+                           key, refusal)
+            return
+        self.growing = int(nodes)
         logger.warning("coordinator restarted: request %s (%d node(s)) is still open; sent "
                        "again under its own key", key, self.growing)
         perform(self.backend, RequestNodes(self.growing, key, "open at a coordinator restart"))
+
+    def _refuse_restored(self, nodes: object) -> str | None:
+        """Why a node request restored from the record may not be sent again (the record
+        may be stale, or planted): the job's policy and the cluster's size are checked
+        again, as a new request would be; None when it fits."""
+        policy, cluster = self.spec.policy, len(self.topology.nodes)
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            return f"its node count {nodes!r} is not a whole number >= 1"
+        if not policy.grow:
+            return "the job's policy does not allow growing"
+        anchor = max(1, policy.min_nodes)
+        if policy.max_nodes is not None and anchor + nodes > policy.max_nodes:
+            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the policy's "
+                    f"max_nodes {policy.max_nodes}")
+        if anchor + nodes > cluster:
+            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the cluster's "
+                    f"{cluster} nodes")
+        return None
 
     def _end(self, state: str, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
