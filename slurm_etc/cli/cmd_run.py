@@ -132,7 +132,7 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                    "deleted only once a newer one is complete.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where --checkpoint-every writes (storage every node reaches).")
-@click.option("--reattach-wait", "reattach_wait_s", type=click.FloatRange(min=5, max=86400),
+@click.option("--reattach-wait", type=click.FloatRange(min=5, max=86400),
               default=DEFAULT_REATTACH_WAIT_S, show_default=True, metavar="SECONDS",
               help="How long a worker that hears nothing from this coordinator (a heartbeat "
                    "every few seconds) waits for it before it exits; it trains no step "
@@ -147,7 +147,7 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
-        keep_checkpoints, checkpoint_dir, reattach_wait_s, progress_file, as_json, command):
+        keep_checkpoints, checkpoint_dir, reattach_wait, progress_file, as_json, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -195,7 +195,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         topology = be.topology
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
-                   recovery=recovery, reattach_wait_s=reattach_wait_s)
+                   recovery=recovery, reattach_wait_s=reattach_wait)
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
     for handler in logging.getLogger().handlers:  # a job's output file: when, too
