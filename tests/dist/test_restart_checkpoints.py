@@ -85,6 +85,7 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     left = _workers_of(job)
     for pid in left:  # do not leave them behind whatever the verdict
         os.kill(pid, signal.SIGKILL)
+    print(f"the killed coordinator's workers lived {orphans_for:.1f} s after it")
     assert not left and orphans_for < ORPHAN_BOUND_S, \
         f"workers {left} of the killed coordinator lived {orphans_for:.1f} s"
 
@@ -168,6 +169,7 @@ def test_orphaned_workers_exit_within_their_reattach_wait(tmp_path: Path) -> Non
     left = _workers_of(job)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
+    print(f"orphaned workers lived {lived:.1f} s after the coordinator")
     assert not left and lived < 8.0 + 12.0, f"workers {left} lived {lived:.1f} s"
     logs = "".join(p.read_text() for p in tmp_path.glob("workers-*/*.log"))
     assert "no word from the coordinator" in logs, logs[-2000:]
