@@ -68,3 +68,19 @@ def test_keep_checkpoints_option(tmp_path, monkeypatch):
     ok = CliRunner().invoke(cli, [*base, "--keep-checkpoints", "3", "--", "true"])
     assert ok.exit_code == 0, ok.output
     assert got[0].recovery.keep_checkpoints == 3
+
+
+def test_reattach_wait_option(tmp_path, monkeypatch):
+    """`--reattach-wait`: bounded (5 s .. 1 day), one line past the bound, and it reaches the
+    job spec (the coordinator passes it to every worker as SLURM_ETC_REATTACH_WAIT_S)."""
+    got: list = []
+    monkeypatch.setattr(run_module, "run_job", lambda spec, *a, **k: got.append(spec) or
+                        {"state": "finished"})
+    base = ["run", "--model", "tiny", "--global-batch", "8"]
+    for bad in ("1", "1e9", "soon"):
+        out = CliRunner().invoke(cli, [*base, "--reattach-wait", bad, "--", "true"])
+        lines = [x for x in out.output.splitlines() if x.strip()]
+        assert out.exit_code == 2 and len(lines) == 1 and got == [], out.output
+    ok = CliRunner().invoke(cli, [*base, "--reattach-wait", "30", "--", "true"])
+    assert ok.exit_code == 0, ok.output
+    assert got[0].reattach_wait_s == 30.0
