@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 10.0
+# Writes that may wait (memory stays bounded through an outage of any length: past this,
+# further writes are dropped, counted and said once; the record then misses them).
+MAX_BEHIND = 100_000
 
 
 class Deferred:
@@ -75,6 +78,8 @@ class Journal:
         self._next_try = 0.0
         self._backoff = FIRST_RETRY_S
         self.outages = 0  # how many times the record fell behind (for tests and logs)
+        self.dropped = 0  # writes dropped with MAX_BEHIND waiting
+        self.max_behind = MAX_BEHIND
 
     @property
     def behind(self) -> int:
@@ -126,6 +131,12 @@ class Journal:
                 if queued.fn is record.record_progress and queued.args[:2] == w.args[:2]:
                     queued.args, queued.kwargs = w.args, w.kwargs
                     return queued.result
+        if len(self.queue) >= self.max_behind:
+            if not self.dropped:
+                logger.error("the job record is %d writes behind: later writes are dropped "
+                             "until it catches up (it will miss them)", len(self.queue))
+            self.dropped += 1
+            return w.result
         self.queue.append(w)
         return w.result
 

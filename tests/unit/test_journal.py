@@ -95,3 +95,15 @@ def test_catch_up_at_the_end_gives_up_with_one_line(caplog):
     caplog.set_level(logging.ERROR)
     assert j.catch_up(0.0) is False
     assert any("ends without them" in r.getMessage() for r in caplog.records)
+
+
+def test_what_waits_is_bounded(caplog):
+    disk = Disk()
+    j = Journal(disk)
+    j.max_behind = 10
+    disk.full = True
+    caplog.set_level(logging.ERROR)
+    for i in range(50):
+        j.write(writer(f"event{i}"), i)
+    assert j.behind == 10 and j.dropped == 40
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
