@@ -129,6 +129,8 @@ REPEAT = Bound("repeats", 1, 1_000, "a benchmark repeated 1,000 times")
 PROCESSES = Bound("local processes", 1, 1_024,
                   "processes on one machine (the local backend starts one per device it "
                   "holds, so its scripted cluster has at most this many devices)")
+KEPT_CHECKPOINTS = Bound("checkpoints", 1, 1_000, "each is a full copy of the state")
+REATTACH_WAIT_S = Bound("seconds", 5, 86_400, "a day without a coordinator", integer=False)
 RESIZES_PER_HOUR = Bound("resizes per hour", 0, 3_600, "one a second")
 DEGREE = Bound("degrees", 1, GPUS, "a parallel degree within the devices bound")
 DEGREES = Bound("degrees in a list", 1, 64, "the distinct useful tp/pp degrees")

@@ -17,7 +17,8 @@ from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
-from ..worker.recovery import Recovery
+from ..worker.control import DEFAULT_REATTACH_WAIT_S
+from ..worker.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
 from .params import Number, SafePath, Text, Unbounded, check_product
 
 
@@ -67,7 +68,8 @@ def open_progress(path: Path | None
 
 
 def recovery_options(peer_copy_every: int, checkpoint_every: int,
-                     checkpoint_dir: Path | None) -> Recovery:
+                     checkpoint_dir: Path | None,
+                     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS) -> Recovery:
     """The workers' peer-copy and checkpoint settings; the checkpoint directory is created
     (owner-only when new) and must be writable. One line on any mistake."""
     if checkpoint_dir is not None and not checkpoint_every:
@@ -83,7 +85,8 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                               f"({err.strerror})") from None
         if not os.access(where, os.W_OK | os.X_OK):
             raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: not writable by this user")
-    return Recovery(peer_copy_every, checkpoint_every, None if where is None else str(where))
+    return Recovery(peer_copy_every, checkpoint_every, None if where is None else str(where),
+                    keep_checkpoints)
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -133,10 +136,20 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               "about 4x the per-device state; see the README).")
 @click.option("--checkpoint-every", type=Number(bounds.STEPS), default=0,
               show_default=True, metavar="M", help="A megatron-core checkpoint every M steps "
-              "into --checkpoint-dir (the last one kept): the fallback when a node and the "
-              "node holding its peer copy are lost together. 0: off.")
+              "into --checkpoint-dir (the newest --keep-checkpoints kept): the fallback when "
+              "a node and the node holding its peer copy are lost together, and where a "
+              "restarted job trains on from (the newest complete one). 0: off.")
+@click.option("--keep-checkpoints", type=Number(bounds.KEPT_CHECKPOINTS),
+              default=DEFAULT_KEEP_CHECKPOINTS, show_default=True, metavar="K",
+              help="How many of the newest complete checkpoints stay; an older one is "
+                   "deleted only once a newer one is complete.")
 @click.option("--checkpoint-dir", type=SafePath(file_okay=False, path_type=Path),
               help="Where --checkpoint-every writes (storage every node reaches).")
+@click.option("--reattach-wait", type=Number(bounds.REATTACH_WAIT_S),
+              default=DEFAULT_REATTACH_WAIT_S, show_default=True, metavar="SECONDS",
+              help="How long a worker that hears nothing from this coordinator (a heartbeat "
+                   "every few seconds) waits for it before it exits; it trains no step "
+                   "meanwhile.")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
               type=SafePath(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
@@ -148,7 +161,7 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
-        checkpoint_dir, progress_file, as_json, command):
+        keep_checkpoints, checkpoint_dir, reattach_wait, progress_file, as_json, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -185,7 +198,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                       else script_from_options(nodes, gpus_per_node))
         except ScriptError as err:
             raise ConfigError(str(err)) from None
-    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir)
+    recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir,
+                                keep_checkpoints)
     policy = job_policy(policy_partition, account, policy_db)
     if script is not None:
         from ..coordinator.local_backend import LocalBackend
@@ -204,7 +218,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
 
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
-                   recovery=recovery)
+                   recovery=recovery, reattach_wait_s=reattach_wait)
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
     for handler in logging.getLogger().handlers:  # a job's output file: when, too
@@ -220,5 +234,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             progress_out.close()
     if as_json:
         click.echo(json.dumps(out))
+    if out.get("signal"):  # cancelled by a signal: the shell's convention
+        raise SystemExit(128 + int(out["signal"]))
     if out["state"] != "finished":
         raise SystemExit(1)

@@ -88,6 +88,7 @@ from slurm_etc.worker.control import (
     ENCODER,
     REPORT_DECODER,
     Abort,
+    Heartbeat,
     Hello,
     Order,
     Report,
@@ -184,7 +185,7 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
         return f"{self.store_host}:{self.store_port}"
 
 
-ToWorker: TypeAlias = Resize | Stop | Abort | Welcome
+ToWorker: TypeAlias = Resize | Stop | Abort | Welcome | Heartbeat
 
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 _TO_WORKER_DECODER = msgspec.msgpack.Decoder(ToWorker)
@@ -626,7 +627,7 @@ class CoordinatorChannel:
         return {envvars.JOB: self.job, envvars.COORDINATOR: self.address,
                 envvars.SECRET_FILE: str(self._secret.path)}
 
-    def send(self, vrank: int, message: Order | Welcome) -> bool:
+    def send(self, vrank: int, message: ToWorker) -> bool:
         """Queue ``message`` for ``vrank``; never blocks.
 
         Returns:
@@ -760,6 +761,7 @@ class WorkerChannel:
         self._outbox: deque[list[bytes]] = deque()
         self._delivered: set[Order] = set()
         self._welcome: Welcome | None = None
+        self.heard_at = time.monotonic()  # the last authenticated message from the coordinator
         self._lock = threading.Lock()
         self._closed = False
         self.dropped = 0
@@ -950,6 +952,9 @@ class WorkerChannel:
             return
         except Exception as e:  # noqa: BLE001 - a peer must never crash a worker
             self._rejects.note("internal", f"{type(e).__name__} while checking a message")
+            return
+        self.heard_at = time.monotonic()
+        if isinstance(message, Heartbeat):
             return
         if isinstance(message, Welcome):
             self._welcome = message

@@ -35,6 +35,7 @@ from typing import IO
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
+from slurm_etc.worker.lifeline import parent_death_hook
 
 from . import env as envvars
 from .backend import (
@@ -193,7 +194,8 @@ class LocalBackend:
             try:
                 proc = subprocess.Popen(list(action.argv), env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT if log else None,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=parent_death_hook(os.getpid()))
             except OSError as e:
                 if log is not None:
                     log.close()
@@ -329,3 +331,4 @@ class LocalBackend:
             os.killpg(w.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+

@@ -43,10 +43,14 @@ from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
 from slurm_etc.worker.control import (
+    DEFAULT_REATTACH_WAIT_S,
     GPUS_PER_NODE,
+    HEARTBEAT_S,
     LAYOUT,
+    REATTACH_WAIT,
     TIMEOUT,
     Exited,
+    Heartbeat,
     Hello,
     LayoutSpec,
     Progress,
@@ -55,7 +59,7 @@ from slurm_etc.worker.control import (
     Stop,
     format_layout,
 )
-from slurm_etc.worker.recovery import Recovery
+from slurm_etc.worker.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.worker.trainer import plan_digest
 
 from .backend import (
@@ -73,6 +77,7 @@ from .backend import (
     WorkerSpec,
     perform,
 )
+from .journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +85,10 @@ POLL_S = 0.02
 # An order not yet answered is sent again (a worker drops messages older than its replay
 # window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
 RESEND_S = 5.0
+# At the end, how long a record that fell behind (a full disk) is given to catch up.
+END_CATCH_UP_S = 10.0
+# Every worker of the layout gone and nothing pending for this long: the job has failed.
+DEAD_GRACE_S = 1.0
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 # where inject() may kill: events polled and not recorded; recorded and not acted on; a node
 # request sent (recorded before it); a resize ordered and its outcome not recorded; its
@@ -103,6 +112,8 @@ class JobSpec:
         env: extra environment for every worker.
         recovery: peer copies and periodic checkpoints the workers keep (passed to them),
             from which a loss that no replica covers is rebuilt.
+        reattach_wait_s: how long a worker that hears nothing from this coordinator (a
+            heartbeat every HEARTBEAT_S) waits for it before it exits.
     """
 
     job_id: str
@@ -114,6 +125,7 @@ class JobSpec:
     worker_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
     recovery: Recovery = field(default_factory=Recovery)
+    reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
 
 
 @dataclass
@@ -148,6 +160,7 @@ class Coordinator:
                  topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
                  progress: Callable[[dict], None] | None = None) -> None:
         self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
+        self.journal = Journal(store)
         self.topology = topology
         self.clock = clock
         self.progress = progress or (lambda _s: None)
@@ -175,8 +188,13 @@ class Coordinator:
         self.reason = ""
         self.reaction_s: list[float] = []
         self._noticed_at: float | None = None
-        self._event_ids: list[int] = []
+        # ids of events recorded and not yet decided on (a Deferred while the record is
+        # behind: see journal.py)
+        self._event_ids: list[Any] = []
         self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
+        self.cancelled: str | None = None  # why the job was cancelled (a signal)
+        self._dead_since: float | None = None  # since when no worker of the layout lives
+        self._beat_at = 0.0  # when the last heartbeat went out
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -188,12 +206,20 @@ class Coordinator:
         record.set_job_state(self.store, self.spec.job_id, "running")
         try:
             while True:
+                if self.cancelled is not None:
+                    return self._end("cancelled", self.cancelled)
+                self.journal.retry()
+                self._heartbeat()
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
                     return self._end("finished", f"trained to step {self.step}")
+                dead = self._nothing_left()
+                if dead is not None:
+                    logger.error("job %s stops: %s", self.spec.job_id, dead)
+                    return self._end("failed", dead)
                 if self.inflight is not None:
                     self._settle()
                 elif self.dirty:
@@ -203,6 +229,50 @@ class Coordinator:
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, tell every running worker that this coordinator lives (a
+        worker that hears nothing for its reattach wait exits: workers never outlive
+        their coordinator for long, on any backend)."""
+        now = time.monotonic()
+        if now - self._beat_at < HEARTBEAT_S:
+            return
+        self._beat_at = now
+        running = [v for v, w in self.backend.workers().items() if w.running]
+        if running:
+            self.channel.broadcast(Heartbeat(self.spec.job_id, self.channel.generation),
+                                   running)
+
+    def cancel(self, reason: str) -> None:
+        """End the job as ``cancelled`` with ``reason`` at the loop's next turn (a signal
+        handler calls it: nothing is cut short in the middle of a record write or an
+        action)."""
+        self.cancelled = reason
+
+    def _nothing_left(self) -> str | None:
+        """Why the job cannot go on when every worker of the layout has exited and nothing
+        is pending (no resize in flight, no node request open, no event waiting for its
+        decision) for DEAD_GRACE_S (a worker's last report may trail its exit); None
+        while anything is alive or pending. A vrank the backend never reported is not
+        counted as dead."""
+        if (self.layout is None or self.inflight is not None or self.growing
+                or self._event_ids):
+            self._dead_since = None
+            return None
+        workers = self.backend.workers()
+        states = [workers.get(v) for v in self.layout.devices]
+        if any(w is None or w.running for w in states):
+            self._dead_since = None
+            return None
+        now = time.monotonic()
+        if self._dead_since is None:
+            self._dead_since = now
+        if now - self._dead_since < DEAD_GRACE_S:
+            return None
+        codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
+        return (f"every worker of generation {self.generation} exited ({codes}) at step "
+                f"{self.step} and nothing is pending: nothing left to train (the workers' "
+                "logs say why)")
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):
@@ -240,10 +310,39 @@ class Coordinator:
         key = (last.key or "").removeprefix("request:")
         if key in answered or key != f"grow-{self.requests}":
             return
-        self.growing = int(last.payload.get("nodes", 1))
+        nodes = last.payload.get("nodes")
+        refusal = self._refuse_restored(nodes)
+        if refusal is not None:
+            # recorded as answered: no later restart sends it either
+            eid = self.journal.write(record.record_event, self.spec.job_id, "request-failed",
+                                     source="coordinator", key=f"request-refused:{key}",
+                                     payload={"request": key, "summary": refusal[:200]})
+            self.journal.write(record.mark_event_handled, eid, "dropped at a restart")
+            logger.warning("coordinator restarted: request %s is still open but %s; dropped",
+                           key, refusal)
+            return
+        self.growing = int(nodes)
         logger.warning("coordinator restarted: request %s (%d node(s)) is still open; sent "
                        "again under its own key", key, self.growing)
         perform(self.backend, RequestNodes(self.growing, key, "open at a coordinator restart"))
+
+    def _refuse_restored(self, nodes: object) -> str | None:
+        """Why a node request restored from the record may not be sent again (the record
+        may be stale, or planted): the job's policy and the cluster's size are checked
+        again, as a new request would be; None when it fits."""
+        policy, cluster = self.spec.policy, len(self.topology.nodes)
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            return f"its node count {nodes!r} is not a whole number >= 1"
+        if not policy.grow:
+            return "the job's policy does not allow growing"
+        anchor = max(1, policy.min_nodes)
+        if policy.max_nodes is not None and anchor + nodes > policy.max_nodes:
+            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the policy's "
+                    f"max_nodes {policy.max_nodes}")
+        if anchor + nodes > cluster:
+            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the cluster's "
+                    f"{cluster} nodes")
+        return None
 
     def _end(self, state: str, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
@@ -252,12 +351,13 @@ class Coordinator:
             if live:
                 self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1, reason), live)
             try:
-                record.close_generation(self.store, self.spec.job_id, self.generation,
+                self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                         reason=reason, last_step=self.step,
                                         last_loss=self.loss)
             except record.RecordError:
                 pass  # never opened: its launch was refused
-        record.set_job_state(self.store, self.spec.job_id, state, reason=reason)
+        self.journal.write(record.set_job_state, self.spec.job_id, state, reason=reason)
+        self.journal.catch_up(END_CATCH_UP_S)
         logger.info("job %s %s: %s", self.spec.job_id, state, reason)
         return result or state
 
@@ -314,7 +414,8 @@ class Coordinator:
             self.dirty = True
         if seen:
             inject("before-record")
-            self._event_ids += record.record_observed(self.store, self.spec.job_id, seen)
+            ids = self.journal.write(record.record_observed, self.spec.job_id, seen)
+            self._event_ids += ids if isinstance(ids, list) else [ids]  # or a Deferred
             for o in seen:
                 logger.info("event: %s %s", o.kind, o.payload["summary"])
 
@@ -373,7 +474,7 @@ class Coordinator:
             self.dirty, self.dirty_at_first_step = True, False
         self._report_step(report.step)
         if report.generation == self.generation:  # else not committed yet
-            record.record_progress(self.store, self.spec.job_id,
+            self.journal.write(record.record_progress, self.spec.job_id,
                                    report.generation, last_step=report.step,
                                    last_loss=report.loss)
         self.progress({"step": report.step, "loss": report.loss,
@@ -440,19 +541,20 @@ class Coordinator:
                                                action.reason)
                         # recorded before it is sent: a restarted coordinator's keys
                         # continue after it (a duplicate key would be the same request)
-                        eid = record.record_event(
-                            self.store, self.spec.job_id, "request", source="coordinator",
+                        eid = self.journal.write(
+                            record.record_event, self.spec.job_id, "request", source="coordinator",
                             key=f"request:{request.key}",
                             payload={"nodes": request.nodes, "summary": request.reason[:200]})
                         perform(self.backend, request)
                         inject("after-request")
-                        record.mark_event_handled(self.store, eid, "sent")
+                        self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
                     logger.warning("paused: %s", action.reason)
         if self.inflight is None:
             self._stop_idle("no resize takes them in")
             self._release_now()
-        record.mark_events_handled(self.store, self._event_ids, decision.reason[:200])
+        self.journal.write(record.mark_events_handled, list(self._event_ids),
+                           decision.reason[:200])
         self._event_ids.clear()
 
     def _release_now(self) -> None:
@@ -467,14 +569,15 @@ class Coordinator:
         for d in free:
             self.held.pop(d, None)
             self.notices.pop(d, None)
-        record.set_device_state(self.store, self.spec.job_id, sorted(free), "released")
+        self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
 
     # -- acting ---------------------------------------------------------------------------
 
     def _worker_env(self) -> dict[str, str]:
         return {**self.spec.env, **self.spec.recovery.env(), **self.channel.worker_env(),
                 GPUS_PER_NODE: str(self.topology.gpus_per_node),
-                TIMEOUT: str(self.spec.worker_timeout_s)}
+                TIMEOUT: str(self.spec.worker_timeout_s),
+                REATTACH_WAIT: str(self.spec.reattach_wait_s)}
 
     def _start(self, action: ResizeDecision) -> None:
         from slurm_etc.alloc.vranks import identity_layout
@@ -485,10 +588,21 @@ class Coordinator:
         self.layout, self.generation = layout, gen
         self.channel.generation = gen
         workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
-        perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
-                                            {**self._worker_env(), LAYOUT: format_layout(layout)}))
-        record.open_generation(self.store, self.spec.job_id, gen, str(layout.config),
-                               layout.devices, self.vranks, first_step=0)
+        env = {**self._worker_env(), LAYOUT: format_layout(layout)}
+        # The first layout trains on from the newest complete checkpoint (a restarted
+        # coordinator's workers do not outlive it, so nothing else holds the state): every
+        # worker loads the same one, and no step below it is trained or written again.
+        where = self.spec.recovery.checkpoint_dir if self.spec.recovery.checkpoint_every \
+            else None
+        newest = newest_checkpoint(where)
+        if where is not None and newest is not None:
+            env[RESUME_FROM] = os.path.join(where, f"step-{newest}")
+            self.step = max(self.step, newest)
+            logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
+                           newest, env[RESUME_FROM])
+        perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
+        self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
+                               layout.devices, self.vranks, first_step=self.step)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
     def _resize(self, action: ResizeDecision) -> None:
@@ -547,8 +661,8 @@ class Coordinator:
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
                            plan.est_seconds, left)
-        mid = record.record_migration_start(
-            self.store, self.spec.job_id, from_generation=self.generation,
+        mid = self.journal.write(
+            record.record_migration_start, self.spec.job_id, from_generation=self.generation,
             to_generation=gen, plan_digest=order.plan_digest, moved_bytes=plan.moved_bytes,
             kept_bytes=plan.kept_bytes, lower_bound_bytes=plan.lower_bound_moved_bytes,
             messages=len(plan.messages), rounds=plan.rounds,
@@ -622,11 +736,11 @@ class Coordinator:
             self._aborted(fl, wall, why)
             return
         lost_steps, rebuilt_from = _rebuilt(fl)
-        record.record_migration_finish(self.store, fl.migration_id, outcome="committed",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="committed",
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from)
         inject("after-commit-record")
-        record.close_generation(self.store, self.spec.job_id, self.generation,
+        self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
                                 last_step=self.step, last_loss=self.loss)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
@@ -646,8 +760,8 @@ class Coordinator:
         for d in gone:
             self.held.pop(d, None)
             self.notices.pop(d, None)
-        record.open_generation(self.store, self.spec.job_id, self.generation, str(new.config),
-                               new.devices, self.vranks, first_step=self.step)
+        self.journal.write(record.open_generation, self.spec.job_id, self.generation,
+                           str(new.config), new.devices, self.vranks, first_step=self.step)
         self.resize_times.append(self.clock())
         self.inflight = None
         if self._noticed_at is not None:  # a notice that came during this resize waited
@@ -664,7 +778,7 @@ class Coordinator:
 
     def _finished_first(self, fl: _Inflight) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
-        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
                                        measured_seconds=time.monotonic() - fl.started,
                                        error="training finished before the resize began")
         perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
@@ -674,7 +788,7 @@ class Coordinator:
         """The resize aborted everywhere (two-phase: no worker installed anything): record
         it, keep the old layout, and decide again. A resize that aborted with nobody dead
         (a refusal, a failure inside the migration) would abort again: the job stops."""
-        record.record_migration_finish(self.store, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
                                        measured_seconds=wall, error=why[:500])
         logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
         self.inflight = None

@@ -12,6 +12,7 @@ from typing import Any
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.protocol.store import StoreServer
 from slurm_etc.store import jobs as record
+from slurm_etc.store.db import StoreError
 
 from .backend import Backend
 from .channel import CoordinatorChannel, create_secret, split_bind
@@ -31,7 +32,7 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     The record is created before anything starts; the backend is closed (every worker
     stopped) whatever happens.
     """
-    store = record.open_job_store(spec.job_id, db=db, state_dir=state_dir)
+    store = _open_record(spec.job_id, db, state_dir)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
@@ -49,32 +50,64 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     channel.set_rendezvous(advertise or bind_host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
-    # SIGTERM (scancel, the time limit, a requeue) ends the loop through the same clean
-    # close as any other end: workers stopped, members cancelled, the record closed.
-    previous = _on_sigterm(_terminate)
+    # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
+    # through the same clean close as any other end: workers stopped, members cancelled,
+    # the record ended as cancelled with the signal as its reason.
+    got: list[int] = []
+
+    def cancel(signum: int, _frame: Any) -> None:
+        if got:
+            return  # a second signal does not cut the close short
+        got.append(signum)
+        name = signal.Signals(signum).name
+        logger.warning("coordinator: got %s; stopping the workers and closing", name)
+        coordinator.cancel(f"cancelled by {name} ({_SIGNAL_CAUSES.get(signum, 'a signal')})")
+
+    previous = _on_signals(cancel)
     try:
         state = coordinator.run(deadline_s=deadline_s)
     finally:
-        _on_sigterm(signal.SIG_IGN)  # a second SIGTERM does not cut the close short
+        _on_signals(signal.SIG_IGN)  # a signal now does not cut the close short
         try:
             backend.close()
             channel.close()
             rendezvous.close()
             store.close()
         finally:
-            _on_sigterm(previous)
-    return {"state": state, "reaction_s": coordinator.reaction_s,
-            "generation": coordinator.generation, "step": coordinator.step}
+            _restore_signals(previous)
+    out: dict[str, Any] = {"state": state, "reaction_s": coordinator.reaction_s,
+                           "generation": coordinator.generation, "step": coordinator.step}
+    if got:
+        out["signal"] = got[0]
+    return out
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    logger.warning("coordinator: got SIGTERM; stopping the workers and closing")
-    raise SystemExit(128 + signum)
+def _open_record(job_id: str, db: str | None, state_dir: str | None) -> Any:
+    """The job's store; a disk that is full or failing at the start (SQLite's own errors,
+    the OS's) is one StoreError line, never a traceback."""
+    import sqlite3
+
+    try:
+        return record.open_job_store(job_id, db=db, state_dir=state_dir)
+    except (sqlite3.Error, OSError) as err:
+        where = db or state_dir or "the default location"
+        raise StoreError(f"cannot open the record of job {job_id} in {where}: "
+                         f"{getattr(err, 'strerror', None) or err}") from None
 
 
-def _on_sigterm(handler: Any) -> Any:
-    """Install ``handler`` for SIGTERM (main thread only; elsewhere nothing), returning the
-    previous one."""
-    if handler is None or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGNAL_CAUSES: dict[int, str] = {signal.SIGTERM: "scancel, the time limit or a requeue",
+                  signal.SIGINT: "an interrupt"}
+
+
+def _on_signals(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for SIGTERM and SIGINT (main thread only; elsewhere nothing),
+    returning the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in _SIGNALS}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)

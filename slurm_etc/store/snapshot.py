@@ -181,13 +181,18 @@ class Publisher:
                 publish_snapshot(self.db, self.dest)
             except SnapshotError as exc:
                 ok = False
-                log.warning("%s (the job record is safe in %s; retried on the next change)",
-                            exc, self.db)
+                # one warning per outage (a full disk fails every commit's publication)
+                log.log(logging.WARNING if not self.failures else logging.DEBUG,
+                        "%s (the job record is safe in %s; retried on the next change)",
+                        exc, self.db)
             except Exception:  # noqa: BLE001 - the thread must survive to publish again
                 ok = False
                 log.exception("publishing %s failed", self.dest)
             else:
                 ok = True
+                if self.failures:
+                    log.warning("published %s again after %d failed attempts", self.dest,
+                                self.failures)
             with self._cond:
                 self.failures = 0 if ok else self.failures + 1
                 self._attempted = target

@@ -82,6 +82,15 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True
 Order = Resize | Stop | Abort
 
 
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
+    """The coordinator is alive (sent every HEARTBEAT_S to every running worker). Not an
+    order: the channel only notes when it last heard from the coordinator, and a worker
+    that hears nothing holds, then exits after its reattach wait (``REATTACH_WAIT``)."""
+
+    job: str
+    generation: int
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
     """A worker started and joined the control channel."""
 
@@ -166,6 +175,12 @@ class Control(Protocol):
 LAYOUT = "SLURM_ETC_LAYOUT"          # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
 GPUS_PER_NODE = "SLURM_ETC_GPUS_PER_NODE"
 TIMEOUT = "SLURM_ETC_TIMEOUT_S"
+# How long a worker that hears nothing from its coordinator waits for it (a reattach)
+# before it exits; it holds (trains no step) after HOLD_AFTER_S of silence.
+REATTACH_WAIT = "SLURM_ETC_REATTACH_WAIT_S"
+DEFAULT_REATTACH_WAIT_S = 120.0
+HEARTBEAT_S = 2.0
+HOLD_AFTER_S = 15.0
 
 
 def format_layout(layout: Layout) -> str:

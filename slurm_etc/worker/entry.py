@@ -19,7 +19,14 @@ from typing import Any
 
 from slurm_etc.plan import Topology
 
-from .control import GPUS_PER_NODE, LAYOUT, TIMEOUT, parse_layout
+from .control import (
+    DEFAULT_REATTACH_WAIT_S,
+    GPUS_PER_NODE,
+    LAYOUT,
+    REATTACH_WAIT,
+    TIMEOUT,
+    parse_layout,
+)
 from .recovery import Recovery
 from .trainer import ElasticTrainer, WorkerProcess
 
@@ -60,7 +67,8 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
             control=control, layout=layout,
             generation=int(env.get("SLURM_ETC_GENERATION", "0")),
             topology=Topology(gpus_per_node=int(env.get(GPUS_PER_NODE, "1"))),
-            keep_tp_in_node=True, timeout_s=timeout)
+            keep_tp_in_node=True, timeout_s=timeout,
+            reattach_wait_s=float(env.get(REATTACH_WAIT) or DEFAULT_REATTACH_WAIT_S))
         why = trainer.run(proc)
         trainer.close()
         logger.info("worker vrank %s finished: %s", proc.vrank, why)

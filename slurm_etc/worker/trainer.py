@@ -58,6 +58,7 @@ from slurm_etc.protocol.values import decode_value, encode_value
 
 from .control import (
     ENCODER,
+    HOLD_AFTER_S,
     ORDER_DECODER,
     Abort,
     Control,
@@ -69,7 +70,14 @@ from .control import (
     Stop,
 )
 from .data import check_batch, microbatch_samples
-from .recovery import Recovery
+from .lifeline import children_die_with_me
+from .recovery import (
+    DEFAULT_KEEP_CHECKPOINTS,
+    Recovery,
+    checkpoint_steps,
+    checkpoints_to_delete,
+    newest_checkpoint,
+)
 from .redundancy import PeerCopies
 
 logger = logging.getLogger(__name__)
@@ -114,6 +122,8 @@ class WorkerProcess:
         topology: devices per node (the plan's topology).
         keep_tp_in_node: plan with tensor-parallel groups inside a node.
         timeout_s: bound of every collective and rendezvous.
+        reattach_wait_s: how long this process waits for a silent coordinator before it
+            exits (None: no bound, e.g. a control seam without heartbeats).
     """
 
     job: str
@@ -125,6 +135,11 @@ class WorkerProcess:
     topology: Topology = field(default_factory=Topology)
     keep_tp_in_node: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    reattach_wait_s: float | None = None
+
+
+class CoordinatorLost(Exception):
+    """Nothing heard from the coordinator for the reattach wait (one line: how long)."""
 
 
 @dataclass
@@ -180,8 +195,8 @@ class ElasticTrainer:
             another node (:mod:`.redundancy`), so that a node lost without grace loses at
             most these steps even where no dp replica survives; 0: off.
         checkpoint_every, checkpoint_dir: a megatron-core checkpoint every this many steps
-            into ``checkpoint_dir`` (the last one kept): the fallback when neither a replica
-            nor a peer copy survives a loss; 0: off.
+            into ``checkpoint_dir`` (the newest ``recovery.keep_checkpoints`` kept): the
+            fallback when neither a replica nor a peer copy survives a loss; 0: off.
     """
 
     def __init__(self, *, model_provider: Callable[..., Any], forward_step: Callable[..., Any],
@@ -210,6 +225,8 @@ class ElasticTrainer:
         self.collate = collate or _stack
         self.peer_copy_every = peer_copy_every
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        self.keep_checkpoints = DEFAULT_KEEP_CHECKPOINTS
+        self.resume_from: str | None = None  # a checkpoint the first layout loads
         self.peers: PeerCopies | None = None  # this layout's snapshots and peer copies
         self._peers_gen = -1
         self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
@@ -246,16 +263,28 @@ class ElasticTrainer:
         ``resume_from``: a checkpoint directory written by :meth:`save_checkpoint` (the
         checkpoint-restart path; any layout megatron can reshard it to).
 
-        Returns why it ended: ``"done"``, ``"stopped"`` or ``"left"``. The trained state
-        stays in ``self.state`` until :meth:`close`.
+        Returns why it ended: ``"done"``, ``"stopped"``, ``"left"``, or
+        ``"coordinator-lost"`` (nothing heard from the coordinator for
+        ``proc.reattach_wait_s``). The trained state stays in ``self.state`` until
+        :meth:`close`.
         """
+        try:
+            return self._run(proc, resume_from)
+        except CoordinatorLost as lost:
+            self._log("%s", lost)
+            return self._exit("coordinator-lost")
+
+    def _run(self, proc: WorkerProcess, resume_from: str | None) -> str:
         from slurm_etc.megatron import cpu_compat
 
         if not torch.cuda.is_available():
             cpu_compat.install()
+        # what this worker forks (megatron's checkpoint Manager, data loaders) ends with it
+        children_die_with_me()
         self.proc = proc
         self._kill = kill_spec_from_env()  # fault injection: SLURM_ETC_INJECT
         self._dataset = self.dataset_provider()
+        resume_from = resume_from or self.resume_from
         if proc.layout is not None and proc.vrank in proc.layout.devices:
             self.layout, self.generation = proc.layout, proc.generation
             self._start_group(f"{proc.job}/g{proc.generation}/train",
@@ -277,6 +306,7 @@ class ElasticTrainer:
             try:
                 order = self._agree()
                 if order is None and self.step < self.train_steps:
+                    self._hold_while_silent()
                     self.train_step()
                     self._after_step()
                     continue
@@ -398,6 +428,7 @@ class ElasticTrainer:
         """A joining process waits for the resize that brings it in."""
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
+            self._check_coordinator()
             order = proc.control.wait(min(1.0, deadline - time.monotonic()))
             if isinstance(order, Stop | Resize) and order.generation > self.generation and (
                     order.generation not in self._aborted) and (
@@ -406,10 +437,49 @@ class ElasticTrainer:
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
 
+    def _silence(self) -> float | None:
+        """Seconds since the coordinator was last heard of (its heartbeats, orders); None
+        where that is not known (a control seam without a clock, no reattach wait)."""
+        proc = self._proc()
+        heard = getattr(proc.control, "heard_at", None)
+        if heard is None or not proc.reattach_wait_s:
+            return None
+        return time.monotonic() - heard
+
+    def _check_coordinator(self) -> None:
+        silent = self._silence()
+        wait = self._proc().reattach_wait_s
+        if silent is not None and wait is not None and silent > wait:
+            raise CoordinatorLost(f"no word from the coordinator for {silent:.0f} s (it waits "
+                                  f"{wait:.0f} s for a reattach): exiting at step {self.step}")
+
+    def _hold_while_silent(self) -> None:
+        """At a step boundary: while the coordinator is silent (killed, or stuck), train
+        no step (none it could record); go on when it speaks again, exit past the
+        reattach wait (CoordinatorLost from _take_orders)."""
+        proc = self._proc()
+        silent = self._silence()
+        hold = min(HOLD_AFTER_S, (proc.reattach_wait_s or 0.0) / 2)
+        if silent is None or silent < hold:
+            return
+        self._log("no word from the coordinator for %.0f s: holding at step %d (exiting "
+                  "after %.0f s of silence)", silent, self.step, proc.reattach_wait_s)
+        while (silent := self._silence()) is not None and silent >= hold:
+            time.sleep(0.1)
+            self._take_orders()
+        self._log("the coordinator speaks again: training on")
+
     def _take_orders(self) -> None:
         """Drain the control seam into ``_pending`` (the newest order; an Abort cancels the
-        pending resize of its generation)."""
+        pending resize of its generation). Raises CoordinatorLost once the coordinator has
+        been silent past the reattach wait."""
         proc = self._proc()
+        try:
+            self._drain_orders(proc)
+        finally:
+            self._check_coordinator()  # after the drain: what just came counts as heard
+
+    def _drain_orders(self, proc: WorkerProcess) -> None:
         while (order := proc.control.poll()) is not None:
             if order.generation <= self.generation or order.generation in self._aborted:
                 continue
@@ -690,12 +760,14 @@ class ElasticTrainer:
     @property
     def recovery(self) -> Recovery:
         """What a node lost without grace is rebuilt from (peer copies, checkpoints)."""
-        return Recovery(self.peer_copy_every, self.checkpoint_every, self.checkpoint_dir)
+        return Recovery(self.peer_copy_every, self.checkpoint_every, self.checkpoint_dir,
+                        self.keep_checkpoints, self.resume_from)
 
     @recovery.setter
     def recovery(self, value: Recovery) -> None:
         self.peer_copy_every = value.peer_copy_every
         self.checkpoint_every, self.checkpoint_dir = value.checkpoint_every, value.checkpoint_dir
+        self.keep_checkpoints, self.resume_from = value.keep_checkpoints, value.resume_from
 
     def _peer_copies(self) -> PeerCopies | None:
         """This layout's PeerCopies (a new layout starts with none: a resize drops them);
@@ -731,30 +803,50 @@ class ElasticTrainer:
                 "extras": _rng_extras(), "trainer": self._trainer_state()}
 
     def _save_periodic(self) -> None:
-        """megatron-core checkpoint of this step into ``checkpoint_dir/step-N``; rank 0 then
-        points ``latest`` at it and removes the older ones."""
+        """megatron-core checkpoint of this step into ``checkpoint_dir/step-N``.
+
+        Written as ``step-N.partial`` and renamed by rank 0 once every rank wrote its part
+        and it is synced, so a ``step-N`` is always complete; only then are the complete
+        ones older than the newest ``keep_checkpoints`` deleted (the newest never). A step
+        below the newest complete checkpoint is not written: a job resumed from it (or
+        replaying steps after a rollback) never puts an older step beside a newer one."""
         import shutil
 
         root = str(self.checkpoint_dir)
-        path = os.path.join(root, f"step-{self.step}")
-        self.save_checkpoint(path)  # ends with a barrier: every rank wrote its part
-        if dist.get_rank() == 0:
+        newest = newest_checkpoint(root)  # every rank reads the same: nothing is renamed now
+        if newest is not None and newest > self.step:
+            self._log("step %d: no checkpoint (the directory has the newer step %d)",
+                      self.step, newest)
+            return
+        final = os.path.join(root, f"step-{self.step}")
+        partial = final + ".partial"
+        rank = dist.get_rank()
+        if rank == 0:  # a save that died half-way left its files behind
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier()
+        self.save_checkpoint(partial)  # ends with a barrier: every rank wrote its part
+        if rank == 0:
+            old = final + ".old"
+            if os.path.isdir(final):  # the same step again (replayed after a rollback)
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(partial, final)
+            _fsync_dir(root)
+            shutil.rmtree(old, ignore_errors=True)
             tmp = os.path.join(root, "latest.tmp")
             with open(tmp, "w") as f:
                 f.write(str(self.step))
             os.replace(tmp, os.path.join(root, "latest"))
-            for name in os.listdir(root):
-                if name.startswith("step-") and name != f"step-{self.step}":
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            for step in checkpoints_to_delete(checkpoint_steps(root), self.keep_checkpoints):
+                shutil.rmtree(os.path.join(root, f"step-{step}"), ignore_errors=True)
+        # nobody reads the directory before this rank renamed it
+        dist.barrier()
 
     def _latest_checkpoint(self) -> int | None:
+        """The newest complete periodic checkpoint's step (None: none, or they are off)."""
         if not self.checkpoint_every:
             return None
-        try:
-            with open(os.path.join(str(self.checkpoint_dir), "latest")) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
+        return newest_checkpoint(str(self.checkpoint_dir))
 
     def _rebuild_lost(self, order: Resize, tag: str, old: Layout, new: Layout,
                       err: StateLostError) -> Any:
@@ -1015,6 +1107,15 @@ def plan_digest(plan: Any) -> str:
     for arr in (m.src, m.dst, m.nbytes, m.round):
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _stack(samples: list) -> Any:
