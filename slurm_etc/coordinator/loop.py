@@ -188,6 +188,8 @@ class Coordinator:
         record.set_job_state(self.store, self.spec.job_id, "running")
         try:
             while True:
+                # status tells a live coordinator from a lost one by this (at most 1/30 s)
+                record.heartbeat(self.store, self.spec.job_id)
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
