@@ -16,6 +16,7 @@ import os
 import pwd
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -135,6 +136,16 @@ def _target(ctx: click.Context) -> tuple[str, bool]:
 
 def _store(ctx: click.Context):
     target, site = _target(ctx)
+    if site:  # every user's coordinator reads it: a directory they can traverse
+        directory = Path(target).parent
+        try:
+            if not directory.exists():
+                directory.mkdir(parents=True)
+                os.chmod(directory, 0o755)  # whatever root's umask
+        except OSError as exc:
+            raise UserError(f"cannot create {directory} for the site's policies: "
+                            f"{exc.strerror} (only root can write the site's policies)"
+                            ) from None
     try:
         # the site's file is read by every user's coordinator (policies are no secret) and
         # written by root only; any other new database is its owner's alone

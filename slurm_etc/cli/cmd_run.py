@@ -95,10 +95,12 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 @click.option("--distributed-optimizer", is_flag=True)
 @click.option("--policy-partition", help="Partition whose resize policy applies.")
 @click.option("--account", help="Account whose resize policy applies.")
-@click.option("--policy-db", help="Policy database (default: the policy store).")
+@click.option("--policy-db", help="Your own policy database: it can only make the site's "
+                                  "(/etc/slurm-etc/policies.db) stricter.")
 @click.option("--job-id", default=job_id_default, help="Default: $SLURM_JOB_ID.")
 @click.option("--name", default="elastic", show_default=True)
-@click.option("--db", help="The job's record: SQLite path or SQLAlchemy URL (default: "
+@click.option("--db", help="The job's record: SQLite path, SQLAlchemy URL or @FILE (the URL "
+                           "in an owner-only file: no password in argv) (default: "
                            "node-local SQLite, published to --state-dir).")
 @click.option("--state-dir", type=click.Path(file_okay=False), help="Where snapshots go.")
 @click.option("--bind", default="127.0.0.1", show_default=True,

@@ -130,12 +130,10 @@ def _details(store_target: str | Path, viewer: Viewer, job_id: str | None,
     store = open_store_readonly(store_target, immutable=immutable, limits=limits, name=name)
     try:
         out = []
-        for job in list_jobs(store):
+        # A snapshot speaks only for the user who wrote it (owner of the descriptor read):
+        # a file of uid A claiming a job of uid B is nobody's, root's included.
+        for job in list_jobs(store, owner_uid=file_owner):
             if job_id is not None and job.job_id != job_id:
-                continue
-            # A snapshot speaks only for the user who wrote it (owner of the descriptor
-            # read): a file of uid A claiming a job of uid B is nobody's, root's included.
-            if file_owner is not None and file_owner != job.owner_uid:
                 continue
             if not viewer.sees(job.owner_uid):
                 continue
@@ -177,6 +175,9 @@ def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None,
                                 limits if sqlite is not None else None, shown)
         except StoreError as exc:
             raise UserError(redact(str(exc), db)) from None
+        except MemoryError:
+            raise UserError(f"{shown}: "
+                            f"{guard.interrupted_reason('out of memory', limits)}") from None
         return Found(jobs, shown, [])
     warnings: list[str] = []
     newest: dict[str, JobDetail] = {}
@@ -193,6 +194,10 @@ def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None,
                 found = _details(copy, viewer, job_id, True, opened.owner, limits, label)
             except (StoreError, LocationError, OSError) as exc:
                 warnings.append(f"skipped {label}: {guard.interrupted_reason(str(exc), limits)}")
+                continue
+            except MemoryError:  # SQLite past its heap limit (Python's sqlite3 says so)
+                warnings.append(f"skipped {label}: "
+                                f"{guard.interrupted_reason('out of memory', limits)}")
                 continue
             finally:
                 copy.unlink(missing_ok=True)
@@ -443,9 +448,10 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
 
 @click.command("status")
 @click.argument("job_id", required=False, metavar="[JOBID]")
-@click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL",
+@click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL|@FILE",
               help="Read this database (SQLite file, mysql+pymysql://... or "
-                   "postgresql://...) instead of the state directory's snapshots.")
+                   "postgresql://..., or @FILE: the URL kept in an owner-only file) "
+                   "instead of the state directory's snapshots.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               envvar="SLURM_ETC_STATE_DIR",
               help="Where coordinators publish job snapshots (default: $SLURM_ETC_STATE_DIR "

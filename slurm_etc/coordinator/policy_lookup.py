@@ -39,6 +39,20 @@ def site_policy_problem(path: Path) -> str | None:
     return None
 
 
+def _site_file_exists(path: Path) -> bool:
+    """Whether the site has a policy file; one this user cannot even look at is an error,
+    not "no policy" (a site's mistake must not lift its limits silently)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot read the site's policies {path}: {exc.strerror} (the "
+                          "site's policy file and its directory must be readable by every "
+                          "user: 0644 in a 0755 directory, both root's)") from None
+    return True
+
+
 def read_policies(path: str | os.PathLike[str], partition: str | None,
                   account: str | None) -> EffectivePolicy:
     """The stored policies of ``partition`` and ``account`` in one database, merged."""
@@ -73,7 +87,7 @@ def job_policy(partition: str | None, account: str | None, db: str | None = None
     site_path = Path(site) if site is not None else SITE_POLICY_DB
     policy = EffectivePolicy()
     try:
-        if os.path.lexists(site_path):
+        if _site_file_exists(site_path):
             problem = site_policy_problem(site_path)
             if problem:
                 raise ConfigError(f"not using the site's policies: {problem}")

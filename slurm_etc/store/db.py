@@ -392,6 +392,11 @@ def _reason(exc: SQLAlchemyError, limits: Any = None) -> str:
         from . import guard
 
         text = guard.interrupted_reason(text, limits)
+    return locked_hint(text)
+
+
+def locked_hint(text: str) -> str:
+    """A sqlite error text; "database is locked" says what that means."""
     if "database is locked" in text:
         # sqlite3 gave up after BUSY_TIMEOUT_S: say so rather than leave the user guessing
         text += (f" (another process held its lock for {BUSY_TIMEOUT_S:g} s: a running "

@@ -10,14 +10,17 @@ progress handler interrupts it) and SQLite's own allocations under a heap limit.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
-from .db import StoreError
+from .db import StoreError, locked_hint
 from .models import Base
 
 # Every table our migrations create, with its columns; alembic's own table too.
@@ -48,7 +51,7 @@ class ReadLimits:
 
 
 # SQLite's progress handler is called every this many virtual-machine instructions.
-_PROGRESS_STEPS = 10_000
+_PROGRESS_STEPS = 1_000
 
 
 def check_schema(conn: sqlite3.Connection, where: str) -> None:
@@ -67,17 +70,17 @@ def check_schema(conn: sqlite3.Connection, where: str) -> None:
         for kind, name, table, sql in entries:
             if kind == "table":
                 if name not in allowed:
-                    raise StoreError(f"{where} is not a slurm-etc record: unexpected table "
+                    raise StoreError(f"{where} is not a slurm-etc database: unexpected table "
                                      f"{name!r}")
                 if not str(sql or "").lstrip().upper().startswith("CREATE TABLE"):
-                    raise StoreError(f"{where} is not a slurm-etc record: table {name!r} is "
+                    raise StoreError(f"{where} is not a slurm-etc database: table {name!r} is "
                                      "not a plain table")
             elif kind == "index":
                 if table not in allowed:
-                    raise StoreError(f"{where} is not a slurm-etc record: index {name!r} on "
+                    raise StoreError(f"{where} is not a slurm-etc database: index {name!r} on "
                                      f"unexpected table {table!r}")
             else:  # view, trigger: code the reader would run
-                raise StoreError(f"{where} is not a slurm-etc record: it has a {kind} "
+                raise StoreError(f"{where} is not a slurm-etc database: it has a {kind} "
                                  f"{str(name)[:64]!r}")
         for kind, name, _table, _sql in entries:
             if kind != "table":
@@ -85,13 +88,13 @@ def check_schema(conn: sqlite3.Connection, where: str) -> None:
             columns = conn.execute(f'PRAGMA table_xinfo("{name}")').fetchall()
             for _cid, column, _type, _notnull, _default, _pk, hidden in columns:
                 if column not in allowed[name]:
-                    raise StoreError(f"{where} is not a slurm-etc record: unexpected column "
+                    raise StoreError(f"{where} is not a slurm-etc database: unexpected column "
                                      f"{name}.{str(column)[:64]!r}")
                 if hidden:
-                    raise StoreError(f"{where} is not a slurm-etc record: {name}.{column} "
+                    raise StoreError(f"{where} is not a slurm-etc database: {name}.{column} "
                                      "is a generated column")
     except sqlite3.Error as exc:
-        raise StoreError(f"cannot read {where}: {exc}") from None
+        raise StoreError(f"cannot read {where}: {locked_hint(str(exc))}") from None
 
 
 def bounded(conn: sqlite3.Connection, deadline: float) -> None:
@@ -106,20 +109,55 @@ def bounded(conn: sqlite3.Connection, deadline: float) -> None:
     conn.setlimit(sqlite3.SQLITE_LIMIT_EXPR_DEPTH, 200)
 
 
+@lru_cache(maxsize=1)
+def _sqlite_library() -> Any:
+    """The SQLite library Python's sqlite3 uses, for ``sqlite3_hard_heap_limit64`` (the
+    pragma can only lower the limit, never lift it again); None when it cannot be found
+    (a statically linked build)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("sqlite3") or "libsqlite3.so.0")
+        fn = lib.sqlite3_hard_heap_limit64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
+    return fn
+
+
+def _hard_heap_limit(limit: int) -> int:
+    """Set SQLite's hard heap limit (0: none); returns the previous one."""
+    fn = _sqlite_library()
+    if fn is not None and fn(-1) == _pragma_limit():  # the very library sqlite3 uses
+        return int(fn(limit))
+    previous = _pragma_limit()
+    if limit and (not previous or limit < previous):
+        conn = sqlite3.connect(":memory:")
+        try:
+            conn.execute(f"PRAGMA hard_heap_limit={int(limit)}")
+        finally:
+            conn.close()
+    return previous
+
+
+def _pragma_limit() -> int:
+    conn = sqlite3.connect(":memory:")
+    try:
+        return int(conn.execute("PRAGMA hard_heap_limit").fetchone()[0])
+    finally:
+        conn.close()
+
+
 @contextmanager
 def sqlite_heap_limit(limit: int) -> Iterator[None]:
     """SQLite's ``hard_heap_limit`` (process-wide) for the block, the previous one after:
-    an allocation past it fails the query (``out of memory``), not the process."""
-    conn = sqlite3.connect(":memory:")
+    an allocation past it fails the query (``out of memory``), not the process. Where the
+    library cannot be reached to lift it again, the limit stays (only lowered)."""
+    previous = _hard_heap_limit(limit)
     try:
-        previous = conn.execute("PRAGMA hard_heap_limit").fetchone()[0]
-        conn.execute(f"PRAGMA hard_heap_limit={int(limit)}")
-        try:
-            yield
-        finally:
-            conn.execute(f"PRAGMA hard_heap_limit={int(previous)}")
+        yield
     finally:
-        conn.close()
+        fn = _sqlite_library()
+        if fn is not None:
+            fn(previous)
 
 
 def interrupted_reason(text: str, limits: ReadLimits) -> str:
@@ -127,5 +165,5 @@ def interrupted_reason(text: str, limits: ReadLimits) -> str:
     if "interrupted" in text:
         return f"reading it took longer than {limits.seconds:g} s (stopped)"
     if "out of memory" in text:
-        return f"reading it needed more than {limits.heap_bytes >> 20} MiB (stopped)"
+        return f"reading it needed more than {limits.heap_bytes / 2**20:g} MiB (stopped)"
     return text

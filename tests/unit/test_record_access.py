@@ -446,6 +446,23 @@ def test_a_users_policy_db_can_only_make_the_sites_stricter(tmp_path):
         job_policy("gpu", None, site=site)
 
 
+def test_a_site_policy_a_user_cannot_read_is_an_error_not_no_policy(victim, shared):
+    from slurm_etc.coordinator.policy_lookup import job_policy
+    from slurm_etc.plan.errors import ConfigError
+
+    site = shared / "etc" / "policies.db"
+    _site_policy(site, max_nodes="4")
+    os.chmod(site.parent, 0o700)  # a root umask of 077: nobody else may look
+
+    def look() -> str:
+        try:
+            return f"read: max_nodes {job_policy('gpu', None, site=site).max_nodes}"
+        except ConfigError as exc:
+            return str(exc)
+
+    assert "cannot read the site's policies" in as_user(victim, look)
+
+
 def _hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -527,3 +544,35 @@ def test_recovery_names_the_open_request_for_its_checks(tmp_path):
         assert record.recover(store, "9").open_request is None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("limits, said", [
+    ({"seconds": 0.0}, "reading it took longer than 0 s (stopped)"),
+    ({"heap_bytes": 64 << 10}, "more than 0.0625 MiB (stopped)"),
+    ({"max_bytes": 1024}, "more than the 1024 a job record may have")])
+def test_each_file_is_read_within_its_bounds(tmp_path, monkeypatch, limits, said):
+    """Time (SQLite's progress handler), SQLite's memory (hard heap limit) and size: a file
+    past one is one line and skipped; the bounds are restored afterwards."""
+    import sqlite3
+
+    from slurm_etc.cli.cmd_status import Viewer, gather
+    from slurm_etc.store.guard import ReadLimits
+
+    state = _job(tmp_path, monkeypatch)
+    snap = snapshot_path(state, "101")
+    with sqlite3.connect(snap) as db:  # enough rows to take time
+        db.executemany("INSERT INTO jobs (job_id, name, owner_uid, owner_name, state, backend,"
+                       " created_at, updated_at) VALUES (?, 'x', ?, 'x', 'running', "
+                       "'local', '2026-12-01', '2026-12-01')",
+                       [(f"x{i}", os.getuid()) for i in range(3_000)])
+    found = gather(None, state, Viewer(os.getuid(), lambda uid: False), None,
+                   ReadLimits(**limits))
+    assert found.jobs == [] and len(found.warnings) == 1, found.warnings
+    assert found.warnings[0].startswith(f"skipped {os.getuid()}/101.db: ")
+    assert said in found.warnings[0]
+    with sqlite3.connect(":memory:") as db:
+        assert db.execute("PRAGMA hard_heap_limit").fetchone() == (0,)
+    with sqlite3.connect(snap) as db:
+        db.execute("DELETE FROM jobs WHERE job_id LIKE 'x%'")
+    found = gather(None, state, Viewer(os.getuid(), lambda uid: False), None)
+    assert found.warnings == [] and [d.job.job_id for d in found.jobs] == ["101"]
