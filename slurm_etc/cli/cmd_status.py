@@ -323,14 +323,13 @@ def _seconds(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def _state(d: JobDetail, now: datetime) -> str:
-    """The state shown: ``lost (no update for 7m 12s, was running)`` when the coordinator
-    stopped writing the record of an active job."""
-    shown = d.job.shown_state(now)
-    if shown != "lost":
+def _state(d: JobDetail, now: datetime, long: bool = False) -> str:
+    """The state shown: ``lost (7m 12s)`` in a table (``lost (no update for 7m 12s, was
+    running)`` with ``long``) when the coordinator stopped writing an active job's record."""
+    if d.job.shown_state(now) != "lost":
         return d.job.state
-    return (f"lost (no update for {_duration(d.job.last_update_age(now))}, was "
-            f"{d.job.state})")
+    age = _duration(d.job.last_update_age(now))
+    return f"lost (no update for {age}, was {d.job.state})" if long else f"lost ({age})"
 
 
 def _owner(d: JobDetail) -> str:
@@ -360,7 +359,7 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
     head = Text()
     head.append(f"job {p(j.job_id)}", style="bold")
     head.append(f"  {p(j.name)}  owner {p(_owner(d))}  state ")
-    head.append(_state(d, now), style="bold")
+    head.append(_state(d, now, long=True), style="bold")
     if j.reason:
         head.append(f" ({p(j.reason)})")
     head.append("\n")

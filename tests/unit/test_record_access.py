@@ -335,8 +335,11 @@ def test_a_job_whose_coordinator_stopped_writing_is_lost(tmp_path, monkeypatch):
     assert (job["state"], job["recorded_state"], job["last_update_age_seconds"]) == \
         ("lost", "running", 432.0)
     r = CliRunner().invoke(cli, ["status", "--state-dir", str(state)], obj=late,
+                           env={"COLUMNS": "80"})
+    assert " lost (7m 12s) " in r.stdout
+    r = CliRunner().invoke(cli, ["status", "101", "--state-dir", str(state)], obj=late,
                            env={"COLUMNS": "200"})
-    assert "lost (no update for 7m 12s, was running)" in r.stdout
+    assert "state lost (no update for 7m 12s, was running)" in r.stdout
     soon = {"now": lambda: T0 + timedelta(seconds=30)}
     r = CliRunner().invoke(cli, ["status", "--state-dir", str(state), "--json"], obj=soon)
     assert json.loads(r.stdout)["jobs"][0]["state"] == "running"
