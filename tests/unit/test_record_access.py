@@ -292,6 +292,53 @@ def test_the_owner_is_that_of_the_descriptor_read(tmp_path, monkeypatch):
     assert [j["name"] for j in json.loads(r.stdout)["jobs"]] == ["mine"]
 
 
+def test_a_file_swapped_in_a_loop_never_speaks_for_me(tmp_path, monkeypatch):
+    """The finding's race, run for real: another thread swaps my snapshot and a forged one
+    (another owner, claiming my job) as fast as it can while status reads 100 times."""
+    import threading
+
+    from slurm_etc.cli.cmd_status import Viewer, gather
+
+    if os.getuid() != 0:
+        pytest.fail("this test needs root (to give a file to another uid); CI runs as root")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
+    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+    state = tmp_path / "state"
+    store = record.open_job_store("101", state_dir=state)
+    record.create_job(store, "101", name="mine", owner_uid=os.getuid(), owner_name="me",
+                      backend="local", at=T0)
+    store.close()
+    path = snapshot_path(state, "101")
+    mine, forged = tmp_path / "mine.db", tmp_path / "forged.db"
+    shutil.copy(path, mine)
+    fs = open_store(forged)
+    record.create_job(fs, "101", name="forged", owner_uid=os.getuid(), owner_name="me",
+                      backend="local", at=T0 + timedelta(hours=1))
+    fs.close()
+    os.chown(forged, 4242, -1)
+    stop, swaps = threading.Event(), [0]
+
+    def swap() -> None:
+        while not stop.is_set():
+            for source in (mine, forged):
+                tmp = path.with_name(".swap")
+                os.link(source, tmp)
+                os.replace(tmp, path)
+                swaps[0] += 1
+
+    thread = threading.Thread(target=swap, daemon=True)
+    thread.start()
+    shown: dict[str, int] = {}
+    try:
+        for _ in range(100):
+            for d in gather(None, state, Viewer(os.getuid(), lambda uid: False), None).jobs:
+                shown[d.job.name] = shown.get(d.job.name, 0) + 1
+    finally:
+        stop.set()
+        thread.join()
+    assert swaps[0] > 100 and "forged" not in shown and shown.get("mine", 0) > 0, shown
+
+
 def test_another_users_snapshot_is_not_opened_unless_the_viewer_sees_all(tmp_path,
                                                                           monkeypatch):
     if os.getuid() != 0:
@@ -579,3 +626,17 @@ def test_each_file_is_read_within_its_bounds(tmp_path, monkeypatch, limits, said
         db.execute("DELETE FROM jobs WHERE job_id LIKE 'x%'")
     found = gather(None, state, Viewer(os.getuid(), lambda uid: False), None)
     assert found.warnings == [] and [d.job.job_id for d in found.jobs] == ["101"]
+
+
+def test_a_recursive_view_given_with_db_is_one_line(tmp_path):
+    """The same file named with --db (a site's database that someone could write): one
+    line, exit 2, in seconds; the file is left as it was."""
+    evil = tmp_path / "site.db"
+    _recursive_view(evil, os.getuid())
+    before = _hash(evil)
+    started = time.monotonic()
+    r = CliRunner().invoke(cli, ["status", "--db", str(evil), "--json"], obj={})
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert r.stderr.startswith(f"slurm-etc: error: {evil} is not a slurm-etc database: "
+                               "it has a view 'jobs'")
+    assert time.monotonic() - started < 10 and _hash(evil) == before
