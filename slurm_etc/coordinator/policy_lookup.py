@@ -57,9 +57,11 @@ def read_policies(path: str | os.PathLike[str], partition: str | None,
                   account: str | None) -> EffectivePolicy:
     """The stored policies of ``partition`` and ``account`` in one database, merged."""
     from slurm_etc.store.db import open_store_readonly
+    from slurm_etc.store.guard import ReadLimits
     from slurm_etc.store.policies import list_policies
 
-    store = open_store_readonly(path)
+    # a SQLite file is read with its schema checked and under a deadline, as status does
+    store = open_store_readonly(path, limits=ReadLimits())
     try:
         found = [(p.scope, p.policy) for p in list_policies(store)
                  if (p.scope.kind == "partition" and p.scope.name == partition)
