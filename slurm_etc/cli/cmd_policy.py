@@ -2,8 +2,12 @@
 
 Anyone may read policies; only root or a Slurm Operator/Administrator may change them.
 Who is asking comes from the process's real uid (``os.getuid()`` -> ``pwd.getpwuid``),
-never from LOGNAME/USER, and ``sacctmgr`` is asked about that user. The admin check is taken
-from ``ctx.obj["admin_check"]`` when present (tests inject one).
+never from LOGNAME/USER, and ``sacctmgr`` is asked about that user. That check is a
+convenience that keeps honest users from mistakes: it runs in the caller's own process (a
+user namespace makes anyone uid 0). The boundary is the site's policy file, which only
+root can write (the kernel refuses anyone else, a namespace "root" included); and
+``updated_by`` is the writer's claim about itself. Tests inject ``ctx.obj["admin_check"]``
+and ``ctx.obj["site_policy_db"]``.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import bounds
+from ..coordinator.policy_lookup import SITE_POLICY_DB, site_policy_problem
 from ..policy.admin import AdminVerdict, SacctmgrAnswer, adminlevel_command, verdict
 from ..policy.rules import (
     FIELDS,
@@ -32,13 +37,15 @@ from ..policy.rules import (
 from ..store import (
     StoredPolicy,
     StoreError,
-    default_db_path,
     get_policy,
+    is_url,
     list_policies,
     open_store,
+    open_store_readonly,
     set_policy,
     unset_policy,
 )
+from ..store.db import redact, sqlite_path, with_password_file
 from .main import UserError
 from .params import SafePath, Text
 
@@ -119,18 +126,52 @@ def _make_scope(kind: str, name: str) -> Scope:
         raise UserError(str(exc)) from None
 
 
+def _target(ctx: click.Context) -> tuple[str, bool]:
+    """The policy database: ``--db`` (a user's own, which ``run --policy-db`` can use to
+    make the site's stricter) or the site's (:data:`SITE_POLICY_DB`); and whether it is the
+    site's."""
+    path = ctx.obj.get("db_path")
+    if path:
+        return with_password_file(path, ctx.obj.get("db_password_file")), False
+    return str(ctx.obj.get("site_policy_db", SITE_POLICY_DB)), True
+
+
 def _store(ctx: click.Context):
+    target, site = _target(ctx)
+    if site:  # every user's coordinator reads it: a directory they can traverse
+        directory = Path(target).parent
+        try:
+            if not directory.exists():
+                directory.mkdir(parents=True)
+                os.chmod(directory, 0o755)  # whatever root's umask
+        except OSError as exc:
+            raise UserError(f"cannot create {directory} for the site's policies: "
+                            f"{exc.strerror} (only root can write the site's policies)"
+                            ) from None
     try:
-        return open_store(ctx.obj.get("db_path"))
+        # the site's file is read by every user's coordinator (policies are no secret) and
+        # written by root only; any other new database is its owner's alone
+        return open_store(target, file_mode=0o644 if site else 0o600)
     except StoreError as exc:
-        raise UserError(str(exc)) from None
+        raise UserError(redact(str(exc), target)) from None
 
 
 def _store_to_read(ctx: click.Context):
     """The store, or None when its file does not exist yet: reading creates nothing."""
-    path = ctx.obj.get("db_path")
-    db = Path(path).expanduser() if path else default_db_path()
-    return _store(ctx) if db.exists() else None
+    target, site = _target(ctx)
+    if is_url(target) and sqlite_path(target) is None:
+        return _store(ctx)
+    db = sqlite_path(target)
+    if db is None or not db.exists():
+        return None
+    if site:
+        problem = site_policy_problem(db)
+        if problem:
+            raise UserError(f"not reading the site's policies: {problem}")
+    try:
+        return open_store_readonly(target)
+    except StoreError as exc:
+        raise UserError(redact(str(exc), target)) from None
 
 
 def _require_admin(ctx: click.Context) -> str:
@@ -174,14 +215,25 @@ def _table(policies: list[StoredPolicy], title: str,
 
 
 @click.group()
-@click.option("--db", "db_path", envvar="SLURM_ETC_DB", type=SafePath(dir_okay=False),
-              help="SQLite database (default: $SLURM_ETC_DB or "
-                   "~/.local/share/slurm-etc/etc.db).")
+@click.option("--db", "db_path", envvar="SLURM_ETC_DB", metavar="PATH|URL|@FILE",
+              type=Text(bounds.PATH_CHARS),
+              help=f"Another policy database (a SQLite file, a server URL, or @FILE: a "
+                   f"URL kept in an owner-only file) instead of the site's "
+                   f"({SITE_POLICY_DB}); `run --policy-db` can use it to make the site's "
+                   "policies stricter, never looser.")
+@click.option("--db-password-file", type=SafePath(dir_okay=False),
+              envvar="SLURM_ETC_DB_PASSWORD_FILE",
+              help="Read the --db URL's password from this owner-only file (never in argv "
+                   "or the environment).")
 @click.pass_context
-def policy(ctx: click.Context, db_path: str | None) -> None:
+def policy(ctx: click.Context, db_path: str | None, db_password_file: str | None) -> None:
     """Admin resize policies per partition or account (min/max nodes, tp/pp, growth,
-    preemption grace, resize cap)."""
+    preemption grace, resize cap). The site's live in a root-owned file every
+    coordinator reads; only root can write it, whatever the admin check says."""
     ctx.obj["db_path"] = db_path
+    if db_password_file and not db_path:
+        raise UserError("--db-password-file needs --db URL")
+    ctx.obj["db_password_file"] = db_password_file
 
 
 @policy.command()

@@ -108,12 +108,14 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 @click.option("--policy-partition", type=Text(), help="Partition whose resize policy applies.")
 @click.option("--account", type=Text(), help="Account whose resize policy applies.")
 @click.option("--policy-db", type=Text(bounds.PATH_CHARS),
-              help="Policy database (default: the policy store).")
+              help="Your own policy database: it can only make the site's "
+                   "(/etc/slurm-etc/policies.db) stricter.")
 @click.option("--job-id", type=Text(), default=job_id_default, help="Default: $SLURM_JOB_ID.")
 @click.option("--name", type=Text(), default="elastic", show_default=True)
 @click.option("--db", type=Text(bounds.PATH_CHARS),
-              help="The job's record: SQLite path or SQLAlchemy URL (default: "
-                   "node-local SQLite, published to --state-dir).")
+              help="The job's record: SQLite path, SQLAlchemy URL or @FILE (the URL in an "
+                   "owner-only file: no password in argv) (default: node-local SQLite, "
+                   "published to --state-dir).")
 @click.option("--state-dir", type=SafePath(file_okay=False), help="Where snapshots go.")
 @click.option("--bind", type=Text(), default="127.0.0.1", show_default=True,
               help="Address the control channel and rendezvous store listen on.")

@@ -14,11 +14,12 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import click
 from rich import box
@@ -32,12 +33,20 @@ from ..store import (
     JobDetail,
     StoreError,
     default_state_dir,
-    is_url,
+    guard,
     job_detail,
     list_jobs,
     open_store_readonly,
 )
-from ..store.location import on_network_fs
+from ..store.db import display, redact, sqlite_path, with_password_file
+from ..store.guard import ReadLimits, sqlite_heap_limit
+from ..store.location import (
+    LocationError,
+    OpenedFile,
+    on_network_fs,
+    open_owned,
+    open_private_dir,
+)
 from .main import UserError
 from .params import Number, SafePath
 from .params import Text as TextType
@@ -102,6 +111,11 @@ class Viewer:
             self._all = bool(self.check(self.uid))
         return self._all
 
+    def may_open(self, file_owner: int) -> bool:
+        """Whether a file of ``file_owner`` is read at all (the viewer's own; all for root
+        and operators): nothing of another user's file is read before this says yes."""
+        return self.sees(file_owner)
+
 
 # ---------------------------------------------------------------- reading
 
@@ -114,15 +128,15 @@ class Found:
 
 
 def _details(store_target: str | Path, viewer: Viewer, job_id: str | None,
-             immutable: bool, file_owner: int | None) -> list[JobDetail]:
-    store = open_store_readonly(store_target, immutable=immutable)
+             immutable: bool, file_owner: int | None, limits: ReadLimits | None,
+             name: str | None = None) -> list[JobDetail]:
+    store = open_store_readonly(store_target, immutable=immutable, limits=limits, name=name)
     try:
         out = []
-        for job in list_jobs(store):
+        # A snapshot speaks only for the user who wrote it (owner of the descriptor read):
+        # a file of uid A claiming a job of uid B is nobody's, root's included.
+        for job in list_jobs(store, owner_uid=file_owner):
             if job_id is not None and job.job_id != job_id:
-                continue
-            # A snapshot claims its owner; a file another user wrote cannot speak for you.
-            if file_owner is not None and file_owner not in (0, job.owner_uid):
                 continue
             if not viewer.sees(job.owner_uid):
                 continue
@@ -134,51 +148,110 @@ def _details(store_target: str | Path, viewer: Viewer, job_id: str | None,
         store.close()
 
 
-def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None) -> Found:
-    """The jobs this viewer may see, from ``db`` or from every snapshot in ``state_dir``.
+def gather(db: str | None, state_dir: Path, viewer: Viewer, job_id: str | None,
+           limits: ReadLimits | None = None) -> Found:
+    """The jobs this viewer may see, from ``db`` or from the snapshots in ``state_dir``.
+
+    Snapshots are read from ``<state dir>/<uid>/`` directories: the viewer's own, and
+    (root, Slurm operators) every other one it can open. Each file is opened without
+    following symlinks; its owner is that of the descriptor (``fstat``), and a file of
+    another user is closed unread unless the viewer sees all jobs. The bytes read through
+    that descriptor are copied into a private file, whose schema is checked before any
+    query, and read under a deadline and SQLite's heap limit: one bad file is one warning
+    line and is skipped.
 
     Raises:
         UserError: ``db`` cannot be read or is not ours.
     """
+    limits = limits or ReadLimits()
     if db:
+        shown = display(db)
+        target: str | Path = db
         immutable = False
-        if not is_url(db):
-            path = Path(db).expanduser()
-            immutable = path.is_file() and on_network_fs(path)
+        sqlite = sqlite_path(db)
+        if sqlite is not None:
+            target = sqlite
+            immutable = sqlite.is_file() and on_network_fs(sqlite)
         try:
-            return Found(_details(db, viewer, job_id, immutable, None), db, [])
+            with sqlite_heap_limit(limits.heap_bytes):
+                jobs = _details(target, viewer, job_id, immutable, None,
+                                limits if sqlite is not None else None, shown)
         except StoreError as exc:
-            raise UserError(str(exc)) from None
+            raise UserError(redact(str(exc), db)) from None
+        except MemoryError:
+            raise UserError(f"{shown}: "
+                            f"{guard.interrupted_reason('out of memory', limits)}") from None
+        return Found(jobs, shown, [])
     warnings: list[str] = []
     newest: dict[str, JobDetail] = {}
-    for snapshot in _snapshots(state_dir):
-        try:
-            owner = snapshot.stat().st_uid
-            if owner != viewer.uid and not os.access(snapshot, os.R_OK):
-                continue  # another user's private snapshot: not yours, nothing to say
-            found = _details(snapshot, viewer, job_id, True, owner)
-        except (StoreError, OSError) as exc:
-            warnings.append(f"skipped {snapshot.name}: {exc}")
-            continue
-        for detail in found:
-            seen = newest.get(detail.job.job_id)
-            if seen is None or detail.job.updated_at > seen.job.updated_at:
-                newest[detail.job.job_id] = detail
+    with tempfile.TemporaryDirectory(prefix="slurm-etc-status-") as scratch, \
+            sqlite_heap_limit(limits.heap_bytes):
+        copy = Path(scratch) / "snapshot.db"
+        for label, opened in _snapshots(state_dir, viewer, limits, warnings):
+            try:
+                try:
+                    with open(copy, "wb") as out:
+                        opened.read_into(out, limits.max_bytes)
+                finally:
+                    opened.close()
+                found = _details(copy, viewer, job_id, True, opened.owner, limits, label)
+            except (StoreError, LocationError, OSError) as exc:
+                warnings.append(f"skipped {label}: {guard.interrupted_reason(str(exc), limits)}")
+                continue
+            except MemoryError:  # SQLite past its heap limit (Python's sqlite3 says so)
+                warnings.append(f"skipped {label}: "
+                                f"{guard.interrupted_reason('out of memory', limits)}")
+                continue
+            finally:
+                copy.unlink(missing_ok=True)
+            for detail in found:
+                seen = newest.get(detail.job.job_id)
+                if seen is None or detail.job.updated_at > seen.job.updated_at:
+                    newest[detail.job.job_id] = detail
     jobs = sorted(newest.values(), key=lambda d: (d.job.ended_at is not None,
                                                   -d.job.created_at.timestamp(),
                                                   d.job.job_id))
     return Found(jobs, f"the state directory {state_dir}", warnings)
 
 
-def _snapshots(state_dir: Path) -> list[Path]:
+def _snapshots(state_dir: Path, viewer: Viewer, limits: ReadLimits,
+               warnings: list[str]) -> Iterator[tuple[str, OpenedFile]]:
+    """Every snapshot the viewer may read, opened (its descriptor checked), with its name
+    as shown (``<uid>/<job>.db``). The viewer's own directory comes first; a directory in
+    the viewer's name that is not the viewer's alone is ignored with a warning."""
     try:
-        names = sorted(p for p in state_dir.iterdir()
-                       if p.suffix == ".db" and not p.name.startswith(".") and p.is_file())
+        names = os.listdir(state_dir)
     except FileNotFoundError:
-        return []
+        return
     except OSError as exc:
         raise UserError(f"cannot read the state directory {state_dir}: {exc.strerror}") from None
-    return names
+    mine = str(viewer.uid)
+    for name in sorted((n for n in names if n.isdigit()), key=lambda n: (n != mine, int(n))):
+        try:
+            dir_fd = open_private_dir(state_dir / name, create=False, uid=int(name))
+        except (FileNotFoundError, PermissionError):
+            continue  # gone, or another user's private directory: nothing to say
+        except LocationError as exc:
+            if name == mine:
+                warnings.append(f"ignored {printable(name)}/: {printable(str(exc))}")
+            continue
+        try:
+            for entry in sorted(os.listdir(dir_fd)):
+                if not entry.endswith(".db") or entry.startswith("."):
+                    continue
+                label = printable(f"{name}/{entry}")
+                try:
+                    opened = open_owned(entry, dir_fd=dir_fd, max_bytes=limits.max_bytes,
+                                        allowed=viewer.may_open)
+                except (FileNotFoundError, PermissionError):
+                    continue  # gone, or not ours to read: nothing to say
+                except LocationError as exc:
+                    warnings.append(f"skipped {label}: {printable(str(exc))}")
+                    continue
+                if opened is not None:
+                    yield label, opened
+        finally:
+            os.close(dir_fd)
 
 
 # ---------------------------------------------------------------- rendering
@@ -216,13 +289,24 @@ def _short_when(t: datetime | None) -> str:
     return "-" if t is None else f"{t:%m-%d %H:%M:%S}"
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, carriage
+    returns, bidirectional overrides, ...) written as its Python escape (``\\x1b``): the
+    record's strings come from users and reach other users' terminals (root and operators
+    see every job)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class _PlainTable(Table):
     """A table whose text cells are shown as they are: the record's free text (an error
-    quoting gloo's ``[/path/pair.cc:553]``, a job name) is never read as rich markup."""
+    quoting gloo's ``[/path/pair.cc:553]``, a job name) is never read as rich markup, and
+    control characters in it are shown escaped."""
 
     def add_row(self, *renderables: RenderableType | None, **kwargs: Any) -> None:
-        super().add_row(*(Text(c) if isinstance(c, str) else c for c in renderables),
-                        **kwargs)
+        super().add_row(*(Text(printable(c)) if isinstance(c, str) else c
+                          for c in renderables), **kwargs)
 
 
 def _table(title: str, columns: str) -> Table:
@@ -242,6 +326,15 @@ def _seconds(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _state(d: JobDetail, now: datetime, long: bool = False) -> str:
+    """The state shown: ``lost (7m 12s)`` in a table (``lost (no update for 7m 12s, was
+    running)`` with ``long``) when the coordinator stopped writing an active job's record."""
+    if d.job.shown_state(now) != "lost":
+        return d.job.state
+    age = _duration(d.job.last_update_age(now))
+    return f"lost (no update for {age}, was {d.job.state})" if long else f"lost ({age})"
+
+
 def _owner(d: JobDetail) -> str:
     return f"{d.job.owner_name} ({d.job.owner_uid})"
 
@@ -253,7 +346,7 @@ def jobs_table(jobs: list[JobDetail], now: datetime) -> Table:
     for d in jobs:
         j = d.job
         committed = sum(1 for m in d.migrations if m.outcome == "committed")
-        t.add_row(j.job_id, j.name, j.owner_name, j.state,
+        t.add_row(j.job_id, j.name, j.owner_name, _state(d, now),
                   "-" if j.generation is None else str(j.generation), j.layout or "-",
                   str(j.world_size), str(committed),
                   str(j.pending_events),
@@ -265,19 +358,20 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
     """Everything about one job: header, devices and vranks per node, generations,
     migrations, pending events."""
     j = d.job
+    p = printable
     head = Text()
-    head.append(f"job {j.job_id}", style="bold")
-    head.append(f"  {j.name}  owner {_owner(d)}  state ")
-    head.append(j.state, style="bold")
+    head.append(f"job {p(j.job_id)}", style="bold")
+    head.append(f"  {p(j.name)}  owner {p(_owner(d))}  state ")
+    head.append(_state(d, now, long=True), style="bold")
     if j.reason:
-        head.append(f" ({j.reason})")
+        head.append(f" ({p(j.reason)})")
     head.append("\n")
     gen = "-" if j.generation is None else str(j.generation)
-    head.append(f"generation {gen}  layout {j.layout or '-'} on {j.world_size} devices, "
+    head.append(f"generation {gen}  layout {p(j.layout or '-')} on {j.world_size} devices, "
                 f"{len(j.nodes)} nodes\n")
-    head.append(f"backend {j.backend}  partition {j.partition or '-'}  account "
-                f"{j.account or '-'}  model {j.model or '-'}  coordinator "
-                f"{j.coordinator or '-'}\n")
+    head.append(f"backend {p(j.backend)}  partition {p(j.partition or '-')}  account "
+                f"{p(j.account or '-')}  model {p(j.model or '-')}  coordinator "
+                f"{p(j.coordinator or '-')}\n")
     head.append(f"created {_when(j.created_at)} UTC  updated {_when(j.updated_at)} UTC"
                 + (f"  ended {_when(j.ended_at)} UTC" if j.ended_at else ""))
     parts: list[RenderableType] = [head]
@@ -356,21 +450,27 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
 
 @click.command("status")
 @click.argument("job_id", required=False, metavar="[JOBID]", type=TextType())
-@click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL",
+@click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL|@FILE",
               type=TextType(bounds.PATH_CHARS),
               help="Read this database (SQLite file, mysql+pymysql://... or "
-                   "postgresql://...) instead of the state directory's snapshots.")
+                   "postgresql://..., or @FILE: the URL kept in an owner-only file) "
+                   "instead of the state directory's snapshots.")
 @click.option("--state-dir", type=SafePath(file_okay=False, path_type=Path),
               envvar="SLURM_ETC_STATE_DIR",
               help="Where coordinators publish job snapshots (default: $SLURM_ETC_STATE_DIR "
                    "or ~/.local/share/slurm-etc/jobs).")
+@click.option("--db-password-file", type=SafePath(dir_okay=False, path_type=Path),
+              envvar="SLURM_ETC_DB_PASSWORD_FILE",
+              help="Read the password of the --db URL from this owner-only file (so it is "
+                   "in neither argv nor the environment); or give --db @FILE, a file "
+                   "holding the whole URL.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--watch", type=Number(bounds.WATCH_S), is_flag=False,
               flag_value=DEFAULT_WATCH_S, default=None, metavar="[SECONDS]",
               help=f"Redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C.")
 @click.pass_context
 def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Path | None,
-           as_json: bool, watch: float | None) -> None:
+           db_password_file: Path | None, as_json: bool, watch: float | None) -> None:
     """Elastic jobs: layout and generation, devices and vranks per node, generations,
     migrations (bytes moved against the lower bound, pause), pending events. Without JOBID,
     one line per job; you see your own jobs (root and Slurm operators see all)."""
@@ -380,6 +480,13 @@ def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Pa
     viewer = Viewer(obj.get("uid", os.getuid()), obj.get("sees_all_jobs", slurm_operator))
     clock: Callable[[], datetime] = obj.get("now", lambda: datetime.now(timezone.utc))
     states = state_dir.expanduser() if state_dir else default_state_dir()
+    if db_password_file is not None:
+        if not db:
+            raise UserError("--db-password-file needs --db URL")
+        try:
+            db = with_password_file(db, db_password_file)
+        except StoreError as exc:
+            raise UserError(redact(str(exc), db)) from None
 
     def look() -> Found:
         found = gather(db, states, viewer, job_id)
@@ -423,4 +530,4 @@ def _count(limit: int | None) -> Iterable[int]:
 
 def _warn(warnings: list[str]) -> None:
     for w in warnings:
-        click.echo(f"slurm-etc: warning: {w}", err=True)
+        click.echo(f"slurm-etc: warning: {printable(w)}", err=True)

@@ -209,7 +209,9 @@ class Coordinator:
                 if self.cancelled is not None:
                     return self._end("cancelled", self.cancelled)
                 self.journal.retry()
-                self._heartbeat()
+                self._beat_workers()
+                # status tells a live coordinator from a lost one by this (at most 1/30 s)
+                record.heartbeat(self.store, self.spec.job_id)
                 self._observe_backend()
                 self._observe_workers()
                 if self.layout is not None and self.done >= set(self.layout.devices):
@@ -230,7 +232,7 @@ class Coordinator:
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end("failed", str(err))
 
-    def _heartbeat(self) -> None:
+    def _beat_workers(self) -> None:
         """Every HEARTBEAT_S, tell every running worker that this coordinator lives (a
         worker that hears nothing for its reattach wait exits: workers never outlive
         their coordinator for long, on any backend)."""

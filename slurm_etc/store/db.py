@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sqlite3
+import time
 import urllib.parse
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -58,6 +59,69 @@ def default_db_path() -> Path:
     return Path(base) / "slurm-etc" / "etc.db"
 
 
+def read_owner_only(path: str | os.PathLike[str], what: str) -> str:
+    """The text of a small file only its owner (the caller) can read: a password or a URL
+    with one. Checked on the descriptor read (``O_NOFOLLOW``, ``fstat``).
+
+    Raises:
+        StoreError: missing, a symlink, not the caller's, readable by group or others, or
+            larger than 4 KiB (one line; the content is never quoted).
+    """
+    from .location import open_owned
+
+    name = os.fspath(path)
+    try:
+        opened = open_owned(os.path.expanduser(name), allowed=lambda _uid: True,
+                            max_bytes=4096)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise StoreError(f"{what} {name}: {exc.strerror}") from None
+    except LocationError as exc:
+        raise StoreError(f"{what} {name}: {exc}") from None
+    if opened is None:  # every owner is allowed above; the check is below, with the mode
+        raise StoreError(f"{what} {name}: cannot be read")
+    try:
+        mode = os.fstat(opened.fd).st_mode
+        if opened.owner != os.getuid() or mode & 0o077:
+            raise StoreError(f"{what} {name} must be yours and owner-only (chmod 600 "
+                             f"{name}); it is uid {opened.owner}'s, mode {mode & 0o777:04o}")
+        data = os.read(opened.fd, 4097)
+    finally:
+        opened.close()
+    try:
+        return data.decode().strip()
+    except UnicodeDecodeError:
+        raise StoreError(f"{what} {name} is not text") from None
+
+
+def resolve_target(target: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``@FILE`` names a URL kept in an owner-only file (so no password is in argv or the
+    environment); anything else is returned as it is."""
+    text = os.fspath(target)
+    if text.startswith("@"):
+        return read_owner_only(text[1:], "database URL file")
+    return target
+
+
+def with_password_file(target: str, path: str | os.PathLike[str] | None) -> str:
+    """A server URL with the password read from an owner-only file (``--db-password-file``).
+
+    Raises:
+        StoreError: ``target`` is not a server URL, or it has a password already.
+    """
+    if path is None:
+        return target
+    target = os.fspath(resolve_target(target))
+    if not is_url(target) or sqlite_path(target) is not None:
+        raise StoreError("--db-password-file needs a server URL in --db "
+                         "(mysql+pymysql://user@host/db, postgresql://user@host/db)")
+    url = make_url(target)
+    if url.password:
+        raise StoreError(f"{display(target)} has a password already; give it in one place "
+                         "only (the password file)")
+    password = read_owner_only(path, "password file")
+    return url.set(password=password).render_as_string(hide_password=False)
+
+
 def is_url(target: str | os.PathLike[str]) -> bool:
     """Whether ``target`` is a SQLAlchemy URL (``scheme://...``) rather than a path."""
     return bool(_URL.match(os.fspath(target)))
@@ -65,18 +129,41 @@ def is_url(target: str | os.PathLike[str]) -> bool:
 
 def sqlite_path(target: str | os.PathLike[str]) -> Path | None:
     """The file of a SQLite target (path or ``sqlite:///`` URL); None for a server URL."""
-    text = os.fspath(target)
+    text = os.fspath(resolve_target(target))
     if not is_url(text):
         return Path(text).expanduser()
     try:
         url = make_url(text)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return None
     if url.get_backend_name() != "sqlite":
         return None
     if not url.database or url.database == ":memory:":
         raise StoreError(f"{text}: give a SQLite file, not an in-memory database")
     return Path(url.database).expanduser()
+
+
+def redact(text: str, target: str | os.PathLike[str] | None) -> str:
+    """``text`` with the password of ``target`` (a URL), raw or URL-quoted, replaced by
+    ``***``: what a driver's or SQLAlchemy's message quotes must never show it."""
+    if target is None:
+        return text
+    raw = os.fspath(target)
+    password = None
+    if is_url(raw):
+        try:
+            password = make_url(raw).password
+        except (ArgumentError, ValueError):
+            # unparsable: hide whatever sits between "user:" and "@"
+            match = re.match(r"^[^:/]+://[^:/@]*:([^@]*)@", raw)
+            password = match.group(1) if match else None
+    if not password:
+        return text
+    for form in {str(password), urllib.parse.quote(str(password), safe=""),
+                 urllib.parse.quote_plus(str(password))}:
+        if form:
+            text = text.replace(form, "***")
+    return text
 
 
 def display(target: str | os.PathLike[str]) -> str:
@@ -86,7 +173,7 @@ def display(target: str | os.PathLike[str]) -> str:
         return text
     try:
         return make_url(text).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return "<unparsable URL>"
 
 
@@ -128,6 +215,7 @@ class Store:
             snapshot); their errors are logged, never raised: the write is done.
         on_flush: callables that wait for work the hooks started (``flush``).
         on_close: callables that stop it (``close``, after a flush).
+        beat_at: when the job's heartbeat was last written (``jobs.heartbeat``).
     """
 
     def __init__(self, engine: Engine, path: Path | None, url: str = "",
@@ -139,6 +227,7 @@ class Store:
         self.after_commit: list[Callable[[], None]] = []
         self.on_flush: list[Callable[[], object]] = []
         self.on_close: list[Callable[[], object]] = []
+        self.beat_at: float | None = None  # monotonic time of the last heartbeat
         self._sessions = sessionmaker(engine, expire_on_commit=False)
 
     @contextmanager
@@ -186,14 +275,17 @@ class Store:
 
 
 def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = False,
-               private: bool = False, refuse_network_fs: bool = False) -> Store:
+               private: bool = False, refuse_network_fs: bool = False,
+               file_mode: int = 0o600) -> Store:
     """Open (creating it and its directory if needed) and migrate the database.
 
     Args:
         target: a SQLite file or a SQLAlchemy URL; default ``default_db_path()``.
         wal: put a SQLite file in WAL mode (readers never block the writer); only for
             node-local files.
-        private: create the file 0600 and its directory 0700.
+        private: create its directory 0700 (and refuse one that is not the caller's).
+        file_mode: the mode a new SQLite file is created with (default 0600: a record of
+            jobs is nobody else's; give 0o640 and a group for a site's readers).
         refuse_network_fs: refuse a SQLite file on a network filesystem.
 
     Raises:
@@ -201,7 +293,7 @@ def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = Fals
             filesystem (with ``refuse_network_fs``), or needs a migration this user cannot
             write. Nothing is written in any of these cases.
     """
-    target = default_db_path() if target is None else target
+    target = default_db_path() if target is None else resolve_target(target)
     db = sqlite_path(target)
     if db is None:
         engine = _server_engine(os.fspath(target))
@@ -214,7 +306,7 @@ def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = Fals
                 check_writable_location(db)
             except LocationError as exc:
                 raise StoreError(str(exc)) from None
-        _create(db, private)
+        _create(db, private, file_mode)
         engine = _sqlite_engine(lambda: sqlite3.connect(db, timeout=BUSY_TIMEOUT_S,
                                                         check_same_thread=False))
     try:
@@ -231,45 +323,80 @@ def open_store(target: str | os.PathLike[str] | None = None, *, wal: bool = Fals
     return Store(engine, db, where)
 
 
-def open_store_readonly(target: str | os.PathLike[str], *, immutable: bool = False) -> Store:
+def open_store_readonly(target: str | os.PathLike[str], *, immutable: bool = False,
+                        limits: Any = None, name: str | None = None) -> Store:
     """Open a database for reading: no migrations, nothing created or written.
 
     Args:
         target: a SQLite file or a SQLAlchemy URL.
         immutable: the file never changes in place (a published snapshot, replaced
             atomically): SQLite reads it without any locking, safe on a network filesystem.
+        limits: a ``guard.ReadLimits`` for a SQLite file someone else may have written:
+            its schema is checked before any query (only our tables and columns; no views,
+            triggers, virtual tables) and every query on it shares one deadline.
+        name: how the file is named in messages (default: its path).
 
     Raises:
         StoreError: it does not exist, cannot be opened, or is not ours.
     """
+    target = resolve_target(target)
     db = sqlite_path(target)
     if db is None:
         engine = _server_engine(os.fspath(target))
         where = display(target)
     else:
-        where = str(db)
+        where = name or str(db)
         if not db.is_file():
-            raise StoreError(f"no database at {db}")
+            raise StoreError(f"no database at {where}")
         _check_sqlite_header(db)
         uri = "file:" + urllib.parse.quote(str(db.absolute())) + "?mode=ro"
         if immutable:
             uri += "&immutable=1"
-        engine = _sqlite_engine(lambda: sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S,
-                                                        check_same_thread=False))
+        connect = _guarded_connect(uri, where, limits) if limits is not None else (
+            lambda: sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S,
+                                    check_same_thread=False))
+        engine = _sqlite_engine(connect)
     try:
         _check_ours(engine, where)
     except SQLAlchemyError as exc:
         engine.dispose()
-        raise StoreError(f"cannot read {where}: {_reason(exc)}") from None
+        raise StoreError(f"cannot read {where}: {_reason(exc, limits)}") from None
     except StoreError:
         engine.dispose()
         raise
     return Store(engine, db, where, readonly=True)
 
 
-def _reason(exc: SQLAlchemyError) -> str:
+def _guarded_connect(uri: str, where: str, limits: Any) -> Callable[[], sqlite3.Connection]:
+    from . import guard  # guard names StoreError: imported here, not at the top
+
+    deadline = time.monotonic() + limits.seconds
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        try:
+            guard.bounded(conn, deadline)
+            guard.check_schema(conn, where)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    return connect
+
+
+def _reason(exc: SQLAlchemyError, limits: Any = None) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig if orig is not None else exc).splitlines()[0]
+    if limits is not None:
+        from . import guard
+
+        text = guard.interrupted_reason(text, limits)
+    return locked_hint(text)
+
+
+def locked_hint(text: str) -> str:
+    """A sqlite error text; "database is locked" says what that means."""
     if "database is locked" in text:
         # sqlite3 gave up after BUSY_TIMEOUT_S: say so rather than leave the user guessing
         text += (f" (another process held its lock for {BUSY_TIMEOUT_S:g} s: a running "
@@ -292,15 +419,17 @@ def _check_sqlite_header(db: Path) -> None:
                          "nothing was written")
 
 
-def _create(db: Path, private: bool) -> None:
+def _create(db: Path, private: bool, file_mode: int = 0o600) -> None:
     if db.exists():
         return
     try:
         if private:
             private_dir(db.parent)
-            private_file(db)
         else:
             db.parent.mkdir(parents=True, exist_ok=True)
+        # created with its mode before SQLite writes (SQLite's journal and WAL files take
+        # the database's mode): never the umask's 0644 for a file of jobs
+        private_file(db, file_mode)
     except LocationError as exc:
         raise StoreError(str(exc)) from None
     except OSError as exc:
@@ -316,8 +445,9 @@ def _server_engine(url: str) -> Engine:
     except ModuleNotFoundError as exc:
         raise StoreError(f"{display(url)}: its database driver is not installed "
                          f"(pip install {exc.name})") from None
-    except ArgumentError as exc:
-        raise StoreError(f"cannot parse the database URL {display(url)}: {exc}") from None
+    except (ArgumentError, ValueError) as exc:
+        raise StoreError(f"cannot parse the database URL {display(url)}: "
+                         f"{redact(str(exc), url)}") from None
 
 
 def _sqlite_engine(connect: Callable[[], sqlite3.Connection]) -> Engine:

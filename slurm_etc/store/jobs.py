@@ -12,7 +12,9 @@ replays pass time in.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import wraps
@@ -33,13 +35,15 @@ from sqlalchemy import Table, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from .db import Store, StoreError, open_store, sqlite_path
+from . import guard
+from .db import Store, StoreError, open_store, open_store_readonly, sqlite_path
 from .location import (
     LocationError,
     check_job_id,
     check_writable_location,
     default_local_db,
     default_state_dir,
+    open_private_dir,
     private_dir,
     snapshot_path,
 )
@@ -54,6 +58,8 @@ from .models import (
 )
 from .snapshot import Publisher, SnapshotError, ensure_state_dir, restore_snapshot
 
+log = logging.getLogger(__name__)
+
 JOB_STATES = ("starting", "running", "resizing", "stopping", "finished", "failed",
               "cancelled")
 ENDED_STATES = frozenset({"finished", "failed", "cancelled"})
@@ -64,6 +70,12 @@ DEVICE_STATES = ("held", "leaving", "lost", "released")
 MIGRATION_OUTCOMES = ("committed", "aborted")
 # Where the state of devices lost without grace came from when no replica held it.
 REBUILT_FROM = ("peer-copies", "checkpoint")
+ACTIVE_STATES = frozenset({"starting", "running", "resizing", "stopping"})
+# A live coordinator writes its job's record at least this often (``heartbeat``), even when
+# nothing happens; a job in an active state whose record is older than LOST_AFTER_S is shown
+# ``lost`` (its coordinator was killed, its node died, or it hangs).
+HEARTBEAT_S = 30.0
+LOST_AFTER_S = 4 * HEARTBEAT_S
 # Event kinds the coordinator uses; others are stored as given.
 EVENT_KINDS = ("grant", "preempt-notice", "loss", "release", "resize-request", "stop")
 
@@ -133,6 +145,17 @@ class JobSummary:
     ended_at: datetime | None
     pending_events: int
     migrations: int
+
+    def last_update_age(self, now: datetime) -> float:
+        """Seconds since the record was last written."""
+        return max(0.0, (now - self.updated_at).total_seconds())
+
+    def shown_state(self, now: datetime) -> str:
+        """The recorded state, or ``lost`` for an active job whose coordinator stopped
+        writing (no heartbeat for :data:`LOST_AFTER_S`)."""
+        if self.state in ACTIVE_STATES and self.last_update_age(now) > LOST_AFTER_S:
+            return "lost"
+        return self.state
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "name": self.name, "owner": self.owner_name,
@@ -306,7 +329,9 @@ class JobDetail:
     def to_json(self, now: datetime | None = None) -> dict[str, Any]:
         """The job as ``slurm-etc status --json`` prints it."""
         now = now or _now()
-        return {**self.job.to_json(),
+        return {**self.job.to_json(), "state": self.job.shown_state(now),
+                "recorded_state": self.job.state,
+                "last_update_age_seconds": round(self.job.last_update_age(now), 1),
                 "allocations": [a.to_json() for a in self.allocations],
                 "devices": [d.to_json() for d in self.devices],
                 "vranks": [v.to_json() for v in self.vranks],
@@ -326,8 +351,15 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
     Default: a SQLite file on node-local disk (``location.default_local_db``, WAL mode,
     0600), restored from the job's snapshot in the state directory when the local file is
     missing (a coordinator restarted on another node), published to
-    ``<state dir>/<job>.db`` after every committed change (by a background thread that
+    ``<state dir>/<uid>/<job>.db`` after every committed change (by a background thread that
     coalesces quick changes; ``store.flush()`` waits for it, ``store.close()`` finishes it).
+
+    Only the caller's own snapshot is restored (owner from the descriptor read, in a
+    directory only the caller can write, our schema, the job recorded as the caller's):
+    anything else is left alone with one warning and the job starts a fresh record, so a
+    file planted by another user neither speaks for the job nor stops it. Likewise a
+    ``<state dir>/<uid>`` that is not the caller's alone is not published to (warned once;
+    the record itself is on node-local disk).
 
     Args:
         job_id: the job (letters, digits, ``._-``).
@@ -347,13 +379,13 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
     local = sqlite_path(target)
     states = Path(state_dir).expanduser() if state_dir is not None else default_state_dir()
     snapshot = snapshot_path(states, job_id)
-    if local is not None and not local.exists() and snapshot.is_file():
+    if local is not None and not local.exists():
         try:
             check_writable_location(local)  # before writing anything there
             private_dir(local.parent)
-            restore_snapshot(snapshot, local)
-        except (LocationError, SnapshotError) as exc:
+        except LocationError as exc:
             raise StoreError(str(exc)) from None
+        _restore_own(snapshot, local, job_id)
     store = open_store(target, wal=local is not None, private=local is not None,
                        refuse_network_fs=local is not None)
     if local is not None and publish:
@@ -362,11 +394,45 @@ def open_job_store(job_id: str, *, db: str | os.PathLike[str] | None = None,
         except SnapshotError as exc:
             store.close()
             raise StoreError(str(exc)) from None
+        try:
+            os.close(open_private_dir(snapshot.parent))
+        except LocationError as exc:
+            log.warning("not publishing job %s's record to the state directory: %s "
+                        "(`slurm-etc status --db %s` reads the record itself)", job_id, exc,
+                        local)
+            return store
         publisher = Publisher(local, snapshot)
         store.after_commit.append(publisher)
         store.on_flush.append(publisher.flush)
         store.on_close.append(publisher.close)
     return store
+
+
+def _restore_own(snapshot: Path, local: Path, job_id: str) -> None:
+    """Restore ``local`` from the caller's own ``snapshot`` if there is one and it checks
+    out; otherwise leave no file (a fresh record) and say why once."""
+    try:
+        if not restore_snapshot(snapshot, local):
+            return
+    except SnapshotError as exc:
+        log.warning("%s; job %s starts a fresh record", exc, job_id)
+        return
+    problem = None
+    try:
+        reader = open_store_readonly(local, limits=guard.ReadLimits(), name=str(snapshot))
+        try:
+            found = [j.owner_uid for j in list_jobs(reader)]
+        finally:
+            reader.close()
+        strangers = [uid for uid in found if uid != os.getuid()]
+        if strangers:
+            problem = f"it records a job of uid {strangers[0]}, not yours (uid {os.getuid()})"
+    except StoreError as exc:
+        problem = str(exc)
+    if problem:
+        local.unlink(missing_ok=True)
+        log.warning("not restoring %s: %s; job %s starts a fresh record", snapshot, problem,
+                    job_id)
 
 
 # ---------------------------------------------------------------- writes
@@ -424,6 +490,29 @@ def set_job_state(store: Store, job_id: str, state: str, *, reason: str | None =
         row.state, row.reason, row.updated_at = state, reason, at
         if state in ENDED_STATES and row.ended_at is None:
             row.ended_at = at
+
+
+def heartbeat(store: Store, job_id: str, *, every_s: float = HEARTBEAT_S,
+              at: datetime | None = None) -> bool:
+    """Mark the job's record as written now, at most once every ``every_s`` seconds (the
+    loop may call it on every turn): how ``status`` tells a live coordinator from a lost
+    one. A failed write is logged and reported, never raised (the next beat tries again).
+
+    Returns:
+        Whether a beat was written.
+    """
+    now = time.monotonic()
+    if store.beat_at is not None and now - store.beat_at < every_s:
+        return False
+    store.beat_at = now
+    try:
+        with store.transaction(write=True) as s:
+            _touch(s, job_id, _at(at))
+    except (SQLAlchemyError, StoreError) as exc:
+        log.warning("job %s: heartbeat not recorded (%s); tried again in %.0f s", job_id,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__, every_s)
+        return False
+    return True
 
 
 @_guarded
@@ -630,6 +719,27 @@ def mark_events_handled(store: Store, event_ids: Sequence[int], outcome: str, *,
 
 
 @dataclass(frozen=True)
+class OpenRequest:
+    """A node request recorded and not answered (no grant, no failure) before a restart.
+
+    Its fields come from the record, i.e. from the job's own past decisions, which a
+    restarted coordinator should check again against the policy and the cluster before it
+    sends the request again (the record is only as trustworthy as its file's owner).
+
+    Attributes:
+        key: the request's key (``grow-3``), as sent to the backend.
+        nodes: how many nodes it asked for.
+        reason: the decision's one-line reason, as recorded.
+        recorded_at: when it was recorded.
+    """
+
+    key: str
+    nodes: int
+    reason: str
+    recorded_at: datetime
+
+
+@dataclass(frozen=True)
 class Recovery:
     """What a restarted coordinator resumes with (:func:`recover`).
 
@@ -638,12 +748,14 @@ class Recovery:
         last_generation: the highest generation recorded or ordered; -1 for none.
         requests: node requests recorded (the next request key continues after them).
         aborted: migrations that were in flight, now closed as aborted.
+        open_request: the newest request still unanswered, if any.
     """
 
     pending_events: tuple[int, ...]
     last_generation: int
     requests: int
     aborted: tuple[int, ...]
+    open_request: OpenRequest | None = None
 
 
 @_guarded
@@ -672,7 +784,32 @@ def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
         requests = s.scalar(select(func.count()).select_from(EventRow).where(
             EventRow.job_id == job_id, EventRow.kind == "request")) or 0
         last = max(-1 if gens is None else gens, -1 if ordered is None else ordered)
-        return Recovery(pending, last, int(requests), tuple(aborted))
+        return Recovery(pending, last, int(requests), tuple(aborted), _open_request(s, job_id))
+
+
+def _open_request(s: Session, job_id: str) -> OpenRequest | None:
+    """The newest ``request`` event that no grant or request failure answered."""
+    rows = s.scalars(select(EventRow).where(
+        EventRow.job_id == job_id,
+        EventRow.kind.in_(("request", "grant", "request-failed"))).order_by(EventRow.id)).all()
+    answered = set()
+    for r in rows:
+        payload = _event(r).payload
+        if r.kind != "request" and isinstance(payload, dict) and payload.get("request"):
+            answered.add(str(payload["request"]))
+    asked = [r for r in rows if r.kind == "request" and r.dedup_key]
+    if not asked:
+        return None
+    last = asked[-1]
+    key = str(last.dedup_key).removeprefix("request:")
+    payload = _event(last).payload
+    if key in answered or not isinstance(payload, dict):
+        return None
+    nodes = payload.get("nodes")
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        return None
+    return OpenRequest(key, nodes, str(payload.get("summary", ""))[:200],
+                       _at(last.received_at))
 
 
 @_guarded

@@ -10,12 +10,14 @@ The filesystem check is a pure function over the text of ``/proc/self/mountinfo`
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import BinaryIO, Callable, Mapping
 
 ENV_STATE_DIR = "SLURM_ETC_STATE_DIR"
 
@@ -163,9 +165,139 @@ def default_local_db(job_id: str, env: Mapping[str, str] | None = None,
     return Path(tmp) / f"slurm-etc-{uid}" / "jobs" / f"{job_id}.db"
 
 
-def snapshot_path(state_dir: Path, job_id: str) -> Path:
-    """The published snapshot of a job in the state directory."""
-    return Path(state_dir) / f"{check_job_id(job_id)}.db"
+def user_state_dir(state_dir: Path, uid: int | None = None) -> Path:
+    """``<state dir>/<uid>``: where one user's snapshots live. Only that user can write it
+    (:func:`open_private_dir`), so nobody publishes a job name there first (Slurm job ids
+    are predictable)."""
+    return Path(state_dir) / str(os.getuid() if uid is None else uid)
+
+
+def snapshot_path(state_dir: Path, job_id: str, uid: int | None = None) -> Path:
+    """The published snapshot of a job: ``<state dir>/<uid>/<job>.db``."""
+    return user_state_dir(state_dir, uid) / f"{check_job_id(job_id)}.db"
+
+
+# Opening a file to read what someone else may have written: never follow a symlink, never
+# block on a FIFO, never leak the descriptor into a child.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_private_dir(path: Path, *, create: bool = True, uid: int | None = None) -> int:
+    """A descriptor of the directory ``path``, checked on that descriptor: a directory (not
+    a symlink), owned by ``uid`` (default: the real uid), writable by nobody else. Created
+    0700 when missing (its parent must exist). Files in it are then opened and renamed
+    relative to the descriptor, so swapping the path afterwards changes nothing.
+
+    Raises:
+        FileNotFoundError, PermissionError: (``create=False`` only) missing, or not ours to
+            open.
+        LocationError: not a directory, owned by someone else or writable by group or others.
+    """
+    uid = os.getuid() if uid is None else uid
+    path = Path(path)
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise LocationError(f"cannot create the directory {path}: {exc.strerror}") from None
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except (FileNotFoundError, PermissionError) as exc:
+        if create:
+            raise LocationError(f"cannot open the directory {path}: {exc.strerror}") from None
+        raise
+    except OSError as exc:
+        raise LocationError(f"{path} is not a directory we can use (a symlink or a file is "
+                            f"in the way?): {exc.strerror}") from None
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != uid:
+        problem = f"belongs to uid {st.st_uid}, not to uid {uid}"
+    elif stat.S_IMODE(st.st_mode) & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        os.close(fd)
+        raise LocationError(f"{path} {problem}: anyone could put files there in your name; "
+                            "remove it (ask an admin in a shared directory) or choose "
+                            "another location")
+    return fd
+
+
+@dataclass(frozen=True)
+class OpenedFile:
+    """A regular file opened for reading, with the ``fstat`` of that very descriptor: the
+    owner and size are those of the bytes read, whatever the path names afterwards."""
+
+    fd: int
+    name: str
+    owner: int
+    size: int
+
+    def read_into(self, out: BinaryIO, limit: int) -> int:
+        """Copy the file (at most ``limit`` bytes, else LocationError) from the descriptor
+        into ``out``; returns the bytes copied."""
+        done = 0
+        while True:
+            chunk = os.read(self.fd, min(_CHUNK, limit + 1 - done))
+            if not chunk:
+                return done
+            done += len(chunk)
+            if done > limit:
+                raise LocationError(f"{self.name} grew past {limit} bytes while read")
+            out.write(chunk)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_CHUNK = 1 << 20
+
+
+def open_owned(name: str, *, dir_fd: int | None = None,
+               allowed: Callable[[int], bool] | None = None,
+               max_bytes: int | None = None) -> OpenedFile | None:
+    """Open ``name`` (relative to ``dir_fd`` when given) without following a symlink and
+    check the descriptor: a regular file, an owner ``allowed`` accepts (default: the real
+    uid only), at most ``max_bytes``.
+
+    Returns:
+        The opened file, or None when its owner is not allowed (closed again, nothing read).
+
+    Raises:
+        FileNotFoundError, PermissionError: it does not exist, or the caller may not read it.
+        LocationError: a symlink, not a regular file, too large, or unreadable.
+    """
+    me = os.getuid()
+    allowed = allowed or (lambda uid: uid == me)
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LocationError(f"{name} is a symlink; refusing to follow it") from None
+        raise LocationError(f"cannot open {name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LocationError(f"{name} is not a regular file")
+        if not allowed(st.st_uid):
+            os.close(fd)
+            return None
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise LocationError(f"{name} is {st.st_size} bytes, more than the {max_bytes} "
+                                "a job record may have")
+        os.set_blocking(fd, True)
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
+    return OpenedFile(fd, str(name), st.st_uid, st.st_size)
 
 
 def private_dir(path: Path) -> Path:
@@ -200,13 +332,17 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def private_file(path: Path) -> None:
-    """Create ``path`` empty and owner-only (0600) if it does not exist, so that SQLite (which
-    gives its journal and WAL files the database's mode) never widens it."""
+def private_file(path: Path, mode: int = 0o600) -> None:
+    """Create ``path`` empty with ``mode`` (default owner-only 0600, whatever the umask) if
+    it does not exist, so that SQLite (which gives its journal and WAL files the database's
+    mode) never widens it."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     except FileExistsError:
         return
     except OSError as exc:
         raise LocationError(f"cannot create {path}: {exc.strerror}") from None
-    os.close(fd)
+    try:
+        os.fchmod(fd, mode)  # exactly this mode, whatever the umask
+    finally:
+        os.close(fd)

@@ -7,13 +7,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Iterable, Mapping
+from functools import wraps
+from typing import Callable, Iterable, Mapping, ParamSpec, TypeVar
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from ..policy.rules import FIELDS, PolicyError, ResizePolicy, Scope, updated
-from .db import Store
+from .db import Store, StoreError
 from .models import PolicyRow
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _guarded(fn: Callable[P, R]) -> Callable[P, R]:
+    """A database failure (a file this user may not write, a full disk, a lost server)
+    becomes one StoreError line naming the database; nothing was written."""
+    @wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except SQLAlchemyError as exc:
+            store = args[0] if args else None
+            orig = getattr(exc, "orig", None)
+            reason = str(orig if orig is not None else exc).splitlines()[0]
+            raise StoreError(f"{getattr(store, 'url', 'the policy database')}: {reason}; "
+                             "nothing was written") from None
+    return call
 
 _LISTS = ("allowed_tp", "allowed_pp")
 
@@ -35,6 +56,7 @@ class StoredPolicy:
                 "updated_by": self.updated_by}
 
 
+@_guarded
 def list_policies(store: Store) -> list[StoredPolicy]:
     """Every stored policy, partitions first, then accounts, each by name."""
     with store.transaction() as session:
@@ -43,6 +65,7 @@ def list_policies(store: Store) -> list[StoredPolicy]:
     return sorted(out, key=lambda p: (p.scope.kind != "partition", p.scope.name))
 
 
+@_guarded
 def get_policy(store: Store, scope: Scope) -> StoredPolicy | None:
     """The policy of one scope, or None."""
     with store.transaction() as session:
@@ -50,6 +73,7 @@ def get_policy(store: Store, scope: Scope) -> StoredPolicy | None:
         return _stored(row) if row else None
 
 
+@_guarded
 def set_policy(store: Store, scope: Scope, changes: Mapping[str, object],
                user: str) -> StoredPolicy:
     """Set fields of a scope's policy (creating it), validated with the fields already set.
@@ -75,6 +99,7 @@ def set_policy(store: Store, scope: Scope, changes: Mapping[str, object],
         return _stored(row)
 
 
+@_guarded
 def unset_policy(store: Store, scope: Scope, keys: Iterable[str] | None,
                  user: str) -> StoredPolicy | None:
     """Unset fields of a scope's policy; all of them (deleting it) when ``keys`` is None.

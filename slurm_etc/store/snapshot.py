@@ -3,26 +3,31 @@
 After every committed change the coordinator copies its live (WAL-mode) database with
 SQLite's backup API into a private file beside it, switches that copy to a rollback journal
 (a WAL-mode header would make readers on a network filesystem need shared memory that
-does not work there), writes it to a temporary file in the state directory, fsyncs it and
-renames it over ``<state dir>/<job>.db``. A reader therefore sees the old snapshot or the
-new one, never a torn one, and opens it ``immutable`` (no locks on the network filesystem).
+does not work there), writes it to a temporary file in the user's own directory of the
+state directory, fsyncs it and renames it over ``<state dir>/<uid>/<job>.db``. A reader
+therefore sees the old snapshot or the new one, never a torn one; it takes the owner from
+the descriptor it reads (``location.open_owned``) and reads a private copy (``guard``).
 """
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import sqlite3
-import tempfile
 import threading
 import urllib.parse
 from pathlib import Path
 
-from .location import LocationError, private_file
+from .location import LocationError, open_owned, open_private_dir, private_file
 
 log = logging.getLogger(__name__)
 
 _COPY_CHUNK = 1 << 20
+# The largest job record read back from the state directory (restored, or read by
+# `status`): a long job's record of every event is a few MiB; a file far larger is no
+# record of ours, and reading it would cost the reader's memory and time.
+MAX_RECORD_BYTES = 64 << 20
 
 
 class SnapshotError(RuntimeError):
@@ -43,81 +48,119 @@ def ensure_state_dir(state_dir: Path) -> Path:
 def publish_snapshot(db: Path, dest: Path) -> None:
     """Copy the SQLite database ``db`` to ``dest`` atomically (0600, rollback journal).
 
+    ``dest``'s directory is the user's own (``<state dir>/<uid>``, :func:`user_state_dir`):
+    created 0700, and refused when it belongs to someone else or others may write it. The
+    temporary file and the rename are made relative to that directory's descriptor.
+
     Raises:
-        SnapshotError: the copy or the rename failed; ``dest`` is then unchanged.
+        SnapshotError: the copy or the rename failed, or the directory is not the user's;
+            ``dest`` is then unchanged.
     """
     db, dest = Path(db), Path(dest)
-    ensure_state_dir(dest.parent)
-    local = db.with_name(f".{db.name}.snapshot")
+    ensure_state_dir(dest.parent.parent)
     try:
-        private_file(local)
-        src = sqlite3.connect("file:" + urllib.parse.quote(str(db.absolute())) + "?mode=ro",
-                              uri=True, timeout=10.0)
+        dir_fd = open_private_dir(dest.parent)
+    except LocationError as exc:
+        raise SnapshotError(f"cannot publish {dest}: {exc}") from None
+    try:
+        local = db.with_name(f".{db.name}.snapshot")
         try:
-            dst = sqlite3.connect(local)
+            private_file(local)
+            src = sqlite3.connect("file:" + urllib.parse.quote(str(db.absolute())) + "?mode=ro",
+                                  uri=True, timeout=10.0)
             try:
-                src.backup(dst)
-                dst.execute("PRAGMA journal_mode=DELETE").fetchone()
+                dst = sqlite3.connect(local)
+                try:
+                    src.backup(dst)
+                    dst.execute("PRAGMA journal_mode=DELETE").fetchone()
+                finally:
+                    dst.close()
             finally:
-                dst.close()
-        finally:
-            src.close()
-    except (sqlite3.Error, LocationError, OSError) as exc:
-        raise SnapshotError(f"cannot copy {db} for publishing: {exc}") from None
-    _replace_from(local, dest)
+                src.close()
+        except (sqlite3.Error, LocationError, OSError) as exc:
+            raise SnapshotError(f"cannot copy {db} for publishing: {exc}") from None
+        _replace_from(local, dest, dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
-def _replace_from(source: Path, dest: Path) -> None:
+def _replace_from(source: Path, dest: Path, dir_fd: int) -> None:
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        tmp = f".{dest.name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)
         with os.fdopen(fd, "wb") as out, open(source, "rb") as inp:
             shutil.copyfileobj(inp, out, _COPY_CHUNK)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, dest)
+        os.replace(tmp, dest.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         tmp = None
     except OSError as exc:
         raise SnapshotError(f"cannot publish {dest}: {exc.strerror or exc}") from None
     finally:
         if tmp is not None:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
-    _fsync_dir(dest.parent)
-
-
-def _fsync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        os.fsync(dir_fd)
     except OSError:
         pass  # some network filesystems refuse fsync on a directory; the rename stands
-    finally:
-        os.close(fd)
 
 
-def restore_snapshot(snapshot: Path, db: Path) -> None:
+def restore_snapshot(snapshot: Path, db: Path) -> bool:
     """Start a job's node-local database from its published snapshot (a coordinator
-    restarted on another node resumes from the record). ``db`` must not exist."""
+    restarted on another node resumes from the record). ``db`` must not exist.
+
+    Only a snapshot the caller owns, in a directory only the caller can write, is used: the
+    owner is taken with ``fstat`` of the descriptor the bytes are then copied from (never
+    the path opened again), so neither a planted file nor a swap between check and copy is
+    adopted. The copy's content is checked by the caller (:mod:`.guard`).
+
+    Returns:
+        False when there is no snapshot to restore (nothing written).
+
+    Raises:
+        SnapshotError: the directory or the file is not the caller's alone, or the copy
+            failed (``db`` is then removed).
+    """
+    snapshot, db = Path(snapshot), Path(db)
     if db.exists():
         raise SnapshotError(f"cannot restore {db} from {snapshot}: it exists already")
     try:
-        private_file(db)
-        with open(snapshot, "rb") as inp, open(db, "r+b") as out:
-            shutil.copyfileobj(inp, out, _COPY_CHUNK)
-            out.flush()
-            os.fsync(out.fileno())
-    except (OSError, LocationError) as exc:
+        dir_fd = open_private_dir(snapshot.parent, create=False)
+    except FileNotFoundError:
+        return False
+    except LocationError as exc:
+        raise SnapshotError(f"not restoring {snapshot}: {exc}") from None
+    try:
         try:
-            db.unlink()
-        except OSError:
-            pass
-        raise SnapshotError(f"cannot restore {db} from {snapshot}: {exc}") from None
+            opened = open_owned(snapshot.name, dir_fd=dir_fd, max_bytes=MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            return False
+        except (LocationError, PermissionError) as exc:
+            raise SnapshotError(f"not restoring {snapshot}: {exc}") from None
+        if opened is None:
+            raise SnapshotError(f"not restoring {snapshot}: it belongs to another user")
+        try:
+            private_file(db)
+            with open(db, "r+b") as out:
+                opened.read_into(out, MAX_RECORD_BYTES)
+                out.flush()
+                os.fsync(out.fileno())
+        except (OSError, LocationError) as exc:
+            try:
+                db.unlink()
+            except OSError:
+                pass
+            raise SnapshotError(f"cannot restore {db} from {snapshot}: {exc}") from None
+        finally:
+            opened.close()
+    finally:
+        os.close(dir_fd)
+    return True
 
 
 class Publisher:

@@ -91,8 +91,11 @@ def test_status_shows_a_second_user_only_their_jobs(second_user: pwd.struct_pass
     states = shared_dir / "jobs"  # a site-wide state directory, like /tmp: sticky, open
     states.mkdir()
     os.chmod(states, 0o1777)
-    _job_db(states / "101.db", [("101", *me)], 0o600, 0)  # root's snapshot: private
-    _job_db(states / "202.db", [("202", *you)], 0o600, you[0])  # the user's own
+    for uid in (me[0], you[0]):  # each user's snapshots in a directory of their own
+        (states / str(uid)).mkdir(mode=0o700)
+        os.chown(states / str(uid), uid, -1)
+    _job_db(states / "0" / "101.db", [("101", *me)], 0o600, 0)  # root's snapshot: private
+    _job_db(states / str(you[0]) / "202.db", [("202", *you)], 0o600, you[0])  # the user's
     site = shared_dir / "site.db"  # a site database both may read (as a MariaDB would be)
     _job_db(site, [("101", *me), ("202", *you), ("303", *me)], 0o644, 0)
     # Slurm says the user is no operator (a stand-in sacctmgr in a trusted directory; it
@@ -174,8 +177,9 @@ def test_record_secret_and_logs_are_owner_only(tmp_path: Path) -> None:
         db = tmp_path / "tmp" / f"slurm-etc-{os.getuid()}" / "jobs" / "acc-7.db"
         assert _mode(db) == 0o600 and _mode(db.parent) == 0o700
         assert _mode(db.parent.parent) == 0o700
-        snapshot = tmp_path / "state" / "acc-7.db"
+        snapshot = tmp_path / "state" / str(os.getuid()) / "acc-7.db"
         assert _mode(snapshot) == 0o600 and _mode(snapshot.parent) == 0o700
+        assert _mode(snapshot.parent.parent) == 0o700
 
         secret = create_secret("acc-7", tmp_path / "secrets")
         assert _mode(secret.path) == 0o600 and _mode(secret.path.parent) == 0o700

@@ -195,11 +195,11 @@ def test_a_bad_db_is_one_line_and_nothing_is_written(tmp_path, kind):
 
 
 def test_a_bad_snapshot_is_skipped_with_a_warning(env):
-    (env / "junk.db").write_text("garbage")
+    (env / str(ME) / "junk.db").write_text("garbage")
     r = run(["--state-dir", str(env), "--json"], {"uid": ME})
     assert r.exit_code == 0
     assert [j["job_id"] for j in json.loads(r.stdout)["jobs"]] == ["101"]
-    assert "slurm-etc: warning: skipped junk.db: " in r.stderr
+    assert f"slurm-etc: warning: skipped {ME}/junk.db: " in r.stderr
 
 
 def test_the_newest_snapshot_of_a_job_wins(env, tmp_path):
@@ -208,7 +208,7 @@ def test_the_newest_snapshot_of_a_job_wins(env, tmp_path):
     create_job(store, "101", name="stale", owner_uid=ME, owner_name="me", backend="slurm",
                at=T0 - timedelta(days=1))
     store.close()
-    os.replace(old, env / "101-copy.db")
+    os.replace(old, env / str(ME) / "101-copy.db")
     r = run(["--state-dir", str(env), "--json"], {"uid": ME})
     (job,) = json.loads(r.stdout)["jobs"]
     assert job["name"] == "gpt-101"
@@ -217,7 +217,7 @@ def test_the_newest_snapshot_of_a_job_wins(env, tmp_path):
 def test_a_snapshot_cannot_speak_for_another_user(env):
     if os.getuid() != 0:
         pytest.fail("this test needs root (to give a file to another uid); CI runs as root")
-    snap = env / "101.db"
+    snap = env / str(ME) / "101.db"
     os.chown(snap, OTHER + 1, -1)  # written by someone else, claiming to be my job
     r = run(["--state-dir", str(env), "--json"], {"uid": ME, "sees_all_jobs": lambda u: True})
     assert json.loads(r.stdout) == {"jobs": []}

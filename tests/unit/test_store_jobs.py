@@ -2,6 +2,7 @@
 network-filesystem refusal, databases that are not ours, readers beside the writer."""
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -56,6 +57,7 @@ pytestmark = pytest.mark.unit
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
 JOB = "4242"
+UID = str(os.getuid())  # snapshots live in <state dir>/<uid>/
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -408,7 +410,7 @@ def test_commits_are_published_off_the_writers_path_and_coalesce(tmp_path):
         store.flush()
         publisher = store.after_commit[0]
         assert publisher.failures == 0 and publisher._attempted == 21
-        reader = open_store_readonly(tmp_path / "s" / f"{JOB}.db", immutable=True)
+        reader = open_store_readonly(tmp_path / "s" / UID / f"{JOB}.db", immutable=True)
         assert len(job_detail(reader, JOB).events) == 20  # the last commit is published
         reader.close()
         assert writing < 20 * 0.5
@@ -423,9 +425,10 @@ def test_every_commit_publishes_an_atomic_owner_only_snapshot(tmp_path):
     try:
         _job(store)
         store.flush()
-        snap = state / f"{JOB}.db"
+        snap = state / UID / f"{JOB}.db"
         assert snap.stat().st_mode & 0o777 == 0o600
         assert state.stat().st_mode & 0o777 == 0o700
+        assert (state / UID).stat().st_mode & 0o777 == 0o700
         assert (local / f"{JOB}.db").stat().st_mode & 0o777 == 0o600
         assert local.stat().st_mode & 0o777 == 0o700
         header = snap.read_bytes()[:20]
@@ -437,7 +440,7 @@ def test_every_commit_publishes_an_atomic_owner_only_snapshot(tmp_path):
         reader = open_store_readonly(snap, immutable=True)
         assert len(job_detail(reader, JOB).events) == 1
         reader.close()
-        assert [p.name for p in state.iterdir()] == [f"{JOB}.db"]  # no temp files left
+        assert [p.name for p in (state / UID).iterdir()] == [f"{JOB}.db"]  # no temp left
     finally:
         store.close()
 
@@ -447,7 +450,7 @@ def test_a_restarted_coordinator_resumes_from_the_snapshot(tmp_path, monkeypatch
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node1"))
     state = tmp_path / "state"
     store = open_job_store(JOB, state_dir=state)
-    _job(store)
+    _job(store, uid=os.getuid())  # a coordinator records its own uid as the owner
     e = record_event(store, JOB, "grant", source="test", key="k")
     store.close()
     assert (tmp_path / "node1" / f"slurm-etc-{os.getuid()}" / "jobs" / f"{JOB}.db").exists()
@@ -464,7 +467,7 @@ def test_a_failed_publish_never_fails_the_write(tmp_path, caplog):
     state = tmp_path / "state"
     store = open_job_store(JOB, db=tmp_path / "l" / "j.db", state_dir=state)
     try:
-        state.rmdir()
+        shutil.rmtree(state)
         state.write_text("in the way")
         with caplog.at_level(logging.WARNING):
             _job(store)
@@ -474,7 +477,7 @@ def test_a_failed_publish_never_fails_the_write(tmp_path, caplog):
         state.unlink()
         set_job_state(store, JOB, "running")
         store.flush()
-        assert (state / f"{JOB}.db").exists()
+        assert (state / UID / f"{JOB}.db").exists()
     finally:
         store.close()
 
@@ -487,8 +490,8 @@ def test_a_sqlite_file_on_a_network_filesystem_is_refused(tmp_path, monkeypatch)
     assert "network filesystem (lustre)" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "home").exists()  # nothing written
     state = tmp_path / "s2"
-    state.mkdir()
-    (state / f"{JOB}.db").write_bytes(b"")  # a snapshot to restore from: still refused
+    (state / UID).mkdir(parents=True, mode=0o700)
+    (state / UID / f"{JOB}.db").write_bytes(b"")  # a snapshot to restore from: still refused
     with pytest.raises(StoreError, match="lustre"):
         open_job_store(JOB, db=tmp_path / "home" / "j.db", state_dir=state)
     assert not (tmp_path / "home").exists()
@@ -519,7 +522,7 @@ def test_a_database_that_is_not_ours_is_refused_untouched(tmp_path):
             with pytest.raises(StoreError, match=why):
                 opener(path)
         assert path.read_bytes() == before
-    assert not (tmp_path / "s" / f"{JOB}.db").exists()
+    assert not (tmp_path / "s" / UID / f"{JOB}.db").exists()
 
 
 def test_readers_never_block_the_writer(tmp_path):
