@@ -290,7 +290,7 @@ class Coordinator:
         self._event_ids += list(got.pending_events)
         self.requests = max(self.requests, got.requests)
         if got.requests:
-            self._resend_open_request()
+            self._resend_open_request(got.open_request)
         if got.last_generation >= 0:
             self.restart_generation = got.last_generation + 1
             self.last_generation = max(self.last_generation, self.restart_generation)
@@ -299,20 +299,10 @@ class Coordinator:
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
 
-    def _resend_open_request(self) -> None:
-        detail = record.job_detail(self.store, self.spec.job_id)
-        events = detail.events if detail is not None else ()
-        answered = {e.payload.get("request") for e in events
-                    if e.kind in ("grant", "request-failed") and isinstance(e.payload, dict)}
-        asked = [e for e in events if e.kind == "request" and e.key
-                 and isinstance(e.payload, dict)]
-        if not asked:
+    def _resend_open_request(self, request: record.OpenRequest | None) -> None:
+        if request is None or request.key != f"grow-{self.requests}":
             return
-        last = asked[-1]
-        key = (last.key or "").removeprefix("request:")
-        if key in answered or key != f"grow-{self.requests}":
-            return
-        nodes = last.payload.get("nodes")
+        key, nodes = request.key, request.nodes
         refusal = self._refuse_restored(nodes)
         if refusal is not None:
             # recorded as answered: no later restart sends it either
@@ -328,13 +318,11 @@ class Coordinator:
                        "again under its own key", key, self.growing)
         perform(self.backend, RequestNodes(self.growing, key, "open at a coordinator restart"))
 
-    def _refuse_restored(self, nodes: object) -> str | None:
+    def _refuse_restored(self, nodes: int) -> str | None:
         """Why a node request restored from the record may not be sent again (the record
         may be stale, or planted): the job's policy and the cluster's size are checked
         again, as a new request would be; None when it fits."""
         policy, cluster = self.spec.policy, len(self.topology.nodes)
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-            return f"its node count {nodes!r} is not a whole number >= 1"
         if not policy.grow:
             return "the job's policy does not allow growing"
         anchor = max(1, policy.min_nodes)
