@@ -85,9 +85,11 @@ class _ShardLookup:
 
 
 def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray,
-                 value: np.ndarray) -> np.ndarray:
-    """Exact assignment of ranks onto devs (len(devs) >= len(ranks)); identity on ties."""
-    cls = _pool_class(cost)
+                 value: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Exact assignment of ranks onto devs (len(devs) >= len(ranks)); identity on ties.
+
+    ``cls``: ``_pool_class(cost)``, computed once by the caller.
+    """
     block = value[cls[devs]][:, cost.rank_class[ranks]].astype(np.float64)
     block += shards.block(devs, ranks)
     bonus = (devs[:, None] == ranks[None, :]) * (0.25 / max(len(ranks), 1))
@@ -179,8 +181,10 @@ def assign_classes_tp_in_node(cost: CostMatrix, tp: int, gpus_per_node: int) -> 
             members = np.delete(members, r)
     shards = _ShardLookup(cost)
     placement = np.empty(world, np.int64)
-    for n in np.unique(group_node):
-        ranks = (np.flatnonzero(group_node == n)[:, None] * tp + np.arange(tp)).ravel()
+    by_node = np.argsort(group_node, kind="stable")
+    nodes, first = np.unique(group_node[by_node], return_index=True)
+    for n, members in zip(nodes.tolist(), np.split(by_node, first[1:])):
+        ranks = (members[:, None] * tp + np.arange(tp)).ravel()
         devs = np.arange(start[n], start[n] + size[n])
-        placement[ranks] = _match_block(cost, shards, devs, ranks, value)
+        placement[ranks] = _match_block(cost, shards, devs, ranks, value, cls)
     return placement
