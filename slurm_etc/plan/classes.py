@@ -99,6 +99,63 @@ def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks
     return out
 
 
+def _match_nodes(cost: CostMatrix, shards: _ShardLookup, start: np.ndarray, size: np.ndarray,
+                 nodes: np.ndarray, members: list[np.ndarray], tp: int, value: np.ndarray,
+                 cls: np.ndarray, placement: np.ndarray) -> None:
+    """``_match_block`` for every node at once where the answer is forced.
+
+    Node k holds the ranks of tensor-parallel groups ``members[k]``. Where every rank's best
+    device in its node is strictly best and no two ranks want the same device, that
+    permutation is the unique optimum of the node's assignment, read off for all nodes with
+    a few array operations; only the other nodes are solved one by one. Fills
+    ``placement`` in place.
+    """
+    n_nodes = len(nodes)
+    dev_n = size[nodes]
+    rank_n = np.array([len(m) * tp for m in members], np.int64)
+    dm, rm = int(dev_n.max()), int(rank_n.max())
+    devs = start[nodes][:, None] + np.arange(dm)[None, :]
+    dev_ok = np.arange(dm)[None, :] < dev_n[:, None]
+    devs = np.where(dev_ok, devs, 0)
+    ranks = np.zeros((n_nodes, rm), np.int64)
+    rank_ok = np.arange(rm)[None, :] < rank_n[:, None]
+    ranks[rank_ok] = np.concatenate([(m[:, None] * tp + np.arange(tp)).ravel()
+                                     for m in members])
+    block = value[cls[devs][:, :, None], cost.rank_class[ranks][:, None, :]].astype(np.float64)
+    # shard bytes of (device, rank) pairs in the same node
+    node_pos = np.full(len(size), -1, np.int64)
+    node_pos[nodes] = np.arange(n_nodes)
+    rank_node = np.full(cost.shape[1], -1, np.int64)
+    rank_slot = np.zeros(cost.shape[1], np.int64)
+    rank_node[ranks[rank_ok]] = np.repeat(np.arange(n_nodes), rank_n)
+    rank_slot[ranks[rank_ok]] = np.nonzero(rank_ok)[1]
+    pool_node = node_pos[np.searchsorted(start, shards.pool, side="right") - 1]
+    same = (pool_node >= 0) & (pool_node == rank_node[shards.rank])
+    k = pool_node[same]
+    d_slot = shards.pool[same] - start[nodes][k]
+    flat = (k * dm + d_slot) * rm + rank_slot[shards.rank[same]]
+    block += np.bincount(flat, shards.bytes[same], minlength=n_nodes * dm * rm).reshape(
+        n_nodes, dm, rm)
+    block += (devs[:, :, None] == ranks[:, None, :]) * (0.25 / np.maximum(rank_n, 1))[:, None,
+                                                                                      None]
+    block = np.where(dev_ok[:, :, None], block, -np.inf)
+    best = np.argmax(block, axis=1)                                 # (nodes, ranks)
+    top = np.take_along_axis(block, best[:, None, :], axis=1)[:, 0, :]
+    runner = block.copy()
+    np.put_along_axis(runner, best[:, None, :], -np.inf, axis=1)
+    strict = np.all((top > runner.max(axis=1)) | ~rank_ok, axis=1)
+    picked = np.sort(np.where(rank_ok, best, -1 - np.arange(rm)[None, :]), axis=1)
+    distinct = np.all(picked[:, 1:] != picked[:, :-1], axis=1)
+    forced = strict & distinct
+    placement[ranks[forced][rank_ok[forced]]] = np.take_along_axis(
+        devs, best, axis=1)[forced][rank_ok[forced]]
+    for k in np.flatnonzero(~forced).tolist():
+        n = int(nodes[k])
+        r = ranks[k, :rank_n[k]]
+        d = np.arange(start[n], start[n] + size[n])
+        placement[r] = _match_block(cost, shards, d, r, value, cls)
+
+
 def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> csr_matrix:
     """Sparse (groups x slots): shard bytes each group's ranks could keep in the slot."""
     slot_of = np.full(cost.shape[0], -1, np.int64)
@@ -183,8 +240,6 @@ def assign_classes_tp_in_node(cost: CostMatrix, tp: int, gpus_per_node: int) -> 
     placement = np.empty(world, np.int64)
     by_node = np.argsort(group_node, kind="stable")
     nodes, first = np.unique(group_node[by_node], return_index=True)
-    for n, members in zip(nodes.tolist(), np.split(by_node, first[1:])):
-        ranks = (members[:, None] * tp + np.arange(tp)).ravel()
-        devs = np.arange(start[n], start[n] + size[n])
-        placement[ranks] = _match_block(cost, shards, devs, ranks, value, cls)
+    _match_nodes(cost, shards, start, size, nodes, np.split(by_node, first[1:]), tp, value, cls,
+                 placement)
     return placement
