@@ -49,9 +49,40 @@ def _pool_class(cost: CostMatrix) -> np.ndarray:
     return cls
 
 
-def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exactly k (row, column) pairs, each row and column at most once, maximising value."""
+def _forced_pairs(value: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pairs of ``pick_pairs`` with k = rows when they are forced (see there), else None."""
     n_rows, n_cols = value.shape
+    if n_rows == 0 or n_rows > n_cols or n_cols < 2 or float(value.min()) < 0:
+        return None
+    best = np.argmax(value, axis=1)
+    top = value[np.arange(n_rows), best]
+    second = np.partition(value, n_cols - 2, axis=1)[:, n_cols - 2]
+    pos = top > 0
+    if np.any(pos & (top <= second)):
+        return None
+    taken = best[pos]
+    if len(np.unique(taken)) != len(taken):
+        return None
+    col = np.empty(n_rows, np.int64)
+    col[pos] = taken
+    free = np.ones(n_cols, bool)
+    free[taken] = False
+    col[~pos] = np.flatnonzero(free)[:int((~pos).sum())]
+    return np.arange(n_rows), col
+
+
+def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly k (row, column) pairs, each row and column at most once, maximising value.
+
+    Where every row is placed (k = rows), values are non-negative and each row with a
+    positive best has a strictly best column no other such row wants, those pairs are an
+    optimum (each such row gets its maximum; the other rows are all zero and take the
+    lowest free columns in order): no assignment solve is needed.
+    """
+    n_rows, n_cols = value.shape
+    forced = _forced_pairs(value) if k == n_rows else None
+    if forced is not None:
+        return forced
     idle = n_cols - k
     big = float(np.abs(value).sum()) + 1.0
     padded = np.vstack([value.astype(np.float64), np.full((idle, n_cols), big)])
@@ -173,15 +204,23 @@ def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> cs
 
 
 def kept_upper_bound(cost: CostMatrix) -> int:
-    """No placement keeps more: class transport optimum + each rank's best shard overlap."""
+    """No placement keeps more: class transport optimum + a bound on the shard bytes kept.
+
+    A placement keeps the shard bytes of one matching of new ranks to devices, which is at
+    most each rank's best overlap summed, and at most each device's best overlap summed
+    (a device runs one rank): the smaller of the two. In a dp grow the device side is the
+    tight one (more ranks than old devices), in a shrink the rank side.
+    """
     value = _rep_value(cost)
     cls = _pool_class(cost)
     supply = np.bincount(cls, minlength=value.shape[0])
     demand = np.bincount(cost.rank_class, minlength=value.shape[1])
     _, rep = transport(value, supply, demand)
-    best = np.zeros(cost.shape[1], np.int64)
-    np.maximum.at(best, cost.dist_rank, cost.dist_bytes)
-    return int(round(rep)) + int(best.sum())
+    by_rank = np.zeros(cost.shape[1], np.int64)
+    np.maximum.at(by_rank, cost.dist_rank, cost.dist_bytes)
+    by_device = np.zeros(cost.shape[0], np.int64)
+    np.maximum.at(by_device, cost.dist_pool, cost.dist_bytes)
+    return int(round(rep)) + min(int(by_rank.sum()), int(by_device.sum()))
 
 
 def assign_classes(cost: CostMatrix) -> np.ndarray:
