@@ -324,6 +324,9 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
         lower_bound = cost.needed_bytes - kept_upper_bound(cost)
         placement = (assign_classes_tp_in_node(cost, new_config.tp, topology.gpus_per_node)
                      if constrained else assign_classes(cost))
+        if cost.needed_bytes - cost.kept(placement) > lower_bound:
+            # only where the cheap bound leaves a gap: exact matchings for small components
+            lower_bound = cost.needed_bytes - kept_upper_bound(cost, exact_shards=True)
     naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
     new = Layout(new_config, tuple(int(d) for d in pool[placement]))
     transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology,
