@@ -312,22 +312,28 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
         if main is not None:
             aliases[main] = (main, gi)
     # every box of every entry, in buffer order, with its tp rank 0 position and tp shift
-    p_group, p_layer, p_lo, p_hi, p_shift, p_start, p_size = [], [], [], [], [], [], []
+    p_group: list[int] = []
+    p_layer: list[int] = []
+    p_lo: list[list[int]] = []
+    p_hi: list[list[int]] = []
+    p_shift: list[list[int]] = []
+    p_start: list[int] = []
+    p_size: list[int] = []
     for gi, layer, off in entries:
         g = catalog.groups[gi]
         span = (layer, layer + 1) if g.stacked else (0, 1)
         base = off
         for lo, hi in local_boxes(g, 0, tp, span):
             size = _box_size(lo, hi)
-            shift = [0] * NDIM
+            step = [0] * NDIM
             if g.tp_axis is not None:
-                shift[g.tp_axis] = hi[g.tp_axis] - lo[g.tp_axis]
+                step[g.tp_axis] = hi[g.tp_axis] - lo[g.tp_axis]
             for alias in aliases.get(gi, (gi,)):
                 p_group.append(alias)
                 p_layer.append(layer if g.stacked else -1)
                 p_lo.append(lo)
                 p_hi.append(hi)
-                p_shift.append(shift)
+                p_shift.append(step)
                 p_start.append(base)
                 p_size.append(size)
             base += size
@@ -337,7 +343,7 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     end = start + np.array(p_size, np.int64)
     lo0, hi0 = np.array(p_lo, np.int64), np.array(p_hi, np.int64)
     shift = np.array(p_shift, np.int64)
-    group, layer = np.array(p_group, np.int64), np.array(p_layer, np.int64)
+    group, layers = np.array(p_group, np.int64), np.array(p_layer, np.int64)
     # every dp rank's range of every bucket, then the pieces it cuts: pieces are in buffer
     # order and disjoint (an alias repeats its main entry's range), so the pieces a range
     # [r0, r1) meets are the slice from the first ending after r0 to the last starting
@@ -359,5 +365,5 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     which, k, a, z = which[ok], k[ok], a[ok], z[ok]
     for t in range(tp):
         off = t * shift[k]
-        b.add_columns(group[k], layer[k], lo0[k] + off, hi0[k] + off, a, z, d[which],
+        b.add_columns(group[k], layers[k], lo0[k] + off, hi0[k] + off, a, z, d[which],
                       t + tp * p)
