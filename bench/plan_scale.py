@@ -7,7 +7,7 @@ dp doubled; llama-70b tp8 -> tp4 with dp doubled), for gpt-175b (tp8 pp16) and l
 (tp8 pp8), distributed optimizer on except where the name says otherwise. Targets: 1 s at
 16,384 GPUs, 10 s and 2 GiB at 131,072.
 
-    python bench/plan_scale.py [--max-gpus N] [--json] [--png docs/plan_scale.png]
+    python bench/plan_scale.py [--max-gpus N] [--json] [--png docs/plan_scale.png] [--save F]
 """
 from __future__ import annotations
 
@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--max-gpus", type=int, default=max(SIZES))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--png", default=None, help="write the log-log figure here")
+    ap.add_argument("--save", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
     rows = []
     todo = cases(args.max_gpus)
@@ -155,6 +156,9 @@ def main() -> None:
         rows.append(s)
     if args.png:
         plot(rows, args.png)
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(rows, fh, indent=1)
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -1,11 +1,15 @@
 """Fine-grained instructions: which device sends which region to which new rank.
 
 Every fragment a new rank needs either is already on its device (a local copy) or gets one
-source among all surviving old devices holding a replica (lost devices send nothing):
-same-node holders first, then the holder
-with the least bytes to send so far (longest-first greedy, which keeps the most loaded
-sender close to the minimum). Transfers between one pair of devices are then coalesced into
-one message whose offset table says where each region is packed.
+source among the surviving old devices holding a replica (lost devices send nothing):
+the holders on the destination's node if any, else all of them. All of it is vectorised
+(no Python loop per transfer): holders are spelled once per holder set; what a new rank
+needs from one candidate list is a bundle sent by one device (one message, not one per
+fragment); bundles with one candidate are forced; a bundle at most as big as a forced one
+to the same new rank rides with that message where its sender holds the rows; the rest
+are dealt biggest first, boustrophedon, over the list ordered by the bytes its members
+already send. Transfers between one pair of devices are then coalesced into one message
+whose offset table says where each region is packed.
 """
 from __future__ import annotations
 
