@@ -144,11 +144,15 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
 
     Local when the destination device holds the fragment's old row. Otherwise the candidates
     are the row's surviving holders on the destination's node, or all of them when none is
-    there; transfers sharing a candidate list are dealt to it longest first, in boustrophedon
-    order (0, 1, .., m-1, m-1, .., 0, ...), which evens out the bytes each sender sends the
-    way longest-first greedy does, for all transfers at once. ``alive`` (per old rank;
-    default all) limits the sources to surviving ranks: destinations are never lost
-    devices, so a local copy is always from a survivor.
+    there. Everything one new rank needs from one candidate list is a bundle with one
+    sender. A bundle with one candidate is forced; a bundle no bigger than a forced bundle
+    to the same new rank goes with that sender where it is a candidate (one message
+    instead of two); the rest are dealt over their list biggest first in boustrophedon order
+    (0, 1, .., m-1, m-1, .., 0, ...), the list ordered by the forced bytes its members
+    already send, which evens out what each sender sends the way longest-first greedy does,
+    for all bundles at once. ``alive`` (per old rank; default all) limits the sources to
+    surviving ranks: destinations are never lost devices, so a local copy is always from a
+    survivor.
 
     Raises:
         PlanError: a fragment has no surviving holder (``lost.require_survivors`` rules
