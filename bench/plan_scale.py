@@ -3,11 +3,12 @@
 Each case runs in a fresh process, so its peak RSS (``ru_maxrss``, interpreter and imports
 included) is its own. Time is the whole ``plan_migration`` call, the plan's validation
 included: wall seconds, and the CPU seconds the process used (what to compare on a shared
-machine; run with ``OMP_NUM_THREADS=1`` so the two measure the same single thread). Series: dp shrinks by 1/8 (the last dp replicas of every stage are
-released), dp grows by 8/7 (whole nodes appended) and reshapes (gpt-175b pp16 -> pp8 with
-dp doubled; llama-70b tp8 -> tp4 with dp doubled), for gpt-175b (tp8 pp16) and llama-70b
-(tp8 pp8), distributed optimizer on except where the name says otherwise. Targets: 1 s at
-16,384 GPUs, 10 s and 2 GiB at 131,072.
+machine; run with ``OMP_NUM_THREADS=1`` so the two measure the same single thread).
+Series: dp shrinks by 1/8 (the last dp replicas of every stage are released), dp grows
+by 8/7 (whole nodes appended) and reshapes (gpt-175b pp16 -> pp8 with dp doubled;
+llama-70b tp8 -> tp4 with dp doubled), for gpt-175b (tp8 pp16) and llama-70b (tp8 pp8),
+distributed optimizer on except where the name says otherwise. Targets: 1 s at 16,384
+GPUs, 10 s and 2 GiB at 131,072.
 
     python bench/plan_scale.py [--max-gpus N] [--json] [--png docs/plan_scale.png] [--save F]
 """
