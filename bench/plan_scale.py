@@ -1,39 +1,68 @@
-"""Planning time, peak memory and plan quality at cluster scale.
+"""Planning time, peak memory and plan quality from 1,024 to 131,072 GPUs.
 
-Each case runs in a fresh process so its peak RSS is its own. Targets (2-core machine):
-at most 1 s at 1,024 GPUs and 10 s at 16,384 GPUs.
+Each case runs in a fresh process, so its peak RSS (``ru_maxrss``, interpreter and imports
+included) is its own. Time is the whole ``plan_migration`` call, the plan's validation
+included: wall seconds, and the CPU seconds the process used (what to compare on a shared
+machine; run with ``OMP_NUM_THREADS=1`` so the two measure the same single thread).
+Series: dp shrinks by 1/8 (the last dp replicas of every stage are released), dp grows
+by 8/7 (whole nodes appended) and reshapes (gpt-175b pp16 -> pp8 with dp doubled;
+llama-70b tp8 -> tp4 with dp doubled), for gpt-175b (tp8 pp16) and llama-70b (tp8 pp8),
+distributed optimizer on except where the name says otherwise. Targets: 1 s at 16,384
+GPUs, 10 s and 2 GiB at 131,072.
 
-    python bench/plan_scale.py [--json]
+    python bench/plan_scale.py [--max-gpus N] [--json] [--png docs/plan_scale.png] [--save F]
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
 import time
 
-CASES = [
-    # name, model, from, to, distributed optimizer, shrink drops the last dp replicas per stage
-    ("llama-70b 1024->896", "llama-70b", (16, 8, 8), (14, 8, 8), True),
-    ("llama-70b 1024->896 (no ZeRO)", "llama-70b", (16, 8, 8), (14, 8, 8), False),
-    ("gpt-175b 4096->3072", "gpt-175b", (32, 8, 16), (24, 8, 16), True),
-    ("gpt-175b 16384->14336", "gpt-175b", (128, 8, 16), (112, 8, 16), True),
-    ("gpt-175b 16384->16384 pp16->pp8", "gpt-175b", (128, 8, 16), (256, 8, 8), False),
+SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# (series, model, tp, pp, kind, distributed optimizer)
+SERIES = [
+    ("gpt-175b dp shrink", "gpt-175b", 8, 16, "shrink", True),
+    ("gpt-175b dp grow", "gpt-175b", 8, 16, "grow", True),
+    ("llama-70b dp shrink", "llama-70b", 8, 8, "shrink", True),
+    ("llama-70b dp grow", "llama-70b", 8, 8, "grow", True),
+    ("gpt-175b pp16->pp8 (no ZeRO)", "gpt-175b", 8, 16, "pp", False),
+    ("llama-70b tp8->tp4", "llama-70b", 8, 8, "tp", True),
 ]
-TARGET_S = {1024: 1.0, 16384: 10.0}
+TARGETS = {16384: (1.0, None), 131072: (10.0, 2048.0)}   # GPUs: (seconds, MiB)
+GPN = 8
 
 
-def drop_last_replicas(old, new, gpn=8):
+def case_configs(tp: int, pp: int, kind: str, gpus: int
+                 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(old, new) as (dp, tp, pp) for a series at ``gpus`` GPUs (the larger side)."""
+    dp = gpus // (tp * pp)
+    if kind == "shrink":
+        return (dp, tp, pp), (dp - dp // 8, tp, pp)
+    if kind == "grow":
+        return (dp - dp // 8, tp, pp), (dp, tp, pp)
+    if kind == "pp":
+        return (dp, tp, pp), (2 * dp, tp, pp // 2)
+    if kind == "tp":
+        return (dp, tp, pp), (2 * dp, tp // 2, pp)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def drop_last_replicas(old: tuple[int, int, int], new: tuple[int, int, int], gpn: int = GPN
+                       ) -> list[int]:
     """Nodes holding the dp replicas a shrink gives up: the last ones of every stage."""
     dp, tp, pp = old
     per_stage = dp * tp // gpn
     keep = new[0] * new[1] // gpn
     return [p * per_stage + i for p in range(pp) for i in range(keep, per_stage)] \
-        if new[2] == pp and new[0] < dp else []
+        if new[2] == pp and new[1] == tp and new[0] < dp else []
 
 
-def run_case(model, old, new, dist):
+def run_case(model: str, old: tuple[int, int, int], new: tuple[int, int, int], dist: bool
+             ) -> dict:
     from slurm_etc.plan import (
         PRESETS,
         Layout,
@@ -45,47 +74,118 @@ def run_case(model, old, new, dist):
     oc = ParallelConfig(*old, distributed_optimizer=dist)
     nc = ParallelConfig(*new, distributed_optimizer=dist)
     layout = Layout(oc, tuple(range(oc.world)))
-    topo = Topology(gpus_per_node=8)
+    topo = Topology(gpus_per_node=GPN)
     pool = default_pool(layout, nc, topo, drop_nodes=drop_last_replicas(old, new))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_migration(PRESETS[model], layout, nc, pool, topo)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = plan.summary()
     s["wall_seconds"] = wall
+    s["cpu_seconds"] = cpu  # what the planner used of the CPU: robust on a shared machine
     s["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return s
 
 
+def cases(max_gpus: int) -> list[tuple[str, str, int, tuple, tuple, bool]]:
+    out = []
+    for name, model, tp, pp, kind, dist in SERIES:
+        for gpus in SIZES:
+            if gpus <= max_gpus:
+                old, new = case_configs(tp, pp, kind, gpus)
+                out.append((name, model, gpus, old, new, dist))
+    return out
+
+
+def slope(rows: list[dict], key: str) -> float | None:
+    """Exponent of ``key`` against GPUs between the two largest sizes of a series."""
+    if len(rows) < 2:
+        return None
+    a, b = rows[-2], rows[-1]
+    if a[key] <= 0 or b[key] <= 0:
+        return None
+    return math.log(b[key] / a[key]) / math.log(b["gpus"] / a["gpus"])
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for name in dict.fromkeys(r["series"] for r in rows):
+        sel = [r for r in rows if r["series"] == name]
+        g = [r["gpus"] for r in sel]
+        ax_t.plot(g, [r["cpu_seconds"] for r in sel], "o-", label=name)
+        ax_m.plot(g, [r["peak_rss_mib"] for r in sel], "o-", label=name)
+    main = [r for r in rows if r["series"] == SERIES[0][0]]
+    if main:
+        g0, t0 = main[0]["gpus"], main[0]["cpu_seconds"]
+        g = [r["gpus"] for r in main]
+        ref = [t0 * (x * math.log(x)) / (g0 * math.log(g0)) for x in g]
+        ax_t.plot(g, ref, "k--", label="n log n (from the first gpt-175b shrink)")
+    for ax, what in ((ax_t, "planning CPU seconds"), (ax_m, "peak RSS MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs (larger side of the resize)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.axhline(10.0, color="r", lw=0.8, ls=":")
+    ax_m.axhline(2048.0, color="r", lw=0.8, ls=":")
+    ax_t.legend(fontsize=7)
+    ax_t.set_title("planning time (target 10 s at 131,072)")
+    ax_m.set_title("peak memory of the planning process (target 2 GiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--case":
-        name, model, old, new, dist = CASES[int(sys.argv[2])]
-        print(json.dumps(run_case(model, old, new, dist)))
+        model, old, new, dist = json.loads(sys.argv[2])
+        print(json.dumps(run_case(model, tuple(old), tuple(new), dist)))
         return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-gpus", type=int, default=max(SIZES))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--png", default=None, help="write the log-log figure here")
+    ap.add_argument("--save", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
     rows = []
-    for i, (name, *_rest) in enumerate(CASES):
-        print(f"[{i + 1}/{len(CASES)}] {name} ...", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, __file__, "--case", str(i)], capture_output=True,
-                             text=True, check=True)
+    todo = cases(args.max_gpus)
+    for i, (name, model, gpus, old, new, dist) in enumerate(todo):
+        print(f"[{i + 1}/{len(todo)}] {name} {gpus} ...", file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "--case",
+                              json.dumps([model, old, new, dist])],
+                             capture_output=True, text=True, check=True)
         s = json.loads(out.stdout.strip().splitlines()[-1])
-        s["case"] = name
+        s.update(series=name, gpus=gpus)
         rows.append(s)
-    if "--json" in sys.argv:
+    if args.png:
+        plot(rows, args.png)
+    if args.save:
+        with open(args.save, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("| case | GPUs | plan s | target s | peak RSS MiB | moved GiB | moved / lower bound "
-          "| moved / identity | messages | rounds | est s / bound s | sketch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | GPUs | from -> to | wall s | CPU s | target s | peak RSS MiB | moved GiB "
+          "| moved / lower bound | messages | rounds | est s / bound s | sketch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in rows:
-        gpus = s["old_devices"]
-        target = TARGET_S.get(gpus, "")
+        target = TARGETS.get(s["gpus"], (None, None))[0]
         ratio = s["moved_over_lower_bound"]
-        naive = s["moved_over_naive"]
-        print(f"| {s['case']} | {gpus} | {s['plan_seconds']:.2f} | {target} | "
-              f"{s['peak_rss_mib']:.0f} | {s['moved_bytes'] / 2**30:.1f} | "
-              f"{'-' if ratio is None else f'{ratio:.3f}'} | "
-              f"{'-' if naive is None else f'{naive:.3f}'} | {s['messages']} | {s['rounds']} | "
+        print(f"| {s['series']} | {s['gpus']} | {s['from']} -> {s['to']} | "
+              f"{s['wall_seconds']:.2f} | {s['cpu_seconds']:.2f} | {target or ''} | "
+              f"{s['peak_rss_mib']:.0f} | "
+              f"{s['moved_bytes'] / 2**30:.1f} | {'-' if ratio is None else f'{ratio:.4f}'} | "
+              f"{s['messages']} | {s['rounds']} | "
               f"{s['est_seconds']:.2f} / {s['lower_bound_seconds']:.2f} | {s['sketch']}"
               f"{'' if s['lower_bound_exact'] else ', relaxed bound'} |")
+    print()
+    for name in dict.fromkeys(r["series"] for r in rows):
+        sel = [r for r in rows if r["series"] == name]
+        e_t, e_m = slope(sel, "cpu_seconds"), slope(sel, "peak_rss_mib")
+        if e_t is not None:
+            print(f"{name}: CPU time ~ n^{e_t:.2f}, memory ~ n^{e_m:.2f} between "
+                  f"{sel[-2]['gpus']} and {sel[-1]['gpus']} GPUs")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment, linprog
 from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components, min_weight_full_bipartite_matching
 
 from .cost import CostMatrix
 from .errors import PlanError
@@ -49,9 +50,40 @@ def _pool_class(cost: CostMatrix) -> np.ndarray:
     return cls
 
 
-def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exactly k (row, column) pairs, each row and column at most once, maximising value."""
+def _forced_pairs(value: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The pairs of ``pick_pairs`` with k = rows when they are forced (see there), else None."""
     n_rows, n_cols = value.shape
+    if n_rows == 0 or n_rows > n_cols or n_cols < 2 or float(value.min()) < 0:
+        return None
+    best = np.argmax(value, axis=1)
+    top = value[np.arange(n_rows), best]
+    second = np.partition(value, n_cols - 2, axis=1)[:, n_cols - 2]
+    pos = top > 0
+    if np.any(pos & (top <= second)):
+        return None
+    taken = best[pos]
+    if len(np.unique(taken)) != len(taken):
+        return None
+    col = np.empty(n_rows, np.int64)
+    col[pos] = taken
+    free = np.ones(n_cols, bool)
+    free[taken] = False
+    col[~pos] = np.flatnonzero(free)[:int((~pos).sum())]
+    return np.arange(n_rows), col
+
+
+def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly k (row, column) pairs, each row and column at most once, maximising value.
+
+    Where every row is placed (k = rows), values are non-negative and each row with a
+    positive best has a strictly best column no other such row wants, those pairs are an
+    optimum (each such row gets its maximum; the other rows are all zero and take the
+    lowest free columns in order): no assignment solve is needed.
+    """
+    n_rows, n_cols = value.shape
+    forced = _forced_pairs(value) if k == n_rows else None
+    if forced is not None:
+        return forced
     idle = n_cols - k
     big = float(np.abs(value).sum()) + 1.0
     padded = np.vstack([value.astype(np.float64), np.full((idle, n_cols), big)])
@@ -85,9 +117,11 @@ class _ShardLookup:
 
 
 def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray,
-                 value: np.ndarray) -> np.ndarray:
-    """Exact assignment of ranks onto devs (len(devs) >= len(ranks)); identity on ties."""
-    cls = _pool_class(cost)
+                 value: np.ndarray, cls: np.ndarray) -> np.ndarray:
+    """Exact assignment of ranks onto devs (len(devs) >= len(ranks)); identity on ties.
+
+    ``cls``: ``_pool_class(cost)``, computed once by the caller.
+    """
     block = value[cls[devs]][:, cost.rank_class[ranks]].astype(np.float64)
     block += shards.block(devs, ranks)
     bonus = (devs[:, None] == ranks[None, :]) * (0.25 / max(len(ranks), 1))
@@ -95,6 +129,63 @@ def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks
     out = np.empty(len(ranks), np.int64)
     out[r] = devs[c]
     return out
+
+
+def _match_nodes(cost: CostMatrix, shards: _ShardLookup, start: np.ndarray, size: np.ndarray,
+                 nodes: np.ndarray, members: list[np.ndarray], tp: int, value: np.ndarray,
+                 cls: np.ndarray, placement: np.ndarray) -> None:
+    """``_match_block`` for every node at once where the answer is forced.
+
+    Node k holds the ranks of tensor-parallel groups ``members[k]``. Where every rank's best
+    device in its node is strictly best and no two ranks want the same device, that
+    permutation is the unique optimum of the node's assignment, read off for all nodes with
+    a few array operations; only the other nodes are solved one by one. Fills
+    ``placement`` in place.
+    """
+    n_nodes = len(nodes)
+    dev_n = size[nodes]
+    rank_n = np.array([len(m) * tp for m in members], np.int64)
+    dm, rm = int(dev_n.max()), int(rank_n.max())
+    devs = start[nodes][:, None] + np.arange(dm)[None, :]
+    dev_ok = np.arange(dm)[None, :] < dev_n[:, None]
+    devs = np.where(dev_ok, devs, 0)
+    ranks = np.zeros((n_nodes, rm), np.int64)
+    rank_ok = np.arange(rm)[None, :] < rank_n[:, None]
+    ranks[rank_ok] = np.concatenate([(m[:, None] * tp + np.arange(tp)).ravel()
+                                     for m in members])
+    block = value[cls[devs][:, :, None], cost.rank_class[ranks][:, None, :]].astype(np.float64)
+    # shard bytes of (device, rank) pairs in the same node
+    node_pos = np.full(len(size), -1, np.int64)
+    node_pos[nodes] = np.arange(n_nodes)
+    rank_node = np.full(cost.shape[1], -1, np.int64)
+    rank_slot = np.zeros(cost.shape[1], np.int64)
+    rank_node[ranks[rank_ok]] = np.repeat(np.arange(n_nodes), rank_n)
+    rank_slot[ranks[rank_ok]] = np.nonzero(rank_ok)[1]
+    pool_node = node_pos[np.searchsorted(start, shards.pool, side="right") - 1]
+    same = (pool_node >= 0) & (pool_node == rank_node[shards.rank])
+    k = pool_node[same]
+    d_slot = shards.pool[same] - start[nodes][k]
+    flat = (k * dm + d_slot) * rm + rank_slot[shards.rank[same]]
+    block += np.bincount(flat, shards.bytes[same], minlength=n_nodes * dm * rm).reshape(
+        n_nodes, dm, rm)
+    block += (devs[:, :, None] == ranks[:, None, :]) * (0.25 / np.maximum(rank_n, 1))[:, None,
+                                                                                      None]
+    block = np.where(dev_ok[:, :, None], block, -np.inf)
+    best = np.argmax(block, axis=1)                                 # (nodes, ranks)
+    top = np.take_along_axis(block, best[:, None, :], axis=1)[:, 0, :]
+    runner = block.copy()
+    np.put_along_axis(runner, best[:, None, :], -np.inf, axis=1)
+    strict = np.all((top > runner.max(axis=1)) | ~rank_ok, axis=1)
+    picked = np.sort(np.where(rank_ok, best, -1 - np.arange(rm)[None, :]), axis=1)
+    distinct = np.all(picked[:, 1:] != picked[:, :-1], axis=1)
+    forced = strict & distinct
+    placement[ranks[forced][rank_ok[forced]]] = np.take_along_axis(
+        devs, best, axis=1)[forced][rank_ok[forced]]
+    for k in np.flatnonzero(~forced).tolist():
+        n = int(nodes[k])
+        r = ranks[k, :rank_n[k]]
+        d = np.arange(start[n], start[n] + size[n])
+        placement[r] = _match_block(cost, shards, d, r, value, cls)
 
 
 def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> csr_matrix:
@@ -113,16 +204,80 @@ def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> cs
                       shape=(groups, len(slot_first)))
 
 
-def kept_upper_bound(cost: CostMatrix) -> int:
-    """No placement keeps more: class transport optimum + each rank's best shard overlap."""
+def kept_upper_bound(cost: CostMatrix, exact_shards: bool = False) -> int:
+    """No placement keeps more: class transport optimum + a bound on the shard bytes kept.
+
+    A placement keeps the shard bytes of one matching of new ranks to devices in the
+    shard-overlap graph D. Per connected component of D, that is at most each rank's best
+    overlap summed, and at most each device's best overlap summed (a device runs one rank):
+    the smaller of the two. With ``exact_shards`` a component of up to
+    ``EXACT_COMPONENT`` ranks gets its maximum matching instead (isomorphic components,
+    e.g. the pipeline stages, solved once).
+    """
     value = _rep_value(cost)
     cls = _pool_class(cost)
     supply = np.bincount(cls, minlength=value.shape[0])
     demand = np.bincount(cost.rank_class, minlength=value.shape[1])
     _, rep = transport(value, supply, demand)
-    best = np.zeros(cost.shape[1], np.int64)
-    np.maximum.at(best, cost.dist_rank, cost.dist_bytes)
-    return int(round(rep)) + int(best.sum())
+    return int(round(rep)) + _shard_upper_bound(cost, exact_shards)
+
+
+# Components of the shard-overlap graph up to this many new ranks get an exact matching in
+# the byte lower bound (a sparse assignment, about 0.1 s at 1,024 ranks).
+EXACT_COMPONENT = 2048
+
+
+def _shard_upper_bound(cost: CostMatrix, exact: bool) -> int:
+    n_pool, world = cost.shape
+    if not len(cost.dist_rank):
+        return 0
+    graph = csr_matrix((np.ones(len(cost.dist_rank)), (cost.dist_rank, world + cost.dist_pool)),
+                       shape=(world + n_pool, world + n_pool))
+    _, label = connected_components(graph, directed=False)
+    comp = label[cost.dist_rank]
+    by_rank = np.zeros(world, np.int64)
+    np.maximum.at(by_rank, cost.dist_rank, cost.dist_bytes)
+    by_device = np.zeros(n_pool, np.int64)
+    np.maximum.at(by_device, cost.dist_pool, cost.dist_bytes)
+    n_comp = int(label.max()) + 1
+    side_r = np.bincount(label[:world], by_rank, minlength=n_comp)
+    side_d = np.bincount(label[world:], by_device, minlength=n_comp)
+    bound = np.minimum(side_r, side_d).astype(np.int64)
+    if exact:
+        order = np.argsort(comp, kind="stable")
+        starts = np.searchsorted(comp[order], np.arange(n_comp + 1))
+        ranks_in = np.bincount(label[:world], minlength=n_comp)
+        solved: dict[bytes, int] = {}
+        for c in np.flatnonzero(ranks_in <= EXACT_COMPONENT).tolist():
+            e = order[starts[c]:starts[c + 1]]
+            if not len(e):
+                continue
+            r, q, w = cost.dist_rank[e], cost.dist_pool[e], cost.dist_bytes[e]
+            r0, q0 = r - r.min(), q - q.min()
+            k = np.lexsort((q0, r0))
+            sig = np.stack([r0[k], q0[k], w[k]]).tobytes()
+            if sig not in solved:
+                solved[sig] = _max_matching(r0, q0, w)
+            bound[c] = solved[sig]
+    return int(bound.sum())
+
+
+def _max_matching(rank: np.ndarray, dev: np.ndarray, nbytes: np.ndarray) -> int:
+    """Heaviest matching of a sparse bipartite graph (ranks may stay unmatched)."""
+    _, r = np.unique(rank, return_inverse=True)
+    _, d = np.unique(dev, return_inverse=True)
+    r, d = r.ravel(), d.ravel()
+    n_r, n_d = int(r.max()) + 1, int(d.max()) + 1
+    big = float(nbytes.max()) + 1.0
+    # every rank also gets a private "unmatched" column of weight 0 (cost big)
+    rows = np.concatenate([r, np.arange(n_r)])
+    cols = np.concatenate([d, n_d + np.arange(n_r)])
+    w = np.concatenate([big - nbytes.astype(np.float64), np.full(n_r, big)])
+    ri, ci = min_weight_full_bipartite_matching(csr_matrix((w, (rows, cols)),
+                                                           shape=(n_r, n_d + n_r)))
+    real = ci < n_d
+    kept = csr_matrix((nbytes.astype(np.float64), (r, d)), shape=(n_r, n_d))
+    return int(round(float(np.asarray(kept[ri[real], ci[real]]).sum())))
 
 
 def assign_classes(cost: CostMatrix) -> np.ndarray:
@@ -179,8 +334,8 @@ def assign_classes_tp_in_node(cost: CostMatrix, tp: int, gpus_per_node: int) -> 
             members = np.delete(members, r)
     shards = _ShardLookup(cost)
     placement = np.empty(world, np.int64)
-    for n in np.unique(group_node):
-        ranks = (np.flatnonzero(group_node == n)[:, None] * tp + np.arange(tp)).ravel()
-        devs = np.arange(start[n], start[n] + size[n])
-        placement[ranks] = _match_block(cost, shards, devs, ranks, value)
+    by_node = np.argsort(group_node, kind="stable")
+    nodes, first = np.unique(group_node[by_node], return_index=True)
+    _match_nodes(cost, shards, start, size, nodes, np.split(by_node, first[1:]), tp, value, cls,
+                 placement)
     return placement

@@ -1,11 +1,15 @@
 """Fine-grained instructions: which device sends which region to which new rank.
 
 Every fragment a new rank needs either is already on its device (a local copy) or gets one
-source among all surviving old devices holding a replica (lost devices send nothing):
-same-node holders first, then the holder
-with the least bytes to send so far (longest-first greedy, which keeps the most loaded
-sender close to the minimum). Transfers between one pair of devices are then coalesced into
-one message whose offset table says where each region is packed.
+source among the surviving old devices holding a replica (lost devices send nothing):
+the holders on the destination's node if any, else all of them. All of it is vectorised
+(no Python loop per transfer): holders are spelled once per holder set; what a new rank
+needs from one candidate list is a bundle sent by one device (one message, not one per
+fragment); bundles with one candidate are forced; a bundle at most as big as a forced one
+to the same new rank rides with that message where its sender holds the rows; the rest
+are dealt biggest first, boustrophedon, over the list ordered by the bytes its members
+already send. Transfers between one pair of devices are then coalesced into one message
+whose offset table says where each region is packed.
 """
 from __future__ import annotations
 
@@ -59,16 +63,96 @@ def holder_keys(old_tab: RegionTable) -> np.ndarray:
     return np.sort(ranks * len(old_tab) + rows)
 
 
+def _holder_sets(old: Layout, old_tab: RegionTable, rows: np.ndarray, alive: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows holding alike share one holder set: (set of each row, CSR ptr, ranks ascending).
+
+    A row's holders are its classes times its dp rank (or every dp rank), so rows with the
+    same classes and dp rank have the same surviving holders; each set is spelled once.
+    """
+    cfg = old.config
+    ptr, idx = old_tab.class_ptr, old_tab.class_idx
+    n_cls = (ptr[rows + 1] - ptr[rows]).astype(np.int64)
+    width = int(n_cls.max(initial=1))
+    pad = np.full((len(rows), width), -1, np.int64)
+    col = np.arange(width)
+    filled = col[None, :] < n_cls[:, None]
+    pad[filled] = idx[(ptr[rows][:, None] + col[None, :])[filled]]
+    key = np.column_stack([old_tab.dp_rank[rows].astype(np.int64), pad])
+    uniq, row_set = np.unique(key, axis=0, return_inverse=True)
+    # every (set, holder rank), sorted by set then rank
+    dp_of = uniq[:, 0]
+    cls = uniq[:, 1:]
+    s_idx, c_pos = np.nonzero(cls >= 0)
+    c = cls[s_idx, c_pos]
+    reps = np.where(dp_of[s_idx] < 0, cfg.dp, 1)
+    s_all = np.repeat(s_idx, reps)
+    c_all = np.repeat(c, reps)
+    within = np.arange(len(s_all)) - np.repeat(np.cumsum(reps) - reps, reps)
+    d_all = np.where(np.repeat(dp_of[s_idx] < 0, reps), within, np.repeat(dp_of[s_idx], reps))
+    ranks = (c_all % cfg.tp) + cfg.tp * (d_all + cfg.dp * (c_all // cfg.tp))
+    if alive is not None:
+        keep = alive[ranks]
+        s_all, ranks = s_all[keep], ranks[keep]
+    order = np.lexsort((ranks, s_all))
+    s_all, ranks = s_all[order], ranks[order]
+    set_ptr = np.searchsorted(s_all, np.arange(len(uniq) + 1))
+    return row_set.ravel().astype(np.int64), set_ptr.astype(np.int64), ranks.astype(np.int64)
+
+
+def _prefer_forced_senders(b_pick: np.ndarray, forced: np.ndarray, b_bytes: np.ndarray,
+                           b_rank: np.ndarray, b_node: np.ndarray, b_set: np.ndarray,
+                           set_ptr: np.ndarray, set_rank: np.ndarray, rank_node: np.ndarray
+                           ) -> None:
+    """A bundle rides with a forced bundle to the same new rank where that forced sender is
+    a candidate (holds the rows; on the list's node for a same-node list) and the forced
+    bundle is at least as big: one message instead of two, so fewer rounds, and that
+    sender's load at most doubles on that message. Fills ``b_pick`` in place (the sender
+    of the biggest such forced bundle, then the lowest rank).
+
+    ``b_node``: the node of each same-node bundle's list, -1 for a whole-set list;
+    ``b_set``: its holder set; ``rank_node``: the node of each old rank.
+    """
+    cand = np.flatnonzero(~forced)
+    if not len(cand) or not forced.any():
+        return
+    f_idx = np.flatnonzero(forced)
+    by_dst = f_idx[np.lexsort((b_pick[f_idx], -b_bytes[f_idx], b_rank[f_idx]))]
+    f_dst, f_src, f_bytes = b_rank[by_dst], b_pick[by_dst], b_bytes[by_dst]
+    lo = np.searchsorted(f_dst, b_rank[cand], side="left")
+    n = np.searchsorted(f_dst, b_rank[cand], side="right") - lo
+    b = np.repeat(cand, n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo, n)
+    sender = f_src[k]
+    width = int(set_rank.max(initial=0)) + 1
+    member = np.repeat(np.arange(len(set_ptr) - 1), np.diff(set_ptr)) * width + set_rank
+    probe = b_set[b] * width + sender
+    pos = np.minimum(np.searchsorted(member, probe), len(member) - 1)
+    ok = ((member[pos] == probe) & (f_bytes[k] >= b_bytes[b])
+          & ((b_node[b] < 0) | (b_node[b] == rank_node[sender])))
+    if ok.any():
+        b_ok, s_ok = b[ok], sender[ok]
+        first = np.r_[True, b_ok[1:] != b_ok[:-1]]
+        b_pick[b_ok[first]] = s_ok[first]
+
+
 def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_bytes: np.ndarray,
                    f: np.ndarray, dst_rank: np.ndarray, dst_dev: np.ndarray,
                    gpus_per_node: int, alive: np.ndarray | None = None
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Source (device, old rank) for every (fragment, new rank) pair.
 
-    Local when the destination device holds the fragment's old row; otherwise greedy
-    longest-first balancing of bytes sent, same-node holders preferred. ``alive`` (per old
-    rank; default all) limits the sources to surviving ranks: destinations are never lost
-    devices, so a local copy is always from a survivor.
+    Local when the destination device holds the fragment's old row. Otherwise the candidates
+    are the row's surviving holders on the destination's node, or all of them when none is
+    there. Everything one new rank needs from one candidate list is a bundle with one
+    sender. A bundle with one candidate is forced; a bundle no bigger than a forced bundle
+    to the same new rank goes with that sender where it is a candidate (one message
+    instead of two); the rest are dealt over their list biggest first in boustrophedon order
+    (0, 1, .., m-1, m-1, .., 0, ...), the list ordered by the forced bytes its members
+    already send, which evens out what each sender sends the way longest-first greedy does,
+    for all bundles at once. ``alive`` (per old rank; default all) limits the sources to
+    surviving ranks: destinations are never lost devices, so a local copy is always from a
+    survivor.
 
     Raises:
         PlanError: a fragment has no surviving holder (``lost.require_survivors`` rules
@@ -85,31 +169,84 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
     src_rank = np.where(local, dst_old, -1)
 
     remote = np.flatnonzero(~local)
-    if len(remote):
-        ranks, rows = old_tab.rank_rows
-        if alive is not None:
-            keep = alive[ranks]
-            ranks, rows = ranks[keep], rows[keep]
-        by_row = np.lexsort((ranks, rows))
-        rows_sorted, ranks_sorted = rows[by_row], ranks[by_row]
-        start = np.searchsorted(rows_sorted, np.arange(len(old_tab)))
-        end = np.searchsorted(rows_sorted, np.arange(len(old_tab)), side="right")
-        load = np.zeros(len(old_dev), np.int64)
-        node_of = old_dev // gpus_per_node
-        nb = frag_bytes[f[remote]]
-        order = remote[np.lexsort((dst_rank[remote], f[remote], -nb))]
-        rows_of = frag.old_row[f[order]]
-        dst_node = dst_dev[order] // gpus_per_node
-        for idx, row, node in zip(order.tolist(), rows_of.tolist(), dst_node.tolist()):
-            cand = ranks_sorted[start[row]:end[row]]
-            if not len(cand):
-                raise PlanError(f"invalid migration plan: old row {row} has no surviving "
-                                "holder")
-            near = cand[node_of[cand] == node]
-            pick = near if len(near) else cand
-            best = int(pick[np.argmin(load[pick])])
-            load[best] += frag_bytes[f[idx]]
-            src_rank[idx] = best
+    if not len(remote):
+        return old_dev[src_rank], src_rank
+    rows = frag.old_row[f[remote]]
+    used, row_of = np.unique(rows, return_inverse=True)
+    row_set, set_ptr, set_rank = _holder_sets(old, old_tab, used, alive)
+    t_set = row_set[row_of.ravel()]
+    empty = set_ptr[t_set + 1] == set_ptr[t_set]
+    if np.any(empty):
+        raise PlanError(f"invalid migration plan: old row {int(rows[np.flatnonzero(empty)[0]])} "
+                        "has no surviving holder")
+    # candidate lists: a set's holders on one node ("near"), else the whole set
+    n_nodes = max(int(old_dev.max()), int(dst_dev.max())) // gpus_per_node + 1
+    member_set = np.repeat(np.arange(len(set_ptr) - 1), np.diff(set_ptr))
+    near_key = member_set * n_nodes + old_dev[set_rank] // gpus_per_node
+    by_key = np.lexsort((set_rank, near_key))       # stable in rank within a key
+    near_sorted, near_rank = near_key[by_key], set_rank[by_key]
+    near_keys, near_first, near_count = np.unique(near_sorted, return_index=True,
+                                                  return_counts=True)
+    probe = t_set * n_nodes + dst_dev[remote] // gpus_per_node
+    k = np.minimum(np.searchsorted(near_keys, probe), max(len(near_keys) - 1, 0))
+    near = near_keys[k] == probe
+    group = np.where(near, k, len(near_keys) + t_set)
+    cand_first = np.where(near, near_first[k], set_ptr[t_set])
+    cand_count = np.where(near, near_count[k], set_ptr[t_set + 1] - set_ptr[t_set])
+    # what one new rank needs from one candidate list travels from one sender (one message,
+    # not one per fragment); these bundles are dealt to the list, biggest first (ties: new
+    # rank)
+    nb = frag_bytes[f[remote]]
+    bundle_key = group * (int(dst_rank.max()) + 1) + dst_rank[remote]
+    bundles, of_bundle = np.unique(bundle_key, return_inverse=True)
+    of_bundle = of_bundle.ravel()
+    b_bytes = np.bincount(of_bundle, nb).astype(np.int64)
+    first_t = np.zeros(len(bundles), np.int64)
+    first_t[of_bundle[::-1]] = np.arange(len(of_bundle))[::-1]
+    b_group = group[first_t]
+    b_rank = dst_rank[remote][first_t]
+    b_first = cand_first[first_t]
+    b_count = cand_count[first_t]
+    b_near = near[first_t]
+    # bundles with one candidate are forced; the others are dealt over each candidate list
+    # ordered by the forced bytes its members already send (least first; ties rotated by
+    # the list's id, so lists sharing senders do not all start on the lowest rank)
+    forced = b_count == 1
+    pool_rank = np.where(b_near, near_rank[np.minimum(b_first, max(len(near_rank) - 1, 0))],
+                         set_rank[np.minimum(b_first, len(set_rank) - 1)])
+    load0 = np.bincount(pool_rank[forced], b_bytes[forced], minlength=len(old_dev))
+    b_pick = np.where(forced, pool_rank, -1)
+    b_node = np.where(b_near, near_keys[np.minimum(b_group, max(len(near_keys) - 1, 0))]
+                      % n_nodes, -1) if len(near_keys) else np.full(len(b_group), -1)
+    _prefer_forced_senders(b_pick, forced, b_bytes, b_rank, b_node, t_set[first_t], set_ptr,
+                           set_rank, old_dev // gpus_per_node)
+    free = np.flatnonzero(b_pick < 0)
+    if len(free):
+        groups, g_of = np.unique(b_group[free], return_inverse=True)
+        g_of = g_of.ravel()
+        g_rep = np.zeros(len(groups), np.int64)
+        g_rep[g_of[::-1]] = free[::-1]
+        m_g = b_count[g_rep]
+        c_g = np.repeat(np.arange(len(groups)), m_g)
+        c_pos = np.arange(int(m_g.sum())) - np.repeat(np.cumsum(m_g) - m_g, m_g)
+        at = np.repeat(b_first[g_rep], m_g) + c_pos
+        c_rank = np.where(np.repeat(b_near[g_rep], m_g),
+                          near_rank[np.minimum(at, max(len(near_rank) - 1, 0))],
+                          set_rank[np.minimum(at, len(set_rank) - 1)])
+        rotated = (c_pos + np.repeat(groups, m_g)) % np.repeat(m_g, m_g)
+        c_order = np.lexsort((rotated, load0[c_rank], c_g))
+        c_rank = c_rank[c_order]
+        g_start = np.cumsum(m_g) - m_g
+        # bundles of a list biggest first (ties: new rank), dealt 0, 1, .., m-1, m-1, .., 0
+        order = free[np.lexsort((b_rank[free], -b_bytes[free], g_of))]
+        g_o = np.searchsorted(groups, b_group[order])
+        first_in = np.flatnonzero(np.r_[True, g_o[1:] != g_o[:-1]])
+        i = np.arange(len(order)) - np.repeat(first_in, np.diff(np.append(first_in, len(order))))
+        m = m_g[g_o]
+        lap, j = i // m, i % m
+        slot = np.where(lap % 2 == 0, j, m - 1 - j)
+        b_pick[order] = c_rank[g_start[g_o] + slot]
+    src_rank[remote] = b_pick[of_bundle]
     return old_dev[src_rank], src_rank
 
 

@@ -3,16 +3,21 @@
 Both tables' rows are (box, row-major interval) pairs. For two rows of one tensor group the
 overlap lies in the box X = box_old ∩ box_new, and each row's interval restricted to X is an
 interval of X's own row-major order (lexicographic order restricts to sub-boxes). So the
-overlap is one interval ``[u, v)`` of X, found with a few integer operations per pair, all
-vectorised over candidate pairs.
+overlap is one interval ``[u, v)`` of X, found with a few integer operations per pair.
+
+Rows of one box hold disjoint intervals (the distributed optimizer's dp ranks cut a box
+into consecutive pieces), and restriction to X keeps their order; so for a pair of boxes
+the overlaps are a merge of two sorted interval lists, done for all box pairs at once with
+one ``searchsorted`` on a common line. The cost follows the rows and the overlaps found,
+never the all-pairs product of the rows of a (tensor, layer).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import PlanError
 from .regions import NDIM, RegionTable
 
 
@@ -100,49 +105,103 @@ def _join(keys_a: np.ndarray, keys_b: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return oa[i], ob[j]
 
 
-def intersect(old: RegionTable, new: RegionTable, chunk: int = 2_000_000) -> Fragments:
+def _box_runs(tab: RegionTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows grouped into runs of one (group, layer, box), each run sorted by interval start.
+
+    Returns (order, first, count): ``order`` lists row indices run by run; run ``b`` is
+    ``order[first[b]:first[b] + count[b]]``.
+    """
+    if not len(tab):
+        z = np.empty(0, np.int64)
+        return z, z, z
+    cols = (tab.s, *tab.hi.T[::-1], *tab.lo.T[::-1], tab.layer, tab.group)
+    order = np.lexsort(cols)
+    key = np.column_stack([c[order] for c in cols[1:]])
+    change = np.ones(len(order), bool)
+    change[1:] = np.any(key[1:] != key[:-1], axis=1)
+    first = np.flatnonzero(change)
+    count = np.diff(np.append(first, len(order)))
+    return order.astype(np.int64), first, count
+
+
+def _box_candidates(old: RegionTable, new: RegionTable, o_rep: np.ndarray, n_rep: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of runs (old, new) that may overlap: same group, and same layer where both
+    runs are per-layer rows (a run spanning a layer range meets every run of its group).
+
+    ``o_rep`` / ``n_rep``: a representative row of each run.
+    """
+    n_layer_keys = 1 << 20
+    og, ng = old.group[o_rep].astype(np.int64), new.group[n_rep].astype(np.int64)
+    ol, nl = old.layer[o_rep], new.layer[n_rep]
+    old_layered, new_layered = ol >= 0, nl >= 0
+    parts = []
+    oi, ni = np.flatnonzero(old_layered), np.flatnonzero(new_layered)
+    a, b = _join(og[oi] * n_layer_keys + ol[oi], ng[ni] * n_layer_keys + nl[ni])
+    parts.append((oi[a], ni[b]))
+    for om, nm in ((~old_layered, np.ones(len(n_rep), bool)), (old_layered, ~new_layered)):
+        oi, ni = np.flatnonzero(om), np.flatnonzero(nm)
+        a, b = _join(og[oi], ng[ni])
+        parts.append((oi[a], ni[b]))
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _expand_runs(first: np.ndarray, count: np.ndarray, runs: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(pair index, position in ``order``) for every row of every run in ``runs``."""
+    n = count[runs]
+    pair = np.repeat(np.arange(len(runs)), n)
+    pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first[runs], n)
+    return pair, pos
+
+
+def intersect(old: RegionTable, new: RegionTable) -> Fragments:
     """Every non-empty overlap between a row of ``old`` and a row of ``new``.
 
-    Rows are joined on (group, layer) where both are per-layer rows and on group otherwise,
-    so candidate pairs stay close to the number of real overlaps.
+    Output-sensitive: rows are grouped into runs of one box (their intervals are disjoint
+    and sorted), pairs of runs whose boxes meet are found per (group, layer) over boxes, not
+    rows, and inside a pair of runs the overlaps come from one merge of two sorted interval
+    lists. Cost: rows of each run times the boxes it meets, plus the overlaps found.
     """
-    parts = []
-    for old_rows, new_rows in _candidates(old, new):
-        for c in range(0, len(old_rows), chunk):
-            parts.append(_overlap(old, new, old_rows[c:c + chunk], new_rows[c:c + chunk]))
-    if not parts:
-        z = np.empty(0, np.int64)
-        return Fragments(z, z, np.empty((0, NDIM), np.int64), np.empty((0, NDIM), np.int64), z, z)
-    cat = [np.concatenate(x) for x in zip(*parts)]
-    frag = Fragments(*cat)
-    order = np.lexsort((frag.old_row, frag.new_row))
-    return Fragments(*(x[order] for x in cat))
-
-
-def _candidates(old: RegionTable, new: RegionTable
-                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    n_layer_keys = 1 << 20
-    old_layered, new_layered = old.layer >= 0, new.layer >= 0
-    # per-layer rows against per-layer rows: key (group, layer)
-    oi, ni = np.flatnonzero(old_layered), np.flatnonzero(new_layered)
-    a, b = _join(old.group[oi].astype(np.int64) * n_layer_keys + old.layer[oi],
-                 new.group[ni].astype(np.int64) * n_layer_keys + new.layer[ni])
-    yield oi[a], ni[b]
-    # any pair involving a row spanning a layer range (or a non-layer tensor): key group
-    for om, nm in ((~old_layered, np.ones(len(new), bool)), (old_layered, ~new_layered)):
-        oi, ni = np.flatnonzero(om), np.flatnonzero(nm)
-        a, b = _join(old.group[oi].astype(np.int64), new.group[ni].astype(np.int64))
-        yield oi[a], ni[b]
-
-
-def _overlap(old: RegionTable, new: RegionTable, oi: np.ndarray, ni: np.ndarray
-             ) -> tuple[np.ndarray, ...]:
-    xlo = np.maximum(old.lo[oi], new.lo[ni])
-    xhi = np.minimum(old.hi[oi], new.hi[ni])
+    o_order, o_first, o_count = _box_runs(old)
+    n_order, n_first, n_count = _box_runs(new)
+    ro, rn = _box_candidates(old, new, o_order[o_first], n_order[n_first])
+    rep_o, rep_n = o_order[o_first[ro]], n_order[n_first[rn]]
+    xlo = np.maximum(old.lo[rep_o], new.lo[rep_n])
+    xhi = np.minimum(old.hi[rep_o], new.hi[rep_n])
     ok = np.all(xhi > xlo, axis=1)
-    oi, ni, xlo, xhi = oi[ok], ni[ok], xlo[ok], xhi[ok]
-    u0, v0 = _restrict(old, oi, xlo, xhi)
-    u1, v1 = _restrict(new, ni, xlo, xhi)
-    u, v = np.maximum(u0, u1), np.minimum(v0, v1)
-    ok = v > u
-    return oi[ok], ni[ok], xlo[ok], xhi[ok], u[ok], v[ok]
+    ro, rn, xlo, xhi = ro[ok], rn[ok], xlo[ok], xhi[ok]
+    # each pair of runs gets its own stretch [base, base + |X|) of one global line
+    n_x = np.prod(xhi - xlo, axis=1)
+    base = np.cumsum(n_x) - n_x
+    sides = []
+    for tab, order, first, count, runs in ((old, o_order, o_first, o_count, ro),
+                                           (new, n_order, n_first, n_count, rn)):
+        pair, pos = _expand_runs(first, count, runs)
+        rows = order[pos]
+        u, v = _restrict(tab, rows, xlo[pair], xhi[pair])
+        keep = v > u
+        sides.append((rows[keep], pair[keep], u[keep] + base[pair[keep]],
+                      v[keep] + base[pair[keep]]))
+    (o_rows, o_pair, ou, ov), (n_rows, _, nu, nv) = sides
+    # a run's intervals are disjoint and sorted, and restriction keeps their order: both
+    # lists are sorted on the global line, so each old interval meets a contiguous range
+    _require_sorted(ou, ov, "old")
+    _require_sorted(nu, nv, "new")
+    lo_j = np.searchsorted(nv, ou, side="right")
+    hi_j = np.searchsorted(nu, ov, side="left")
+    n = np.maximum(hi_j - lo_j, 0)
+    i = np.repeat(np.arange(len(ou)), n)
+    j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo_j, n)
+    u, v = np.maximum(ou[i], nu[j]), np.minimum(ov[i], nv[j])
+    pair = o_pair[i]
+    frag = (o_rows[i], n_rows[j], xlo[pair], xhi[pair], u - base[pair], v - base[pair])
+    order = np.lexsort((frag[0], frag[1]))
+    return Fragments(*(x[order] for x in frag))
+
+
+def _require_sorted(u: np.ndarray, v: np.ndarray, side: str) -> None:
+    bad = np.flatnonzero(v[:-1] > u[1:])
+    if len(bad):
+        raise PlanError(f"invalid migration plan: {len(bad)} {side} regions overlap inside "
+                        f"one box (first at line position {int(u[bad[0] + 1])})")

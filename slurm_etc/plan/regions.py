@@ -128,35 +128,49 @@ def _box_size(lo: Sequence[int], hi: Sequence[int]) -> int:
     return n
 
 
-# (group, layer, lo, hi, start, end, dp rank): one row of a region table
-_RowKey = tuple[int, int, tuple[int, ...], tuple[int, ...], int, int, int]
-
-
 class _Builder:
-    """Collects rows, merging replicas (same region, same dp rank) across classes."""
+    """Collects rows as column chunks, then merges replicas (same region, same dp rank)
+    across classes with one sort: no Python object per row."""
 
     def __init__(self) -> None:
-        self.rows: dict[_RowKey, list[int]] = {}
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+        self.scalars: list[tuple[int, ...]] = []
 
     def add(self, group: int, layer: int, lo: Sequence[int], hi: Sequence[int], s: int, e: int,
             dp_rank: int, cls: int) -> None:
-        key = (group, layer, tuple(lo), tuple(hi), s, e, dp_rank)
-        self.rows.setdefault(key, []).append(cls)
+        self.scalars.append((group, layer, *lo, *hi, s, e, dp_rank, cls))
+
+    def add_columns(self, group: np.ndarray, layer: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                    s: np.ndarray, e: np.ndarray, dp_rank: np.ndarray, cls: int) -> None:
+        n = len(group)
+        self.chunks.append((group, layer, *lo.T, *hi.T, s, e, dp_rank,
+                            np.full(n, cls, np.int64)))
 
     def table(self, config: ParallelConfig) -> RegionTable:
-        keys = sorted(self.rows)
-        n = len(keys)
-        group = np.fromiter((k[0] for k in keys), np.int32, n)
-        layer = np.fromiter((k[1] for k in keys), np.int32, n)
-        lo = np.array([k[2] for k in keys], np.int64).reshape(n, NDIM)
-        hi = np.array([k[3] for k in keys], np.int64).reshape(n, NDIM)
-        s = np.fromiter((k[4] for k in keys), np.int64, n)
-        e = np.fromiter((k[5] for k in keys), np.int64, n)
-        dp = np.fromiter((k[6] for k in keys), np.int32, n)
-        classes = [sorted(self.rows[k]) for k in keys]
-        ptr = np.zeros(n + 1, np.int64)
-        ptr[1:] = np.cumsum([len(c) for c in classes])
-        idx = np.fromiter((c for cs in classes for c in cs), np.int32, int(ptr[-1]))
+        chunks = list(self.chunks)
+        if self.scalars:
+            chunks.append(tuple(np.array(self.scalars, np.int64).T))
+        width = 2 + 2 * NDIM + 4
+        cols = ([np.concatenate([np.asarray(c[k], np.int64) for c in chunks]) for k in
+                 range(width)] if chunks else [np.empty(0, np.int64)] * width)
+        key, cls = cols[:-1], cols[-1]
+        # rows in key order (group, layer, lo, hi, s, e, dp rank), classes ascending
+        order = np.lexsort((cls, *key[::-1]))
+        key = [k[order] for k in key]
+        cls = cls[order]
+        n_all = len(cls)
+        change = np.ones(n_all, bool)
+        if n_all:
+            change[1:] = np.any(np.stack([k[1:] != k[:-1] for k in key]), axis=0)
+        first = np.flatnonzero(change)
+        n = len(first)
+        ptr = np.append(first, n_all).astype(np.int64)
+        k = [x[first] for x in key]
+        group, layer = k[0].astype(np.int32), k[1].astype(np.int32)
+        lo = np.stack(k[2:2 + NDIM], axis=1).reshape(n, NDIM)
+        hi = np.stack(k[2 + NDIM:2 + 2 * NDIM], axis=1).reshape(n, NDIM)
+        s, e, dp = k[-3], k[-2], k[-1].astype(np.int32)
+        idx = cls.astype(np.int32)
         arrays = (group, layer, lo, hi, s, e, dp, ptr, idx)
         for a in arrays:
             a.setflags(write=False)
@@ -278,40 +292,78 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
                     continue
                 for lo, hi in local_boxes(g, t, tp, layers):
                     b.add(gi, -1, lo, hi, 0, _box_size(lo, hi), -1, cls)
-            if catalog.distributed_optimizer:
-                _add_dist_rows(b, catalog, config, t, p)
+        if catalog.distributed_optimizer:
+            _add_dist_rows(b, catalog, config, p)
     return b.table(config)
 
 
-def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, t: int, p: int
-                   ) -> None:
-    cls = t + config.tp * p
-    entries, buckets = dist_buffer(catalog, config, t, p)
-    starts = np.array([off for _, _, off in entries], np.int64)
+def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int) -> None:
+    """The distributed optimizer's rows of every tp rank of pipeline stage p.
+
+    The flat buffer's layout (offsets, buckets) is the same for every tp rank of a stage
+    (each holds an equal slice of every parameter), so the pieces each dp rank's range cuts
+    are found once, vectorised over dp ranks, and shifted along the tp axis per tp rank.
+    """
+    tp = config.tp
+    entries, buckets = dist_buffer(catalog, config, 0, p)
     aliases: dict[int, tuple[int, ...]] = {}
     for gi, g in enumerate(catalog.groups):
         main = _alias_of(catalog, g, config) if g.dist else None
         if main is not None:
             aliases[main] = (main, gi)
-    # each entry's boxes with their sizes, computed once
-    pieces = []
-    for gi, layer, _ in entries:
+    # every box of every entry, in buffer order, with its tp rank 0 position and tp shift
+    p_group: list[int] = []
+    p_layer: list[int] = []
+    p_lo: list[list[int]] = []
+    p_hi: list[list[int]] = []
+    p_shift: list[list[int]] = []
+    p_start: list[int] = []
+    p_size: list[int] = []
+    for gi, layer, off in entries:
         g = catalog.groups[gi]
         span = (layer, layer + 1) if g.stacked else (0, 1)
-        boxes = [(lo, hi, _box_size(lo, hi)) for lo, hi in local_boxes(g, t, config.tp, span)]
-        pieces.append((gi, layer if g.stacked else -1, boxes))
-    for b_start, b_end in buckets:
-        part = (b_end - b_start) // config.dp
-        for d in range(config.dp):
-            r0, r1 = b_start + d * part, b_start + (d + 1) * part
-            k = max(int(np.searchsorted(starts, r0, side="right")) - 1, 0)
-            while k < len(entries) and starts[k] < r1:
-                gi, layer, boxes = pieces[k]
-                base = int(starts[k])
-                for lo, hi, size in boxes:
-                    a, z = max(r0 - base, 0), min(r1 - base, size)
-                    if a < z:
-                        for alias in aliases.get(gi, (gi,)):
-                            b.add(alias, layer, lo, hi, a, z, d, cls)
-                    base += size
-                k += 1
+        base = off
+        for lo, hi in local_boxes(g, 0, tp, span):
+            size = _box_size(lo, hi)
+            step = [0] * NDIM
+            if g.tp_axis is not None:
+                step[g.tp_axis] = hi[g.tp_axis] - lo[g.tp_axis]
+            for alias in aliases.get(gi, (gi,)):
+                p_group.append(alias)
+                p_layer.append(layer if g.stacked else -1)
+                p_lo.append(lo)
+                p_hi.append(hi)
+                p_shift.append(step)
+                p_start.append(base)
+                p_size.append(size)
+            base += size
+    if not p_start:
+        return
+    start = np.array(p_start, np.int64)
+    end = start + np.array(p_size, np.int64)
+    lo0, hi0 = np.array(p_lo, np.int64), np.array(p_hi, np.int64)
+    shift = np.array(p_shift, np.int64)
+    group, layers = np.array(p_group, np.int64), np.array(p_layer, np.int64)
+    # every dp rank's range of every bucket, then the pieces it cuts: pieces are in buffer
+    # order and disjoint (an alias repeats its main entry's range), so the pieces a range
+    # [r0, r1) meets are the slice from the first ending after r0 to the last starting
+    # before r1
+    bs = np.array([x for x, _ in buckets], np.int64)
+    be = np.array([y for _, y in buckets], np.int64)
+    part = (be - bs) // config.dp
+    r0 = (bs[:, None] + np.arange(config.dp)[None, :] * part[:, None]).ravel()
+    r1 = r0 + np.repeat(part, config.dp)
+    d = np.tile(np.arange(config.dp, dtype=np.int64), len(bs))
+    first = np.searchsorted(end, r0, side="right")
+    last = np.searchsorted(start, r1, side="left")
+    n = np.maximum(last - first, 0)
+    which = np.repeat(np.arange(len(r0)), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
+    a = np.maximum(r0[which] - start[k], 0)
+    z = np.minimum(r1[which] - start[k], end[k] - start[k])
+    ok = a < z
+    which, k, a, z = which[ok], k[ok], a[ok], z[ok]
+    for t in range(tp):
+        off = t * shift[k]
+        b.add_columns(group[k], layers[k], lo0[k] + off, hi0[k] + off, a, z, d[which],
+                      t + tp * p)
