@@ -25,6 +25,7 @@ from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.store.location import snapshot_path
 
 FAKE = Path(__file__).resolve().parents[2] / "bench" / "fake_worker.py"
 SLURM_ETC = os.path.join(os.path.dirname(sys.executable), "slurm-etc")
@@ -94,7 +95,7 @@ def test_training_goes_on_through_a_full_disk_and_the_record_catches_up(small_fs
             and ("disk is full" in r.getMessage() or "No space" in r.getMessage())]
     assert len(disk) <= 2, [r.getMessage()[:120] for r in disk]  # the record's + snapshot's
     assert any("caught up" in r.getMessage() for r in caplog.records)
-    for path in (db, states / f"{job}.db"):  # the record and its published snapshot
+    for path in (db, snapshot_path(states, job)):  # the record and its published snapshot
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             state, = con.execute("SELECT state FROM jobs").fetchone()
