@@ -21,6 +21,8 @@ from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.store import jobs as record
+from slurm_etc.store.db import open_store_readonly
 
 LINE = re.compile(r"vrank \d+ exited with 0 before joining the job: TRAIN_CMD must run a "
                   r"script that ends in run_worker\(trainer\)")
@@ -94,3 +96,28 @@ def test_joiner_that_never_joins_pauses_nobody_and_the_job_finishes(tmp_path, ca
     aborted = [r.getMessage() for r in caplog.records
                if "aborted" in r.getMessage() and "before joining the job" in r.getMessage()]
     assert aborted and "vrank 1 exited with 0 before joining the job" in aborted[0], aborted
+
+
+def test_first_worker_silent_past_the_join_timeout_fails_the_job_in_one_line(tmp_path):
+    # a command that hangs without ever joining (waits on something forever)
+    spec = JobSpec("silent-1", "t", (sys.executable, "-c", "import time; time.sleep(600)"),
+                   TrainingJob(PRESETS["tiny"], 8, 1, False), EffectivePolicy(grow=False),
+                   DEMO_HARDWARE, worker_timeout_s=60.0, join_timeout_s=2.0)
+    backend = LocalBackend(script_from_options(1, 1), log_dir=tmp_path / "workers")
+    t0 = time.monotonic()
+    out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),
+                  state_dir=str(tmp_path / "state"), secret_dir=tmp_path / "keys",
+                  deadline_s=60)
+    took = time.monotonic() - t0
+    assert out["state"] == "failed", out
+    assert took < 20, f"took {took:.1f} s"
+    store = open_store_readonly(tmp_path / "job.db")
+    try:
+        detail = record.job_detail(store, "silent-1")
+    finally:
+        store.close()
+    assert detail is not None
+    reason = detail.job.reason or ""
+    assert reason.startswith("vrank 0 did not say hello within 2 s of its launch"), reason
+    assert "TRAIN_CMD must run a script that ends in run_worker(trainer)" in reason
+    assert "\n" not in reason
