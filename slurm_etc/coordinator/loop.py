@@ -121,6 +121,11 @@ class JobSpec:
             heartbeat every HEARTBEAT_S) waits for it before it exits.
         join_timeout_s: how long a launched worker has to say Hello; one that does not, or
             exits before, never joined (see :meth:`Coordinator._never_joined`).
+        order_after_joined: order the old layout of a resize only once every joiner said
+            Hello (it trains on meanwhile, and a joiner that never joins pauses nobody).
+            False: at once, the old layout waiting in the resize's rendezvous for the
+            joiners (the demo: its scripted events fire at steps only while no resize is in
+            flight, and keep their spacing only if the old layout stops meanwhile).
     """
 
     job_id: str
@@ -134,6 +139,7 @@ class JobSpec:
     recovery: Recovery = field(default_factory=Recovery)
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    order_after_joined: bool = True
 
 
 @dataclass
@@ -789,7 +795,7 @@ class Coordinator:
         fl = self.inflight
         if fl is None or fl.sent_at or not fl.stayers:
             return
-        if fl.joiners & (set(self.unjoined) | fl.dead):
+        if self.spec.order_after_joined and fl.joiners & (set(self.unjoined) | fl.dead):
             return
         self._order_stayers()
 
