@@ -11,6 +11,16 @@ Run on this machine through a scripted sequence of layouts (4 local processes)::
 
     .venv/bin/python examples/train_gpt.py \
         --sequence "dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> dp=4,tp=1,pp=1" --steps 4
+
+Started by the coordinator (``slurm-etc run ... -- python examples/train_gpt.py``, or the
+default ``TRAIN_CMD`` of ``scripts/elastic.sbatch``), the same script is one worker of an
+elastic job: it sees the worker's environment (``SLURM_ETC_JOB``, ``SLURM_ETC_SECRET_FILE``)
+and ends in ``run_worker(trainer)``, as a user's own script does. The coordinator plans with
+the model described in ``examples/train_gpt.model.json`` (this script's model) and a global
+batch of 16 in micro-batches of 2::
+
+    slurm-etc run --model examples/train_gpt.model.json --global-batch 16 --micro-batch 2 \
+        --hardware cpu --nodes 2 --gpus-per-node 1 -- python examples/train_gpt.py
 """
 from __future__ import annotations
 
@@ -96,6 +106,13 @@ def make_trainer(train_steps: int):
         train_steps=train_steps, name="example-gpt")
 
 
+def started_by_coordinator(environ=os.environ) -> bool:
+    """Whether a slurm-etc backend launched this process as a worker of a job."""
+    from slurm_etc.coordinator.env import JOB, SECRET_FILE
+
+    return bool(environ.get(JOB)) and bool(environ.get(SECRET_FILE))
+
+
 def main() -> int:
     from slurm_etc.plan.errors import ConfigError
     from slurm_etc.worker.local_run import run_local
@@ -104,9 +121,17 @@ def main() -> int:
     parser.add_argument("--sequence", default="dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> "
                                               "dp=4,tp=1,pp=1")
     parser.add_argument("--steps", type=int, default=4, help="steps in each layout")
+    parser.add_argument("--train-steps", type=int, default=100,
+                        help="as a worker of a job: the steps the job trains")
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if started_by_coordinator():
+        # one worker of an elastic job: the coordinator chooses the layouts
+        from slurm_etc.worker.entry import run_worker
+
+        # (the distributed optimizer comes with the layout: slurm-etc run's flag)
+        return run_worker(make_trainer(args.train_steps))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         out = run_local(make_trainer, args.sequence, steps=args.steps,

@@ -152,6 +152,12 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               help="How long a worker that hears nothing from this coordinator (a heartbeat "
                    "every few seconds) waits for it before it exits; it trains no step "
                    "meanwhile.")
+@click.option("--join-timeout", type=Number(bounds.SECONDS, low=1),
+              default=300.0, show_default=True, metavar="SECONDS",  # loop's default too
+              help="How long a launched worker has to join the job (say hello on the "
+                   "control channel). One that exits or stays silent before never joins: "
+                   "in the first layout the job fails with one line; a joiner's resize ends "
+                   "without pausing anyone.")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
               type=SafePath(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
@@ -163,7 +169,8 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
-        keep_checkpoints, checkpoint_dir, reattach_wait, progress_file, as_json, command):
+        keep_checkpoints, checkpoint_dir, reattach_wait, join_timeout, progress_file, as_json,
+        command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -220,7 +227,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
 
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
-                   recovery=recovery, reattach_wait_s=reattach_wait)
+                   recovery=recovery, reattach_wait_s=reattach_wait,
+                   join_timeout_s=float(join_timeout))
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
     for handler in logging.getLogger().handlers:  # a job's output file: when, too

@@ -87,6 +87,7 @@ class LocalBackend:
         self._workers: dict[int, _Worker] = {}
         self._events: list[BackendEvent] = []
         self._closed = False
+        self._threads_said = False
         self._take_events()  # the anchor's Grant comes first
 
     @classmethod
@@ -178,8 +179,9 @@ class LocalBackend:
                 raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: vrank "
                                    f"{busy[spec.device]} runs there")
             todo.append(spec)
+        threads = self._threads()
         for spec in todo:
-            env = {**os.environ, **action.env, **spec.env,
+            env = {**os.environ, **threads, **action.env, **spec.env,
                    envvars.VRANK: str(spec.vrank), envvars.GENERATION: str(action.generation),
                    envvars.NODE: spec.device.node, envvars.LOCAL_INDEX: str(spec.device.local),
                    envvars.DEVICE: str(spec.device)}
@@ -250,6 +252,23 @@ class LocalBackend:
                 w.log.close()
 
     # -- internals --------------------------------------------------------------------
+    def _threads(self) -> dict[str, str]:
+        """OMP_NUM_THREADS for the workers (said once): every simulated node is this
+        machine, so its cores are shared by every device of the cluster."""
+        cores = envvars.node_cores({})  # Slurm's count, if any, is not this cluster's
+        devices = self.topology.gpus_per_node * len(self.topology.nodes)
+        threads = envvars.thread_share(os.environ, cores, devices)
+        if not self._threads_said:
+            self._threads_said = True
+            if threads:
+                logger.info("[local] workers get %s=%s (%d cores of this machine / %d "
+                            "devices of the cluster; set it to choose)", envvars.THREADS,
+                            threads[envvars.THREADS], cores, devices)
+            else:
+                logger.info("[local] workers keep %s=%s from this environment",
+                            envvars.THREADS, os.environ[envvars.THREADS])
+        return threads
+
     def _wait_end(self, w: _Worker, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for a stopping worker to end, escalating to SIGKILL when
         its grace runs out (as :meth:`poll` would)."""

@@ -89,6 +89,11 @@ RESEND_S = 5.0
 END_CATCH_UP_S = 10.0
 # Every worker of the layout gone and nothing pending for this long: the job has failed.
 DEAD_GRACE_S = 1.0
+# How long a launched worker has to say Hello (slurm-etc run --join-timeout): a cold import of
+# torch and megatron-core takes seconds; a script that never calls run_worker never says it.
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+# What a worker that never joined most likely got wrong.
+NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 # where inject() may kill: events polled and not recorded; recorded and not acted on; a node
 # request sent (recorded before it); a resize ordered and its outcome not recorded; its
@@ -114,6 +119,13 @@ class JobSpec:
             from which a loss that no replica covers is rebuilt.
         reattach_wait_s: how long a worker that hears nothing from this coordinator (a
             heartbeat every HEARTBEAT_S) waits for it before it exits.
+        join_timeout_s: how long a launched worker has to say Hello; one that does not, or
+            exits before, never joined (see :meth:`Coordinator._never_joined`).
+        order_after_joined: order the old layout of a resize only once every joiner said
+            Hello (it trains on meanwhile, and a joiner that never joins pauses nobody).
+            False: at once, the old layout waiting in the resize's rendezvous for the
+            joiners (the demo: its scripted events fire at steps only while no resize is in
+            flight, and keep their spacing only if the old layout stops meanwhile).
     """
 
     job_id: str
@@ -126,6 +138,8 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     recovery: Recovery = field(default_factory=Recovery)
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    order_after_joined: bool = True
 
 
 @dataclass
@@ -147,6 +161,7 @@ class _Inflight:
     dead: set[int] = field(default_factory=set)  # participants whose process died
     rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
     early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
+    never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
 
 
 class JobStopped(RuntimeError):
@@ -195,6 +210,10 @@ class Coordinator:
         self.cancelled: str | None = None  # why the job was cancelled (a signal)
         self._dead_since: float | None = None  # since when no worker of the layout lives
         self._beat_at = 0.0  # when the last heartbeat went out
+        # launched workers that have not said Hello yet: vrank -> (generation, launched at)
+        self.unjoined: dict[int, tuple[int, float]] = {}
+        self.first_layout = False  # the layout is the first one launched (nothing committed)
+        self.fatal: str | None = None  # why the job must stop, found while observing
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -214,6 +233,9 @@ class Coordinator:
                 record.heartbeat(self.store, self.spec.job_id)
                 self._observe_backend()
                 self._observe_workers()
+                self._join_deadlines()
+                if self.fatal is not None:
+                    raise JobStopped(self.fatal)
                 if self.layout is not None and self.done >= set(self.layout.devices):
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
@@ -395,7 +417,16 @@ class Coordinator:
                 case WorkerExited():
                     self.idle.discard(event.vrank)
                     self.leaving.discard(event.vrank)
-                    if event.returncode != 0 and not event.stopped and \
+                    unjoined = self._unjoined(event.vrank, event.generation)
+                    if unjoined and not event.stopped:
+                        # any code, 0 included: a script that never calls run_worker
+                        seen.append(self._observed(
+                            "worker-exit", event, f"vrank {event.vrank} exited with "
+                            f"{event.returncode} before joining the job"))
+                        self._never_joined(event.vrank, event.device,
+                                           f"exited with {event.returncode}",
+                                           event.returncode == 0)
+                    elif event.returncode != 0 and not event.stopped and \
                             event.vrank not in self.done:
                         seen.append(self._observed(
                             "worker-exit", event, f"vrank {event.vrank} exited with "
@@ -421,6 +452,55 @@ class Coordinator:
             return
         self.lost.add(event.device)
         self.notices[event.device] = (now, "failure")
+
+    def _unjoined(self, vrank: int, generation: int) -> bool:
+        """Whether the process of ``vrank`` launched for ``generation`` ended (or is given
+        up) without having said Hello; it is no longer waited for."""
+        if self.unjoined.get(vrank, (None,))[0] != generation:
+            return False
+        del self.unjoined[vrank]
+        return True
+
+    def _join_deadlines(self) -> None:
+        """A launched worker that has not said Hello within the join timeout never joins:
+        it is stopped and handled as one that exited before joining."""
+        now = time.monotonic()
+        late = sorted(v for v, (_g, at) in self.unjoined.items()
+                      if now - at > self.spec.join_timeout_s)
+        if not late:
+            return
+        workers = self.backend.workers()
+        for v in late:
+            gen = self.unjoined[v][0]
+            self._unjoined(v, gen)
+            w = workers.get(v)
+            if w is None:
+                continue
+            perform(self.backend, StopWorkers((v,), 5.0, "it never said hello"))
+            self._never_joined(v, w.device, f"did not say hello within "
+                               f"{self.spec.join_timeout_s:.0f} s of its launch (slurm-etc "
+                               "run --join-timeout)", False)
+
+    def _never_joined(self, vrank: int, device: Device, what: str, clean: bool) -> None:
+        """A worker that never said Hello (it exited, or stayed silent past the join
+        timeout). One of the first layout: nothing has trained and nothing would, so the job
+        stops with one line saying what to change. A joiner of the resize in flight: it
+        counts as dead on a failed device, and the resize, whose old layout is ordered only
+        once every joiner said Hello, ends without having paused anyone (see _settle)."""
+        fl = self.inflight
+        in_layout = self.layout is not None and vrank in self.layout.devices
+        why = f"vrank {vrank} {what} before joining the job: " + (
+            NEVER_JOINED_HINT if clean else f"its log says why ({NEVER_JOINED_HINT})")
+        if self.first_layout and in_layout:
+            self.fatal = self.fatal or why
+            return
+        if fl is not None and vrank in fl.participants:
+            fl.dead.add(vrank)
+            fl.never_joined.setdefault(vrank, why)
+        elif not in_layout:
+            return
+        self.lost.add(device)
+        self.notices[device] = (self.clock(), "failure")
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -454,7 +534,11 @@ class Coordinator:
                     if report.reason == "done":
                         self.done.add(vrank)
                 case Hello():
+                    if self.unjoined.get(vrank, (report.generation + 1,))[0] <= \
+                            report.generation:  # not a Hello of a process before it
+                        del self.unjoined[vrank]
                     self._tell_joiner(vrank)
+                    self._order_when_joined()
 
     def _progress(self, report: Progress) -> None:
         if report.step <= self.step:
@@ -591,6 +675,8 @@ class Coordinator:
             logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
                            newest, env[RESUME_FROM])
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
+        self.first_layout = True
+        self._await_hello(layout.devices, gen)
         self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
                                layout.devices, self.vranks, first_step=self.step)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
@@ -674,12 +760,13 @@ class Coordinator:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                                 self._worker_env()))
-        # The old layout pauses at its next step boundary and waits in the resize's
-        # rendezvous for the joining processes to start (a cold import of torch and
-        # megatron-core takes seconds on a busy node): letting it train on meanwhile is the
-        # pause issue's "prepare the new world before the pause".
+            self._await_hello(joiners, gen)
+        # The old layout is ordered (and pauses at its next step boundary) only once every
+        # joiner said Hello: it trains on while they import torch and megatron-core
+        # (seconds on a busy node), and a joiner that never joins (a script that does not
+        # end in run_worker, a crash at import) pauses nobody.
         self.inflight.stayers = set(old.devices) - set(lost)
-        self._order_stayers()
+        self._order_when_joined()
         inject("after-order")
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
@@ -698,12 +785,27 @@ class Coordinator:
             self.reaction_s.append(time.perf_counter() - self._noticed_at)
             self._noticed_at = None
 
+    def _await_hello(self, vranks: Iterable[int], generation: int) -> None:
+        now = time.monotonic()
+        for v in vranks:
+            self.unjoined[v] = (generation, now)
+
+    def _order_when_joined(self) -> None:
+        """Order the old layout once every joiner of the resize in flight said Hello."""
+        fl = self.inflight
+        if fl is None or fl.sent_at or not fl.stayers:
+            return
+        if self.spec.order_after_joined and fl.joiners & (set(self.unjoined) | fl.dead):
+            return
+        self._order_stayers()
+
     def _tell_joiner(self, vrank: int) -> None:
         """A worker said hello: it gets the resize in flight if it has not had it — a joiner,
         or a worker of the old layout still starting when the order went out (on Slurm a
         member can be granted before the first layout's processes finished importing)."""
         fl = self.inflight
-        if fl is not None and vrank in fl.participants and vrank not in fl.told:
+        if fl is not None and vrank in fl.participants and vrank not in fl.told and \
+                (vrank in fl.joiners or fl.sent_at):  # the old layout: once ordered
             if self.channel.send(vrank, fl.order):
                 fl.told.add(vrank)
 
@@ -714,6 +816,15 @@ class Coordinator:
         if fl.sent_at and time.monotonic() - fl.sent_at > RESEND_S:
             self.channel.broadcast(fl.order, fl.told - set(outcomes) - fl.dead)
             fl.sent_at = time.monotonic()
+        dead_joiners = fl.joiners & fl.dead
+        if dead_joiners and not fl.sent_at and fl.stayers:
+            # a joiner died before every joiner said Hello: the old layout was never
+            # ordered, nobody paused; retried without its device
+            why = (fl.never_joined[min(fl.never_joined)] if fl.never_joined else
+                   f"vrank(s) {', '.join(map(str, sorted(dead_joiners)))} died before the "
+                   "old layout was ordered")
+            self._aborted(fl, time.monotonic() - fl.started, why)
+            return
         timed_out = time.monotonic() - fl.started > 2 * self.spec.worker_timeout_s
         if not timed_out and not fl.participants - fl.dead <= set(outcomes):
             return
@@ -740,6 +851,7 @@ class Coordinator:
                            devices_of(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
                            lost_steps[0] - 1)
         new = fl.order.new.layout()
+        self.first_layout = False
         # the old ranks not in the new layout exit on their own now
         self.leaving |= set(fl.order.old.devices) - set(new.devices) - fl.dead
         self.layout, self.generation = new, fl.order.generation

@@ -332,6 +332,7 @@ class SlurmBackend:
         self._next_query = 0.0
         self._last_error: str | None = None
         self._closed = False
+        self._threads_said = False
         self._topology: ClusterTopology | None = None
 
         job = self._ask(lambda: self.client.job(self.anchor_job), "read the anchor job")
@@ -524,7 +525,7 @@ class SlurmBackend:
             if spec.device in busy:
                 raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: vrank "
                                    f"{busy[spec.device]} runs there")
-            task_env = {**action.env, **spec.env,
+            task_env = {**self._threads(), **action.env, **spec.env,
                         envvars.VRANK: str(spec.vrank),
                         envvars.GENERATION: str(action.generation),
                         envvars.NODE: spec.device.node,
@@ -534,6 +535,23 @@ class SlurmBackend:
             groups.setdefault(key, []).append(TaskSpec(spec.vrank, spec.device.local, task_env))
         for (job_id, node), tasks in groups.items():
             self._start_step(action, job_id, node, tasks)
+
+    def _threads(self) -> dict[str, str]:
+        """OMP_NUM_THREADS for every worker (said once): this node's cores over its
+        workers, one per GPU (members are whole nodes of the same shape, --exclusive). A
+        value in the coordinator's environment reaches the workers through srun as it is."""
+        cores = envvars.node_cores(os.environ)
+        threads = envvars.thread_share(os.environ, cores, self.gpus_per_node)
+        if not self._threads_said:
+            self._threads_said = True
+            if threads:
+                logger.info("workers get %s=%s (%d cores per node / %d workers per node; set "
+                            "it to choose)", envvars.THREADS, threads[envvars.THREADS], cores,
+                            self.gpus_per_node)
+            else:
+                logger.info("workers keep %s=%s from this environment", envvars.THREADS,
+                            os.environ[envvars.THREADS])
+        return threads
 
     def stop(self, action: StopWorkers) -> None:
         now = self._clock()
