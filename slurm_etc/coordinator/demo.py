@@ -67,7 +67,7 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
         env[INJECT_ENV] = inject
     return JobSpec(job_id, "demo", argv, TrainingJob(model, global_batch, 1, False),
                    EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
-                   env=env, order_after_joined=False)  # its events keep their spacing
+                   env=env)
 
 
 def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:

@@ -123,9 +123,10 @@ class JobSpec:
             exits before, never joined (see :meth:`Coordinator._never_joined`).
         order_after_joined: order the old layout of a resize only once every joiner said
             Hello (it trains on meanwhile, and a joiner that never joins pauses nobody).
-            False: at once, the old layout waiting in the resize's rendezvous for the
-            joiners (the demo: its scripted events fire at steps only while no resize is in
-            flight, and keep their spacing only if the old layout stops meanwhile).
+            False (the default until the zero-stall work measures it on every path): at once,
+            the old layout waiting in the resize's rendezvous for the joiners (the demo's
+            scripted events fire at steps only while no resize is in flight, and keep their
+            spacing only if the old layout stops meanwhile).
     """
 
     job_id: str
@@ -139,7 +140,7 @@ class JobSpec:
     recovery: Recovery = field(default_factory=Recovery)
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
-    order_after_joined: bool = True
+    order_after_joined: bool = False
 
 
 @dataclass

@@ -80,7 +80,7 @@ def test_joiner_that_never_joins_pauses_nobody_and_the_job_finishes(tmp_path, ca
     worker.write_text(WORKER)
     spec = JobSpec("never-1", "t", (sys.executable, str(worker), str(orders)),
                    TrainingJob(PRESETS["tiny"], 8, 1, False), EffectivePolicy(),
-                   DEMO_HARDWARE, worker_timeout_s=60.0)
+                   DEMO_HARDWARE, worker_timeout_s=60.0, order_after_joined=True)
     # one node trains; at step 3 a second node is granted: its joiner exits 0 at once
     backend = LocalBackend(script_from_options(2, 1, initial_nodes=1,
                                                events=[{"at_step": 3, "grant": ["n1"]}]),
