@@ -19,9 +19,9 @@ import time
 import urllib.parse
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, ParamSpec, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -49,6 +49,29 @@ _WRITE: ContextVar[bool] = ContextVar("slurm_etc_store_write", default=False)
 class StoreError(RuntimeError):
     """The database cannot be opened, is not ours, or cannot be brought to the current
     schema (one line: where and why)."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def guarded(what: str, then: str = "") -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A decorator for functions taking a :class:`Store` first: a database failure (a full
+    disk, a file this user may not write, a corrupt snapshot, a lost server) becomes one
+    StoreError line naming the database (``what`` where the store has no URL), then
+    ``then``."""
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        @wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except SQLAlchemyError as exc:
+                store = args[0] if args else None
+                orig = getattr(exc, "orig", None)
+                reason = str(orig if orig is not None else exc).splitlines()[0]
+                raise StoreError(f"{getattr(store, 'url', what)}: {reason}{then}") from None
+        return call
+    return wrap
 
 
 def default_db_path() -> Path:

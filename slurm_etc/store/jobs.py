@@ -17,17 +17,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from functools import wraps
 from pathlib import Path
 from typing import (
     Any,
-    Callable,
     Iterable,
     Mapping,
-    ParamSpec,
     Protocol,
     Sequence,
-    TypeVar,
     cast,
 )
 
@@ -36,7 +32,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from . import guard
-from .db import Store, StoreError, open_store, open_store_readonly, sqlite_path
+from .db import Store, StoreError, guarded, open_store, open_store_readonly, sqlite_path
 from .location import (
     LocationError,
     check_job_id,
@@ -88,24 +84,7 @@ class RecordError(StoreError):
     contradicts what is recorded (one line; nothing was written)."""
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _guarded(fn: Callable[P, R]) -> Callable[P, R]:
-    """Database failures (disk full, a corrupt snapshot, a lost server) become one-line
-    StoreErrors naming the database."""
-    @wraps(fn)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except SQLAlchemyError as exc:
-            store = args[0] if args else None
-            where = getattr(store, "url", "the job record")
-            orig = getattr(exc, "orig", None)
-            reason = str(orig if orig is not None else exc).splitlines()[0]
-            raise StoreError(f"{where}: {reason}") from None
-    return call
+_guarded = guarded("the job record")
 
 
 class DeviceLike(Protocol):

@@ -7,34 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import wraps
-from typing import Callable, Iterable, Mapping, ParamSpec, TypeVar
+from typing import Iterable, Mapping
 
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
 
 from ..policy.rules import FIELDS, PolicyError, ResizePolicy, Scope, updated
-from .db import Store, StoreError
+from .db import Store, guarded
 from .models import PolicyRow
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _guarded(fn: Callable[P, R]) -> Callable[P, R]:
-    """A database failure (a file this user may not write, a full disk, a lost server)
-    becomes one StoreError line naming the database; nothing was written."""
-    @wraps(fn)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except SQLAlchemyError as exc:
-            store = args[0] if args else None
-            orig = getattr(exc, "orig", None)
-            reason = str(orig if orig is not None else exc).splitlines()[0]
-            raise StoreError(f"{getattr(store, 'url', 'the policy database')}: {reason}; "
-                             "nothing was written") from None
-    return call
+_guarded = guarded("the policy database", "; nothing was written")
 
 _LISTS = ("allowed_tp", "allowed_pp")
 
