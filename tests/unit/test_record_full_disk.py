@@ -133,7 +133,7 @@ def test_a_full_state_directory_warns_once_and_publishes_when_space_returns(smal
     failed = [m for m in warned if "cannot publish" in m]
     assert len(failed) == 1, failed[:3]
     assert any("published" in m and "again" in m for m in warned), warned
-    con = sqlite3.connect(f"file:{states / (job + '.db')}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{snapshot_path(states, job)}?mode=ro", uri=True)
     try:
         assert con.execute("SELECT state FROM jobs").fetchone() == ("finished",)
     finally:
