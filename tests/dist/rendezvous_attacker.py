@@ -173,6 +173,7 @@ def main() -> None:
     pid, job, marker, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     report = Report(path)
     before = set(listening_ports(pid))
+    report.note(ready=True)  # the test starts its job only now: its ports are new
     seen: set[int] = set()
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -76,6 +77,12 @@ def test_an_attacker_without_the_secret_changes_nothing(tmp_path: Path) -> None:
                                for c in psutil.Process().net_connections("tcp")
                                if c.status == psutil.CONN_LISTEN})
 
+    # The attacker (it imports torch: slow on a loaded machine) takes the ports already
+    # listening when it starts for someone else's: the job starts once it is ready.
+    ready_by = time.monotonic() + 180
+    while not report_path.exists() and attacker.poll() is None and time.monotonic() < ready_by:
+        time.sleep(0.1)
+    assert report_path.exists(), "the attacker did not start"
     rss = _RssWatch()
     try:
         out = run_job(demo_spec(JOB, PRESETS["tiny"], STEPS), backend, backend.topology,

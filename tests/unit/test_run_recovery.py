@@ -42,7 +42,7 @@ def captured(monkeypatch):
     (["--checkpoint-dir", "{tmp}/ck"], {}, "without --checkpoint-every"),
     (["--checkpoint-every", "2", "--checkpoint-dir", "{tmp}/file/ck"], {},
      "cannot create it"),
-    ([], {"SLURM_ETC_RUN_PEER_COPY_EVERY": "often"}, "'often' is not a valid integer"),
+    ([], {"SLURM_ETC_RUN_PEER_COPY_EVERY": "often"}, "'often' is not an integer"),
 ])
 def test_bad_recovery_options_are_one_line(tmp_path, captured, monkeypatch, args, env, says):
     (tmp_path / "file").write_text("not a directory")
