@@ -21,6 +21,8 @@ _REPO_PATH = re.compile(
     r"(?<![\w./$<>~-])((?:" + "|".join(re.escape(d) for d in TOP_DIRS) + r")/[\w./-]*)")
 # inside a code span: `coordinator/loop.py`, a module path given from the package's root
 _PACKAGE_PATH = re.compile(r"(?<![\w./$<>~-])((?:[a-z_][a-z0-9_]*/)+[a-z0-9_]+\.py)\b")
+# `python -m slurm_etc.worker.preset_worker`: a module of the repository run by name
+_MODULE = re.compile(r"-m\s+((?:slurm_etc|tests|bench|scripts|examples)(?:\.\w+)+)")
 _LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
@@ -112,6 +114,14 @@ def broken_references(md: Path, root: Path = ROOT) -> list[str]:
             if not (root / path).exists():
                 problems.append(f"{name}:{_line_of(part, m.start())}: {path} does not exist")
 
+    # modules run by name (`python -m slurm_etc.worker.preset_worker`)
+    for part in (prose, code):
+        for m in _MODULE.finditer(part):
+            base = root.joinpath(*m.group(1).split("."))
+            if not (base.with_suffix(".py").exists() or (base / "__init__.py").exists()):
+                problems.append(f"{name}:{_line_of(part, m.start())}: module {m.group(1)} "
+                                "does not exist")
+
     # module paths named from the package's root inside code spans (`coordinator/loop.py`)
     for span in _CODE_SPAN.finditer(prose):
         for m in _PACKAGE_PATH.finditer(span.group(2)):
@@ -158,10 +168,11 @@ def test_the_checker_finds_what_is_planted(tmp_path: Path) -> None:
         "`slurm_etc/plan/model.py`, `plan/model.py`.\n"
         "[broken](docs/missing.md) and [no anchor](docs/other.md#nowhere),\n"
         "`slurm_etc/plan/gone.py` and `coordinator/gone.py`.\n\n"
-        "```bash\n.venv/bin/python bench/nothing.py\n# a comment, not a heading\n```\n")
+        "```bash\n.venv/bin/python bench/nothing.py\n# a comment, not a heading\n"
+        "python -m slurm_etc.plan.model && python -m slurm_etc.plan.gone_too\n```\n")
     problems = broken_references(md, root=tmp_path)
-    for good in ("#a-section", "#title", "plan/model.py"):
+    for good in ("#a-section", "#title", "plan/model.py", "slurm_etc.plan.model "):
         assert not any(good in p for p in problems), (good, problems)
     for planted in ("docs/missing.md", "#nowhere", "slurm_etc/plan/gone.py",
-                    "coordinator/gone.py", "bench/nothing.py"):
+                    "coordinator/gone.py", "bench/nothing.py", "slurm_etc.plan.gone_too"):
         assert any(planted in p for p in problems), (planted, problems)
