@@ -5,6 +5,7 @@ Pure file reads: no import of the package, no subprocess.
 """
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def anchors(path: Path) -> frozenset[str]:
     """Every heading anchor of a Markdown file (repeated headings get -1, -2, ...)."""
     prose, _ = split_fences(path.read_text(encoding="utf-8"))
     seen: dict[str, int] = {}
@@ -74,7 +76,7 @@ def anchors(path: Path) -> set[str]:
         n = seen.get(slug, 0)
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
+    return frozenset(out)
 
 
 def _line_of(text: str, pos: int) -> int:
