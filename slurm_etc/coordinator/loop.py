@@ -39,7 +39,16 @@ from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.policy.decide import Notice, Pause, Release, RequestGrow, Snapshot, decide
+from slurm_etc.policy.decide import (
+    REQUEST_PATIENCE_S,
+    Notice,
+    Pause,
+    Release,
+    RequestGrow,
+    Snapshot,
+    WithdrawRequest,
+    decide,
+)
 from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
@@ -70,6 +79,7 @@ from slurm_etc.worker.trainer import plan_digest
 from .backend import (
     Backend,
     BackendError,
+    CancelRequest,
     Grant,
     LaunchWorkers,
     Loss,
@@ -229,6 +239,8 @@ class Coordinator:
         self.resize_times: list[float] = []
         self.growing = 0
         self.requests = 0
+        self.request_sent_at: float | None = None  # when the pending request went out
+        self._overdue_checked = 0.0
         self.done: set[int] = set()
         self.dirty = True
         self.dirty_at_first_step = False
@@ -285,7 +297,7 @@ class Coordinator:
                     return self._end("failed", dead)
                 if self.inflight is not None:
                     self._settle()
-                elif self.dirty:
+                elif self.dirty or self._request_overdue():
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
                     return self._end("failed", f"no end within {deadline_s:.0f} s", "timeout")
@@ -659,7 +671,20 @@ class Coordinator:
             notices=tuple(Notice(frozenset(ds), deadline, cause)
                           for (deadline, cause), ds in sorted(by_deadline.items())),
             resizes=tuple(self.resize_times), growing=self.growing,
-            pinned=frozenset(self.pinned))
+            pinned=frozenset(self.pinned), partition_nodes=len(self.topology.nodes),
+            request_age_s=(None if not self.growing or self.request_sent_at is None
+                           else time.monotonic() - self.request_sent_at))
+
+    def _request_overdue(self) -> bool:
+        """The pending request waited past the policy's patience: decide again (it may be
+        withdrawn and asked again smaller), once a minute at most."""
+        if not self.growing or self.request_sent_at is None:
+            return False
+        age = time.monotonic() - self.request_sent_at
+        if age < REQUEST_PATIENCE_S or time.monotonic() < self._overdue_checked + 60.0:
+            return False
+        self._overdue_checked = time.monotonic()
+        return True
 
     def _decide(self) -> None:
         self.dirty = False
@@ -689,6 +714,15 @@ class Coordinator:
                         self._resize(action)
                 case Release():
                     self.release_later |= set(action.devices)
+                case WithdrawRequest():
+                    if self.growing:
+                        perform(self.backend, CancelRequest(f"grow-{self.requests}",
+                                                            action.reason))
+                        self.growing, self.request_sent_at = 0, None
+                        self.journal.write(
+                            record.record_event, self.spec.job_id, "request-withdrawn",
+                            source="coordinator", key=f"withdraw:grow-{self.requests}",
+                            payload={"nodes": action.nodes, "summary": action.reason[:200]})
                 case RequestGrow():
                     if not self.growing:
                         self.requests += 1
@@ -702,6 +736,7 @@ class Coordinator:
                             key=f"request:{request.key}",
                             payload={"nodes": request.nodes, "summary": request.reason[:200]})
                         perform(self.backend, request)
+                        self.request_sent_at = time.monotonic()
                         inject("after-request")
                         self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():

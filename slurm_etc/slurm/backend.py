@@ -86,6 +86,7 @@ from slurm_etc.coordinator import env as envvars
 from slurm_etc.coordinator.backend import (
     BackendError,
     BackendEvent,
+    CancelRequest,
     Grant,
     LaunchWorkers,
     Loss,
@@ -466,6 +467,19 @@ class SlurmBackend:
         logger.info("[slurm] request %s: member job %s for %d node(s) in %s%s", action.key,
                     job_id, action.nodes, self.member_partition or "the default partition",
                     f": {action.reason}" if action.reason else "")
+
+    def cancel_request(self, action: CancelRequest) -> None:
+        """scancel the member of ``action.key`` while it is still pending (a granted one
+        stays: its grant is reported as any other); its end comes back as RequestFailed."""
+        job_id = self._keys.get(action.key)
+        a = self._allocs.get(job_id) if job_id is not None else None
+        if a is None or a.granted or a.gone:
+            return
+        self._act(functools.partial(self.client.cancel, a.job_id),
+                  f"withdraw request {action.key}")
+        self._next_query = 0.0
+        logger.info("[slurm] withdrew request %s (scancel of pending member %s)%s",
+                    action.key, a.job_id, f": {action.reason}" if action.reason else "")
 
     def release(self, action: ReleaseDevices) -> None:
         by_alloc: dict[str, list[Device]] = {}
