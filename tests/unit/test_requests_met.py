@@ -30,7 +30,10 @@ def fake_cost(layout, config, allocation):
     return len(set(allocation.vranks) ^ set(layout.devices))
 
 
-def on(held, pinned=node("n1")):
+ANCHOR = node("n1")
+
+
+def on(held, pinned=ANCHOR):
     d = decide(Snapshot(0.0, JOB, HW, TOPO, held, pinned=pinned), EffectivePolicy(grow=False),
                cost=fake_cost)
     resize = next(a for a in d.actions if isinstance(a, Resize))
