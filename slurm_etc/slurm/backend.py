@@ -114,7 +114,8 @@ COMMENT_PREFIX = "slurm-etc:"
 CLOSE_GRACE_S = 5.0
 # After `kill <vrank>`, how long before the step itself is killed with scancel.
 KILL_BACKSTOP_S = 5.0
-# How long a launch waits for a stopping worker whose vrank it reuses (past the backstop).
+# How long a launch waits for a stopping worker whose vrank or device it reuses (past the
+# backstop).
 STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 # A worker killed by SIGTERM/SIGKILL that nobody here sent is reported up to this late, so
 # that the Loss that explains it (Slurm's state lags its signals) comes first.
@@ -508,19 +509,23 @@ class SlurmBackend:
 
     def launch(self, action: LaunchWorkers) -> None:
         self._read_steps(self._clock())  # an exit not yet seen is reported first
+        # a worker being stopped or killed on a device or under a vrank this launch uses (a
+        # joiner of an aborted resize, whose retry maps other vranks to its devices; a worker
+        # that left the job; one on a released or lost device): let it end first, bounded
+        wanted = {spec.device for spec in action.workers}
+        vranks = {spec.vrank for spec in action.workers}
+        until = time.monotonic() + STOPPING_WAIT_S
+        while time.monotonic() < until and any(
+                not w.reported and w.state.stopping
+                and (w.state.device in wanted or w.state.vrank in vranks)
+                for w in self._workers.values()):
+            time.sleep(0.05)
+            self._read_steps(self._clock())
         busy = {w.state.device: w.state.vrank for w in self._workers.values()
                 if not w.reported}
         groups: dict[tuple[str, str], list[TaskSpec]] = {}
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
-            if current is not None and not current.reported and current.state.stopping:
-                # the vrank's old worker is being stopped or killed (its device released or
-                # lost, a joiner of an aborted resize, a worker that left the job): let that
-                # one end first
-                until = time.monotonic() + STOPPING_WAIT_S
-                while not current.reported and time.monotonic() < until:
-                    time.sleep(0.05)
-                    self._read_steps(self._clock())
             if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
