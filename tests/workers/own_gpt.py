@@ -9,7 +9,9 @@ without ``--model`` plans with what its workers report.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import torch
 
@@ -61,6 +63,9 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--pace-file", help="while this file exists, sleep --pace-s per "
+                        "forward pass (the Slurm tier's events come while it trains)")
+    parser.add_argument("--pace-s", type=float, default=0.1)
     args = parser.parse_args()
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
@@ -75,6 +80,15 @@ def main() -> int:
         scheduler=SchedulerConfig(max_lr=1e-3, min_lr=1e-4, warmup_steps=2),
         global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seq_length=SEQ,
         train_steps=args.train_steps, name="own-gpt")
+    if args.pace_file:
+        forward = trainer.forward_step
+
+        def paced(data, model):
+            if os.path.exists(args.pace_file):
+                time.sleep(args.pace_s)
+            return forward(data, model)
+
+        trainer.forward_step = paced
     return run_worker(trainer)
 
 
