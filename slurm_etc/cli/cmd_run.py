@@ -21,6 +21,8 @@ from ..worker.control import DEFAULT_REATTACH_WAIT_S
 from ..worker.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
 from .params import Number, SafePath, Text, Unbounded, check_product
 
+_ANY_MODEL = load_model("tiny")  # what --global-batch alone is checked with
+
 
 def job_id_default() -> str:
     return os.environ.get("SLURM_JOB_ID") or f"job-{os.getpid()}-{int(time.time())}"
@@ -99,10 +101,16 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               help="Local backend without --events: simulated nodes.")
 @click.option("--gpus-per-node", type=Number(bounds.GPUS_PER_NODE), default=2,
               show_default=True)
-@click.option("--model", "model_spec", envvar="SLURM_ETC_RUN_MODEL", required=True,
+@click.option("--model", "model_spec", envvar="SLURM_ETC_RUN_MODEL",
               type=Text(bounds.PATH_CHARS),
-              help="Preset or model JSON the workers train (planning and the chooser).")
-@click.option("--global-batch", type=Number(bounds.BATCH), required=True)
+              help="Preset or model JSON the workers train. Default: the model the workers "
+                   "build (each says it once built; the first layout runs dp only until "
+                   "then). Given, it is checked against theirs: the job stops at once, "
+                   "naming the first difference.")
+@click.option("--global-batch", type=Number(bounds.BATCH),
+              help="Sequences per step. Default: the training script's (the first layout "
+                   "is one worker until its workers said it). Given, it is checked against "
+                   "theirs, with --micro-batch.")
 @click.option("--micro-batch", type=Number(bounds.BATCH), default=1, show_default=True)
 @click.option("--distributed-optimizer", is_flag=True)
 @click.option("--policy-partition", type=Text(), help="Partition whose resize policy applies.")
@@ -179,6 +187,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     (e.g. SLURM_ETC_RUN_HARDWARE=cpu), which is how scripts/elastic.sbatch passes them on.
 
     \b
+    slurm-etc run --events cluster.json -- python my_train.py
     slurm-etc run --model tiny --global-batch 8 --events cluster.json -- \\
         python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8
     """
@@ -190,9 +199,11 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         check_addresses(bind, advertise)
     except ChannelError as err:
         raise ConfigError(str(err)) from None
-    model = load_model(model_spec)
+    model = load_model(model_spec) if model_spec else None
     figures = load_hardware(hardware)
-    job = TrainingJob(model, global_batch, micro_batch, distributed_optimizer)
+    if global_batch is not None:
+        TrainingJob(model or _ANY_MODEL, global_batch, micro_batch,
+                    distributed_optimizer)  # checks the batch
     script = None
     if backend == "local":  # every input checked before anything is created or opened
         from ..coordinator.events import ScriptError, load_script, script_from_options
@@ -222,13 +233,17 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             raise ConfigError("the Slurm backend is not available in this build") from None
         be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
         topology = be.topology
-    from ..coordinator.loop import JobSpec  # the job's own machinery, once all is checked
+    # the job's own machinery, once all is checked
+    from ..coordinator.loop import JobSpec, provisional_job
     from ..coordinator.run import run_job
 
+    job = provisional_job(model, global_batch, micro_batch, distributed_optimizer)
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
                    recovery=recovery, reattach_wait_s=reattach_wait,
-                   join_timeout_s=float(join_timeout))
+                   join_timeout_s=float(join_timeout), model_from_workers=model is None,
+                   batch_from_workers=global_batch is None,
+                   model_label=f"--model {model_spec}")
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))
     for handler in logging.getLogger().handlers:  # a job's output file: when, too

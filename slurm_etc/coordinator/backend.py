@@ -150,6 +150,15 @@ class RequestNodes:
 
 
 @dataclass(frozen=True)
+class CancelRequest:
+    """Withdraw the :class:`RequestNodes` of ``key`` if it was not granted yet (Slurm:
+    ``scancel`` the pending member); a granted one is left as it is."""
+
+    key: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class ReleaseDevices:
     """Give ``devices`` back (workers on them should have been stopped first; the backend
     kills any still running there)."""
@@ -201,7 +210,7 @@ class StopWorkers:
     reason: str = ""
 
 
-Action: TypeAlias = RequestNodes | ReleaseDevices | LaunchWorkers | StopWorkers
+Action: TypeAlias = RequestNodes | ReleaseDevices | LaunchWorkers | StopWorkers | CancelRequest
 
 
 @dataclass(frozen=True)
@@ -274,6 +283,10 @@ def perform(backend: Backend, action: Action) -> None:
             backend.launch(action)
         case StopWorkers():
             backend.stop(action)
+        case CancelRequest():
+            cancel = getattr(backend, "cancel_request", None)
+            if cancel is not None:  # a backend without one lets the request run its course
+                cancel(action)
         case _:
             raise BackendError(f"unknown action {action!r}")
 

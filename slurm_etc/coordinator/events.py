@@ -448,6 +448,13 @@ class ScriptedResources:
         self._keys.add(key)
         self._pending.append((key, nodes))
 
+    def withdraw(self, key: str) -> bool:
+        """Drop the pending request ``key``; whether it was pending."""
+        kept = [(k, n) for k, n in self._pending if k != key]
+        dropped = len(kept) != len(self._pending)
+        self._pending = kept
+        return dropped
+
     def release(self, devices: Iterable[Device]) -> list[Device]:
         """Give devices back; returns those that were held (the others are ignored).
         Devices under a preemption notice go to the preemptor, the rest become free."""

@@ -41,6 +41,7 @@ from . import env as envvars
 from .backend import (
     BackendError,
     BackendEvent,
+    CancelRequest,
     LaunchWorkers,
     Loss,
     ReleaseDevices,
@@ -131,6 +132,12 @@ class LocalBackend:
         self._resources.request(action.key, action.nodes)
         logger.info("[local] request %s for %d node(s)%s", action.key, action.nodes,
                     f": {action.reason}" if action.reason else "")
+
+    def cancel_request(self, action: CancelRequest) -> None:
+        """A request of the scripted cluster not granted yet is dropped."""
+        if self._resources.withdraw(action.key):
+            logger.info("[local] withdrew request %s%s", action.key,
+                        f": {action.reason}" if action.reason else "")
 
     def release(self, action: ReleaseDevices) -> None:
         released = self._resources.release(action.devices)

@@ -31,28 +31,42 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
 from slurm_etc.plan.errors import ConfigError, StateLostError
-from slurm_etc.policy.decide import Notice, Pause, Release, RequestGrow, Snapshot, decide
+from slurm_etc.plan.model import ModelDesc
+from slurm_etc.policy.decide import (
+    REQUEST_PATIENCE_S,
+    Notice,
+    Pause,
+    Release,
+    RequestGrow,
+    Snapshot,
+    WithdrawRequest,
+    decide,
+)
 from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
 from slurm_etc.worker.control import (
+    BATCH_FIELDS,
     DEFAULT_REATTACH_WAIT_S,
     GPUS_PER_NODE,
     HEARTBEAT_S,
     LAYOUT,
+    MODEL_FIELDS,
     REATTACH_WAIT,
     TIMEOUT,
     Exited,
     Heartbeat,
     Hello,
     LayoutSpec,
+    ModelBuilt,
+    ModelReport,
     Progress,
     Resize,
     Resized,
@@ -65,6 +79,7 @@ from slurm_etc.worker.trainer import plan_digest
 from .backend import (
     Backend,
     BackendError,
+    CancelRequest,
     Grant,
     LaunchWorkers,
     Loss,
@@ -103,6 +118,24 @@ KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
 
 
+# What the first layout is chosen with when the model (and the batch) come from the workers:
+# one layer of one head fits every device and admits only tp=1, pp=1; a batch of one, only
+# dp=1. Nothing is planned with it: no resize is decided until the workers said their model.
+PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden=1,
+                              num_heads=1, vocab_size=1, seq_length=1, param_dtype="fp32",
+                              vocab_divisor=1)
+
+
+def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
+                    distributed_optimizer: bool) -> TrainingJob:
+    """The job the first layout is chosen for: what was given, the provisional model and a
+    batch of one (dp=1) where it was not."""
+    if global_batch is None:
+        global_batch = micro_batch = 1
+    return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
+                       distributed_optimizer)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What the coordinator runs.
@@ -121,6 +154,11 @@ class JobSpec:
             heartbeat every HEARTBEAT_S) waits for it before it exits.
         join_timeout_s: how long a launched worker has to say Hello; one that does not, or
             exits before, never joined (see :meth:`Coordinator._never_joined`).
+        model_from_workers: ``job.model`` is provisional (no ``--model``): the first
+            layout's workers say the model (:class:`ModelBuilt`) and it is planned with.
+        batch_from_workers: likewise ``job``'s batch (no ``--global-batch``).
+        model_label: where ``job.model`` came from, for the one line of a mismatch
+            (``--model tiny``).
         order_after_joined: order the old layout of a resize only once every joiner said
             Hello (it trains on meanwhile, and a joiner that never joins pauses nobody).
             False (the default until the zero-stall work measures it on every path): at once,
@@ -141,6 +179,9 @@ class JobSpec:
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     order_after_joined: bool = False
+    model_from_workers: bool = False
+    batch_from_workers: bool = False
+    model_label: str = "--model"
 
 
 @dataclass
@@ -198,6 +239,8 @@ class Coordinator:
         self.resize_times: list[float] = []
         self.growing = 0
         self.requests = 0
+        self.request_sent_at: float | None = None  # when the pending request went out
+        self._overdue_checked = 0.0
         self.done: set[int] = set()
         self.dirty = True
         self.dirty_at_first_step = False
@@ -215,6 +258,13 @@ class Coordinator:
         self.unjoined: dict[int, tuple[int, float]] = {}
         self.first_layout = False  # the layout is the first one launched (nothing committed)
         self.fatal: str | None = None  # why the job must stop, found while observing
+        # the model and the batch planned with, each with who said it, that every worker's
+        # ModelBuilt must match; None: not known yet (the first ModelBuilt says it)
+        given = (ModelReport.of(spec.job.model, spec.job.global_batch, spec.job.micro_batch))
+        self.model: tuple[ModelReport, str] | None = (
+            None if spec.model_from_workers else (given, spec.model_label))
+        self.batch: tuple[ModelReport, str] | None = (
+            None if spec.batch_from_workers else (given, "--global-batch"))
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -247,7 +297,7 @@ class Coordinator:
                     return self._end("failed", dead)
                 if self.inflight is not None:
                     self._settle()
-                elif self.dirty:
+                elif self.dirty or self._request_overdue():
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
                     return self._end("failed", f"no end within {deadline_s:.0f} s", "timeout")
@@ -534,12 +584,52 @@ class Coordinator:
                 case Exited():
                     if report.reason == "done":
                         self.done.add(vrank)
+                case ModelBuilt():
+                    self._model_built(vrank, report.model)
                 case Hello():
                     if self.unjoined.get(vrank, (report.generation + 1,))[0] <= \
                             report.generation:  # not a Hello of a process before it
                         del self.unjoined[vrank]
                     self._tell_joiner(vrank)
                     self._order_when_joined()
+
+    def _model_built(self, vrank: int, got: ModelReport) -> None:
+        """A worker built its model. Where no ``--model`` (``--global-batch``) was given,
+        the first one's model (batch) is what the job plans with; any later one, or any
+        that differs from what was given, stops the job at once with one line naming the
+        first difference (before any resize: none is decided until both are known, and
+        a worker plans with its own)."""
+        here = f"vrank {vrank}'s training script"
+        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch)):
+            if ref is None:
+                continue
+            there = {"": ref[1], "global_batch": ref[1], "micro_batch": ref[1]}
+            if ref[1] == "--global-batch":
+                there["micro_batch"] = "--micro-batch"
+            diff = got.difference(ref[0], here, there, compared)
+            if diff is not None:
+                what = "model" if compared is MODEL_FIELDS else "batch"
+                self.fatal = self.fatal or f"the {what} differs: {diff}"
+                return
+        if self.model is not None and self.batch is not None:
+            return
+        job = self.spec.job
+        try:
+            model = job.model if self.model is not None else got.desc()
+            global_batch, micro_batch = ((job.global_batch, job.micro_batch)
+                                         if self.batch is not None
+                                         else (got.global_batch, got.micro_batch))
+            job = TrainingJob(model, global_batch, micro_batch, job.distributed_optimizer)
+        except ConfigError as err:
+            self.fatal = self.fatal or f"{here} builds a model that cannot be planned: {err}"
+            return
+        if self.model is None:
+            self.model = (got, here)
+        if self.batch is None:
+            self.batch = (got, here)
+        self.spec = replace(self.spec, job=job)
+        logger.info("planning with the model of vrank %d: %s", vrank, describe_job(job))
+        self.dirty = True
 
     def _progress(self, report: Progress) -> None:
         if report.step <= self.step:
@@ -581,13 +671,29 @@ class Coordinator:
             notices=tuple(Notice(frozenset(ds), deadline, cause)
                           for (deadline, cause), ds in sorted(by_deadline.items())),
             resizes=tuple(self.resize_times), growing=self.growing,
-            pinned=frozenset(self.pinned))
+            pinned=frozenset(self.pinned), partition_nodes=len(self.topology.nodes),
+            request_age_s=(None if not self.growing or self.request_sent_at is None
+                           else time.monotonic() - self.request_sent_at))
+
+    def _request_overdue(self) -> bool:
+        """The pending request waited past the policy's patience: decide again (it may be
+        withdrawn and asked again smaller), once a minute at most."""
+        if not self.growing or self.request_sent_at is None:
+            return False
+        age = time.monotonic() - self.request_sent_at
+        if age < REQUEST_PATIENCE_S or time.monotonic() < self._overdue_checked + 60.0:
+            return False
+        self._overdue_checked = time.monotonic()
+        return True
 
     def _decide(self) -> None:
         self.dirty = False
         if self._event_ids:
             inject("after-record")
         if not self.held:
+            return
+        if (self.model is None or self.batch is None) and self.layout is not None:
+            self.dirty = True  # decided once the workers said their model (_model_built)
             return
         decision = decide(self._snapshot(), self.spec.policy)
         text = " | ".join(decision.lines())
@@ -608,6 +714,15 @@ class Coordinator:
                         self._resize(action)
                 case Release():
                     self.release_later |= set(action.devices)
+                case WithdrawRequest():
+                    if self.growing:
+                        perform(self.backend, CancelRequest(f"grow-{self.requests}",
+                                                            action.reason))
+                        self.growing, self.request_sent_at = 0, None
+                        self.journal.write(
+                            record.record_event, self.spec.job_id, "request-withdrawn",
+                            source="coordinator", key=f"withdraw:grow-{self.requests}",
+                            payload={"nodes": action.nodes, "summary": action.reason[:200]})
                 case RequestGrow():
                     if not self.growing:
                         self.requests += 1
@@ -621,6 +736,7 @@ class Coordinator:
                             key=f"request:{request.key}",
                             payload={"nodes": request.nodes, "summary": request.reason[:200]})
                         perform(self.backend, request)
+                        self.request_sent_at = time.monotonic()
                         inject("after-request")
                         self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
@@ -923,6 +1039,15 @@ def _rebuilt(fl: _Inflight) -> tuple[tuple[int, int] | None, str | None]:
     span = max(spans, key=lambda s: (s[1] - s[0], s)) if spans else None
     return ((int(span[0]), int(span[1])) if span else None,
             min(sources) if sources else None)
+
+
+def describe_job(job: TrainingJob) -> str:
+    """One line: the model and batch a job plans with."""
+    m = job.model
+    return (f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads "
+            f"({m.query_groups} query groups), ffn {m.ffn_hidden}, vocab {m.padded_vocab}, "
+            f"seq {m.seq_length}, {m.param_dtype}; global batch {job.global_batch}, "
+            f"micro batch {job.micro_batch}")
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],

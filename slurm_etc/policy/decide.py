@@ -21,6 +21,9 @@ from .rules import EffectivePolicy
 # throughput by at least this much; smaller gains do not pay for the pause.
 MIN_GAIN = 0.05
 HOUR = 3600.0
+# A node request still pending after this long is withdrawn and asked again smaller (a big
+# request can wait forever on a busy partition where a smaller one starts).
+REQUEST_PATIENCE_S = 300.0
 
 CostFn = Callable[[Layout, ParallelConfig, Allocation], int]
 
@@ -50,6 +53,12 @@ class Snapshot:
         resizes: times of earlier resizes (for the per-hour cap).
         growing: nodes already requested by member allocations that have not started.
         pinned: devices of the anchor allocation (runs the coordinator; never released).
+        partition_nodes: nodes the job may ever hold (the partitions' nodes from Slurm; the
+            local backend's scripted cluster); None: unknown. No request asks for more than
+            these minus the nodes it keeps.
+        request_age_s: how long the pending request (``growing``) has waited; None: none.
+        request_patience_s: how long a pending request may wait before it is withdrawn and
+            asked again smaller.
     """
 
     now: float
@@ -63,6 +72,9 @@ class Snapshot:
     resizes: tuple[float, ...] = ()
     growing: int = 0
     pinned: frozenset[Device] = frozenset()
+    partition_nodes: int | None = None
+    request_age_s: float | None = None
+    request_patience_s: float = REQUEST_PATIENCE_S
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,18 @@ class Pause:
         return f"pause: {self.reason}"
 
 
-Action = Resize | Release | RequestGrow | Pause
+@dataclass(frozen=True)
+class WithdrawRequest:
+    """Cancel the pending node request (a smaller :class:`RequestGrow` follows it)."""
+
+    nodes: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"withdraw the request for {self.nodes} node(s): {self.reason}"
+
+
+Action = Resize | Release | RequestGrow | Pause | WithdrawRequest
 
 
 @dataclass(frozen=True)
@@ -240,12 +263,99 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
                             "below the policy's minimum size")
         deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
         actions.append(Resize(config, target, forced, why, deadline))
-    if target.released:
-        actions.append(Release(target.released, _release_reason(config, target, policy)))
-    grow = _grow_request(s, policy, frozenset(target.vranks.values()), choice, capped)
+    kept = frozenset(target.vranks.values())
+    withdraw = _withdraw(s, capped)
+    released, grow = target.released, None
+    if withdraw is not None:  # only where a smaller request is worth asking for
+        released, grow = _growth(s, policy, kept, target.released, choice, capped, 0,
+                                 s.growing)
+        if grow is None:
+            withdraw = None
+    if withdraw is None:
+        released, grow = _growth(s, policy, kept, target.released, choice, capped,
+                                 s.growing, None)
+    else:
+        actions.append(withdraw)
+    if released:
+        actions.append(Release(released, _release_reason(config, target, policy)))
     if grow:
         actions.append(grow)
     return Decision(tuple(actions), summary)
+
+
+def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+            released: tuple[Device, ...], choice: Choice, capped: bool, growing: int,
+            smaller_than: int | None) -> tuple[tuple[Device, ...], RequestGrow | None]:
+    """What to release and what to ask for: granted nodes that fit no layout now stay
+    (:func:`_spare_worth_keeping`) or go, and the request sized on what stays."""
+    spare = _spare_worth_keeping(s, policy, kept, released, choice, growing, capped,
+                                 smaller_than)
+    if spare is not None:
+        return tuple(d for d in released if d not in spare[0]), spare[1]
+    return released, _grow_request(s, policy, kept, choice, capped, growing=growing,
+                                   smaller_than=smaller_than)
+
+
+def _withdraw(s: Snapshot, capped: bool) -> WithdrawRequest | None:
+    """The pending request, when it waited past the patience and a smaller one exists."""
+    if not s.growing or s.growing < 2 or s.request_age_s is None or capped or \
+            s.request_age_s < s.request_patience_s:
+        return None
+    return WithdrawRequest(s.growing, f"pending for {s.request_age_s:.0f} s (more than "
+                                      f"{s.request_patience_s:.0f} s); asking for fewer")
+
+
+def _spare_worth_keeping(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+                         released: tuple[Device, ...], choice: Choice, growing: int,
+                         capped: bool, smaller_than: int | None
+                         ) -> tuple[frozenset[Device], RequestGrow | None] | None:
+    """Granted whole nodes that fit no valid layout now, kept (instead of released and asked
+    for again) when the pending request, or a new one, makes a layout with them pay: the
+    nodes to keep and the request to send (None: the pending one). None: release them (and
+    at a first start, which has no layout to grow from yet).
+
+    Kept only while a request is pending that is younger than the patience (a withdrawn one
+    is asked again smaller, which must still make them useful), and never past max_nodes."""
+    if not policy.grow or capped or s.layout is None:
+        return None
+    whole = Counter(d.node for d in released)
+    spare_nodes = {n for n, k in whole.items() if k == s.topology.gpus_per_node} - {
+        d.node for d in s.pinned}
+    if not spare_nodes:
+        return None
+    spare = frozenset(d for d in released if d.node in spare_nodes)
+    with_spare = kept | spare
+    if policy.max_nodes is not None and \
+            len({d.node for d in with_spare}) > policy.max_nodes:
+        return None
+    if growing:
+        counts = list(Counter(d.node for d in with_spare).values())
+        bigger = _best(s, policy, counts + [s.topology.gpus_per_node] * growing)
+        if bigger is not None and bigger.best.tokens_per_s >= \
+                (1 + MIN_GAIN) * choice.best.tokens_per_s and \
+                bigger.config.world > len(kept) + growing * s.topology.gpus_per_node:
+            return spare, None
+        return None
+    grow = _grow_request(s, policy, with_spare, choice, capped, growing=0,
+                         smaller_than=smaller_than)
+    if grow is None:
+        return None
+    counts = list(Counter(d.node for d in with_spare).values())
+    bigger = _best(s, policy, counts + [s.topology.gpus_per_node] * grow.nodes)
+    if bigger is None or bigger.config.world <= len(kept) + \
+            grow.nodes * s.topology.gpus_per_node:
+        return None  # the layout it pays for does not need the spare nodes
+    why = (f"{grow.reason}, with the {len(spare_nodes)} granted node(s) kept "
+           f"({', '.join(sorted(spare_nodes))}) that fit no valid layout now")
+    return spare, RequestGrow(grow.nodes, grow.partition, grow.qos, grow.signal_grace_s, why)
+
+
+def _best(s: Snapshot, policy: EffectivePolicy, counts: list[int]) -> Choice | None:
+    try:
+        return choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
+                             allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes)
+    except ConfigError:
+        return None
 
 
 def _allocate(s: Snapshot, usable: frozenset[Device], config: ParallelConfig,
@@ -281,18 +391,25 @@ def _release_reason(config: ParallelConfig, target: Allocation,
 
 
 def _grow_request(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
-                  choice: Choice | None, capped: bool) -> RequestGrow | None:
+                  choice: Choice | None, capped: bool, *, growing: int | None = None,
+                  smaller_than: int | None = None) -> RequestGrow | None:
     """Ask for the fewest whole nodes that, added to ``kept``, make a configuration
-    MIN_GAIN faster.
+    MIN_GAIN faster: never more than the policy's max_nodes, nor the partition's nodes,
+    minus the nodes kept (a request for more would pend forever), and fewer than
+    ``smaller_than`` (a withdrawn request's size) when given.
 
     Throughput grows with devices (not strictly: batch divisibility makes steps), so the
     fewest such nodes is found by bisection over 1..room.
     """
-    if not policy.grow or s.growing or capped:
+    if not policy.grow or (s.growing if growing is None else growing) or capped:
         return None
     held_nodes = len({d.node for d in kept})
     room = (policy.max_nodes - held_nodes if policy.max_nodes is not None
             else max(held_nodes, 1))
+    if s.partition_nodes is not None:
+        room = min(room, s.partition_nodes - held_nodes)
+    if smaller_than is not None:
+        room = min(room, smaller_than - 1)
     counts = list(Counter(d.node for d in kept).values())
     base = choice.best.tokens_per_s if choice else 0.0
 

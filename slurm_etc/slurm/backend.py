@@ -86,6 +86,7 @@ from slurm_etc.coordinator import env as envvars
 from slurm_etc.coordinator.backend import (
     BackendError,
     BackendEvent,
+    CancelRequest,
     Grant,
     LaunchWorkers,
     Loss,
@@ -113,7 +114,8 @@ COMMENT_PREFIX = "slurm-etc:"
 CLOSE_GRACE_S = 5.0
 # After `kill <vrank>`, how long before the step itself is killed with scancel.
 KILL_BACKSTOP_S = 5.0
-# How long a launch waits for a stopping worker whose vrank it reuses (past the backstop).
+# How long a launch waits for a stopping worker whose vrank or device it reuses (past the
+# backstop).
 STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 # A worker killed by SIGTERM/SIGKILL that nobody here sent is reported up to this late, so
 # that the Loss that explains it (Slurm's state lags its signals) comes first.
@@ -467,6 +469,19 @@ class SlurmBackend:
                     job_id, action.nodes, self.member_partition or "the default partition",
                     f": {action.reason}" if action.reason else "")
 
+    def cancel_request(self, action: CancelRequest) -> None:
+        """scancel the member of ``action.key`` while it is still pending (a granted one
+        stays: its grant is reported as any other); its end comes back as RequestFailed."""
+        job_id = self._keys.get(action.key)
+        a = self._allocs.get(job_id) if job_id is not None else None
+        if a is None or a.granted or a.gone:
+            return
+        self._act(functools.partial(self.client.cancel, a.job_id),
+                  f"withdraw request {action.key}")
+        self._next_query = 0.0
+        logger.info("[slurm] withdrew request %s (scancel of pending member %s)%s",
+                    action.key, a.job_id, f": {action.reason}" if action.reason else "")
+
     def release(self, action: ReleaseDevices) -> None:
         by_alloc: dict[str, list[Device]] = {}
         for d in action.devices:
@@ -494,19 +509,23 @@ class SlurmBackend:
 
     def launch(self, action: LaunchWorkers) -> None:
         self._read_steps(self._clock())  # an exit not yet seen is reported first
+        # a worker being stopped or killed on a device or under a vrank this launch uses (a
+        # joiner of an aborted resize, whose retry maps other vranks to its devices; a worker
+        # that left the job; one on a released or lost device): let it end first, bounded
+        wanted = {spec.device for spec in action.workers}
+        vranks = {spec.vrank for spec in action.workers}
+        until = time.monotonic() + STOPPING_WAIT_S
+        while time.monotonic() < until and any(
+                not w.reported and w.state.stopping
+                and (w.state.device in wanted or w.state.vrank in vranks)
+                for w in self._workers.values()):
+            time.sleep(0.05)
+            self._read_steps(self._clock())
         busy = {w.state.device: w.state.vrank for w in self._workers.values()
                 if not w.reported}
         groups: dict[tuple[str, str], list[TaskSpec]] = {}
         for spec in action.workers:
             current = self._workers.get(spec.vrank)
-            if current is not None and not current.reported and current.state.stopping:
-                # the vrank's old worker is being stopped or killed (its device released or
-                # lost, a joiner of an aborted resize, a worker that left the job): let that
-                # one end first
-                until = time.monotonic() + STOPPING_WAIT_S
-                while not current.reported and time.monotonic() < until:
-                    time.sleep(0.05)
-                    self._read_steps(self._clock())
             if current is not None and not current.reported:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "

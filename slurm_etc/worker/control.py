@@ -12,12 +12,15 @@ coordinator's ``plan_digest`` lets each worker check that it did.
 """
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Mapping
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
+from slurm_etc import bounds
 from slurm_etc.plan.config import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.model import ModelDesc
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -145,7 +148,87 @@ class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=Tr
     step: int = 0
 
 
-Report = Hello | Progress | Resized | Exited
+def _within(bound: bounds.Bound) -> msgspec.Meta:
+    return msgspec.Meta(ge=bound.low, le=bound.high)
+
+
+class ModelReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The model a worker built, as the layout chooser, the memory estimate and the planner
+    see it: the description whose catalog the live model's ``sharded_state_dict()`` was
+    checked against (``vocab_size`` already padded by the model), and the batch it trains.
+    Every size is bounded as a model file's is (``plan.model.MODEL_BOUNDS``)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=bounds.NAME_CHARS)]
+    num_layers: Annotated[int, _within(bounds.LAYERS)]
+    hidden: Annotated[int, _within(bounds.HIDDEN)]
+    ffn_hidden: Annotated[int, _within(bounds.FFN)]
+    num_heads: Annotated[int, _within(bounds.HEADS)]
+    num_query_groups: Annotated[int, _within(bounds.HEADS)]
+    vocab_size: Annotated[int, _within(bounds.VOCAB)]
+    seq_length: Annotated[int, _within(bounds.SEQ)]
+    swiglu: bool
+    rmsnorm: bool
+    add_bias_linear: bool
+    learned_position_embeddings: bool
+    tied_embeddings: bool
+    param_dtype: Literal["fp32", "bf16"]
+    global_batch: Annotated[int, _within(bounds.BATCH)]
+    micro_batch: Annotated[int, _within(bounds.BATCH)]
+    num_experts: Annotated[int, msgspec.Meta(ge=0, le=bounds.HEADS.high)] = 0
+
+    @classmethod
+    def of(cls, desc: ModelDesc, global_batch: int, micro_batch: int) -> ModelReport:
+        dtype: Literal["fp32", "bf16"] = "bf16" if desc.param_dtype == "bf16" else "fp32"
+        return cls(desc.name, desc.num_layers, desc.hidden, desc.ffn_hidden, desc.num_heads,
+                   desc.query_groups, desc.padded_vocab, desc.seq_length, desc.swiglu,
+                   desc.rmsnorm, desc.add_bias_linear, desc.learned_position_embeddings,
+                   desc.tied_embeddings, dtype, global_batch, micro_batch,
+                   int(getattr(desc, "num_experts", 0) or 0))
+
+    def desc(self) -> ModelDesc:
+        """The ModelDesc (raises ConfigError where the sizes do not fit together)."""
+        return ModelDesc(self.name, self.num_layers, self.hidden, self.ffn_hidden,
+                         self.num_heads, self.vocab_size, self.num_query_groups,
+                         self.seq_length, self.swiglu, self.rmsnorm, self.add_bias_linear,
+                         self.learned_position_embeddings, self.tied_embeddings,
+                         self.param_dtype, vocab_divisor=1)
+
+    def difference(self, other: ModelReport, here: str, there: Mapping[str, str],
+                   compared: tuple[str, ...]) -> str | None:
+        """The first of the ``compared`` fields (:data:`MODEL_FIELDS`, :data:`BATCH_FIELDS`)
+        where ``other`` differs, as one line: ``hidden: 128 in the training script, 64 in
+        --model tiny`` (``here``: where this report comes from; ``there[field]``, else
+        ``there['']``: where ``other``'s value does), or None where they agree."""
+        for f in compared:
+            mine, theirs = getattr(self, f), getattr(other, f)
+            if mine != theirs:
+                return (f"{f}: {_shown(mine)} in {here}, {_shown(theirs)} in "
+                        f"{there.get(f, there.get('', 'the other'))}")
+        return None
+
+
+BATCH_FIELDS = ("global_batch", "micro_batch")
+# every field of ModelReport but its name (free text) and the batch
+MODEL_FIELDS = tuple(f for f in ModelReport.__struct_fields__
+                     if f != "name" and f not in BATCH_FIELDS)
+
+
+def _shown(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+class ModelBuilt(msgspec.Struct, frozen=True, tag="model", forbid_unknown_fields=True):
+    """A worker built its model (sent once per process, after its first build): what it
+    trains. The coordinator plans from the first layout's when ``--model`` is not given and
+    stops the job at once when any differs from the model it plans with."""
+
+    job: str
+    generation: int
+    vrank: int
+    model: ModelReport
+
+
+Report = Hello | Progress | Resized | Exited | ModelBuilt
 
 ORDER_DECODER = msgspec.msgpack.Decoder(Order)
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

@@ -63,6 +63,8 @@ from .control import (
     Abort,
     Control,
     Exited,
+    ModelBuilt,
+    ModelReport,
     Order,
     Progress,
     Resize,
@@ -254,6 +256,7 @@ class ElasticTrainer:
         self._held_extras: tuple[dict, dict] = ({}, {})
         self._kill: KillSpec | None = None
         self.proc: WorkerProcess | None = None
+        self._model_said = False  # ModelBuilt sent (once per process)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -1010,6 +1013,7 @@ class ElasticTrainer:
         catalog = build_catalog(desc, config)
         check_catalog(catalog, gpt)
         self.catalog = catalog
+        self._say_model(desc)
         opt_config = dataclasses.replace(self.optimizer_config,
                                          use_distributed_optimizer=config.distributed_optimizer,
                                          bf16=bool(tf.bf16), params_dtype=tf.params_dtype)
@@ -1019,6 +1023,17 @@ class ElasticTrainer:
         if not empty:
             self.scheduler = self._make_scheduler(state.optimizer)
         return state
+
+    def _say_model(self, desc: ModelDesc) -> None:
+        """Tell the coordinator, once per process, the model this script built (checked
+        against its catalog above) and its batch: what it plans with when not told."""
+        proc = self.proc
+        if proc is None or self._model_said:
+            return
+        self._model_said = True
+        proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
+                                       ModelReport.of(desc, self.global_batch,
+                                                      self.micro_batch)))
 
     def _make_scheduler(self, optimizer: Any) -> Any:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -273,6 +274,140 @@ def test_grow_preempt_and_node_down_train_exactly(client, jobs, tmp_path, store)
               f" pause {m['pause_seconds']:.2f} s" for m in migrations))
     print("TIMINGS " + json.dumps({"store": store, **timings}))
     assert committed <= _ts(notice["deadline"]), "the shrink did not commit inside the grace"
+    if down:
+        wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
+                 f"{down} back in service", timeout=60)
+
+
+OWN_SCRIPT = REPO / "tests" / "workers" / "own_gpt.py"
+
+
+@pytest.mark.timeout(2400)  # cold imports of megatron-core take minutes on a loaded machine
+def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_node(
+        client, jobs, tmp_path):
+    """A new user's path: the wrapper unedited, TRAIN_CMD a training script of their own
+    (tests/workers/own_gpt.py: no preset), no MODEL (the batch given, checked against the
+    script's). The coordinator plans with the model its workers say; the first grow aborts
+    (a joiner killed before the commit: SLURM_ETC_INJECT) and is retried (the retry's launch
+    waits for the stopping joiners on the devices it reuses);
+    then a preemption shrinks the job inside the grace, it grows again, and a node set DOWN
+    is survived in memory. One job for all of it (the tier's time)."""
+    nodes = ["n1", "n2", "n3", "n4"]
+    wait_free(client, nodes)
+    grace = int(partition("scavenge")["GraceTime"])
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    policy_db = tmp_path / "policy.db"
+    subprocess.run(["slurm-etc", "policy", "set", "--partition", "main", "min_nodes=1",
+                    "max_nodes=2", "grow=yes", "grow_partition=scavenge",
+                    "preempt_grace_s=60"], env={**env, "SLURM_ETC_DB": str(policy_db)},
+                   check=True, capture_output=True, text=True, timeout=60)
+    state_dir, run_dir = tmp_path / "state", tmp_path / "run"
+    progress, pace = tmp_path / "progress.jsonl", tmp_path / "pace"
+    pace.touch()
+    down: list[str] = []
+    blocker = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
+                                    partition="main", nodes=1, exclusive=True,
+                                    nodelist=("n4",), output=str(tmp_path / "blocker.out")))
+    jobs.append(blocker)
+    wait_for(running(client, blocker), "blocker RUNNING")
+    # no MODEL: the workers say it. The batch is given (and checked against the script's):
+    # the first layout then takes the whole anchor, and the first grow is generation 1
+    job_env = {**env, "OMP_NUM_THREADS": "1", "HARDWARE": "cpu", "STATE_DIR": str(state_dir),
+               "GLOBAL_BATCH": "8", "MICRO_BATCH": "2",
+               "TRAIN_CMD": f"{sys.executable} {OWN_SCRIPT} --train-steps {STEPS} "
+                            f"--pace-file {pace} --pace-s {PACE_S}",
+               "SLURM_ETC_RUN_DIR": str(run_dir), "SLURM_ETC_MEMBER_PARTITION": "scavenge",
+               "SLURM_ETC_RUN_POLICY_DB": str(policy_db),
+               "SLURM_ETC_RUN_PROGRESS": str(progress), "SLURM_ETC_RUN_TIMEOUT": "120",
+               "SLURM_ETC_RUN_JSON": "1",
+               # the first resize onto a member (vranks 2, 3) loses vrank 3 before its commit
+               "SLURM_ETC_INJECT": "before-commit@3,1"}
+    job_env.pop("MODEL", None)
+    res = subprocess.run(["sbatch", "--parsable", "--nodelist=n1",
+                          f"--output={tmp_path / 'anchor.out'}", str(WRAPPER)],
+                         cwd=tmp_path, env=job_env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    anchor = res.stdout.strip().split(";")[0]
+    jobs.append(anchor)
+    log = tmp_path / "anchor.out"
+
+    def tail() -> str:
+        return log.read_text()[-5000:] if log.exists() else "(no output)"
+
+    def world_at_least(n: int, after: int, what: str, timeout: float = 480) -> dict:
+        def seen() -> dict | None:
+            return next((p for p in _progress(progress)
+                         if p["generation"] > after and _world(p) >= n), None)
+        try:
+            return wait_for(seen, what, timeout, 0.3)
+        except BaseException:
+            print(tail())
+            raise
+
+    def world_below(n: int, after: int, what: str, timeout: float) -> dict:
+        def seen() -> dict | None:
+            return next((p for p in _progress(progress)
+                         if p["generation"] > after and _world(p) < n), None)
+        try:
+            return wait_for(seen, what, timeout, 0.3)
+        except BaseException:
+            print(tail())
+            raise
+
+    try:
+        # cold imports of megatron-core: 20 s on a quiet machine, minutes on a loaded one
+        world_at_least(1, -1, "training in the anchor (generation 0)", 600)
+        grown = world_at_least(4, 0, "training on 4 devices after the aborted grow's retry",
+                               900)
+        out = log.read_text()
+        assert re.search(r"planning with the model of vrank \d+: 2 layers, hidden 96", out), \
+            tail()
+        assert "aborted" in out, tail()
+        member1 = _running_member(client, anchor, set())
+        assert member1 is not None, tail()
+        jobs.append(member1.job_id)
+        (node1,) = member1.nodes
+        t_pre = time.time()
+        pre = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
+                                    partition="high", nodes=1, exclusive=True,
+                                    nodelist=(node1,), output=str(tmp_path / "pre.out")))
+        jobs.append(pre)
+        shrunk = world_below(4, grown["generation"], "training after the preemption",
+                             grace + 60)
+        regrown = world_at_least(4, shrunk["generation"], "training after growing again")
+        member2 = _running_member(client, anchor, {member1.job_id})
+        assert member2 is not None, tail()
+        jobs.append(member2.job_id)
+        (node2,) = member2.nodes
+        t_down = time.time()
+        client.set_node_state([node2], NodeAdminState.DOWN, "slurm-etc test: node lost")
+        down.append(node2)
+        survived = world_below(4, regrown["generation"], "training after the node loss", 240)
+        pace.unlink()
+        wait_for(lambda: all(j.state.finished for j in client.jobs([anchor])) or
+                 not client.jobs([anchor]), "the anchor job to end", 240, 1.0)
+    finally:
+        if pace.exists():
+            pace.unlink()
+        client.cancel(anchor)
+        if down:
+            client.set_node_state(down, NodeAdminState.RESUME)
+    out = log.read_text()
+    assert '"state": "finished"' in out, out[-5000:]
+    assert "runs there" not in out and "differs" not in out, out[-5000:]
+    res = subprocess.run(["slurm-etc", "status", anchor, "--json", "--state-dir",
+                          str(state_dir)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    (job,) = json.loads(res.stdout)["jobs"]
+    outcomes = [m["outcome"] for m in job["migrations"]]
+    assert outcomes.count("aborted") == 1 and outcomes.count("committed") >= 4, outcomes
+    seen = {p["step"] for p in _progress(progress)}
+    assert seen == set(range(1, STEPS + 1))
+    print(f"\n[own script, no MODEL] migrations {outcomes}; preemptor -> shrunk step "
+          f"{shrunk['t'] - t_pre:.1f} s; node DOWN -> training again "
+          f"{survived['t'] - t_down:.1f} s")
     if down:
         wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
                  f"{down} back in service", timeout=60)

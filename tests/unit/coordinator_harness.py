@@ -40,14 +40,17 @@ class HandDrivenBackend:
 @contextmanager
 def coordinator_over(tmp_path: Path, job: str, backend: HandDrivenBackend, *,
                      training: TrainingJob, policy: EffectivePolicy, hardware: Hardware,
-                     backend_name: str) -> Iterator[tuple[Coordinator, str]]:
+                     backend_name: str, **spec_fields: Any
+                     ) -> Iterator[tuple[Coordinator, str]]:
     """A Coordinator for ``job`` over ``backend``, its record in ``tmp_path``; yields it and
-    the record's path (for plain sqlite3 reads), closing channel and store after."""
+    the record's path (for plain sqlite3 reads), closing channel and store after.
+    ``spec_fields``: more JobSpec fields."""
     db = tmp_path / "job.db"
     store = record.open_job_store(job, db=db, state_dir=tmp_path / "state")
     record.create_job(store, job, name="t", owner_uid=0, owner_name="t", backend=backend_name)
     channel = CoordinatorChannel(job, create_secret(job, tmp_path / "keys"), "127.0.0.1")
-    spec = JobSpec(job, "t", (sys.executable, "-c", "pass"), training, policy, hardware)
+    spec = JobSpec(job, "t", (sys.executable, "-c", "pass"), training, policy, hardware,
+                   **spec_fields)
     try:
         yield Coordinator(spec, backend, store, channel, backend.topology), str(db)
     finally:

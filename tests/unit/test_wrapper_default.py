@@ -1,7 +1,8 @@
 """scripts/elastic.sbatch works as shipped: its default TRAIN_CMD is the example, which is a
-worker when the coordinator starts it, and its default MODEL, GLOBAL_BATCH and MICRO_BATCH
-describe what the example really builds (a difference would abort the first grow with a
-plan-digest mismatch). The example's own trainer is built and compared, field by field."""
+worker when the coordinator starts it; MODEL, GLOBAL_BATCH and MICRO_BATCH are empty by
+default (the coordinator plans with what the workers build) and passed on only when set.
+examples/train_gpt.model.json (for MODEL=) describes what the example really builds: its
+own trainer is built and compared, field by field."""
 from __future__ import annotations
 
 import importlib.util
@@ -40,16 +41,25 @@ def test_default_train_cmd_is_the_example_as_a_worker():
     assert "run_worker(make_trainer(" in (REPO / "examples" / "train_gpt.py").read_text()
 
 
-def test_default_model_and_batch_describe_the_example():
+def test_model_and_batch_are_optional_and_passed_on_only_when_set():
+    for name in ("MODEL", "GLOBAL_BATCH", "MICRO_BATCH"):
+        assert _default(name) == "", name
+    text = WRAPPER.read_text()
+    assert '${MODEL:+--model "$MODEL"}' in text
+    assert '${GLOBAL_BATCH:+--global-batch "$GLOBAL_BATCH"}' in text
+    assert '${MICRO_BATCH:+--micro-batch "$MICRO_BATCH"}' in text
+
+
+def test_example_model_file_describes_the_example():
     example = _example()
     trainer = example.make_trainer(1)
     tf = trainer.tf_template
-    desc = load_model(str(REPO / _default("MODEL")))
+    desc = load_model(str(REPO / "examples" / "train_gpt.model.json"))
     assert (desc.num_layers, desc.hidden, desc.ffn_hidden, desc.num_heads) == \
         (tf.num_layers, tf.hidden_size, tf.ffn_hidden_size, tf.num_attention_heads)
     assert (desc.vocab_size, desc.seq_length) == (example.VOCAB, trainer.seq_length)
     assert desc.param_dtype == "fp32"
     # the example passes its vocabulary unpadded: the description must not pad it either
     assert desc.vocab_divisor == 1
-    assert (int(_default("GLOBAL_BATCH")), int(_default("MICRO_BATCH"))) == \
+    assert (example.GLOBAL_BATCH, example.MICRO_BATCH) == \
         (trainer.global_batch, trainer.micro_batch)
