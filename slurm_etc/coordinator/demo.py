@@ -111,10 +111,12 @@ def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:
             mid = (ran[0].started + ran[-1].ended) / 2
             ax1.text(mid, g.world_size + 0.15, f"gen {g.number}\n{g.layout}", ha="center",
                      va="bottom", fontsize=7)
+    # from the first step: the workers' start-up before it is no pause
+    left = max(0.0, timeline.steps[0].started - 2.0) if timeline.steps else 0.0
     colours = {"grant": "tab:green", "preempt-notice": "tab:orange", "loss": "tab:red"}
     for e in detail.events:
-        if e.kind in colours:
-            x = e.received_at.timestamp() - t0
+        x = e.received_at.timestamp() - t0
+        if e.kind in colours and x >= left:
             for ax in (ax1, ax2):
                 ax.axvline(x, color=colours[e.kind], linestyle="--", linewidth=1)
             ax1.text(x, 0.3, e.kind, rotation=90, fontsize=7, color=colours[e.kind])
@@ -134,14 +136,13 @@ def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:
                  fontsize=7, color="tab:red", rotation=90)
     ax1.set_ylabel("devices training")
     ax1.set_ylim(0, max(sizes.values(), default=1) + 1.5)
-    ax1.set_title(f"slurm-etc demo: job {detail.job.job_id} (blue: steps; red: measured "
-                  "pause, devices idle; yellow: preparation, trained through)", fontsize=9)
+    ax1.set_title(f"job {detail.job.job_id}: blue steps; red the measured pause (devices "
+                  "idle); yellow preparation (trained through)", fontsize=9)
     for g in detail.generations:  # one line per layout: none drawn across a pause
         ran = [s for s in timeline.steps if s.generation == g.number]
         if ran:
             ax2.plot([s.ended for s in ran], [s.loss for s in ran], marker=".", color="black")
-    if timeline.steps:  # from the first step: the workers' start-up before it is no pause
-        ax2.set_xlim(left=max(0.0, timeline.steps[0].started - 2.0))
+    ax2.set_xlim(left=left)
     ax2.set_ylabel("training loss")
     ax2.set_xlabel("seconds since start")
     fig.tight_layout()
