@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.live import Live
 from rich.logging import RichHandler
 from rich.table import Table
@@ -21,12 +21,36 @@ from .params import Number, SafePath, Text
 def _line(timeline, started: float) -> Table:
     t = Table.grid(padding=(0, 2))
     if timeline.steps:
-        _at, step, loss, layout, gen = timeline.steps[-1]
-        t.add_row(f"[bold]step {step}[/bold]", f"loss {loss:.4f}", f"generation {gen}",
-                  layout, f"{time.time() - started:.0f} s")
+        s = timeline.steps[-1]
+        t.add_row(f"[bold]step {s.step}[/bold]", f"loss {s.loss:.4f}",
+                  f"generation {s.generation}", s.layout, f"{time.time() - started:.0f} s")
     else:
         t.add_row("starting workers (cold import of megatron-core) ...",
                   f"{time.time() - started:.0f} s")
+    return t
+
+
+def resizes_table(detail, timeline) -> Table:
+    """Each resize: what happened, its data phase beside the pause measured at the step
+    boundaries, the preparation the old layout trained through, and the loss either side."""
+    from .cmd_status import _seconds, _table, pause_text
+
+    sizes = {g.number: g.world_size for g in detail.generations}
+    reasons = {g.number: g.end_reason or "-" for g in detail.generations}
+    losses = {s.step: s.loss for s in timeline.steps}
+    t = _table("resizes (seconds; pause: the widest gap between steps over the processes)",
+               "<gen|>devices|>moved|>data|>pause|>prep|>loss before/after|~why")
+    for m in detail.migrations:
+        if m.outcome != "committed":
+            continue
+        before = [g.last_step for g in detail.generations if g.number == m.from_generation]
+        step = before[0] if before and before[0] is not None else None
+        around = ("-" if step is None or step not in losses or step + 1 not in losses
+                  else f"{losses[step]:.3f}/{losses[step + 1]:.3f}")
+        t.add_row(f"{m.from_generation}->{m.to_generation}",
+                  f"{sizes.get(m.from_generation, '?')}->{sizes.get(m.to_generation, '?')}",
+                  f"{m.moved_bytes / 2**20:.1f} MiB", _seconds(m.data_seconds), pause_text(m),
+                  _seconds(m.preparation_seconds), around, reasons.get(m.from_generation, "-"))
     return t
 
 
@@ -58,7 +82,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     from ..coordinator.run import run_job
     from ..store import jobs as record
     from ..store.db import open_store_readonly
-    from .cmd_status import job_view
+    from .cmd_status import job_view, output_console
 
     model = load_model(model_spec)
     db_path = Path(db) if db else out_dir / "demo.db"
@@ -70,9 +94,13 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     if db_path.exists():
         db_path.unlink()  # the demo's own record of its last run: each demo is a fresh job
     job_id = f"demo-{os.getpid()}"
-    console = Console(stderr=True)
+    console = output_console(stderr=True)
     root = logging.getLogger("slurm_etc")
-    handler = RichHandler(console=console, show_path=False, show_level=False)
+    handler: logging.Handler = RichHandler(console=console, show_path=False,
+                                           show_level=False)
+    if not console.is_terminal:  # a log or CI: one plain line per record
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     root.propagate = False
@@ -86,7 +114,8 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
                 timeline.progress(p)
                 live.update(_line(timeline, started))
 
-            out = run_job(demo_spec(job_id, model, steps, inject=inject), backend, backend.topology,
+            spec = demo_spec(job_id, model, steps, inject=inject, data="text")
+            out = run_job(spec, backend, backend.topology,
                           db=str(db_path), state_dir=str(out_dir / "state"),
                           progress=progress)
     finally:
@@ -101,7 +130,9 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
         raise click.ClickException(f"the demo's record {db_path} has no job {job_id}")
     from datetime import UTC, datetime
 
-    Console().print(job_view(detail, datetime.now(UTC)))
+    shown = output_console()
+    shown.print(job_view(detail, datetime.now(UTC)))
+    shown.print(resizes_table(detail, timeline))
     png = out_dir / "timeline.png"
     timeline_png(png, detail, timeline)
     reaction = ", ".join(f"{x * 1000:.0f} ms" for x in out["reaction_s"]) or "-"

@@ -55,6 +55,18 @@ SACCTMGR_TIMEOUT_S = 5
 SACCTMGR_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin")
 ADMIN_LEVELS = ("operator", "administrator")
 DEFAULT_WATCH_S = 2.0
+# Where output is not a terminal (a log, a pipe, CI) rich would lay tables out in 80
+# columns and wrap every row; this many instead (COLUMNS, when set, still wins).
+PLAIN_WIDTH = 240
+
+
+def output_console(*, stderr: bool = False) -> Console:
+    """A console for tables: the terminal's width on a terminal, else ``PLAIN_WIDTH``
+    columns (one row a line in a log) unless COLUMNS says otherwise."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=PLAIN_WIDTH)
+    return console
 
 
 # ---------------------------------------------------------------- who sees what
@@ -326,6 +338,14 @@ def _seconds(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def pause_text(m: Any) -> str:
+    """A migration's pause: measured at the step boundaries, or (in brackets) the workers'
+    own timing of the resize while not every process has reported its gap."""
+    if m.pause_seconds is None:
+        return "-"
+    return _seconds(m.pause_seconds) if m.pause_measured else f"({m.pause_seconds:.2f})"
+
+
 def _state(d: JobDetail, now: datetime, long: bool = False) -> str:
     """The state shown: ``lost (7m 12s)`` in a table (``lost (no update for 7m 12s, was
     running)`` with ``long``) when the coordinator stopped writing an active job's record."""
@@ -401,8 +421,8 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
 
     if d.migrations:
         mig = _table("migrations (bytes moved against the lower bound; seconds)",
-                     "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>pause|"
-                     "~outcome")
+                     "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>data|>pause|"
+                     ">prep|~outcome")
         for m in d.migrations:
             ratio = m.ratio_to_lower_bound
             outcome = m.outcome or "running"
@@ -416,8 +436,13 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                         _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
                         _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
                         _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
-                        _seconds(m.pause_seconds), outcome)
+                        _seconds(m.data_seconds), pause_text(m),
+                        _seconds(m.preparation_seconds), outcome)
         parts.append(mig)
+        parts.append(Text("pause: the widest gap over the processes between the end of the "
+                          "last step in the old layout and the start of the first in the new "
+                          "one (in brackets: the workers' timing, until every process reported "
+                          "it); prep: decision to pause, the old layout training on", style="dim"))
 
     pending = d.pending_events
     if pending:
@@ -500,7 +525,7 @@ def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Pa
         now = clock()
         click.echo(json.dumps({"jobs": [d.to_json(now) for d in found.jobs]}, indent=2))
         return
-    console = Console()
+    console = output_console()
     if watch is None:
         if job_id is None and not found.jobs:
             click.echo(f"no jobs of yours in {found.where}", err=True)

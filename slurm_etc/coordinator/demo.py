@@ -27,16 +27,32 @@ DEMO_HARDWARE = Hardware(gpus_per_node=2, memory_gib=2.0, tflops=0.01, intra_nod
                          inter_node_gbps=5.0, reserved_gib=0.5)
 
 
+@dataclass(frozen=True)
+class StepSeen:
+    """One step as the coordinator heard of it: when it began and ended on the layout's
+    rank 0 (seconds since the demo's start; when heard of, where the worker did not say)."""
+
+    started: float
+    ended: float
+    step: int
+    loss: float
+    layout: str
+    generation: int
+
+
 @dataclass
 class Timeline:
     """What the demo saw, for the progress display and the PNG."""
 
     t0: float = field(default_factory=time.time)
-    steps: list[tuple[float, int, float, str, int]] = field(default_factory=list)
+    steps: list[StepSeen] = field(default_factory=list)
 
     def progress(self, p: dict) -> None:
-        self.steps.append((time.time() - self.t0, p["step"], p["loss"], p["layout"],
-                           p["generation"]))
+        heard = time.time() - self.t0
+        ended = p["ended"] - self.t0 if p.get("ended") else heard
+        started = p["started"] - self.t0 if p.get("started") else ended
+        self.steps.append(StepSeen(started, ended, p["step"], p["loss"], p["layout"],
+                                   p["generation"]))
 
 
 def demo_script(steps: int, grace_s: float = 60.0) -> EventsScript:
@@ -54,11 +70,14 @@ def demo_script(steps: int, grace_s: float = 60.0) -> EventsScript:
 
 
 def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
-              inject: str | None = None) -> JobSpec:
+              inject: str | None = None, data: str = "seeded") -> JobSpec:
     """The demo's job. ``inject``: a kill spec (:class:`~slurm_etc.migrate.faults.KillSpec`,
-    e.g. ``mid-transfer``): a worker kills itself (SIGKILL) at that phase of a resize."""
+    e.g. ``mid-transfer``): a worker kills itself (SIGKILL) at that phase of a resize.
+    ``data``: ``seeded`` random tokens (what the equality tests replay) or ``text``, bytes
+    the model learns (:mod:`slurm_etc.worker.text_data`: the loss falls)."""
     argv = (sys.executable, "-m", "slurm_etc.worker.preset_worker", "--model", model.name,
-            "--global-batch", str(global_batch), "--train-steps", str(steps))
+            "--global-batch", str(global_batch), "--train-steps", str(steps),
+            "--data", data)
     # one thread per worker process: several share a core here (and the reference path's
     # workers run so too, so losses compare bit for bit)
     env = {"OMP_NUM_THREADS": "1"}
@@ -71,41 +90,59 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
 
 
 def timeline_png(path: Path, detail: Any, timeline: Timeline) -> None:
-    """Devices in the layout and loss over time, generations labelled, resizes and events
-    marked."""
+    """Devices training and loss over time: every step drawn where it ran (rank 0's start
+    and end), so a resize's pause shows as devices idle, and training that went on while
+    the resize was prepared as training; each measured pause and its preparation marked,
+    events marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t0 = timeline.t0
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True,
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True,
                                    gridspec_kw={"height_ratios": [1, 1.3]})
-    end = time.time() - t0
+    sizes = {g.number: g.world_size for g in detail.generations}
     for g in detail.generations:
-        start = g.started_at.timestamp() - t0
-        stop = (g.ended_at.timestamp() - t0) if g.ended_at else end
-        ax1.hlines(g.world_size, start, stop, linewidth=6, color="tab:blue")
-        ax1.text((start + stop) / 2, g.world_size + 0.15, f"gen {g.number}\n{g.layout}",
-                 ha="center", va="bottom", fontsize=7)
+        ran = [s for s in timeline.steps if s.generation == g.number]
+        for s in ran:
+            ax1.hlines(g.world_size, s.started, s.ended, linewidth=6, color="tab:blue")
+        if ran:
+            mid = (ran[0].started + ran[-1].ended) / 2
+            ax1.text(mid, g.world_size + 0.15, f"gen {g.number}\n{g.layout}", ha="center",
+                     va="bottom", fontsize=7)
+    # from the first step: the workers' start-up before it is no pause
+    left = max(0.0, timeline.steps[0].started - 2.0) if timeline.steps else 0.0
     colours = {"grant": "tab:green", "preempt-notice": "tab:orange", "loss": "tab:red"}
     for e in detail.events:
-        if e.kind in colours:
-            x = e.received_at.timestamp() - t0
+        x = e.received_at.timestamp() - t0
+        if e.kind in colours and x >= left:
             for ax in (ax1, ax2):
                 ax.axvline(x, color=colours[e.kind], linestyle="--", linewidth=1)
             ax1.text(x, 0.3, e.kind, rotation=90, fontsize=7, color=colours[e.kind])
     for m in detail.migrations:
-        if m.ended_at is not None:
-            for ax in (ax1, ax2):
-                ax.axvspan(m.started_at.timestamp() - t0, m.ended_at.timestamp() - t0,
-                           color="grey", alpha=0.2)
+        if m.paused_at is None or m.resumed_at is None:
+            continue
+        paused, resumed = m.paused_at.timestamp() - t0, m.resumed_at.timestamp() - t0
+        prepared = paused - (m.preparation_seconds or 0.0)
+        for ax in (ax1, ax2):
+            ax.axvspan(paused, resumed, color="tab:red", alpha=0.25, linewidth=0)
+            if paused > prepared:
+                ax.axvspan(prepared, paused, color="gold", alpha=0.25, linewidth=0)
+        # the devices of the old layout, idle through the gap
+        idle = sizes.get(m.from_generation, 0)
+        ax1.hlines(idle, paused, resumed, linewidth=6, color="lightgrey")
+        ax1.text((paused + resumed) / 2, 0.9, f"pause {m.pause_seconds:.2f} s", ha="center",
+                 fontsize=7, color="tab:red", rotation=90)
     ax1.set_ylabel("devices training")
-    ax1.set_ylim(0, max((g.world_size for g in detail.generations), default=1) + 1.5)
-    ax1.set_title(f"slurm-etc demo: job {detail.job.job_id} (grey: migrations)")
-    if timeline.steps:
-        xs = [s[0] for s in timeline.steps]
-        ax2.plot(xs, [s[2] for s in timeline.steps], marker=".", color="black")
+    ax1.set_ylim(0, max(sizes.values(), default=1) + 1.5)
+    ax1.set_title(f"job {detail.job.job_id}: blue steps; red the measured pause (devices "
+                  "idle); yellow preparation (trained through)", fontsize=9)
+    for g in detail.generations:  # one line per layout: none drawn across a pause
+        ran = [s for s in timeline.steps if s.generation == g.number]
+        if ran:
+            ax2.plot([s.ended for s in ran], [s.loss for s in ran], marker=".", color="black")
+    ax2.set_xlim(left=left)
     ax2.set_ylabel("training loss")
     ax2.set_xlabel("seconds since start")
     fig.tight_layout()

@@ -32,6 +32,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
@@ -70,6 +71,7 @@ from slurm_etc.worker.control import (
     Progress,
     Resize,
     Resized,
+    Resumed,
     Stop,
     format_layout,
 )
@@ -93,6 +95,7 @@ from .backend import (
     perform,
 )
 from .journal import Journal
+from .pause import MeasuredPause, PauseTracker
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +207,7 @@ class _Inflight:
     rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
     early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
     never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
+    decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
 
 
 class JobStopped(RuntimeError):
@@ -265,6 +269,7 @@ class Coordinator:
             None if spec.model_from_workers else (given, spec.model_label))
         self.batch: tuple[ModelReport, str] | None = (
             None if spec.batch_from_workers else (given, "--global-batch"))
+        self.pauses = PauseTracker()  # the gaps the new layouts' processes report
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -419,6 +424,7 @@ class Coordinator:
                                         last_loss=self.loss)
             except record.RecordError:
                 pass  # never opened: its launch was refused
+        self._record_pauses(self.pauses.flush())
         self.journal.write(record.set_job_state, self.spec.job_id, state, reason=reason)
         self.journal.catch_up(END_CATCH_UP_S)
         logger.info("job %s %s: %s", self.spec.job_id, state, reason)
@@ -581,6 +587,8 @@ class Coordinator:
                 case Resized():
                     if self.inflight and report.generation == self.inflight.order.generation:
                         self.inflight.reports[vrank] = report
+                case Resumed():
+                    self._record_pauses(self.pauses.add(report))
                 case Exited():
                     if report.reason == "done":
                         self.done.add(vrank)
@@ -644,7 +652,20 @@ class Coordinator:
                                    last_loss=report.loss)
         self.progress({"step": report.step, "loss": report.loss,
                        "lr": report.lr, "layout": report.layout,
-                       "generation": report.generation})
+                       "generation": report.generation, "started": report.started,
+                       "ended": report.ended})
+
+    def _record_pauses(self, pauses: list[tuple[Any, MeasuredPause]]) -> None:
+        """Write the pauses measured at the step boundaries into their migrations."""
+        for mid, p in pauses:
+            self.journal.write(record.record_migration_pause, mid, pause_seconds=p.seconds,
+                               paused_at=datetime.fromtimestamp(p.paused_at, timezone.utc),
+                               resumed_at=datetime.fromtimestamp(p.resumed_at, timezone.utc),
+                               preparation_seconds=p.preparation_seconds,
+                               processes=p.processes)
+            logger.info("migration %s: training paused %.3f s (the widest gap between steps, "
+                        "vrank %d, over %d processes) after %.2f s of preparation", mid,
+                        p.seconds, p.vrank, p.processes, p.preparation_seconds)
 
     def _report_step(self, step: int) -> None:
         """Tell the backend the job's step, only when settled (no resize in flight, no event
@@ -799,6 +820,7 @@ class Coordinator:
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
     def _resize(self, action: ResizeDecision) -> None:
+        decided_at = time.time()  # wall clock, as the workers' step times
         assert_layout = self.layout
         if assert_layout is None:
             return
@@ -862,7 +884,8 @@ class Coordinator:
             estimated_seconds=plan.est_seconds)
         participants = (set(old.devices) | set(new.devices)) - set(lost)
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
-                                  set(self.release_later), time.monotonic(), rebuild=rebuild)
+                                  set(self.release_later), time.monotonic(), rebuild=rebuild,
+                                  decided_at=decided_at)
         self.channel.generation = gen
         # a joiner whose vrank's previous process left the job at the last commit and is
         # still exiting (tearing its groups down): it has nothing left to do, it stops; the
@@ -954,9 +977,11 @@ class Coordinator:
             self._aborted(fl, wall, why)
             return
         lost_steps, rebuilt_from = _rebuilt(fl)
+        data = max((r.data_seconds for r in fl.reports.values()), default=0.0)
         self.journal.write(record.record_migration_finish, fl.migration_id, outcome="committed",
                                        measured_seconds=wall, pause_seconds=pause,
-                                       lost_steps=lost_steps, rebuilt_from=rebuilt_from)
+                                       lost_steps=lost_steps, rebuilt_from=rebuilt_from,
+                                       data_seconds=data)
         inject("after-commit-record")
         self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
@@ -989,6 +1014,8 @@ class Coordinator:
         self._release_now()
         for report in fl.early:
             self._progress(report)
+        self._record_pauses(self.pauses.committed(self.generation, fl.migration_id,
+                                                  new.devices, fl.decided_at))
         self._report_step(self.step)
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",

@@ -26,6 +26,7 @@ from .jobs import (
                  record_allocation,
                  record_event,
                  record_migration_finish,
+                 record_migration_pause,
                  record_migration_start,
                  record_progress,
                  set_coordinator,
@@ -50,6 +51,6 @@ __all__ = [
     "job_detail", "list_jobs", "list_policies", "mark_event_handled", "network_fs_refusal",
     "open_generation", "open_job_store", "open_store", "open_store_readonly",
     "pending_events", "record_allocation", "record_event", "record_migration_finish",
-    "record_migration_start", "record_progress", "set_coordinator", "set_device_state",
-    "set_job_state", "set_policy", "unset_policy", "update_allocation",
+    "record_migration_pause", "record_migration_start", "record_progress", "set_coordinator",
+    "set_device_state", "set_job_state", "set_policy", "unset_policy", "update_allocation",
 ]

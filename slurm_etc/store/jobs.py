@@ -263,6 +263,17 @@ class MigrationInfo:
     event_id: int | None
     lost_steps: tuple[int, int] | None = None
     rebuilt_from: str | None = None
+    data_seconds: float | None = None
+    preparation_seconds: float | None = None
+    paused_at: datetime | None = None
+    resumed_at: datetime | None = None
+    pause_processes: int | None = None
+
+    @property
+    def pause_measured(self) -> bool:
+        """Whether ``pause_seconds`` is the gap measured at the step boundaries (else the
+        workers' own timing of the resize, until every process reported its gap)."""
+        return self.pause_processes is not None
 
     @property
     def ratio_to_lower_bound(self) -> float | None:
@@ -286,7 +297,11 @@ class MigrationInfo:
                 "error": self.error, "started": _iso(self.started_at),
                 "ended": _iso(self.ended_at), "event_id": self.event_id,
                 "lost_steps": None if self.lost_steps is None else list(self.lost_steps),
-                "rebuilt_from": self.rebuilt_from}
+                "rebuilt_from": self.rebuilt_from, "data_seconds": self.data_seconds,
+                "preparation_seconds": self.preparation_seconds,
+                "paused_at": _iso(self.paused_at), "resumed_at": _iso(self.resumed_at),
+                "pause_processes": self.pause_processes,
+                "pause_measured": self.pause_measured}
 
 
 @dataclass(frozen=True)
@@ -1022,9 +1037,12 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
                             pause_seconds: float | None = None, error: str | None = None,
                             lost_steps: tuple[int, int] | None = None,
                             rebuilt_from: str | None = None,
+                            data_seconds: float | None = None,
                             at: datetime | None = None) -> None:
-    """Record how a migration ended (``committed`` or ``aborted``), its measured time and
-    the training pause. Repeating the same outcome is a no-op.
+    """Record how a migration ended (``committed`` or ``aborted``), its measured time, the
+    workers' timing of the pause (:func:`record_migration_pause` replaces it with the gap
+    measured at the step boundaries) and the longest data phase. Repeating the same outcome
+    is a no-op.
 
     ``lost_steps`` (first, last): steps trained and lost with a node whose state no replica
     held (the job rolled back to ``first - 1``); ``rebuilt_from``: where that state came
@@ -1061,7 +1079,41 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
         if lost_steps is not None:
             row.lost_first_step, row.lost_last_step = lost_steps
         row.rebuilt_from = rebuilt_from
+        row.data_seconds = data_seconds
         _touch(s, row.job_id, when)
+
+
+@_guarded
+def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: float,
+                           paused_at: datetime, resumed_at: datetime,
+                           preparation_seconds: float, processes: int) -> None:
+    """The training pause of a committed migration measured at the step boundaries: the
+    largest gap over ``processes`` processes of the new layout, from ``paused_at`` to
+    ``resumed_at``, after ``preparation_seconds`` from the decision.
+
+    Raises:
+        RecordError: unknown or uncommitted migration, or values that do not add up.
+    """
+    for name, value in (("pause_seconds", pause_seconds),
+                        ("preparation_seconds", preparation_seconds)):
+        if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise RecordError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not isinstance(processes, int) or processes < 1:
+        raise RecordError(f"processes must be an integer >= 1, got {processes!r}")
+    if _at(resumed_at) < _at(paused_at):
+        raise RecordError(f"resumed_at {resumed_at} is before paused_at {paused_at}")
+    with store.transaction(write=True) as s:
+        row = s.get(MigrationRow, migration_id)
+        if row is None:
+            raise RecordError(f"no migration {migration_id}")
+        if row.outcome != "committed":
+            raise RecordError(f"migration {migration_id} is {row.outcome or 'running'}: only a "
+                              "committed one resumed training")
+        row.pause_seconds, row.preparation_seconds = float(pause_seconds), \
+            float(preparation_seconds)
+        row.paused_at, row.resumed_at = _at(paused_at), _at(resumed_at)
+        row.pause_processes = processes
+        _touch(s, row.job_id, _now())
 
 
 # ---------------------------------------------------------------- reads
@@ -1341,7 +1393,9 @@ def _event(r: EventRow) -> EventInfo:
 
 # migrations' columns added after 0002_jobs: a record written before them (a published
 # snapshot of an older job, read by a newer status) has none, and reads as "nothing lost"
-_LATER_MIGRATION_COLUMNS = ("lost_first_step", "lost_last_step", "rebuilt_from")
+_LATER_MIGRATION_COLUMNS = ("lost_first_step", "lost_last_step", "rebuilt_from",
+                            "data_seconds", "preparation_seconds", "paused_at", "resumed_at",
+                            "pause_processes")
 
 
 def _migrations(s: Session, job_id: str) -> list[Any]:
@@ -1354,15 +1408,22 @@ def _migrations(s: Session, job_id: str) -> list[Any]:
     if missing:
         query = query.options(*(defer(getattr(MigrationRow, c), raiseload=True)
                                 for c in missing))
-    return [(m, not missing) for m in s.scalars(query.order_by(MigrationRow.id)).all()]
+    present = frozenset(c for c in _LATER_MIGRATION_COLUMNS if c in have)
+    return [(m, present) for m in s.scalars(query.order_by(MigrationRow.id)).all()]
 
 
-def _migration(row: tuple[MigrationRow, bool]) -> MigrationInfo:
-    m, later = row
-    lost = (m.lost_first_step, m.lost_last_step) if later else (None, None)
+def _migration(row: tuple[MigrationRow, frozenset[str]]) -> MigrationInfo:
+    m, present = row
+
+    def later(column: str) -> Any:
+        return getattr(m, column) if column in present else None
+
+    lost = (later("lost_first_step"), later("lost_last_step"))
     return MigrationInfo(m.id, m.from_generation, m.to_generation, m.plan_digest,
                          m.moved_bytes, m.kept_bytes, m.lower_bound_bytes, m.messages,
                          m.rounds, m.estimated_seconds, m.measured_seconds, m.pause_seconds,
                          m.outcome, m.error, m.started_at, m.ended_at, m.event_id,
                          None if lost[0] is None or lost[1] is None else (lost[0], lost[1]),
-                         m.rebuilt_from if later else None)
+                         later("rebuilt_from"), later("data_seconds"),
+                         later("preparation_seconds"), later("paused_at"),
+                         later("resumed_at"), later("pause_processes"))

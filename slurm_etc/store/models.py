@@ -234,7 +234,13 @@ class MigrationRow(Base):
 
     ``lost_first_step``..``lost_last_step``: steps trained, then lost with a node whose state
     no replica held (the job rolled back and trains them again); ``rebuilt_from``: where that
-    state came from (``peer-copies`` or ``checkpoint``)."""
+    state came from (``peer-copies`` or ``checkpoint``).
+
+    ``pause_seconds``: the largest training gap over the new layout's processes, measured at
+    the step boundaries, once ``pause_processes`` processes reported it (NULL: not yet; the
+    workers' own timing of the resize stands meanwhile), lying from ``paused_at`` to
+    ``resumed_at``; ``preparation_seconds``: decision to ``paused_at`` (the old layout
+    trained through it); ``data_seconds``: the longest data phase of any process."""
 
     __tablename__ = "migrations"
     __table_args__ = (
@@ -248,6 +254,8 @@ class MigrationRow(Base):
                         name="ck_migrations_lost_steps"),
         CheckConstraint("rebuilt_from IS NULL OR rebuilt_from IN ('peer-copies', "
                         "'checkpoint')", name="ck_migrations_rebuilt_from"),
+        CheckConstraint("pause_processes IS NULL OR pause_processes >= 1",
+                        name="ck_migrations_pause_processes"),
         Index("ix_migrations_job", "job_id", "to_generation"),
     )
 
@@ -274,3 +282,8 @@ class MigrationRow(Base):
     lost_first_step: Mapped[int | None] = mapped_column(Integer)
     lost_last_step: Mapped[int | None] = mapped_column(Integer)
     rebuilt_from: Mapped[str | None] = mapped_column(String(16))
+    data_seconds: Mapped[float | None] = mapped_column(Double)
+    preparation_seconds: Mapped[float | None] = mapped_column(Double)
+    paused_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    resumed_at: Mapped[datetime | None] = mapped_column(Timestamp())
+    pause_processes: Mapped[int | None] = mapped_column(Integer)

@@ -105,7 +105,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_fields=True):
-    """One training step done (sent by rank 0 of a layout)."""
+    """One training step done (sent by rank 0 of a layout); ``started``/``ended``: when the
+    step began and ended on that rank (unix seconds; 0: not known)."""
 
     job: str
     generation: int
@@ -115,6 +116,8 @@ class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_field
     lr: float
     consumed_samples: int
     layout: str
+    started: float = 0.0
+    ended: float = 0.0
 
 
 class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=True):
@@ -228,7 +231,23 @@ class ModelBuilt(msgspec.Struct, frozen=True, tag="model", forbid_unknown_fields
     model: ModelReport
 
 
-Report = Hello | Progress | Resized | Exited | ModelBuilt
+class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=True):
+    """One process's first step in the layout of ``generation`` began: ``started`` is when
+    (unix seconds), ``last_ended`` when its last step in the old layout ended, or, for a
+    process that joined with this resize, when the old layout's last step ended on the
+    rank that published its state (None: not known). Their difference is this process's
+    training gap; the migration's pause is the largest over the new layout's processes."""
+
+    job: str
+    generation: int
+    vrank: int
+    step: int
+    started: float
+    last_ended: float | None
+    joined: bool = False
+
+
+Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed
 
 ORDER_DECODER = msgspec.msgpack.Decoder(Order)
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

@@ -1,6 +1,7 @@
 """A worker that trains a model preset: what ``slurm-etc demo`` launches.
 
 ``python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8 --train-steps 30``
+(``--data text``: byte-level text the model learns, instead of seeded random tokens)
 builds :func:`~slurm_etc.worker.gpt.preset_trainer` and hands it to
 :func:`~slurm_etc.worker.entry.run_worker` (the job, vrank and channel come from the
 environment the backend sets).
@@ -14,6 +15,7 @@ from slurm_etc.plan import load_model
 
 from .entry import run_worker
 from .gpt import preset_trainer
+from .text_data import StdlibText
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--data", choices=("seeded", "text"), default="seeded")
     args = p.parse_args(argv)
-    trainer = preset_trainer(load_model(args.model),
-                             distributed_optimizer=args.distributed_optimizer, seed=args.seed,
-                             global_batch=args.global_batch, micro_batch=args.micro_batch,
-                             train_steps=args.train_steps)
+    model = load_model(args.model)
+    trainer = preset_trainer(model, distributed_optimizer=args.distributed_optimizer,
+                             seed=args.seed, global_batch=args.global_batch,
+                             micro_batch=args.micro_batch, train_steps=args.train_steps)
+    if args.data == "text":
+        seq, vocab = trainer.seq_length, model.vocab_size
+        trainer.dataset_provider = lambda: StdlibText(seq, vocab)
     return run_worker(trainer)
 
 

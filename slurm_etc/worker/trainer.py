@@ -69,6 +69,7 @@ from .control import (
     Progress,
     Resize,
     Resized,
+    Resumed,
     Stop,
 )
 from .data import check_batch, microbatch_samples
@@ -146,7 +147,8 @@ class CoordinatorLost(Exception):
 
 @dataclass
 class StepRecord:
-    """One trained step as every rank sees it."""
+    """One trained step as every rank sees it; ``started``/``ended``: when it began and
+    ended on this rank (unix seconds)."""
 
     step: int
     loss: float
@@ -154,6 +156,8 @@ class StepRecord:
     consumed_samples: int
     layout: str
     generation: int
+    started: float = 0.0
+    ended: float = 0.0
 
 
 @dataclass
@@ -257,6 +261,10 @@ class ElasticTrainer:
         self._kill: KillSpec | None = None
         self.proc: WorkerProcess | None = None
         self._model_said = False  # ModelBuilt sent (once per process)
+        # (generation, unix end) of the last step this process trained; the generation it
+        # first trained in without a resize (its first layout: no gap to report)
+        self._ended_in: tuple[int, float] | None = None
+        self._first_generation: int | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -296,6 +304,7 @@ class ElasticTrainer:
             self.state = self._build(proc.layout.config, empty=resume_from is not None)
             if resume_from is not None:
                 self._load_checkpoint(resume_from)
+            self._first_generation = proc.generation
             self._log("training %s on %d processes from step %d", proc.layout.config,
                       proc.layout.config.world, self.step)
         else:
@@ -394,6 +403,7 @@ class ElasticTrainer:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        started = time.time()
         state, cfg = self._live()
         dp_rank = parallel_state.get_data_parallel_rank()
         ranges = microbatch_samples(self.consumed_samples, self.global_batch,
@@ -413,17 +423,39 @@ class ElasticTrainer:
         self.step += 1
         self.consumed_samples += self.global_batch
         loss = _mean_loss(losses, cfg)
+        ended = time.time()  # the step's work is done here (what follows only reports it)
         lr = float(state.optimizer.param_groups[0]["lr"])
-        rec = StepRecord(self.step, loss, lr, self.consumed_samples, str(cfg), self.generation)
+        rec = StepRecord(self.step, loss, lr, self.consumed_samples, str(cfg), self.generation,
+                         started, ended)
         self.history.append(rec)
         state.losses.append(loss)
         proc = self._proc()
         if dist.get_rank() == 0:
             proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step, loss,
-                                         lr, self.consumed_samples, str(cfg)))
-        self._log("step %d loss %.6f lr %.3e consumed %d", self.step, loss, lr,
-                  self.consumed_samples)
+                                         lr, self.consumed_samples, str(cfg), started, ended))
+        self._report_resumed(started)
+        self._ended_in = (self.generation, ended)
+        self._log("step %d loss %.6f lr %.3e consumed %d started %.6f ended %.6f", self.step,
+                  loss, lr, self.consumed_samples, started, ended)
         return loss
+
+    def _report_resumed(self, started: float) -> None:
+        """The first step of a layout this process came to by a resize: report when it
+        began and when this process's last step in the old layout ended (a joiner: the
+        old layout's, as its publisher left it in the store), measured at the step
+        boundaries, whatever the resize did in between."""
+        if self._ended_in is not None and self._ended_in[0] == self.generation:
+            return  # not the first step of this layout
+        if self._ended_in is None and self.generation == self._first_generation:
+            return  # the layout this process started in: no resize before it
+        proc = self._proc()
+        last: float | None = self._ended_in[1] if self._ended_in is not None else None
+        if last is None:
+            key = f"{proc.job}/g{self.generation}/last-ended"
+            if proc.store.check([key]):
+                last = float(proc.store.get(key).decode())
+        proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
+                                    last, joined=self._ended_in is None))
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -698,6 +730,8 @@ class ElasticTrainer:
                         else (self._trainer_state(), _rng_extras()))
         if proc.vrank == self._publisher(old):
             proc.store.set(f"{tag}/trainer", encode_value(trainer))
+            if self._ended_in is not None:  # where the joiners' training gap begins
+                proc.store.set(f"{tag}/last-ended", repr(self._ended_in[1]))
         proc.store.set(f"{tag}/rng/{rank}", encode_value(rng))
 
     def _trainer_state(self) -> dict:

@@ -60,7 +60,10 @@ def _check_migrated_once(path, statements):
     revisions = list(ScriptDirectory(str(MIGRATIONS)).walk_revisions())
     created, stamps = _migration_writes(statements)
     assert len(stamps) == len(revisions), stamps  # every revision applied exactly once
-    assert len(created) == len(set(created)), created
+    # a batch ALTER on SQLite copies through _alembic_tmp_<table>, once per migration
+    # that alters that table
+    made = [t for t in created if not t.startswith("_alembic_tmp_")]
+    assert len(made) == len(set(made)), created
     with sqlite3.connect(path) as db:
         assert db.execute("select version_num from alembic_version").fetchall() == \
             [(head_revision(),)]

@@ -169,7 +169,7 @@ def test_models_match_the_migrations(tmp_path):
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         store.close()
-    assert head_revision() == "0003_lost_steps"
+    assert head_revision() == "0004_measured_pause"
 
 
 @pytest.mark.parametrize("url,stamp", [
@@ -192,7 +192,7 @@ def test_the_migrations_compile_for_server_databases(url, stamp):
                   "migrations", "policies"):
         assert f"CREATE TABLE {table} " in ddl, table
     assert stamp in ddl and "moved_bytes BIGINT NOT NULL" in ddl
-    assert "'0003_lost_steps'" in ddl
+    assert "'0004_measured_pause'" in ddl
 
 
 def test_a_policies_only_database_is_upgraded_and_keeps_its_policies(tmp_path):

@@ -1,0 +1,120 @@
+"""A resize's training pause, measured at the step boundaries.
+
+Every process of a new layout reports (:class:`~slurm_etc.worker.control.Resumed`) when its
+first step in that layout began and when its last step in the old layout ended (a joiner:
+when the old layout's last step ended). The difference is that process's training gap; the
+migration's pause is the largest gap over the new layout's processes, whatever happened in
+between (agreement, warm-up of joiners, preparation of the new world, data phase, commit
+vote, switch). The time from the coordinator's decision to the start of that gap (planning,
+launching and warming up joiners while the old layout trained on) is the preparation,
+recorded apart. Measured this way a pause cannot start after planning or end before the
+first new step, which a timer around the resize code would let it do.
+
+Pure: the coordinator feeds reports in and writes what comes out.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from slurm_etc.worker.control import Resumed
+
+
+@dataclass(frozen=True)
+class ProcessGap:
+    """One process's training gap across a resize (unix seconds)."""
+
+    vrank: int
+    last_ended: float
+    started: float
+    joined: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.started - self.last_ended
+
+
+@dataclass(frozen=True)
+class MeasuredPause:
+    """A migration's pause: the largest gap over the new layout's processes.
+
+    Attributes:
+        seconds: the largest gap.
+        paused_at, resumed_at: where that gap lies (unix seconds).
+        preparation_seconds: from the decision to ``paused_at`` (0 when training had
+            already stopped when the coordinator decided, as on a node lost).
+        processes: how many processes' gaps the largest is taken over.
+        vrank: the process whose gap it is.
+    """
+
+    seconds: float
+    paused_at: float
+    resumed_at: float
+    preparation_seconds: float
+    processes: int
+    vrank: int
+
+
+def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPause | None:
+    """The pause of one migration from its processes' gaps (None: no gap known)."""
+    known = list(gaps)
+    if not known:
+        return None
+    # ties go to the lowest vrank, so every run of the same reports records the same
+    widest = max(known, key=lambda g: (g.seconds, -g.vrank))
+    return MeasuredPause(widest.seconds, widest.last_ended, widest.started,
+                         max(0.0, widest.last_ended - decided_at), len(known), widest.vrank)
+
+
+@dataclass
+class _Committed:
+    migration_id: object
+    expected: frozenset[int]
+    decided_at: float
+
+
+@dataclass
+class PauseTracker:
+    """Collects the Resumed reports of each generation and yields a migration's pause once
+    every process of its new layout reported (or, at :meth:`flush`, from those that did).
+
+    A report may come before the coordinator settled the resize that it follows (the first
+    new step can begin before the last Resized report is read): reports wait for the
+    commit."""
+
+    _gaps: dict[int, dict[int, ProcessGap | None]] = field(default_factory=dict)
+    _committed: dict[int, _Committed] = field(default_factory=dict)
+
+    def add(self, report: Resumed) -> list[tuple[object, MeasuredPause]]:
+        """One process's report; the pauses it completes."""
+        gap = (None if report.last_ended is None else
+               ProcessGap(report.vrank, report.last_ended, report.started, report.joined))
+        self._gaps.setdefault(report.generation, {})[report.vrank] = gap
+        return self._complete(report.generation, partial=False)
+
+    def committed(self, generation: int, migration_id: object, new_devices: Iterable[int],
+                  decided_at: float) -> list[tuple[object, MeasuredPause]]:
+        """The resize into ``generation`` committed: its pause is complete once every
+        process of ``new_devices`` reported."""
+        self._committed[generation] = _Committed(migration_id, frozenset(new_devices),
+                                                 decided_at)
+        return self._complete(generation, partial=False)
+
+    def flush(self) -> list[tuple[object, MeasuredPause]]:
+        """The pauses of every committed resize from the reports there are (the job ends;
+        a process that never reported, e.g. it died, counts for nothing)."""
+        out = []
+        for generation in sorted(self._committed):
+            out += self._complete(generation, partial=True)
+        return out
+
+    def _complete(self, generation: int, *, partial: bool) -> list[tuple[object, MeasuredPause]]:
+        done = self._committed.get(generation)
+        got = self._gaps.get(generation, {})
+        if done is None or (not partial and not done.expected <= set(got)):
+            return []
+        del self._committed[generation]
+        self._gaps.pop(generation, None)
+        pause = measured_pause((g for v, g in got.items() if g is not None
+                                and v in done.expected), done.decided_at)
+        return [] if pause is None else [(done.migration_id, pause)]

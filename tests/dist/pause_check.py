@@ -1,0 +1,87 @@
+"""The training gaps of a run from its workers' own per-step log lines, and the check that a
+record's pauses are those gaps (the measured-pause tests; importable by a bench too).
+
+Every rank logs ``[job J gen G vrank V] step S loss ... started T0 ended T1`` for each step
+it trains (unix seconds). A resize into generation ``g`` stopped training from the end of
+a process's last step in ``g - 1`` (a process that joined with it: the old layout's, on its
+lowest vrank) to the start of its first step in ``g``; the resize's training gap is the
+largest over the processes of ``g``.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+STEP_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] step (\d+) loss \S+ lr \S+ "
+                       r"consumed \d+ started ([\d.]+) ended ([\d.]+)")
+RESIZED_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] resized .* pause ([\d.]+) s,")
+
+
+@dataclass(frozen=True)
+class Step:
+    generation: int
+    vrank: int
+    step: int
+    started: float
+    ended: float
+
+
+def steps_from_logs(log_dir: Path) -> list[Step]:
+    out = []
+    for log in sorted(Path(log_dir).glob("*.log")):
+        for m in STEP_LINE.finditer(log.read_text(errors="replace")):
+            g, v, s, t0, t1 = m.groups()
+            out.append(Step(int(g), int(v), int(s), float(t0), float(t1)))
+    return out
+
+
+def worker_timed_pauses(log_dir: Path) -> dict[int, float]:
+    """What the record held before the pause was measured at the step boundaries: the
+    largest of the workers' own timings around the resize code, per new generation."""
+    out: dict[int, float] = {}
+    for log in sorted(Path(log_dir).glob("*.log")):
+        for m in RESIZED_LINE.finditer(log.read_text(errors="replace")):
+            g, p = int(m.group(1)), float(m.group(3))
+            out[g] = max(out.get(g, 0.0), p)
+    return out
+
+
+def training_gaps(steps: list[Step], *, from_start: bool = False) -> dict[int, float]:
+    """The training gap of every resize (keyed by the new generation), from the per-step
+    times. ``from_start``: measure from the last old step's start instead of its end (a
+    planted error, for the check's own test)."""
+    by = defaultdict(list)
+    for s in steps:
+        by[(s.generation, s.vrank)].append(s)
+    gaps: dict[int, float] = {}
+    for g in sorted({s.generation for s in steps}):
+        if g == min(s.generation for s in steps):
+            continue
+        old = {v: max(xs, key=lambda s: s.ended) for (gg, v), xs in by.items() if gg == g - 1}
+        new = {v: min(xs, key=lambda s: s.started) for (gg, v), xs in by.items() if gg == g}
+        if not old or not new:
+            continue
+        publisher = old[min(old)]
+        worst = 0.0
+        for v, first in new.items():
+            last = old.get(v, publisher)
+            begin = last.started if from_start else last.ended
+            worst = max(worst, first.started - begin)
+        gaps[g] = worst
+    return gaps
+
+
+def mismatches(recorded: dict[int, float | None], gaps: dict[int, float],
+               tolerance_s: float = 0.05) -> list[str]:
+    """Why the recorded pauses are not the gaps (empty: they are, within ``tolerance_s``)."""
+    out = []
+    for g, gap in sorted(gaps.items()):
+        got = recorded.get(g)
+        if got is None or abs(got - gap) > tolerance_s:
+            out.append(f"resize into generation {g}: recorded pause {got}, training gap from "
+                       f"the per-step times {gap:.3f} s")
+    for g in sorted(set(recorded) - set(gaps)):
+        out.append(f"resize into generation {g}: recorded, but no step times either side")
+    return out

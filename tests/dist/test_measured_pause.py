@@ -1,0 +1,101 @@
+"""The honest pause on a real local run: ``slurm-etc demo`` as ``make demo`` runs it
+(real worker processes, the coordinator, its SQLite record), its output to a pipe.
+
+Every committed resize's recorded pause equals the training gap computed from the per-step
+times the workers logged (the largest over the new layout's processes of first-new-step
+start minus last-old-step end) within 0.05 s; two planted errors (the gap from the last old
+step's start; the workers' own timing around the resize code, which the record held before)
+are caught by the same check. The loss falls across the resizes (byte-level text), no gap
+between steps lies outside a measured pause, and the tables keep one row a line in a pipe.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from slurm_etc.store import job_detail, list_jobs
+from slurm_etc.store.db import open_store_readonly
+
+from .pause_check import mismatches, steps_from_logs, training_gaps, worker_timed_pauses
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
+
+CLI = [sys.executable, "-c", "from slurm_etc.cli.main import main; main()"]
+STEPS = 24
+UNCOVERED_S = 0.5  # between two steps outside any pause: agreement, bookkeeping
+
+
+def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
+    out = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("COLUMNS", None)
+    run = subprocess.run([*CLI, "demo", "--out", str(out), "--steps", str(STEPS)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         timeout=1400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    store = open_store_readonly(out / "demo.db")
+    try:
+        (job,) = list_jobs(store)
+        detail = job_detail(store, job.job_id)
+    finally:
+        store.close()
+    assert detail is not None and detail.job.state == "finished"
+    committed = [m for m in detail.migrations if m.outcome == "committed"]
+    sizes = {g.number: g.world_size for g in detail.generations}
+    assert len(committed) == 4
+    for m in committed:  # measured over every process of the new layout
+        assert m.pause_measured and m.pause_processes == sizes[m.to_generation], m
+        assert m.data_seconds is not None and m.pause_seconds >= m.data_seconds
+        assert m.paused_at is not None and m.resumed_at is not None
+        assert abs((m.resumed_at - m.paused_at).total_seconds() - m.pause_seconds) < 1e-3
+
+    steps = steps_from_logs(out / "workers")
+    gaps = training_gaps(steps)
+    recorded = {m.to_generation: m.pause_seconds for m in committed}
+    assert sorted(gaps) == sorted(recorded)
+    assert mismatches(recorded, gaps) == []
+    # planted: measured from the wrong point, the same check fails
+    assert len(mismatches(recorded, training_gaps(steps, from_start=True))) == len(gaps)
+    assert mismatches(worker_timed_pauses(out / "workers"), gaps), \
+        "the workers' timing around the resize code went unnoticed"
+
+    # the loss falls across the resizes: the data is learnable
+    losses = {}
+    for line in re.finditer(r"vrank 0\] step (\d+) loss ([\d.]+)",
+                            "".join(p.read_text() for p in (out / "workers").glob("*.log"))):
+        losses[int(line.group(1))] = float(line.group(2))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.5, losses
+
+    # no time between steps outside a measured pause (the timeline has no hidden gap)
+    spans = sorted((s.started, s.ended) for s in steps)
+    pauses = [(m.paused_at.timestamp(), m.resumed_at.timestamp()) for m in committed]
+    reach = spans[0][1]
+    for started, ended in spans[1:]:
+        if started - reach > UNCOVERED_S:
+            assert any(a - 0.05 <= reach and started <= b + 0.05 for a, b in pauses), \
+                f"training stopped {started - reach:.2f} s at {reach:.2f} outside any pause"
+        reach = max(reach, ended)
+
+    # the summary in a pipe: each resize a line, its pause beside its data phase
+    for m in committed:
+        row = [ln for ln in run.stdout.splitlines()
+               if ln.strip().startswith(f"{m.from_generation}->{m.to_generation} ")
+               and "MiB" in ln and "committed" not in ln]
+        assert len(row) == 1, run.stdout
+        cells = row[0].split()
+        assert f"{m.data_seconds:.2f}" in cells and f"{m.pause_seconds:.2f}" in cells, row
+    gen_rows = [ln for ln in run.stdout.splitlines() if re.match(r"\s+\d+\s+dp=", ln)]
+    assert len(gen_rows) == len(detail.generations), run.stdout
+
+    shown = subprocess.run([*CLI, "status", job.job_id, "--db", str(out / "demo.db"),
+                            "--json"], capture_output=True, text=True, timeout=120, check=True)
+    (as_json,) = json.loads(shown.stdout)["jobs"]
+    assert [m["pause_seconds"] for m in as_json["migrations"]] == \
+        [m.pause_seconds for m in detail.migrations]
+    assert all(m["pause_measured"] for m in as_json["migrations"])

@@ -1,0 +1,154 @@
+"""The pause measured at the step boundaries (coordinator/pause.py) and its record (migration
+0004_measured_pause): the largest gap over the new layout's processes, joiners measured from
+the old layout's last step, preparation apart; written only for a committed migration, shown
+by status, absent without harm from an older record."""
+import sqlite3
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from slurm_etc.coordinator.pause import PauseTracker, ProcessGap, measured_pause
+from slurm_etc.store import (
+    RecordError,
+    create_job,
+    job_detail,
+    open_store,
+    open_store_readonly,
+    record_migration_finish,
+    record_migration_pause,
+    record_migration_start,
+)
+from slurm_etc.worker.control import ENCODER, REPORT_DECODER, Resumed
+
+pytestmark = pytest.mark.unit
+
+T0 = datetime(2026, 12, 2, 1, 0, 0, tzinfo=timezone.utc)
+DECIDED = 1000.0
+
+
+def test_the_pause_is_the_widest_gap_and_preparation_ends_where_it_begins():
+    gaps = [ProcessGap(0, 1003.0, 1004.5),          # a stayer: 1.5 s
+            ProcessGap(1, 1003.1, 1004.4),          # 1.3 s
+            ProcessGap(2, 1003.0, 1005.25, True)]   # a joiner, from the old layout's end
+    p = measured_pause(gaps, DECIDED)
+    assert p is not None
+    assert (p.seconds, p.vrank, p.processes) == (2.25, 2, 3)
+    assert (p.paused_at, p.resumed_at) == (1003.0, 1005.25)
+    assert p.preparation_seconds == 3.0  # decision to the last old step: trained through
+    # the order of the reports changes nothing; a tie goes to the lowest vrank
+    assert measured_pause(reversed(gaps), DECIDED) == p
+    tie = measured_pause([ProcessGap(5, 10.0, 11.0), ProcessGap(4, 10.0, 11.0)], 9.0)
+    assert tie is not None and tie.vrank == 4
+
+
+def test_a_loss_stops_training_before_the_decision_no_preparation():
+    p = measured_pause([ProcessGap(0, 995.0, 1002.0)], DECIDED)
+    assert p is not None and p.seconds == 7.0 and p.preparation_seconds == 0.0
+    assert measured_pause([], DECIDED) is None
+
+
+def _resumed(vrank, started, last, gen=1, joined=False):
+    return Resumed("j", gen, vrank, 7, started, last, joined)
+
+
+def test_the_tracker_waits_for_the_commit_and_for_every_new_process():
+    t = PauseTracker()
+    assert t.add(_resumed(0, 1004.0, 1003.0)) == []  # before the commit was settled
+    assert t.committed(1, "m1", (0, 1, 2), DECIDED) == []  # vranks 1, 2 not yet
+    assert t.add(_resumed(1, 1004.2, 1003.0)) == []
+    ((mid, p),) = t.add(_resumed(2, 1004.9, 1003.0, joined=True))
+    assert mid == "m1" and p.processes == 3 and p.vrank == 2
+    assert round(p.seconds, 6) == 1.9
+    assert t.flush() == []  # written once
+
+
+def test_flush_takes_what_came_and_an_unknown_end_counts_for_nothing():
+    t = PauseTracker()
+    t.committed(2, "m2", (0, 1, 2, 3), DECIDED)
+    t.add(_resumed(0, 1010.0, 1009.5, gen=2))
+    t.add(_resumed(3, 1012.0, None, gen=2, joined=True))  # a joiner that found no end
+    t.add(_resumed(9, 1099.0, 1000.0, gen=2))  # not of the new layout: ignored
+    ((mid, p),) = t.flush()
+    assert (mid, p.seconds, p.processes) == ("m2", 0.5, 1)
+
+
+def test_resumed_travels_on_the_wire():
+    r = _resumed(3, 1004.25, None, joined=True)
+    assert REPORT_DECODER.decode(ENCODER.encode(r)) == r
+
+
+def _migration(store, job="7"):
+    create_job(store, job, name="n", owner_uid=1, owner_name="a", backend="local", at=T0)
+    return record_migration_start(store, job, from_generation=0, to_generation=1,
+                                  plan_digest="d", moved_bytes=10, kept_bytes=5,
+                                  lower_bound_bytes=10, messages=1, rounds=1, at=T0)
+
+
+def test_the_measured_pause_replaces_the_workers_timing_of_a_committed_migration(tmp_path):
+    store = open_store(tmp_path / "etc.db")
+    try:
+        mid = _migration(store)
+        with pytest.raises(RecordError, match="only a committed one"):
+            record_migration_pause(store, mid, pause_seconds=1.0, paused_at=T0,
+                                   resumed_at=T0, preparation_seconds=0.0, processes=1)
+        record_migration_finish(store, mid, outcome="committed", measured_seconds=4.0,
+                                pause_seconds=0.8, data_seconds=0.3, at=T0)
+        (m,) = job_detail(store, "7").migrations
+        assert (m.pause_seconds, m.data_seconds, m.pause_measured) == (0.8, 0.3, False)
+        resumed = T0 + timedelta(seconds=1.25)
+        record_migration_pause(store, mid, pause_seconds=1.25, paused_at=T0,
+                               resumed_at=resumed, preparation_seconds=3.5, processes=4)
+        (m,) = job_detail(store, "7").migrations
+        assert (m.pause_seconds, m.preparation_seconds, m.pause_processes) == (1.25, 3.5, 4)
+        assert (m.paused_at, m.resumed_at, m.pause_measured) == (T0, resumed, True)
+        shown = job_detail(store, "7").to_json(now=T0)["migrations"][0]
+        assert shown["pause_measured"] and shown["data_seconds"] == 0.3
+        assert shown["paused_at"] == T0.isoformat()
+        for bad, says in [({"pause_seconds": -1.0}, "pause_seconds"),
+                          ({"processes": 0}, "processes"),
+                          ({"resumed_at": T0 - timedelta(seconds=1)}, "before paused_at")]:
+            kwargs = {"pause_seconds": 1.0, "paused_at": T0, "resumed_at": resumed,
+                      "preparation_seconds": 0.0, "processes": 1, **bad}
+            with pytest.raises(RecordError, match=says):
+                record_migration_pause(store, mid, **kwargs)
+        assert job_detail(store, "7").migrations[0].pause_seconds == 1.25
+    finally:
+        store.close()
+
+
+def test_the_schema_refuses_a_pause_over_no_process(tmp_path):
+    path = tmp_path / "etc.db"
+    store = open_store(path)
+    mid = _migration(store)
+    store.close()
+    with sqlite3.connect(path) as db, pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        db.execute("update migrations set pause_processes = 0 where id = ?", (mid,))
+
+
+def test_a_record_from_before_the_columns_reads_as_not_measured_and_upgrades(tmp_path):
+    from alembic import command
+
+    from slurm_etc.store.db import alembic_config
+
+    path = tmp_path / "old.db"
+    command.upgrade(alembic_config(f"sqlite:///{path}"), "0003_lost_steps")
+    with sqlite3.connect(path) as db:
+        db.execute("insert into jobs (job_id, name, owner_uid, owner_name, state, backend, "
+                   "created_at, updated_at) values ('7', 'n', 1, 'a', 'finished', 'local', "
+                   "'2026-12-01 03:00:00', '2026-12-01 03:00:00')")
+        db.execute("insert into migrations (job_id, from_generation, to_generation, "
+                   "plan_digest, moved_bytes, kept_bytes, lower_bound_bytes, messages, "
+                   "rounds, outcome, pause_seconds, started_at) values ('7', 0, 1, 'd', 1, 0, "
+                   "1, 1, 1, 'committed', 0.5, '2026-12-01 03:00:00')")
+    old = open_store_readonly(path)
+    try:
+        (m,) = job_detail(old, "7").migrations
+        assert (m.pause_seconds, m.pause_measured, m.data_seconds) == (0.5, False, None)
+    finally:
+        old.close()
+    store = open_store(path)
+    try:
+        (m,) = job_detail(store, "7").migrations
+        assert (m.outcome, m.pause_seconds, m.paused_at) == ("committed", 0.5, None)
+    finally:
+        store.close()
