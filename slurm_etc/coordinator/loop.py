@@ -346,8 +346,10 @@ class Coordinator:
         flight at the kill was closed as aborted by the recovery (its commit vote goes
         through the rendezvous store, which died with the coordinator): its joiners that
         live are stopped, and the workers drop its order when they reattach. With some
-        worker of the layout dead, every live one is stopped and False is returned: the
-        first layout starts again (from the newest checkpoint)."""
+        worker of the layout dead, or a commit past the open generation recorded and not
+        acted on (the workers left the layout the record has), every live one is stopped
+        and False is returned: the first layout starts again (from the newest checkpoint).
+        A backend without ``adopt`` (Slurm, for now) reattaches nothing."""
         adopt = getattr(self.backend, "adopt", None)
         detail = record.job_detail(self.store, self.spec.job_id)
         if adopt is None or detail is None:
@@ -371,11 +373,16 @@ class Coordinator:
                 except (KeyError, TypeError, ValueError):
                     continue
         alive = set(adopt(list(launched.values())))
-        if not here or not alive:
+        if not alive:
             return False
         devices = tuple(v for _r, v, _d in here)
         missing = sorted(set(devices) - alive)
-        if missing or any(launched[v].generation > gen.number for v in devices):
+        # a commit recorded past the open generation (killed before it was acted on): the
+        # workers left that layout, and the record does not have the one they are in
+        moved_on = any(m.outcome == "committed" and m.to_generation > gen.number
+                       for m in detail.migrations)
+        if not devices or missing or moved_on or any(launched[v].generation > gen.number
+                                                     for v in devices):
             perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
                                               "the layout cannot be reattached whole"))
             logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "

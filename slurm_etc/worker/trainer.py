@@ -250,6 +250,7 @@ class ElasticTrainer:
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
+        self._rejoined = False  # reattached to a restarted coordinator in this agreement
         # a committed layout not installed (a new rank died first): shards and resume state,
         # the trainer state and this rank's RNG extras, moved on by the next resize
         self._held: tuple[list, Any] | None = None
@@ -518,8 +519,11 @@ class ElasticTrainer:
         # the store answers when the keys are there (one round trip); each slice, orders
         # are looked at
         while (values := self._agree_slice(keys[rank], mine, stale, keys)) is None:
-            if self._pending is None and mine != b"-":  # dropped at a reattach
-                mine = b"-"
+            if self._rejoined:
+                # reattached to a restarted coordinator: its store is new, and this rank
+                # writes there once what it holds now (the new coordinator's order, if any)
+                self._rejoined = False
+                mine = ENCODER.encode(self._pending) if self._pending else b"-"
                 deadline = time.monotonic() + proc.timeout_s
             self._take_orders()
             if self._names_the_dead(self._pending):
@@ -549,13 +553,18 @@ class ElasticTrainer:
         Hello every REJOIN_S until a coordinator restarted on the job's record answers
         (it binds the address this worker's channel connects to); then point the store at
         the one it hosts and forget the orders of the coordinator before (a restart aborts
-        every resize not begun: the record says so). Past the reattach wait of silence,
-        CoordinatorLost (the worker exits)."""
+        every resize not begun: the record says so; what it orders meanwhile is kept).
+        Past the reattach wait of silence, or told to stop, CoordinatorLost (the worker
+        exits)."""
         proc = self._proc()
         rejoin = getattr(proc.control, "rejoin", None)
         if rejoin is None:
             raise err
         t0 = time.monotonic()
+        # the orders of the coordinator before: a restart aborts every resize not begun
+        if isinstance(self._pending, Resize):
+            self._aborted.add(self._pending.generation)
+        self._pending = None
         self._log("the rendezvous store stopped answering at step %d: holding for a "
                   "restarted coordinator (exiting after %.0f s of silence)", self.step,
                   proc.reattach_wait_s or 0.0)
@@ -576,9 +585,7 @@ class ElasticTrainer:
         repoint = getattr(proc.store, "repoint", None)
         if repoint is not None:
             repoint(welcome.store_host, welcome.store_port)
-        if isinstance(self._pending, Resize):
-            self._aborted.add(self._pending.generation)
-        self._pending = None
+        self._rejoined = True
         self._log("reattached to the coordinator at step %d after %.1f s; training on",
                   self.step, time.monotonic() - t0)
 

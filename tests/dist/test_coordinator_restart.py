@@ -84,6 +84,7 @@ def _finish(proc: subprocess.Popen[str], out: Path) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.timeout(1200)  # two real trainings and a restart, on a loaded machine
 def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None:
     """SIGKILL the coordinator at step KILL_AT of STEPS and start it again on the same job
     and record: the workers it launched are still alive, are reattached (no process is
