@@ -891,17 +891,19 @@ class Coordinator:
         them): a coordinator restarted on this record finds those still alive and
         reattaches them (:meth:`_reattach`)."""
         workers = self.backend.workers()
-        for v in sorted(vranks):
-            w = workers.get(v)
-            if w is None or w.generation != generation:
-                continue
-            eid = self.journal.write(
-                record.record_event, self.spec.job_id, "launch", source="coordinator",
-                key=f"launch:g{generation}:v{v}:{w.pid}:{w.start}",
-                payload={"summary": f"vrank {v} on {w.device}: pid {w.pid}", "vrank": v,
-                         "generation": generation, "device": str(w.device), "pid": w.pid,
-                         "start": w.start})
-            self.journal.write(record.mark_event_handled, eid, "launched")
+        launched = [w for w in (workers.get(v) for v in sorted(vranks))
+                    if w is not None and w.generation == generation]
+        if not launched:
+            return
+        # one transaction for the whole launch (thousands of workers), one to close them
+        ids = self.journal.write(record.record_observed, self.spec.job_id, [
+            record.Observed("launch", f"launch:g{generation}:v{w.vrank}:{w.pid}:{w.start}",
+                            {"summary": f"vrank {w.vrank} on {w.device}: pid {w.pid}",
+                             "vrank": w.vrank, "generation": generation,
+                             "device": str(w.device), "pid": w.pid, "start": w.start})
+            for w in launched], source="coordinator")
+        self.journal.write(record.mark_events_handled, ids if isinstance(ids, list) else [ids],
+                           "launched")
 
     def _await_hello(self, vranks: Iterable[int], generation: int) -> None:
         now = time.monotonic()

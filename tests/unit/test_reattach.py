@@ -6,22 +6,35 @@ up, and tells one it does not take up to stop; the store client follows the rest
 coordinator's new store."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from slurm_etc.alloc.chooser import TrainingJob
+from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator.backend import UNKNOWN_EXIT, StopWorkers, WorkerExited, WorkerState
 from slurm_etc.coordinator.channel import CoordinatorChannel, WorkerChannel
+from slurm_etc.coordinator.demo import DEMO_HARDWARE
 from slurm_etc.coordinator.events import script_from_options
 from slurm_etc.coordinator.local_backend import LocalBackend, process_start
+from slurm_etc.coordinator.loop import Coordinator
+from slurm_etc.plan.model import PRESETS
+from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.store import StoreClient, StoreServer
+from slurm_etc.store import jobs as record
 from slurm_etc.worker.control import Hello, Stop
+
+from .coordinator_harness import HandDrivenBackend, coordinator_over
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -133,3 +146,58 @@ def test_store_client_follows_a_restarted_store() -> None:
             assert client.get("k") == b"after"
         finally:
             client.close()
+
+
+class _AdoptingBackend(HandDrivenBackend):
+    """Workers as launched (pid, start time); adopts the vranks in ``alive``."""
+
+    def __init__(self, alive: set[int]) -> None:
+        super().__init__(script_from_options(1, 2).topology)
+        self.alive = alive
+        self.given: list[WorkerState] = []
+        self.stopped: list[tuple[int, ...]] = []
+        self.states = {v: WorkerState(v, 0, Device("n0", v), 1000 + v, start=500 + v)
+                       for v in (0, 1)}
+
+    def workers(self) -> dict:
+        return dict(self.states)
+
+    def adopt(self, recorded: list[WorkerState]) -> list[int]:
+        self.given = list(recorded)
+        return sorted(w.vrank for w in recorded if w.vrank in self.alive)
+
+    def stop(self, action: Any) -> None:
+        self.stopped.append(tuple(action.vranks))
+
+
+@pytest.mark.parametrize("alive", [{0, 1}, {0}])
+def test_a_restarted_coordinator_finds_the_recorded_launches(tmp_path: Path,
+                                                            alive: set[int]) -> None:
+    """The launches recorded by one coordinator (one transaction, handled at once) are what
+    the next one hands the backend to adopt; a whole layout alive is reattached at the
+    recorded step, a layout missing a worker is not (the live one is stopped)."""
+    backend = _AdoptingBackend(alive)
+    with coordinator_over(tmp_path, JOB, backend, training=TrainingJob(PRESETS["tiny"], 8, 1),
+                          policy=EffectivePolicy(grow=False), hardware=DEMO_HARDWARE,
+                          backend_name="local") as (first, db):
+        vranks = {v: Device("n0", v) for v in (0, 1)}
+        record.open_generation(first.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
+                               first_step=0)
+        record.record_progress(first.store, JOB, 0, last_step=7, last_loss=5.5)
+        first._record_launch(0, (0, 1))
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        rows = con.execute("SELECT payload, handled_at IS NOT NULL FROM events WHERE "
+                           "kind = 'launch' ORDER BY id").fetchall()
+        con.close()
+        assert [(json.loads(p)["pid"], json.loads(p)["start"], h) for p, h in rows] == [
+            (1000, 500, 1), (1001, 501, 1)]
+        again = Coordinator(first.spec, backend, first.store, first.channel, first.topology)
+        took = again._reattach(record.recover(first.store, JOB))
+        assert [(w.vrank, w.pid, w.start, w.device) for w in backend.given] == [
+            (0, 1000, 500, Device("n0", 0)), (1, 1001, 501, Device("n0", 1))]
+        if alive == {0, 1}:
+            assert took and again.layout is not None and again.layout.devices == (0, 1)
+            assert (again.step, again.generation, again.reattached) == (7, 0, True)
+            assert backend.stopped == []
+        else:
+            assert not took and again.layout is None and backend.stopped == [(0,)]
