@@ -73,12 +73,14 @@ def _heard(out: Path) -> list[dict]:
         if path.exists() else []
 
 
-def _finish(proc: subprocess.Popen[str], out: Path) -> dict:
+def _finish(proc: subprocess.Popen[str], out: Path, job: str) -> dict:
     try:
         stdout, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.kill()  # its workers outlive it: they go too
+            for pid in _workers_of(job):
+                os.kill(pid, signal.SIGKILL)
     logs = "".join(p.read_text() for p in sorted(out.glob("driver-*.log")))
     assert proc.returncode == 0, logs[-4000:]
     return json.loads(stdout.strip().splitlines()[-1])
@@ -90,8 +92,8 @@ def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None
     and record: the workers it launched are still alive, are reattached (no process is
     launched again, no generation opened again), and the job finishes; each worker trains
     every step once, and every loss heard is bit-equal to an uninterrupted run's."""
-    ref = _finish(_reattach_run(tmp_path / "ref", f"reattach-ref-{os.getpid()}"),
-                  tmp_path / "ref")
+    ref_job = f"reattach-ref-{os.getpid()}"
+    ref = _finish(_reattach_run(tmp_path / "ref", ref_job), tmp_path / "ref", ref_job)
     assert ref == {"state": "finished", "step": STEPS}
     reference = {p["step"]: p["loss"] for p in _heard(tmp_path / "ref")}
     assert sorted(reference) == list(range(1, STEPS + 1))
@@ -115,7 +117,7 @@ def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None
         time.sleep(2.0)
         # the workers outlive a SIGKILLed coordinator (they hold for the reattach wait)
         assert len(workers) == 2 and _workers_of(job) == workers, (workers, _workers_of(job))
-        result = _finish(_reattach_run(out, job), out)
+        result = _finish(_reattach_run(out, job), out, job)
         assert not _workers_of(job), "workers left after the job finished"
     finally:
         for pid in _workers_of(job):
