@@ -96,7 +96,8 @@ class WorkerExited:
     """A worker process ended.
 
     Attributes:
-        returncode: its exit status (negative: killed by that signal).
+        returncode: its exit status (negative: killed by that signal; ``UNKNOWN_EXIT``: it
+            ended and nobody can read its status, a process adopted after a restart).
         stopped: True when it ended after a :class:`StopWorkers` (or a release/loss of its
             device made the backend kill it); False for an exit nobody asked for.
     """
@@ -213,6 +214,12 @@ class StopWorkers:
 Action: TypeAlias = RequestNodes | ReleaseDevices | LaunchWorkers | StopWorkers | CancelRequest
 
 
+# The status of a worker that ended whose exit status nobody can read: one adopted from an
+# earlier coordinator of the job (not this process's child). Outside every real status
+# (0..255; a signal is negative).
+UNKNOWN_EXIT = 256
+
+
 @dataclass(frozen=True)
 class WorkerState:
     """What the backend knows of one worker process (``returncode`` None while running)."""
@@ -223,6 +230,7 @@ class WorkerState:
     pid: int
     returncode: int | None = None
     stopping: bool = False
+    start: int | None = None  # when the process started (local: clock ticks since boot)
 
     @property
     def running(self) -> bool:

@@ -563,6 +563,9 @@ class CoordinatorChannel:
         self._rendezvous = rendezvous
         self._on_commit = on_commit
         self._committed = -1
+        # which Hellos make their sender the vrank they name (None: every one); the others
+        # are told to stop (see _accept)
+        self.admit: Callable[[Hello], bool] | None = None
         keys = curve_keys(_key_of(secret), "channel")
         self._ctx = zmq.Context()
         self._zap = ZapGuard(self._ctx, {keys.client_public})
@@ -705,6 +708,19 @@ class CoordinatorChannel:
             return None
         vrank = env.sender
         if isinstance(vrank, str):  # Opener lets only vranks through to the coordinator
+            return None
+        if isinstance(report, Hello) and self.admit is not None and not self.admit(report):
+            # a process this coordinator neither launched nor reattached (a worker of the one
+            # before it, after a restart that started the job again): never taken for the
+            # vrank it names, told to stop instead of holding out its reattach wait
+            stop = Stop(self.job, report.generation + 1, "the restarted coordinator started "
+                        "the job again without this process")
+            try:
+                self._sock.send_multipart(
+                    [routing, *self._sealer.seal(vrank, stop.generation, stop)],
+                    flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
             return None
         self._peers[vrank] = routing
         if isinstance(report, Hello) and self._rendezvous is not None:
@@ -906,6 +922,15 @@ class WorkerChannel:
             with self._lock:
                 self._pump(min(0.05, max(0.0, deadline - now)))
         return self._welcome
+
+    def rejoin(self, step: int, trained: int) -> None:
+        """Say Hello again, with the step this worker trained to in generation ``trained``,
+        and forget the Welcome of the coordinator before: :attr:`rendezvous` is None until
+        a coordinator answers. A coordinator restarted on the job's record binds the address
+        this channel connects to (zmq reconnects by itself) and learns this worker from it."""
+        self._welcome = None
+        self.report(Hello(self.job, self._generation, self.vrank, socket.gethostname(),
+                          os.getpid(), step=step, trained=trained))
 
     def close(self, linger_s: float = 1.0) -> None:
         """Close the socket, giving queued reports (e.g. a final Exited) ``linger_s``."""

@@ -28,17 +28,17 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
-from slurm_etc.worker.lifeline import parent_death_hook
 
 from . import env as envvars
 from .backend import (
+    UNKNOWN_EXIT,
     BackendError,
     BackendEvent,
     CancelRequest,
@@ -60,10 +60,61 @@ CLOSE_GRACE_S = 5.0
 STOPPING_WAIT_S = 10.0
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); None
+    when it is gone or has ended (a zombie). With the pid it names one process: a pid can
+    be reused, a (pid, start) pair cannot."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X") or not fields[19].isdigit():
+        return None
+    return int(fields[19])
+
+
+class _Adopted:
+    """A worker process started by an earlier coordinator of the job (found from the
+    record after a restart): not this process's child, so it is watched through /proc
+    (pid and start time) instead of waited for; the subset of ``Popen`` the backend uses."""
+
+    def __init__(self, pid: int, start: int) -> None:
+        self.pid, self.start = pid, start
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and process_start(self.pid) != self.start:
+            if _zombie(self.pid):
+                # ended, not reaped (its parent is gone): its pid, so its group id, is
+                # not reused yet; what it spawned goes with it
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.returncode = UNKNOWN_EXIT
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        until = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if until is not None and time.monotonic() > until:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @dataclass
 class _Worker:
     state: WorkerState
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | _Adopted
     log: IO[bytes] | None
     kill_at: float | None = None
     reported: bool = False
@@ -203,14 +254,14 @@ class LocalBackend:
             try:
                 proc = subprocess.Popen(list(action.argv), env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT if log else None,
-                                        start_new_session=True,
-                                        preexec_fn=parent_death_hook(os.getpid()))
+                                        start_new_session=True)
             except OSError as e:
                 if log is not None:
                     log.close()
                 raise BackendError(f"launch of vrank {spec.vrank}: cannot start "
                                    f"{action.argv[0]!r}: {e.strerror}") from None
-            state = WorkerState(spec.vrank, action.generation, spec.device, proc.pid)
+            state = WorkerState(spec.vrank, action.generation, spec.device, proc.pid,
+                                start=process_start(proc.pid))
             self._workers[spec.vrank] = _Worker(state, proc, log)
             logger.info("[local] launched vrank %d (gen %d) on %s: pid %d", spec.vrank,
                         action.generation, spec.device, proc.pid)
@@ -232,6 +283,28 @@ class LocalBackend:
 
     def workers(self) -> Mapping[int, WorkerState]:
         return {v: w.state for v, w in sorted(self._workers.items())}
+
+    def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
+        """Take up the worker processes an earlier coordinator of this job started (from
+        the record: vrank, generation, device, pid and start time), those still running on
+        a device this backend holds; returns their vranks. A pid alive with another start
+        time is another process (the pid was reused) and is left alone. They are stopped,
+        killed and reported as ended like the workers this backend starts (an ended one with
+        ``UNKNOWN_EXIT``: it is not this process's child)."""
+        held = self._resources.held
+        out = []
+        for w in recorded:
+            current = self._workers.get(w.vrank)
+            if current is not None and not current.reported:
+                continue
+            if w.start is None or w.device not in held or process_start(w.pid) != w.start:
+                continue
+            state = replace(w, returncode=None, stopping=False)
+            self._workers[w.vrank] = _Worker(state, _Adopted(w.pid, w.start), None)
+            out.append(w.vrank)
+            logger.info("[local] adopted vrank %d (gen %d) on %s: pid %d", w.vrank,
+                        w.generation, w.device, w.pid)
+        return out
 
     def close(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after CLOSE_GRACE_S."""
@@ -335,6 +408,8 @@ class LocalBackend:
         behind die with it while its pid cannot have been reused."""
         if w.proc.returncode is not None:
             return w.proc.returncode
+        if isinstance(w.proc, _Adopted):
+            return w.proc.poll()
         try:
             info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # reaped already
@@ -351,7 +426,8 @@ class LocalBackend:
     def _signal(w: _Worker, sig: signal.Signals) -> None:
         """Signal the worker's process group (its session, started by us), while its leader
         has not been reaped (so the group id is still ours)."""
-        if w.proc.returncode is not None:
+        if w.proc.returncode is not None or (isinstance(w.proc, _Adopted)
+                                             and w.proc.poll() is not None):
             return
         try:
             os.killpg(w.proc.pid, sig)

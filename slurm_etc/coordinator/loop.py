@@ -38,6 +38,7 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
+from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
@@ -92,6 +93,7 @@ from .backend import (
     StopWorkers,
     WorkerExited,
     WorkerSpec,
+    WorkerState,
     perform,
 )
 from .journal import Journal
@@ -270,6 +272,12 @@ class Coordinator:
         self.batch: tuple[ModelReport, str] | None = (
             None if spec.batch_from_workers else (given, "--global-batch"))
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
+        self.reattached = False  # the layout is a killed coordinator's, taken up again
+        # a worker that lost its coordinator and says Hello again is taken up only if it
+        # trains in this generation or a later one (not a killed coordinator's worker when
+        # the job started again without them)
+        self.admit_from = 0
+        channel.admit = self._admits
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -362,20 +370,109 @@ class Coordinator:
         the recorded ones (no duplicate request, no generation recorded twice); a node
         request recorded and not yet answered (no grant, no failure) is sent again with its
         own key (a backend that has it does nothing: a Slurm member still pending or running
-        is not submitted twice) and the job counts as growing until it is answered. Workers
-        of the killed coordinator are not reattached: the first layout is launched again."""
+        is not submitted twice) and the job counts as growing until it is answered. Where
+        every worker of the open generation still runs, they are reattached and train on
+        from their step (:meth:`_reattach`); else the first layout is launched again, from
+        the newest checkpoint if there is one."""
         got = record.recover(self.store, self.spec.job_id)
         self._event_ids += list(got.pending_events)
         self.requests = max(self.requests, got.requests)
         if got.requests:
             self._resend_open_request(got.open_request)
+        if got.last_generation >= 0 and self._reattach(got):
+            self.admit_from = self.generation
+            return
         if got.last_generation >= 0:
             self.restart_generation = got.last_generation + 1
+            self.admit_from = self.restart_generation
             self.last_generation = max(self.last_generation, self.restart_generation)
             logger.warning("coordinator restarted: resuming job %s after generation %d (%d "
                            "events pending, %d migrations aborted); workers start again",
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
+
+    def _reattach(self, got: record.Recovery) -> bool:
+        """Take up the workers of the killed coordinator: the processes recorded at their
+        launch (:meth:`_record_launch`) that the backend finds still running, the same ones
+        (pid and start time). Only when every worker of the open generation is alive: the
+        layout, vranks and step come from the record, the workers say Hello again to this
+        coordinator (it binds the address they look at, see run.py) and train on from the
+        step they are at; nothing is relaunched, no step is trained twice. A resize in
+        flight at the kill was closed as aborted by the recovery (its commit vote goes
+        through the rendezvous store, which died with the coordinator): its joiners that
+        live are stopped, and the workers drop its order when they reattach. With some
+        worker of the layout dead, or a commit past the open generation recorded and not
+        acted on (the workers left the layout the record has), every live one is stopped
+        and False is returned: the first layout starts again (from the newest checkpoint).
+        A backend without ``adopt`` (Slurm, for now) reattaches nothing."""
+        adopt = getattr(self.backend, "adopt", None)
+        detail = record.job_detail(self.store, self.spec.job_id)
+        if adopt is None or detail is None:
+            return False
+        open_gens = [g for g in detail.generations if g.ended_at is None]
+        if not open_gens:
+            return False
+        gen = max(open_gens, key=lambda g: g.number)
+        here = sorted((v.rank, v.vrank, Device(v.node, v.local_index))
+                      for v in detail.vranks if v.generation == gen.number
+                      and v.rank is not None)
+        launched: dict[int, WorkerState] = {}
+        for e in detail.events:  # oldest first: a vrank's newest launch wins
+            p = e.payload
+            if e.kind == "launch" and isinstance(p, dict) and isinstance(p.get("pid"), int):
+                try:
+                    node, local = str(p["device"]).rsplit(":", 1)
+                    launched[int(p["vrank"])] = WorkerState(
+                        int(p["vrank"]), int(p["generation"]), Device(node, int(local)),
+                        p["pid"], start=p.get("start"))
+                except (KeyError, TypeError, ValueError):
+                    continue
+        alive = set(adopt(list(launched.values())))
+        if not alive:
+            return False
+        devices = tuple(v for _r, v, _d in here)
+        missing = sorted(set(devices) - alive)
+        # a commit recorded past the open generation (killed before it was acted on): the
+        # workers left that layout, and the record does not have the one they are in
+        moved_on = any(m.outcome == "committed" and m.to_generation > gen.number
+                       for m in detail.migrations)
+        if not devices or missing or moved_on or any(launched[v].generation > gen.number
+                                                     for v in devices):
+            perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
+                                              "the layout cannot be reattached whole"))
+            logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "
+                           "alive; stopping the %d live worker(s) and starting again",
+                           ", ".join(map(str, missing)) or "-", gen.number, len(alive))
+            return False
+        text = gen.layout
+        config = ParallelConfig.parse(text.replace(",dist-opt", ""), "dist-opt" in text)
+        self.layout = Layout(config, devices)
+        self.generation = gen.number
+        self.last_generation = max(self.last_generation, got.last_generation)
+        self.channel.generation = gen.number
+        self.vranks = {v: d for _r, v, d in here}
+        self.step = max(gen.last_step or 0, gen.first_step or 0)
+        self.loss = gen.last_loss
+        self.reattached = True
+        # joiners of the aborted resize: nothing takes them in
+        self.idle = alive - set(devices)
+        self._await_hello(devices, gen.number)
+        summary = (f"reattached {len(devices)} live worker(s) of generation {gen.number} "
+                   f"({config}) at step {self.step}")
+        eid = self.journal.write(record.record_event, self.spec.job_id, "reattach",
+                                 source="coordinator",
+                                 key=f"reattach:g{gen.number}:{os.getpid()}:{time.time():.3f}",
+                                 payload={"summary": summary, "vranks": list(devices)})
+        self.journal.write(record.mark_event_handled, eid, "reattached")
+        logger.warning("coordinator restarted: %s (%d events pending, %d migrations aborted)",
+                       summary, len(got.pending_events), len(got.aborted))
+        return True
+
+    def _admits(self, hello: Hello) -> bool:
+        """Whether the sender of ``hello`` is taken for the vrank it names: one just started
+        (``step`` < 0), or one that lost its coordinator and trains in a generation this
+        coordinator runs."""
+        return hello.step < 0 or hello.trained >= self.admit_from
 
     def _resend_open_request(self, request: record.OpenRequest | None) -> None:
         if request is None or request.key != f"grow-{self.requests}":
@@ -442,7 +539,8 @@ class Coordinator:
                 case Grant():
                     for d in event.devices:
                         self.held[d] = event.allocation
-                    if not self.pinned and event.request is None and self.layout is None:
+                    if not self.pinned and event.request is None and (
+                            self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
                     if event.request is not None:
                         self.growing = 0
@@ -801,8 +899,8 @@ class Coordinator:
         self.channel.generation = gen
         workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
         env = {**self._worker_env(), LAYOUT: format_layout(layout)}
-        # The first layout trains on from the newest complete checkpoint (a restarted
-        # coordinator's workers do not outlive it, so nothing else holds the state): every
+        # The first layout trains on from the newest complete checkpoint (after a restart
+        # that found no whole layout alive to reattach, nothing else holds the state): every
         # worker loads the same one, and no step below it is trained or written again.
         where = self.spec.recovery.checkpoint_dir if self.spec.recovery.checkpoint_every \
             else None
@@ -813,6 +911,7 @@ class Coordinator:
             logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
                            newest, env[RESUME_FROM])
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
+        self._record_launch(gen, layout.devices)
         self.first_layout = True
         self._await_hello(layout.devices, gen)
         self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
@@ -900,6 +999,7 @@ class Coordinator:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
                                                 self._worker_env()))
+            self._record_launch(gen, joiners)
             self._await_hello(joiners, gen)
         # The old layout is ordered (and pauses at its next step boundary) only once every
         # joiner said Hello: it trains on while they import torch and megatron-core
@@ -924,6 +1024,25 @@ class Coordinator:
         if self._noticed_at is not None:
             self.reaction_s.append(time.perf_counter() - self._noticed_at)
             self._noticed_at = None
+
+    def _record_launch(self, generation: int, vranks: Iterable[int]) -> None:
+        """Record each launched worker's process (pid and start time, as the backend knows
+        them): a coordinator restarted on this record finds those still alive and
+        reattaches them (:meth:`_reattach`)."""
+        workers = self.backend.workers()
+        launched = [w for w in (workers.get(v) for v in sorted(vranks))
+                    if w is not None and w.generation == generation]
+        if not launched:
+            return
+        # one transaction for the whole launch (thousands of workers), one to close them
+        ids = self.journal.write(record.record_observed, self.spec.job_id, [
+            record.Observed("launch", f"launch:g{generation}:v{w.vrank}:{w.pid}:{w.start}",
+                            {"summary": f"vrank {w.vrank} on {w.device}: pid {w.pid}",
+                             "vrank": w.vrank, "generation": generation,
+                             "device": str(w.device), "pid": w.pid, "start": w.start})
+            for w in launched], source="coordinator")
+        self.journal.write(record.mark_events_handled, ids if isinstance(ids, list) else [ids],
+                           "launched")
 
     def _await_hello(self, vranks: Iterable[int], generation: int) -> None:
         now = time.monotonic()

@@ -15,7 +15,7 @@ from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
 
 from .backend import Backend
-from .channel import CoordinatorChannel, create_secret, split_bind
+from .channel import ChannelError, CoordinatorChannel, create_secret, split_bind
 from .loop import Coordinator, JobSpec, owner
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     bind_host = split_bind(bind)[0]
     rendezvous = StoreServer(secret.key, bind_host, job=spec.job_id)
     try:
-        channel = CoordinatorChannel(spec.job_id, secret, bind, advertise=advertise,
-                                     on_commit=rendezvous.retire_generations)
+        channel = _bind_channel(store, spec.job_id, secret, bind, advertise,
+                                rendezvous.retire_generations)
     except BaseException:
         rendezvous.close()
         raise
@@ -80,6 +80,32 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     if got:
         out["signal"] = got[0]
     return out
+
+
+def _bind_channel(store: Any, job_id: str, secret: Any, bind: str, advertise: str | None,
+                  on_commit: Callable[[int], object]) -> CoordinatorChannel:
+    """The job's control channel. A coordinator restarted on the job's record binds the
+    port the one before it recorded (unless ``bind`` names one): the workers it launched
+    connect to that address and reconnect by themselves, so they are reattached (the
+    rendezvous store's new address reaches them in the Welcome). Where that port is taken,
+    any free port, and the workers cannot be reattached (they exit after their reattach
+    wait; the job starts again from its newest checkpoint)."""
+    host, port = split_bind(bind)
+    detail = record.job_detail(store, job_id)
+    recorded = detail.job.coordinator if detail is not None else None
+    tail = (recorded or "").rsplit(":", 1)[-1]
+    if port or not tail.isdigit():
+        return CoordinatorChannel(job_id, secret, bind, advertise=advertise,
+                                  on_commit=on_commit)
+    again = f"[{host}]:{tail}" if ":" in host else f"{host}:{tail}"
+    try:
+        return CoordinatorChannel(job_id, secret, again, advertise=advertise,
+                                  on_commit=on_commit)
+    except ChannelError as err:
+        logger.warning("coordinator restarted: cannot listen where its workers look (%s); "
+                       "they cannot be reattached", err)
+        return CoordinatorChannel(job_id, secret, bind, advertise=advertise,
+                                  on_commit=on_commit)
 
 
 def _open_record(job_id: str, db: str | None, state_dir: str | None) -> Any:

@@ -101,6 +101,10 @@ class StoreFull(StoreError):
     """A write past one of the store's bounds."""
 
 
+class StoreUnreachable(StoreError):
+    """The store did not answer at all (its coordinator died, or is stuck)."""
+
+
 class StoreTimeout(StoreError):
     """Keys did not appear within the timeout (what torch's ``DistStoreError`` says for a
     TCPStore)."""
@@ -467,7 +471,7 @@ class StoreClient(dist.Store):
                 # the answer may still come: this socket is unusable for the next request
                 sock.close(linger=0)
                 self._local.sock = None
-                raise StoreError(f"no answer from the rendezvous store at "
+                raise StoreUnreachable(f"no answer from the rendezvous store at "
                                  f"{_bracket(self.host)}:{self.port} within "
                                  f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
             try:
@@ -485,6 +489,14 @@ class StoreClient(dist.Store):
                 raise StoreFull(f"rendezvous store refused {op} of {_first(keys)}: "
                                 f"{reply.error}")
             raise StoreError(f"rendezvous store refused {op} of {_first(keys)}: {reply.error}")
+
+    def repoint(self, host: str, port: int) -> None:
+        """Send every request from now on to the store at ``host:port`` (a coordinator
+        restarted on the job's record hosts a new one). The groups built over this client
+        (gloo's rendezvous through a ``PrefixStore``) hold this object: they follow."""
+        with self._lock:
+            self.host, self.port = host, port
+        self.close()
 
     def close(self) -> None:
         with self._lock:

@@ -94,14 +94,20 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fie
     generation: int
 
 
-class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
-    """A worker started and joined the control channel."""
+class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True,
+            omit_defaults=True):
+    """A worker started and joined the control channel, or (``step`` >= 0) one that lost
+    its coordinator says where it is to the one restarted on the job's record: the step it
+    trained to in generation ``trained``. (Defaults are left off the wire: a first Hello
+    reads as it did before these fields.)"""
 
     job: str
     generation: int
     vrank: int
     host: str
     pid: int
+    step: int = -1
+    trained: int = -1
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress", forbid_unknown_fields=True):

@@ -53,7 +53,7 @@ from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.protocol.store import agree_step, wait_for_keys
+from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from .control import (
@@ -93,6 +93,8 @@ STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
 EARLY_COMMIT_REPORT_S = 2.0
 # A rank waiting for its peers at the step agreement looks at its orders this often.
 AGREE_SLICE_S = 0.05
+# A worker whose coordinator died says Hello this often until a restarted one answers.
+REJOIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -254,13 +256,16 @@ class ElasticTrainer:
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
+        self._rejoined = False  # reattached to a restarted coordinator in this agreement
         # a committed layout not installed (a new rank died first): shards and resume state,
         # the trainer state and this rank's RNG extras, moved on by the next resize
         self._held: tuple[list, Any] | None = None
         self._held_extras: tuple[dict, dict] = ({}, {})
         self._kill: KillSpec | None = None
         self.proc: WorkerProcess | None = None
-        self._model_said = False  # ModelBuilt sent (once per process)
+        # the model this process said it built (ModelBuilt, once per process and again to
+        # a restarted coordinator, which plans with it when not told a --model)
+        self._model_said: ModelReport | None = None
         # (generation, unix end) of the last step this process trained; the generation it
         # first trained in without a resize (its first layout: no gap to report)
         self._ended_in: tuple[int, float] | None = None
@@ -550,8 +555,13 @@ class ElasticTrainer:
         deadline = time.monotonic() + proc.timeout_s
         # the store answers when the keys are there (one round trip); each slice, orders
         # are looked at
-        while (values := agree_step(proc.store, keys[rank], mine, stale, keys,
-                                    AGREE_SLICE_S)) is None:
+        while (values := self._agree_slice(keys[rank], mine, stale, keys)) is None:
+            if self._rejoined:
+                # reattached to a restarted coordinator: its store is new, and this rank
+                # writes there once what it holds now (the new coordinator's order, if any)
+                self._rejoined = False
+                mine = ENCODER.encode(self._pending) if self._pending else b"-"
+                deadline = time.monotonic() + proc.timeout_s
             self._take_orders()
             if self._names_the_dead(self._pending):
                 order, self._pending = self._pending, None
@@ -563,6 +573,61 @@ class ElasticTrainer:
         orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
                   if o.generation not in self._aborted]
         return max(orders, key=lambda o: o.generation) if orders else None
+
+    def _agree_slice(self, own: str, mine: bytes, stale: str, keys: list[str]
+                     ) -> list[bytes] | None:
+        """One slice of the step's agreement; a store that stopped answering (its
+        coordinator died) is waited out in :meth:`_await_restart` and the slice is None."""
+        try:
+            return agree_step(self._proc().store, own, mine, stale, keys, AGREE_SLICE_S)
+        except StoreUnreachable as err:
+            self._await_restart(err)
+            return None
+
+    def _await_restart(self, err: StoreUnreachable) -> None:
+        """The rendezvous store stopped answering at a step boundary: its coordinator died
+        (SIGKILL, a crash). Train no step (none could be agreed on or recorded) and say
+        Hello every REJOIN_S until a coordinator restarted on the job's record answers
+        (it binds the address this worker's channel connects to); then point the store at
+        the one it hosts and forget the orders of the coordinator before (a restart aborts
+        every resize not begun: the record says so; what it orders meanwhile is kept).
+        Past the reattach wait of silence, or told to stop, CoordinatorLost (the worker
+        exits)."""
+        proc = self._proc()
+        rejoin = getattr(proc.control, "rejoin", None)
+        if rejoin is None:
+            raise err
+        t0 = time.monotonic()
+        # the orders of the coordinator before: a restart aborts every resize not begun
+        if isinstance(self._pending, Resize):
+            self._aborted.add(self._pending.generation)
+        self._pending = None
+        self._log("the rendezvous store stopped answering at step %d: holding for a "
+                  "restarted coordinator (exiting after %.0f s of silence)", self.step,
+                  proc.reattach_wait_s or 0.0)
+        next_hello = 0.0
+        while True:
+            if time.monotonic() >= next_hello:
+                rejoin(self.step, self.generation)
+                next_hello = time.monotonic() + REJOIN_S
+            time.sleep(0.05)
+            self._take_orders()  # CoordinatorLost past the reattach wait
+            if isinstance(self._pending, Stop):
+                raise CoordinatorLost(f"the restarted coordinator does not take this process "
+                                      f"up ({self._pending.reason}): exiting at step "
+                                      f"{self.step}")
+            welcome = getattr(proc.control, "rendezvous", None)
+            if welcome is not None:
+                break
+        repoint = getattr(proc.store, "repoint", None)
+        if repoint is not None:
+            repoint(welcome.store_host, welcome.store_port)
+        self._rejoined = True
+        if self._model_said is not None:  # what the restarted coordinator may plan with
+            proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
+                                           self._model_said))
+        self._log("reattached to the coordinator at step %d after %.1f s; training on",
+                  self.step, time.monotonic() - t0)
 
     def _names_the_dead(self, order: Order | None) -> bool:
         """A resize away from this layout that names some of its devices as lost."""
@@ -1062,12 +1127,11 @@ class ElasticTrainer:
         """Tell the coordinator, once per process, the model this script built (checked
         against its catalog above) and its batch: what it plans with when not told."""
         proc = self.proc
-        if proc is None or self._model_said:
+        if proc is None or self._model_said is not None:
             return
-        self._model_said = True
+        self._model_said = ModelReport.of(desc, self.global_batch, self.micro_batch)
         proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
-                                       ModelReport.of(desc, self.global_batch,
-                                                      self.micro_batch)))
+                                       self._model_said))
 
     def _make_scheduler(self, optimizer: Any) -> Any:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

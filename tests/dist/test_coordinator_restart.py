@@ -2,16 +2,22 @@
 database: nothing recorded is lost or doubled, no node request is sent twice, the job ends.
 
 The coordinator is the real one (run_job: SQLite record, control channel, local backend);
-the workers are stand-ins (bench/fake_worker.py) so that one case takes seconds. The
-restarted coordinator does not reattach the killed one's workers: they are killed here (they
-are orphans) and the restarted one launches the first layout again.
+the workers are stand-ins (bench/fake_worker.py) so that one case takes seconds. In these
+cases the killed coordinator's workers are killed here (as if they had died with it), so the
+restarted one finds none alive and launches the first layout again.
 
-Oracles, sharing no code with the coordinator: the record read with plain sqlite3 and the
-backend's own log of every request and release (tests/dist/restart_driver.py)."""
+``test_killed_mid_training_reattaches_the_live_workers``: real training (megatron-core
+``tiny`` on two processes), the coordinator SIGKILLed mid-training and started again; its
+workers live on, are reattached, and train on from their step.
+
+Oracles, sharing no code with the coordinator: the record read with plain sqlite3, the
+backend's own log of every request and release (tests/dist/restart_driver.py), /proc, the
+workers' own logs, and an uninterrupted run's losses."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -24,6 +30,8 @@ import pytest
 from slurm_etc.coordinator.loop import COORDINATOR_INJECT, KILL_POINTS
 
 DRIVER = Path(__file__).with_name("restart_driver.py")
+REATTACH_DRIVER = Path(__file__).with_name("reattach_driver.py")
+STEPS, KILL_AT = 40, 15
 
 
 def _run(tmp: Path, job: str, inject: str | None) -> subprocess.CompletedProcess[str]:
@@ -32,6 +40,133 @@ def _run(tmp: Path, job: str, inject: str | None) -> subprocess.CompletedProcess
         env[COORDINATOR_INJECT] = inject
     return subprocess.run([sys.executable, str(DRIVER), str(tmp), job], env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def _workers_of(job: str) -> list[int]:
+    """Live (not zombie) processes whose environment names this test's job."""
+    mark = f"SLURM_ETC_JOB={job}".encode()
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and \
+                    "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text():
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def _reattach_run(out: Path, job: str) -> subprocess.Popen[str]:
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(COORDINATOR_INJECT, None)
+    return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS)],
+                            env=env, stdout=subprocess.PIPE, text=True,
+                            stderr=open(out / f"driver-{time.monotonic_ns()}.log", "w"))
+
+
+def _heard(out: Path) -> list[dict]:
+    path = out / "progress.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] \
+        if path.exists() else []
+
+
+def _finish(proc: subprocess.Popen[str], out: Path, job: str) -> dict:
+    try:
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its workers outlive it: they go too
+            for pid in _workers_of(job):
+                os.kill(pid, signal.SIGKILL)
+    logs = "".join(p.read_text() for p in sorted(out.glob("driver-*.log")))
+    assert proc.returncode == 0, logs[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(1200)  # two real trainings and a restart, on a loaded machine
+def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None:
+    """SIGKILL the coordinator at step KILL_AT of STEPS and start it again on the same job
+    and record: the workers it launched are still alive, are reattached (no process is
+    launched again, no generation opened again), and the job finishes; each worker trains
+    every step once, and every loss heard is bit-equal to an uninterrupted run's."""
+    ref_job = f"reattach-ref-{os.getpid()}"
+    ref = _finish(_reattach_run(tmp_path / "ref", ref_job), tmp_path / "ref", ref_job)
+    assert ref == {"state": "finished", "step": STEPS}
+    reference = {p["step"]: p["loss"] for p in _heard(tmp_path / "ref")}
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    out, job = tmp_path / "run", f"reattach-{os.getpid()}"
+    first = _reattach_run(out, job)
+    try:
+        deadline = time.monotonic() + 600
+        while max((p["step"] for p in _heard(out)), default=0) < KILL_AT:
+            assert first.poll() is None, "the first coordinator ended on its own"
+            assert time.monotonic() < deadline, "no training step"
+            time.sleep(0.05)
+        workers = _workers_of(job)
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    killed_step = max(p["step"] for p in _heard(out))
+    try:
+        time.sleep(2.0)
+        # the workers outlive a SIGKILLed coordinator (they hold for the reattach wait)
+        assert len(workers) == 2 and _workers_of(job) == workers, (workers, _workers_of(job))
+        result = _finish(_reattach_run(out, job), out, job)
+        assert not _workers_of(job), "workers left after the job finished"
+    finally:
+        for pid in _workers_of(job):
+            os.kill(pid, signal.SIGKILL)
+    assert result == {"state": "finished", "step": STEPS}
+
+    # every step trained once by each worker, from 1 to STEPS (no step trained twice, none
+    # skipped), by the same two processes (the worker logs are appended)
+    logs = sorted((out / "workers").glob("*.log"))
+    assert len(logs) == 2, logs
+    for log in logs:
+        text = log.read_text()
+        steps = [int(m) for m in re.findall(r"\] step (\d+) loss", text)] or \
+            [int(m) for m in re.findall(r" step (\d+) loss ", text)]
+        assert steps == list(range(1, STEPS + 1)), (log.name, steps)
+        assert text.count("training dp=") == 1, text[-2000:]  # started once
+        assert "reattached to the coordinator" in text, text[-2000:]
+
+    # the losses heard, by both coordinators, are the uninterrupted run's bit for bit
+    heard = _heard(out)
+    runs: dict[int, list[dict]] = {}
+    for p in heard:
+        runs.setdefault(p["run"], []).append(p)
+    assert len(runs) == 2, runs.keys()
+    before, after = runs.values()
+    assert max(p["step"] for p in before) == killed_step
+    assert min(p["step"] for p in after) > killed_step  # nothing heard twice
+    assert max(p["step"] for p in after) == STEPS
+    assert all(p["loss"] == reference[p["step"]] for p in heard), \
+        [(p["step"], p["loss"], reference[p["step"]]) for p in heard
+         if p["loss"] != reference[p["step"]]][:5]
+    # at most the steps whose report was in the killed coordinator's socket are unheard
+    assert len({p["step"] for p in heard}) >= STEPS - 2
+
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        gens = con.execute("SELECT number, last_step FROM generations").fetchall()
+        launches = con.execute("SELECT count(*) FROM events WHERE kind = 'launch'"
+                               ).fetchone()[0]
+        reattached = con.execute("SELECT json_extract(payload, '$.summary') FROM events "
+                                 "WHERE kind = 'reattach'").fetchall()
+        state = con.execute("SELECT state FROM jobs").fetchone()[0]
+    finally:
+        con.close()
+    assert gens == [(0, STEPS)], gens  # one generation, trained to the end
+    assert launches == 2, launches  # nothing launched again
+    assert len(reattached) == 1 and "reattached 2 live worker(s) of generation 0" in \
+        reattached[0][0], reattached
+    assert state == "finished"
 
 
 def _kill_orphans(job: str) -> int:

@@ -1,5 +1,6 @@
-"""A coordinator SIGKILLed after a few periodic checkpoints, started again on the same record:
-its workers do not outlive it (local backend: parent-death signal), the restarted job
+"""A coordinator SIGKILLed after a few periodic checkpoints, its workers killed too (a
+restarted coordinator reattaches live workers: tests/dist/test_coordinator_restart.py; the
+checkpoint is for when none is alive), started again on the same record: the restarted job
 resumes from the newest complete checkpoint, never writes a step below it, never deletes it
 before a newer one is complete, and finishes. Before: every restarted worker began at step 0,
 the first periodic save deleted the newest checkpoint (`step-48` gone, `step-3` kept), and
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 DRIVER = Path(__file__).with_name("checkpoint_restart_driver.py")
 STEPS, EVERY, KILL_AFTER = 15, 3, 6
-# How long the killed coordinator's workers may live on (they die with it).
+# How long the killed workers' checkpoint helpers (their process group) may live on.
 ORPHAN_BOUND_S = 5.0
 
 
@@ -78,6 +79,11 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     finally:
         if first.poll() is None:
             first.kill()
+    for pid in _workers_of(job):  # the workers die too: nothing is left to reattach
+        try:  # a worker leads its process group: its checkpoint helpers go with it
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # not a group leader (a helper): its worker's group takes it
     killed_at = time.monotonic()
     while _workers_of(job) and time.monotonic() - killed_at < ORPHAN_BOUND_S + 30:
         time.sleep(0.1)
@@ -85,9 +91,9 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     left = _workers_of(job)
     for pid in left:  # do not leave them behind whatever the verdict
         os.kill(pid, signal.SIGKILL)
-    print(f"the killed coordinator's workers lived {orphans_for:.1f} s after it")
+    print(f"the killed workers' processes lived {orphans_for:.1f} s after them")
     assert not left and orphans_for < ORPHAN_BOUND_S, \
-        f"workers {left} of the killed coordinator lived {orphans_for:.1f} s"
+        f"processes {left} of the killed workers lived {orphans_for:.1f} s"
 
     newest = max(_steps(ckpt))  # complete: a half-written one is step-N.partial
     at_kill = _steps(ckpt)
@@ -141,9 +147,9 @@ def test_restart_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
 
 
 def test_orphaned_workers_exit_within_their_reattach_wait(tmp_path: Path) -> None:
-    """Workers the parent-death signal cannot reach (started behind a shell: only the shell
-    dies with the coordinator) hear no heartbeat, hold, and exit within the reattach wait
-    (8 s here) plus a step; before, they trained on until their collective timeout."""
+    """Workers whose coordinator was SIGKILLed and never restarted (started behind a shell
+    here) hear no heartbeat, hold, and exit within the reattach wait (8 s here) plus a step;
+    before, they trained on until their collective timeout."""
     job = f"orphans-{os.getpid()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path), job, "200", "0",

@@ -1,0 +1,46 @@
+"""One coordinator run for the reattach test of tests/dist/test_coordinator_restart.py: the
+real run_job (SQLite record, control channel, rendezvous store, local backend) with the real
+preset trainer (megatron-core ``tiny``) on one simulated node of two devices. Every step the
+coordinator hears of is appended to ``<dir>/progress.jsonl`` with this process's pid (loss as
+JSON's repr of the float: bit for bit); the workers log to ``<dir>/workers`` (appended, so
+a reattached worker's lines follow its first ones).
+
+    python reattach_driver.py <dir> <job id> <train steps>
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from slurm_etc.coordinator.demo import demo_spec
+from slurm_etc.coordinator.events import script_from_options
+from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.plan.model import PRESETS
+
+
+def main() -> int:
+    out, job, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    spec = demo_spec(job, PRESETS["tiny"], steps)
+    spec = replace(spec, env={**spec.env, "SLURM_ETC_JOB": job})
+    backend = LocalBackend(script_from_options(1, 2), log_dir=out / "workers")
+    seen = (out / "progress.jsonl").open("a", buffering=1)
+
+    def progress(p: dict) -> None:
+        seen.write(json.dumps({**p, "run": os.getpid()}) + "\n")
+
+    result = run_job(spec, backend, backend.topology, db=str(out / "job.db"),
+                     state_dir=str(out / "state"), secret_dir=out / "keys", deadline_s=600,
+                     progress=progress)
+    print(json.dumps({"state": result["state"], "step": result["step"]}))
+    return 0 if result["state"] == "finished" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
