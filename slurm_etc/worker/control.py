@@ -145,7 +145,18 @@ class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=Tr
     step: int = 0
 
 
-Report = Hello | Progress | Resized | Exited
+class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
+    """A joiner of the resize to ``generation`` warmed up aside while the old layout trains
+    (imported, rehearsed building the new layout's state, connected): the coordinator
+    orders the old layout only once every joiner said it. ``seconds``: its warm-up."""
+
+    job: str
+    generation: int
+    vrank: int
+    seconds: float = 0.0
+
+
+Report = Hello | Progress | Resized | Exited | Ready
 
 ORDER_DECODER = msgspec.msgpack.Decoder(Order)
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

@@ -65,6 +65,7 @@ from .control import (
     Exited,
     Order,
     Progress,
+    Ready,
     Resize,
     Resized,
     Stop,
@@ -300,6 +301,7 @@ class ElasticTrainer:
                 first = self._first_order(proc)
                 if isinstance(first, Stop):
                     return self._exit("stopped")
+                self._warm_up(first)
                 if self._resize(first) == "left":
                     return self._exit("left")
         while True:
@@ -436,6 +438,27 @@ class ElasticTrainer:
                 return order
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
+
+    def _warm_up(self, order: Resize) -> None:
+        """A joiner, before the old layout is ordered: do aside what needs no peer (import
+        what building the new layout, the migration and the schedule use; the data set is
+        open already), then say Ready. The coordinator orders the old layout only once every
+        joiner did, so the old layout trains through all of this. The new layout's groups,
+        model, DDP and optimizer need the stayers in the rendezvous: they are built there
+        (docs/zero-stall.md)."""
+        import importlib
+
+        proc = self._proc()
+        t0 = time.perf_counter()
+        for name in ("megatron.core.models.gpt", "megatron.core.optimizer",
+                     "megatron.core.distributed", "megatron.core.pipeline_parallel",
+                     "megatron.core.optimizer_param_scheduler", "slurm_etc.megatron.resize",
+                     "slurm_etc.megatron.world", "slurm_etc.migrate.executor",
+                     "slurm_etc.migrate.group", "slurm_etc.migrate.program"):
+            importlib.import_module(name)
+        seconds = time.perf_counter() - t0
+        proc.control.report(Ready(proc.job, order.generation, proc.vrank, seconds))
+        self._log("ready for generation %d (warm-up %.2f s)", order.generation, seconds)
 
     def _silence(self) -> float | None:
         """Seconds since the coordinator was last heard of (its heartbeats, orders); None

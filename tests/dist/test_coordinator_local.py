@@ -27,7 +27,7 @@ from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
-STEPS = 24
+STEPS = 180  # the old layout trains through each grow's warm-up (tens of steps here)
 
 
 def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
