@@ -128,6 +128,9 @@ class JobSpec:
             Ready: it trains on while they start and warm up aside (import, connect), and a
             joiner that never gets ready pauses nobody (docs/zero-stall.md). False: at once,
             the old layout waiting in the resize's rendezvous for the joiners to start.
+        prepare_while_training: the old layout builds the new world (migration group,
+            program, staging in a thread; groups, model, DDP, optimizer at a step boundary)
+            while it trains on, and pauses at a later boundary (``Resize``'s field).
     """
 
     job_id: str
@@ -142,6 +145,7 @@ class JobSpec:
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     order_after_joined: bool = True
+    prepare_while_training: bool = True
 
 
 @dataclass
@@ -786,7 +790,8 @@ class Coordinator:
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
-                       lost=tuple(lost), reason=action.reason[:200])
+                       lost=tuple(lost), reason=action.reason[:200],
+                       prepare_while_training=self.spec.prepare_while_training)
         left = None if action.deadline is None else action.deadline - self.clock()
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",

@@ -48,7 +48,10 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     plans with the same inputs. ``lost`` are old vranks that died without notice: they take
     no part, and what they held comes from surviving replicas. ``deadline`` (unix seconds)
     is when the devices leaving are taken away (a preemption's grace); ``plan_digest`` is
-    the coordinator's plan digest.
+    the coordinator's plan digest. ``prepare_while_training``: the old layout trains on
+    while the resize is prepared and pauses only at a later step boundary, once every
+    process is prepared (docs/zero-stall.md); without it (a scripted sequence that must
+    resize at an exact step) everything happens at the step where the order is agreed.
     """
 
     job: str
@@ -61,6 +64,7 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     lost: tuple[int, ...] = ()
     deadline: float | None = None
     reason: str = ""
+    prepare_while_training: bool = False
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop", forbid_unknown_fields=True):

@@ -46,10 +46,11 @@ def test_retry_on_new_devices_then_vrank_back(tmp_path):
                     "reason": "a higher-priority job"}]}, "<inject-demo>")
     job_id = "inject-demo"
     backend = LocalBackend(script, log_dir=tmp_path / "workers")
-    # resizes at fixed steps: the old layout is ordered at once (a run this short
-    # would end inside the joiners' warm-up)
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+    # short would end inside the joiners' warm-up)
     spec = replace(demo_spec(job_id, PRESETS["tiny"], STEPS, GLOBAL_BATCH,
-                             inject="before-send"), order_after_joined=False)
+                             inject="before-send"), order_after_joined=False,
+                   prepare_while_training=False)
     out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),
                   state_dir=str(tmp_path / "state"), deadline_s=400)
     assert out["state"] == "finished" and out["step"] == STEPS, out

@@ -86,9 +86,10 @@ def test_an_attacker_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     assert report_path.exists(), "the attacker did not start"
     rss = _RssWatch()
     try:
-        # resizes at fixed steps: the old layout is ordered at once (a run this short
-        # would end inside the joiners' warm-up)
-        spec = replace(demo_spec(JOB, PRESETS["tiny"], STEPS), order_after_joined=False)
+        # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+        # short would end inside the joiners' warm-up)
+        spec = replace(demo_spec(JOB, PRESETS["tiny"], STEPS), order_after_joined=False,
+                       prepare_while_training=False)
         out = run_job(spec, backend, backend.topology,
                       db=str(tmp_path / "job.db"), state_dir=str(tmp_path / "state"),
                       secret_dir=tmp_path / "secrets", progress=progress, deadline_s=600)
