@@ -723,10 +723,9 @@ class ElasticTrainer:
         staying state moved in) and the old layout trains one more step; at the boundary
         after it, the pause. ``last``: no step is left to train, so each stage runs at once.
         Returns "left" when this process left the job in the pause, else "stay"."""
-        prep = self._preparing
-        assert prep is not None
-        proc, layout = self._proc(), self.layout
-        assert layout is not None
+        prep, proc, layout = self._preparing, self._proc(), self.layout
+        if prep is None or layout is None:
+            raise RuntimeError("no resize is being prepared in a live layout")
         if prep.stage == "world":
             return self._finish_preparation(prep)
         if last and prep.thread is not None:

@@ -20,13 +20,15 @@ from slurm_etc.coordinator.demo import demo_spec
 from slurm_etc.coordinator.events import script_from_options
 from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
+from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]
 
-STEPS, GRANT_AT = 400, 4
+STEPS, GRANT_AT = 300, 4
 ORDERED = re.compile(r"generation 1: old layout ordered ([\d.]+) s after the joiners' launch, "
                      r"steps (\d+)\.\.(\d+) trained meanwhile")
 PREPARED = re.compile(r"prepared while training: transfer ([\d.]+) s, new world ([\d.]+) s; "
@@ -74,5 +76,14 @@ def test_grow_trains_through_warm_up_and_preparation(tmp_path, caplog):
           f"{gap:.3f} s; pause recorded {detail.migrations[0].pause_seconds:.3f} s; "
           f"prepared (transfer s, world s, steps, step s, before s): {prepared}")
     assert gap < warm_s, (gap, warm_s)
-    steps = sorted(p["step"] for _t, p in seen)
-    assert steps == list(range(1, STEPS + 1))
+
+    # the losses equal megatron-core's checkpoint-restart through the same layouts, resized
+    # at the step the record says (wherever the preparation let the old layout get to)
+    gens = sorted(detail.generations, key=lambda g: g.number)
+    configs = tuple(ParallelConfig.parse(g.layout) for g in gens)
+    seq = ResizeSequence(PRESETS["tiny"], configs, steps=1, global_batch=8,
+                         ends=tuple(g.last_step for g in gens), total_steps=STEPS)
+    reference = checkpoint_losses(seq)
+    losses = {p["step"]: p["loss"] for _t, p in seen}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses == {s: r["loss"] for s, r in reference.items()}
