@@ -62,8 +62,9 @@ def resizes_table(detail, timeline) -> Table:
               help="Directory for the record, worker logs and the timeline PNG.")
 @click.option("--model", "model_spec", default="tiny", show_default=True,
               type=Text(bounds.PATH_CHARS))
-@click.option("--steps", type=Number(bounds.STEPS, low=12), default=24, show_default=True,
-              help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them).")
+@click.option("--steps", type=Number(bounds.STEPS, low=12), default=180, show_default=True,
+              help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them; the "
+                   "old layout trains on through a grow's warm-up, tens of steps here).")
 @click.option("--inject", metavar="WHERE", type=Text(),
               help="Kill a worker (SIGKILL) at this phase of the first resize: "
                    f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "

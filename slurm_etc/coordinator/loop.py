@@ -70,6 +70,7 @@ from slurm_etc.worker.control import (
     ModelBuilt,
     ModelReport,
     Progress,
+    Ready,
     Resize,
     Resized,
     Resumed,
@@ -158,18 +159,21 @@ class JobSpec:
         reattach_wait_s: how long a worker that hears nothing from this coordinator (a
             heartbeat every HEARTBEAT_S) waits for it before it exits.
         join_timeout_s: how long a launched worker has to say Hello; one that does not, or
-            exits before, never joined (see :meth:`Coordinator._never_joined`).
+            exits before, never joined (see :meth:`Coordinator._never_joined`). A joiner of
+            a grow also has it, from its launch, to say Ready (warmed up); one that does not
+            is stopped and the resize is replanned without its device.
         model_from_workers: ``job.model`` is provisional (no ``--model``): the first
             layout's workers say the model (:class:`ModelBuilt`) and it is planned with.
         batch_from_workers: likewise ``job``'s batch (no ``--global-batch``).
         model_label: where ``job.model`` came from, for the one line of a mismatch
             (``--model tiny``).
         order_after_joined: order the old layout of a resize only once every joiner said
-            Hello (it trains on meanwhile, and a joiner that never joins pauses nobody).
-            False (the default until the zero-stall work measures it on every path): at once,
-            the old layout waiting in the resize's rendezvous for the joiners (the demo's
-            scripted events fire at steps only while no resize is in flight, and keep their
-            spacing only if the old layout stops meanwhile).
+            Ready: it trains on while they start and warm up aside (import, connect), and a
+            joiner that never gets ready pauses nobody (docs/zero-stall.md). False: at once,
+            the old layout waiting in the resize's rendezvous for the joiners to start.
+        prepare_while_training: the old layout builds the new world (migration group,
+            program, staging in a thread; groups, model, DDP, optimizer at a step boundary)
+            while it trains on, and pauses at a later boundary (``Resize``'s field).
     """
 
     job_id: str
@@ -183,7 +187,8 @@ class JobSpec:
     recovery: Recovery = field(default_factory=Recovery)
     reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
-    order_after_joined: bool = False
+    order_after_joined: bool = True
+    prepare_while_training: bool = True
     model_from_workers: bool = False
     batch_from_workers: bool = False
     model_label: str = "--model"
@@ -210,6 +215,8 @@ class _Inflight:
     early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
     never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
     decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
+    ready: set[int] = field(default_factory=set)  # joiners that said Ready
+    step_at_launch: int = 0  # the job's step when the joiners were launched
 
 
 class JobStopped(RuntimeError):
@@ -588,6 +595,8 @@ class Coordinator:
                             f"{event.returncode}"))
                         self._worker_died(event, now)
             self.dirty = True
+        if any(o.kind in ("preempt-notice", "loss") for o in seen):
+            self._supersede_warm_up()
         if seen:
             inject("before-record")
             ids = self.journal.write(record.record_observed, self.spec.job_id, seen)
@@ -620,6 +629,7 @@ class Coordinator:
         """A launched worker that has not said Hello within the join timeout never joins:
         it is stopped and handled as one that exited before joining."""
         now = time.monotonic()
+        self._ready_deadline(now)
         late = sorted(v for v, (_g, at) in self.unjoined.items()
                       if now - at > self.spec.join_timeout_s)
         if not late:
@@ -635,6 +645,45 @@ class Coordinator:
             self._never_joined(v, w.device, f"did not say hello within "
                                f"{self.spec.join_timeout_s:.0f} s of its launch (slurm-etc "
                                "run --join-timeout)", False)
+
+    def _ready_deadline(self, now: float) -> None:
+        """Joiners of the grow in flight that said Hello but not Ready within the join
+        timeout of their launch: stopped, their devices counted as failed, and the resize
+        (its old layout never ordered) is replanned without them (see _settle)."""
+        fl = self.inflight
+        if fl is None or fl.sent_at or not self.spec.order_after_joined or \
+                now - fl.started <= self.spec.join_timeout_s:
+            return
+        late = sorted(fl.joiners - fl.ready - fl.dead - set(self.unjoined))
+        if not late:
+            return
+        perform(self.backend, StopWorkers(tuple(late), 5.0, "it was never ready"))
+        for v in late:
+            why = (f"vrank {v} said hello but was not ready within "
+                   f"{self.spec.join_timeout_s:.0f} s of its launch (slurm-etc run "
+                   "--join-timeout): its log says why")
+            fl.dead.add(v)
+            fl.never_joined.setdefault(v, why)
+            self.lost.add(fl.vranks[v])
+            self.notices[fl.vranks[v]] = (self.clock(), "failure")
+
+    def _supersede_warm_up(self) -> None:
+        """A preemption notice or a loss while a grow's joiners warm up (the old layout not
+        ordered yet, nobody paused): the grow is given up at once, its joiners stopped, and
+        the next decision plans from what the job holds now (a shrink needs no joiner)."""
+        fl = self.inflight
+        if fl is None or fl.sent_at or not fl.joiners:
+            return
+        why = "superseded by a preemption notice or a loss during its joiners' warm-up"
+        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
+                           measured_seconds=time.monotonic() - fl.started, error=why)
+        logger.warning("resize to generation %d: %s", fl.order.generation, why)
+        for v in fl.joiners:
+            self.unjoined.pop(v, None)
+        # stopped by the next decision (or its resize, before it launches its own joiners)
+        self.idle = fl.joiners - fl.dead
+        self.inflight = None
+        self.dirty = True
 
     def _never_joined(self, vrank: int, device: Device, what: str, clean: bool) -> None:
         """A worker that never said Hello (it exited, or stayed silent past the join
@@ -698,6 +747,14 @@ class Coordinator:
                         del self.unjoined[vrank]
                     self._tell_joiner(vrank)
                     self._order_when_joined()
+                case Ready():
+                    fl = self.inflight
+                    if fl is not None and report.generation == fl.order.generation and \
+                            vrank in fl.joiners:
+                        fl.ready.add(vrank)
+                        logger.info("vrank %d ready for generation %d after %.2f s of warm-up",
+                                    vrank, report.generation, report.seconds)
+                        self._order_when_joined()
 
     def _model_built(self, vrank: int, got: ModelReport) -> None:
         """A worker built its model. Where no ``--model`` (``--global-batch``) was given,
@@ -970,7 +1027,8 @@ class Coordinator:
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
-                       lost=tuple(lost), reason=action.reason[:200])
+                       lost=tuple(lost), reason=action.reason[:200],
+                       prepare_while_training=self.spec.prepare_while_training)
         left = None if action.deadline is None else action.deadline - self.clock()
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
@@ -984,7 +1042,8 @@ class Coordinator:
         participants = (set(old.devices) | set(new.devices)) - set(lost)
         self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
                                   set(self.release_later), time.monotonic(), rebuild=rebuild,
-                                  decided_at=decided_at)
+                                  decided_at=decided_at,
+                                  step_at_launch=self.step)
         self.channel.generation = gen
         # a joiner whose vrank's previous process left the job at the last commit and is
         # still exiting (tearing its groups down): it has nothing left to do, it stops; the
@@ -1002,9 +1061,9 @@ class Coordinator:
             self._record_launch(gen, joiners)
             self._await_hello(joiners, gen)
         # The old layout is ordered (and pauses at its next step boundary) only once every
-        # joiner said Hello: it trains on while they import torch and megatron-core
-        # (seconds on a busy node), and a joiner that never joins (a script that does not
-        # end in run_worker, a crash at import) pauses nobody.
+        # joiner said Ready: it trains on while they import torch and megatron-core and
+        # warm up (seconds on a busy node), and a joiner that never gets ready (a script
+        # that does not end in run_worker, a crash at import) pauses nobody.
         self.inflight.stayers = set(old.devices) - set(lost)
         self._order_when_joined()
         inject("after-order")
@@ -1021,6 +1080,10 @@ class Coordinator:
         missed = self.channel.broadcast(fl.order, fl.stayers)
         fl.told |= fl.stayers - set(missed)
         fl.sent_at = time.monotonic()
+        if fl.joiners:
+            logger.info("generation %d: old layout ordered %.2f s after the joiners' launch, "
+                        "steps %d..%d trained meanwhile", fl.order.generation,
+                        fl.sent_at - fl.started, fl.step_at_launch, self.step)
         if self._noticed_at is not None:
             self.reaction_s.append(time.perf_counter() - self._noticed_at)
             self._noticed_at = None
@@ -1050,11 +1113,11 @@ class Coordinator:
             self.unjoined[v] = (generation, now)
 
     def _order_when_joined(self) -> None:
-        """Order the old layout once every joiner of the resize in flight said Hello."""
+        """Order the old layout once every joiner of the resize in flight said Ready."""
         fl = self.inflight
         if fl is None or fl.sent_at or not fl.stayers:
             return
-        if self.spec.order_after_joined and fl.joiners & (set(self.unjoined) | fl.dead):
+        if self.spec.order_after_joined and (fl.joiners - fl.ready or fl.joiners & fl.dead):
             return
         self._order_stayers()
 
@@ -1077,7 +1140,7 @@ class Coordinator:
             fl.sent_at = time.monotonic()
         dead_joiners = fl.joiners & fl.dead
         if dead_joiners and not fl.sent_at and fl.stayers:
-            # a joiner died before every joiner said Hello: the old layout was never
+            # a joiner died before every joiner said Ready: the old layout was never
             # ordered, nobody paused; retried without its device
             why = (fl.never_joined[min(fl.never_joined)] if fl.never_joined else
                    f"vrank(s) {', '.join(map(str, sorted(dead_joiners)))} died before the "

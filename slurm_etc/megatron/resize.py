@@ -120,12 +120,24 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
             memory), so the pause copies none of it. Without it nothing of the training
             state is read here.
     """
+    if build_new is not None and world and device not in plan.new.devices:
+        raise ValueError("build_new given to a process outside the new layout")
+    prepared = _connect(plan, device, store, tag, options, group_timeout_s, prefault)
+    if world and device in plan.new.devices:
+        prepare_new_world(prepared, build_new=build_new, state=state, prefault=prefault)
+    else:
+        _allocate(prepared, prefault)
+    return prepared
+
+
+def _connect(plan: Any, device: int, store: Any, tag: str, options: Any,
+             group_timeout_s: float, prefault: bool) -> PreparedResize:
+    """The migration group, the program, the staging buffers (no destinations yet)."""
     import torch.distributed as dist
 
     from slurm_etc.migrate.executor import (
         MigrationOptions,
         agree,
-        allocate_destinations,
         allocate_staging,
     )
     from slurm_etc.migrate.group import connect_migration_group
@@ -156,29 +168,64 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
         group.destroy()
         raise
     seconds["allocate"] = time.perf_counter() - t
-    new_world = receive = placed = None
     # the same keys on every participant (0 where nothing is built)
     seconds.update(prepare_world=0.0, world_group=0.0, world_megatron_groups=0.0,
                    world_build=0.0, place=0.0)
-    if world and device in plan.new.devices:
+    return PreparedResize(plan, device, store, tag, group, program, [], options, memory,
+                          group_timeout_s, seconds, staging=staging)
+
+
+def _allocate(prepared: PreparedResize, prefault: bool) -> None:
+    """Fresh destination tensors (no prepared world: a departing process, or world=False)."""
+    from slurm_etc.migrate.executor import allocate_destinations
+
+    t = time.perf_counter()
+    prepared.destinations = allocate_destinations(prepared.program, prepared.options,
+                                                  prefault=prefault)
+    prepared.seconds["allocate"] += time.perf_counter() - t
+
+
+def prepare_transfer(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
+                     group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
+    """The part of :func:`prepare_resize` that touches no global state (the migration
+    group's own gloo backends, the program, the staging buffers; on a process outside the
+    new layout its destinations too): it may run in a thread of its own while the old
+    layout trains, its collectives on the migration group only. A process of the new
+    layout then calls :func:`prepare_new_world` on its main thread, at a step boundary."""
+    prepared = _connect(plan, device, store, tag, options, group_timeout_s, prefault)
+    if device not in plan.new.devices:
+        _allocate(prepared, prefault)
+    return prepared
+
+
+def prepare_new_world(prepared: PreparedResize, *, build_new: Callable[[ParallelConfig],
+                      TrainingState] | None = None, state: TrainingState | None = None,
+                      prefault: bool = True) -> None:
+    """On a process of the new layout, after :func:`prepare_transfer` (or inside
+    :func:`prepare_resize`): start the new layout's groups, build its model, DDP and
+    optimizer beside the live ones, make their tensors the destinations, and move the
+    staying old state into them (see :func:`prepare_resize`, ``world=True``). Collective
+    over the new layout's ranks; swaps torch's default group and megatron's globals while
+    it builds, so it runs on the thread that trains, between steps. The migration group is
+    destroyed if it fails."""
+    plan, device, program, seconds = (prepared.plan, prepared.device, prepared.program,
+                                      prepared.seconds)
+    t = time.perf_counter()
+    try:
+        new_world, receive = _prepare_new_world(plan, device, prepared.store, prepared.tag,
+                                                program, build_new, prepared.group_timeout_s,
+                                                prefault)
+    except BaseException:
+        prepared.group.destroy()
+        raise
+    seconds["prepare_world"] = time.perf_counter() - t
+    seconds.update({f"world_{k}": v for k, v in new_world.seconds.items()})
+    prepared.world, prepared.receive = new_world, receive
+    prepared.destinations = receive.tensors
+    if state is not None and program.old_rank is not None:
         t = time.perf_counter()
-        new_world, receive = _prepare_new_world(plan, device, store, tag, program, build_new,
-                                                group_timeout_s, prefault)
-        seconds["prepare_world"] = time.perf_counter() - t
-        seconds.update({f"world_{k}": v for k, v in new_world.seconds.items()})
-        destinations = receive.tensors
-        if state is not None and program.old_rank is not None:
-            t = time.perf_counter()
-            placed = _place(state, plan, program, receive, new_world, group)
-            seconds["place"] = time.perf_counter() - t
-    else:
-        if build_new is not None and world:
-            raise ValueError("build_new given to a process outside the new layout")
-        t = time.perf_counter()
-        destinations = allocate_destinations(program, options, prefault=prefault)
-        seconds["allocate"] += time.perf_counter() - t
-    return PreparedResize(plan, device, store, tag, group, program, destinations, options,
-                          memory, group_timeout_s, seconds, new_world, receive, staging, placed)
+        prepared.placed = _place(state, plan, program, receive, new_world, prepared.group)
+        seconds["place"] = time.perf_counter() - t
 
 
 def _place(state: TrainingState, plan: Any, program: Any, receive: Destinations,

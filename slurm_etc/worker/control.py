@@ -51,7 +51,10 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     plans with the same inputs. ``lost`` are old vranks that died without notice: they take
     no part, and what they held comes from surviving replicas. ``deadline`` (unix seconds)
     is when the devices leaving are taken away (a preemption's grace); ``plan_digest`` is
-    the coordinator's plan digest.
+    the coordinator's plan digest. ``prepare_while_training``: the old layout trains on
+    while the resize is prepared and pauses only at a later step boundary, once every
+    process is prepared (docs/zero-stall.md); without it (a scripted sequence that must
+    resize at an exact step) everything happens at the step where the order is agreed.
     """
 
     job: str
@@ -64,6 +67,7 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     lost: tuple[int, ...] = ()
     deadline: float | None = None
     reason: str = ""
+    prepare_while_training: bool = False
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop", forbid_unknown_fields=True):
@@ -237,6 +241,17 @@ class ModelBuilt(msgspec.Struct, frozen=True, tag="model", forbid_unknown_fields
     model: ModelReport
 
 
+class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
+    """A joiner of the resize to ``generation`` warmed up aside while the old layout trains
+    (imported and connected): the coordinator
+    orders the old layout only once every joiner said it. ``seconds``: its warm-up."""
+
+    job: str
+    generation: int
+    vrank: int
+    seconds: float = 0.0
+
+
 class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=True):
     """One process's first step in the layout of ``generation`` began: ``started`` is when
     (unix seconds), ``last_ended`` when its last step in the old layout ended, or, for a
@@ -253,7 +268,7 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     joined: bool = False
 
 
-Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed
+Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready
 
 ORDER_DECODER = msgspec.msgpack.Decoder(Order)
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

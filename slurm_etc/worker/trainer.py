@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -67,6 +68,7 @@ from .control import (
     ModelReport,
     Order,
     Progress,
+    Ready,
     Resize,
     Resized,
     Resumed,
@@ -95,6 +97,8 @@ EARLY_COMMIT_REPORT_S = 2.0
 AGREE_SLICE_S = 0.05
 # A worker whose coordinator died says Hello this often until a restarted one answers.
 REJOIN_S = 1.0
+# Step times kept to compare the old layout's steps while a resize is prepared with before.
+STEP_TIMES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,10 @@ class ElasticTrainer:
         # first trained in without a resize (its first layout: no gap to report)
         self._ended_in: tuple[int, float] | None = None
         self._first_generation: int | None = None
+        # a resize being prepared while the old layout trains (see _advance_preparation)
+        self._preparing: _Preparation | None = None
+        # (seconds, preparing) of the last steps trained: the old layout's cost of preparing
+        self.step_times: deque[tuple[float, bool]] = deque(maxlen=STEP_TIMES_KEPT)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -317,16 +325,25 @@ class ElasticTrainer:
                 first = self._first_order(proc)
                 if isinstance(first, Stop):
                     return self._exit("stopped")
+                self._warm_up(first)
                 if self._resize(first) == "left":
                     return self._exit("left")
         while True:
             try:
+                if self._preparing is not None and \
+                        self._advance_preparation(self.step >= self.train_steps) == "left":
+                    return self._exit("left")
                 order = self._agree()
                 if order is None and self.step < self.train_steps:
                     self._hold_while_silent()
+                    t = time.perf_counter()
+                    preparing = self._preparing is not None
                     self.train_step()
+                    self.step_times.append((time.perf_counter() - t, preparing))
                     self._after_step()
                     continue
+                if order is None and self._preparing is not None:
+                    continue  # the last step trained: the resize prepared still runs
             except RuntimeError as err:  # a peer died inside a collective
                 order = self._recover(err)
             if isinstance(order, Stop):
@@ -477,6 +494,27 @@ class ElasticTrainer:
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
 
+    def _warm_up(self, order: Resize) -> None:
+        """A joiner, before the old layout is ordered: do aside what needs no peer (import
+        what building the new layout, the migration and the schedule use; the data set is
+        open already), then say Ready. The coordinator orders the old layout only once every
+        joiner did, so the old layout trains through all of this. The new layout's groups,
+        model, DDP and optimizer need the stayers in the rendezvous: they are built there
+        (docs/zero-stall.md)."""
+        import importlib
+
+        proc = self._proc()
+        t0 = time.perf_counter()
+        for name in ("megatron.core.models.gpt", "megatron.core.optimizer",
+                     "megatron.core.distributed", "megatron.core.pipeline_parallel",
+                     "megatron.core.optimizer_param_scheduler", "slurm_etc.megatron.resize",
+                     "slurm_etc.megatron.world", "slurm_etc.migrate.executor",
+                     "slurm_etc.migrate.group", "slurm_etc.migrate.program"):
+            importlib.import_module(name)
+        seconds = time.perf_counter() - t0
+        proc.control.report(Ready(proc.job, order.generation, proc.vrank, seconds))
+        self._log("ready for generation %d (warm-up %.2f s)", order.generation, seconds)
+
     def _silence(self) -> float | None:
         """Seconds since the coordinator was last heard of (its heartbeats, orders); None
         where that is not known (a control seam without a clock, no reattach wait)."""
@@ -523,6 +561,12 @@ class ElasticTrainer:
         while (order := proc.control.poll()) is not None:
             if order.generation <= self.generation or order.generation in self._aborted:
                 continue
+            prep = self._preparing
+            if prep is not None and order.generation == prep.order.generation:
+                if isinstance(order, Abort) and prep.stage == "transfer":
+                    # every rank gives it up together, at the next preparation agreement
+                    prep.error = RuntimeError(f"aborted by the coordinator: {order.reason}")
+                continue  # else the same order again (resent): it is being prepared
             if isinstance(order, Abort):
                 if self._pending is not None and self._pending.generation == order.generation:
                     self._log("resize to generation %d aborted by the coordinator: %s",
@@ -638,10 +682,12 @@ class ElasticTrainer:
 
     def _resize(self, order: Resize) -> str:
         """Move to ``order.new``; "left" if this process is not part of it, else "stay"."""
-        from slurm_etc.megatron.resize import prepare_resize, resize_in_place
-        from slurm_etc.migrate.executor import MigrationAborted, MigrationOptions
+        from slurm_etc.megatron.resize import prepare_resize
+        from slurm_etc.migrate.executor import MigrationOptions
 
         proc = self._proc()
+        if self._preparing is not None:  # a newer order (one naming the dead) supersedes it
+            self._drop_preparation()
         old, new = order.old.layout(), order.new.layout()
         gen = order.generation
         self._lost = frozenset(order.lost)
@@ -662,12 +708,15 @@ class ElasticTrainer:
         t0 = time.perf_counter()
         began = time.time()
         options = MigrationOptions(timeout_s=proc.timeout_s)
+        if self._prepares_while_training(order):
+            self._start_preparation(order, plan, options)
+            return "stay"
         # The new layout's world (its groups, and the user's model, DDP and optimizer built
         # empty) is prepared first and the migration writes straight into it, the old state
         # that stays on this process moved in already (megatron/placement.py); the pause
-        # then holds the data phase and the switch (see megatron/resize.py). The worker
-        # prepares at the step boundary where the order was agreed, so the pause it reports
-        # counts the preparation too.
+        # then holds the data phase and the switch (see megatron/resize.py). Here (a
+        # joiner, a loss without notice, a committed layout held) it is prepared where the
+        # order was agreed; a process of a live old layout prepares while it trains.
         catalog = self.catalog  # _build sets the new one; an abort puts this back
         build_new = ((lambda cfg: self._build(cfg, empty=True))
                      if proc.vrank in new.devices else None)
@@ -678,6 +727,19 @@ class ElasticTrainer:
         except BaseException:
             self.catalog = catalog
             raise
+        return self._pause(order, plan, prepared, catalog, t0, began)
+
+    def _pause(self, order: Resize, plan: Any, prepared: Any, catalog: Catalog | None,
+               t0: float, began: float) -> str:
+        """The resize's pause on this process, its preparation done: the data phase, the
+        commit vote, the switch; "left" if this process is not in the new layout."""
+        from slurm_etc.megatron.resize import resize_in_place
+        from slurm_etc.migrate.executor import MigrationAborted
+
+        proc = self._proc()
+        old, new = order.old.layout(), order.new.layout()
+        gen = order.generation
+        tag = f"{proc.job}/g{gen}"
         self._publish_extras(tag, old)
         faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
         early = _EarlyReport()
@@ -715,6 +777,143 @@ class ElasticTrainer:
                   "total %.3f s", old.config, new.config, plan.moved_bytes / 2**20,
                   plan.lower_bound_moved_bytes / 2**20, pause, time.perf_counter() - t0)
         return "stay"
+
+    def _prepares_while_training(self, order: Resize) -> bool:
+        """Whether this process prepares the resize while its old layout trains on: the
+        order asks for it, this process is in a live old layout (not a joiner), nobody is
+        lost (the old layout cannot train without them), and no committed layout is
+        held."""
+        proc = self._proc()
+        return (order.prepare_while_training and self.layout is not None
+                and self.state is not None and not order.lost and self._held is None
+                and proc.vrank in order.old.devices)
+
+    def _start_preparation(self, order: Resize, plan: Any, options: Any) -> None:
+        """Start preparing the resize beside training: the migration group, the program
+        and the staging buffers in a thread (collectives on the migration group's own gloo
+        backends only: none on a group the training thread uses); the new world is built
+        at a later step boundary (:meth:`_advance_preparation`)."""
+        import threading
+
+        from slurm_etc.megatron.resize import prepare_transfer
+
+        proc = self._proc()
+        prep = _Preparation(order, plan, time.perf_counter())
+
+        def transfer() -> None:
+            try:
+                prep.prepared = prepare_transfer(plan, proc.vrank, proc.store,
+                                                 tag=f"{proc.job}/g{order.generation}",
+                                                 options=options,
+                                                 group_timeout_s=proc.timeout_s)
+            except BaseException as err:  # reported at the next step boundary
+                prep.error = err
+        prep.thread = threading.Thread(target=transfer, name="slurm-etc-prepare",
+                                       daemon=True)
+        prep.thread.start()
+        self._preparing = prep
+        # the old layout agrees again at this step: not on the keys that carried the order
+        self._attempt += 1
+        self._log("preparing the resize to generation %d while training", order.generation)
+
+    def _advance_preparation(self, last: bool) -> str:
+        """At a step boundary with a resize being prepared: every rank of the old layout
+        says whether its transfer preparation is done (the store; one round trip). Once all
+        are, the new world is built (the new layout's ranks: groups, model, DDP, optimizer,
+        staying state moved in) and the old layout trains one more step; at the boundary
+        after it, the pause. ``last``: no step is left to train, so each stage runs at once.
+        Returns "left" when this process left the job in the pause, else "stay"."""
+        prep, proc, layout = self._preparing, self._proc(), self.layout
+        if prep is None or layout is None:
+            raise RuntimeError("no resize is being prepared in a live layout")
+        if prep.stage == "world":
+            return self._finish_preparation(prep)
+        if last and prep.thread is not None:
+            prep.thread.join(proc.timeout_s)
+        done = prep.thread is not None and not prep.thread.is_alive()
+        mine = b"E" if prep.error is not None else b"1" if done else b"0"
+        rank = layout.devices.index(proc.vrank)
+        base = f"{proc.job}/g{prep.order.generation}/prepared.{self.step}.{prep.polls}"
+        prep.polls += 1
+        keys = [f"{base}/{r}" for r in range(layout.config.world)]
+        deadline = time.monotonic() + proc.timeout_s
+        while (values := agree_step(proc.store, keys[rank], mine, "", keys,
+                                    AGREE_SLICE_S)) is None:
+            self._take_orders()
+            if self._names_the_dead(self._pending) or time.monotonic() > deadline:
+                self._drop_preparation()
+                raise RuntimeError(f"ranks of {layout.config} did not say whether the resize "
+                                   "was prepared")
+        if b"E" in values:
+            why = str(prep.error) if prep.error is not None else "a peer failed to prepare"
+            self._drop_preparation()
+            self._aborted.add(prep.order.generation)
+            self._attempt += 1
+            self._log("resize to generation %d aborted while preparing: %s",
+                      prep.order.generation, why[:300])
+            self._record(prep.order, "aborted", 0, 0.0, 0.0, why)
+            return "stay"
+        if b"0" in values:
+            return "stay"
+        prep.prepared_s = time.perf_counter() - prep.started
+        self._build_new_world(prep)
+        return self._finish_preparation(prep) if last else "stay"
+
+    def _build_new_world(self, prep: _Preparation) -> None:
+        """The new world beside the live one, at a step boundary (it swaps torch's default
+        group and megatron's globals while it builds: not in a thread). The old layout
+        trains on in it afterwards (its staying tensors now live in the new memory)."""
+        from slurm_etc.megatron.resize import prepare_new_world
+
+        proc = self._proc()
+        prep.stage = "world"
+        if proc.vrank not in prep.order.new.devices:
+            return
+        t = time.perf_counter()
+        catalog = self.catalog  # _build sets the new one: the old layout trains on with this
+        try:
+            prepare_new_world(prep.prepared, build_new=lambda cfg: self._build(cfg, empty=True),
+                              state=self.state)
+        except BaseException:
+            self._preparing = None  # its migration group is destroyed
+            raise
+        finally:
+            prep.new_catalog, self.catalog = self.catalog, catalog
+        prep.world_s = time.perf_counter() - t
+
+    def _finish_preparation(self, prep: _Preparation) -> str:
+        """The pause of a resize prepared while training."""
+        self._preparing = None
+        catalog = self.catalog
+        if prep.new_catalog is not None:
+            self.catalog = prep.new_catalog
+        during = [t for t, p in self.step_times if p]
+        before = [t for t, p in self.step_times if not p]
+        self._log("resize to generation %d prepared while training: transfer %.3f s, new "
+                  "world %.3f s; %d step(s) trained meanwhile, %.3f s each against %.3f s "
+                  "before", prep.order.generation, prep.prepared_s, prep.world_s, len(during),
+                  sum(during) / max(1, len(during)), sum(before) / max(1, len(before)))
+        self.step_times.clear()
+        return self._pause(prep.order, prep.plan, prep.prepared, catalog,
+                           time.perf_counter(), time.time())
+
+    def _drop_preparation(self) -> None:
+        """Give up the resize being prepared (its transfer's group, its new world)."""
+        from slurm_etc.megatron.placement import give_back
+
+        prep, self._preparing = self._preparing, None
+        if prep is None:
+            return
+        if prep.thread is not None:
+            prep.thread.join(self._proc().timeout_s)
+        prepared = prep.prepared
+        if prepared is None:
+            return
+        if prepared.placed is not None:
+            give_back(prepared.placed)
+        if prepared.world is not None:
+            prepared.world.drop()
+        prepared.group.destroy()
 
     def _install_wait(self, order: Resize, new: Layout, waited: float,
                       early: "_EarlyReport") -> bool:
@@ -1187,6 +1386,24 @@ def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple
 @dataclass
 class _EarlyReport:
     sent: bool = False
+
+
+@dataclass
+class _Preparation:
+    """A resize prepared while the old layout trains: the transfer (``thread``), then the
+    new world (``stage`` "world"), then the pause."""
+
+    order: Resize
+    plan: Any
+    started: float
+    thread: Any = None
+    prepared: Any = None
+    error: BaseException | None = None
+    stage: str = "transfer"
+    polls: int = 0
+    new_catalog: Catalog | None = None
+    prepared_s: float = 0.0
+    world_s: float = 0.0
 
 
 def _rng_source(old: Layout, new: Layout, new_rank: int, plan: Any, lost: frozenset[int]

@@ -31,7 +31,10 @@ ORPHAN_WAIT_S = 8.0
 def main() -> int:
     out, job, steps, every = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    spec = demo_spec(job, PRESETS["tiny"], steps)
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+    # short would end inside the joiners' warm-up)
+    spec = replace(demo_spec(job, PRESETS["tiny"], steps), order_after_joined=False,
+                   prepare_while_training=False)
     spec = replace(spec, recovery=Recovery(checkpoint_every=every,
                                            checkpoint_dir=str(out / "ckpt")),
                    env={**spec.env, "SLURM_ETC_JOB": job})

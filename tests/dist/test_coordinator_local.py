@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -36,7 +37,12 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
     seen: list[dict] = []
     script = demo_script(STEPS)
     backend = LocalBackend(script, log_dir=tmp_path / "workers")
-    out = run_job(demo_spec(job_id, model, STEPS), backend, backend.topology,
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this short
+    # would end inside the joiners' warm-up; tests/dist/test_zero_stall_local.py holds the
+    # zero-stall path to checkpoint-restart)
+    spec = replace(demo_spec(job_id, model, STEPS), order_after_joined=False,
+                   prepare_while_training=False)
+    out = run_job(spec, backend, backend.topology,
                   db=str(tmp_path / "job.db"), state_dir=str(tmp_path / "state"),
                   progress=seen.append, deadline_s=1200)
     assert out["state"] == "finished", out

@@ -51,7 +51,11 @@ def run_with_kill(tmp_path, where: str, worker: str | None = None
     job_id = f"inject-{where}"
     seen: list[dict] = []
     backend = LocalBackend(_script(), log_dir=tmp_path / "workers")
-    spec = demo_spec(job_id, model, STEPS, GLOBAL_BATCH, inject=where)
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+    # short would end inside the joiners' warm-up)
+    spec = dataclasses.replace(demo_spec(job_id, model, STEPS, GLOBAL_BATCH, inject=where),
+                               order_after_joined=False,
+                               prepare_while_training=False)
     if worker is not None:
         spec = dataclasses.replace(spec, argv=(sys.executable, "-m", worker, *spec.argv[3:]))
     out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),

@@ -14,6 +14,7 @@ code with the in-memory migration).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import os
 import subprocess
@@ -45,9 +46,12 @@ def test_retry_on_new_devices_then_vrank_back(tmp_path):
                     "reason": "a higher-priority job"}]}, "<inject-demo>")
     job_id = "inject-demo"
     backend = LocalBackend(script, log_dir=tmp_path / "workers")
-    out = run_job(demo_spec(job_id, PRESETS["tiny"], STEPS, GLOBAL_BATCH,
-                            inject="before-send"),
-                  backend, backend.topology, db=str(tmp_path / "job.db"),
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+    # short would end inside the joiners' warm-up)
+    spec = replace(demo_spec(job_id, PRESETS["tiny"], STEPS, GLOBAL_BATCH,
+                             inject="before-send"), order_after_joined=False,
+                   prepare_while_training=False)
+    out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),
                   state_dir=str(tmp_path / "state"), deadline_s=400)
     assert out["state"] == "finished" and out["step"] == STEPS, out
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "workers").iterdir()}

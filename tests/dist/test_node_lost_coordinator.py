@@ -58,7 +58,11 @@ def _script(grant_at: int = 1, lose_at: int | None = LOSE_AT):
 
 def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None,
          script=None) -> dict:
-    spec = demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB)
+    # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+    # short would end inside the joiners' warm-up)
+    spec = replace(demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB),
+                   order_after_joined=False,
+                   prepare_while_training=False)
     spec = replace(spec, argv=(*spec.argv, "--distributed-optimizer"),
                    job=replace(spec.job, distributed_optimizer=True),
                    env={**spec.env, **(env or {})}, recovery=recovery)

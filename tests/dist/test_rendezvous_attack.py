@@ -11,6 +11,7 @@ address only (``ss -ltnp`` of the coordinator: no ``*:PORT``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import os
 import subprocess
@@ -85,7 +86,11 @@ def test_an_attacker_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     assert report_path.exists(), "the attacker did not start"
     rss = _RssWatch()
     try:
-        out = run_job(demo_spec(JOB, PRESETS["tiny"], STEPS), backend, backend.topology,
+        # resizes at fixed steps: ordered at once and prepared where agreed (a run this
+        # short would end inside the joiners' warm-up)
+        spec = replace(demo_spec(JOB, PRESETS["tiny"], STEPS), order_after_joined=False,
+                       prepare_while_training=False)
+        out = run_job(spec, backend, backend.topology,
                       db=str(tmp_path / "job.db"), state_dir=str(tmp_path / "state"),
                       secret_dir=tmp_path / "secrets", progress=progress, deadline_s=600)
     finally:
