@@ -73,6 +73,36 @@ class ParallelConfig:
         """Expert data-parallel degree: ranks that hold the same expert shard."""
         return self.dp_cp // self.ep
 
+    # -- the planner's holding classes ---------------------------------------------------
+    # A rank is (class, replica): class ``t + tp * (e + ep * p)`` says which shards it holds
+    # (dense state: its (t, p); experts: also its ep rank e), replica ``x`` (the expert
+    # data-parallel index, ``(c + cp * d) // ep``) which copy. Then
+    # ``rank = cls % class_width + class_width * (x + replicas * (cls // class_width))``
+    # is megatron-core's rank, and with ep = cp = 1 class and replica are (t + tp * p, d).
+
+    @property
+    def class_width(self) -> int:
+        """Holding classes per pipeline rank: tp x ep."""
+        return self.tp * self.ep
+
+    @property
+    def classes(self) -> int:
+        """Holding classes: tp x ep x pp."""
+        return self.class_width * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks per holding class: dp x cp / ep (the expert data-parallel degree)."""
+        return self.expert_dp
+
+    def holding_class(self, rank: int) -> int:
+        w = self.class_width
+        return rank % w + w * (rank // (w * self.replicas))
+
+    def rank_of(self, cls: int, replica: int) -> int:
+        w = self.class_width
+        return cls % w + w * (replica + self.replicas * (cls // w))
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(t, d, p) of a rank (its cp coordinate is :meth:`cp_rank`)."""
         t, _, d, p = self.coords4(rank)

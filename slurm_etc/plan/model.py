@@ -245,6 +245,19 @@ PRESETS: dict[str, ModelDesc] = {
                          num_heads=64, num_query_groups=8, vocab_size=32000, seq_length=4096)),
         ModelDesc("gpt-175b", num_layers=96, hidden=12288, ffn_hidden=49152, num_heads=96,
                   vocab_size=50257, seq_length=2048),
+        # Mixtures of experts, every layer routed (megatron's SequentialMLP on CPU).
+        _llama(ModelDesc("tiny-moe", num_layers=4, hidden=64, ffn_hidden=128, num_heads=4,
+                         num_query_groups=2, vocab_size=256, seq_length=64, param_dtype="fp32",
+                         vocab_divisor=64, num_experts=4, router_topk=2, expert_ffn=64)),
+        # mistralai/Mixtral-8x7B-v0.1 config.json
+        _llama(ModelDesc("mixtral-8x7b", num_layers=32, hidden=4096, ffn_hidden=14336,
+                         num_heads=32, num_query_groups=8, vocab_size=32000, seq_length=4096,
+                         num_experts=8, router_topk=2, expert_ffn=14336)),
+        # Qwen/Qwen3-235B-A22B config.json: head_dim 128 apart from hidden / heads, q/k norms
+        _llama(ModelDesc("qwen3-235b-a22b", num_layers=94, hidden=4096, ffn_hidden=12288,
+                         num_heads=64, num_query_groups=4, head_dim=128, qk_layernorm=True,
+                         vocab_size=151936, seq_length=4096, num_experts=128, router_topk=8,
+                         expert_ffn=1536)),
     ]
 }
 
