@@ -42,7 +42,7 @@ class RegionTable:
 
     config: ParallelConfig
     group: np.ndarray      # int32, index into catalog.groups
-    layer: np.ndarray      # int32, the single layer of a per-layer row, else -1
+    layer: np.ndarray      # int32, the single model layer of a per-layer row, else -1
     lo: np.ndarray         # int64 (n, 3)
     hi: np.ndarray         # int64 (n, 3)
     s: np.ndarray          # int64 start of the row-major interval within the box
@@ -376,12 +376,22 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
                         cls = t + tp * (e + ep * p)
                         experts = expert_range(g, e, ep) if g.expert else None
                         for lo, hi in local_boxes(g, t, tp, layers, experts):
-                            b.add(gi, -1, lo, hi, 0, _box_size(lo, hi), -1, cls)
+                            b.add(gi, _expert_layer(g, lo, hi), lo, hi, 0, _box_size(lo, hi),
+                                  -1, cls)
             if catalog.distributed_optimizer:
                 _add_dist_rows(b, catalog, config, p, chunk, expert=False)
                 if model.moe:
                     _add_dist_rows(b, catalog, config, p, chunk, expert=True)
     return b.table(config)
+
+
+def _expert_layer(g: TensorGroup, lo: Sequence[int], hi: Sequence[int]) -> int:
+    """The layer column of a replicated row: the model layer of an expert box inside one
+    layer (so the intersection pairs it only with rows of that layer), else -1. Expert rows
+    of the distributed optimizer carry their model layer too, not the folded index."""
+    if not g.expert or (hi[0] - 1) // g.experts != lo[0] // g.experts:
+        return -1
+    return int(lo[0]) // g.experts
 
 
 def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int, chunk: int,
@@ -439,6 +449,7 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     eshift = np.zeros_like(shift)
     eshift[:, 0] = p_eshift
     group, layers = np.array(p_group, np.int64), np.array(p_layer, np.int64)
+    n_experts = np.array([max(catalog.groups[gi].experts, 1) for gi in p_group], np.int64)
     # every data-parallel rank's range of every bucket, then the pieces it cuts: pieces are
     # in buffer order and disjoint (an alias repeats its main entry's range), so the pieces
     # a range [r0, r1) meets are the slice from the first ending after r0 to the last
@@ -465,7 +476,8 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
             # one expert buffer per ep rank, cut over its expert data-parallel replicas
             for e in range(ep):
                 off = t * shift[k] + e * eshift[k]
-                lay = np.where(layers[k] >= 0, layers[k] + e * eshift[k][:, 0], -1)
+                lay = np.where(layers[k] >= 0, (layers[k] + e * eshift[k][:, 0]) // n_experts[k],
+                               -1)
                 b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m,
                               t + tp * (e + ep * p))
         else:

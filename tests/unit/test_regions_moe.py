@@ -125,3 +125,42 @@ def test_moe_layer_tensors_are_named_as_megatron_names_them():
     assert "decoder.layers.mlp.linear_fc2.weight" not in shapes
     total = sum(g.numel for g in catalog.groups)
     assert 234e9 < total < 236e9
+
+
+MOE_TRANSITIONS = [
+    ("dp=2,tp=1,pp=2,ep=2", "dp=4,tp=1,pp=1,ep=4"), ("dp=4,tp=1,pp=1,ep=4", "dp=4,tp=1,pp=1"),
+    ("dp=2,tp=2,pp=1,ep=2", "dp=1,tp=2,pp=2,vpp=2"),
+    ("dp=2,tp=1,pp=2,ep=2,vpp=2", "dp=2,tp=1,pp=1,ep=4,cp=2"),
+]
+
+
+@pytest.mark.parametrize("dist", [False, True], ids=["replicated", "dist-opt"])
+@pytest.mark.parametrize(("old", "new"), MOE_TRANSITIONS,
+                         ids=[f"{a}->{b}" for a, b in MOE_TRANSITIONS])
+def test_moe_intersections_equal_element_enumeration(old, new, dist):
+    from slurm_etc.plan.intersect import intersect
+
+    from .test_plan_scale import _brute_overlaps
+
+    model = PRESETS["tiny-moe"]
+    oc, nc = (ParallelConfig.parse(x, distributed_optimizer=dist) for x in (old, new))
+    catalog = build_catalog(model, oc)
+    ot, nt = region_table(catalog, oc), region_table(catalog, nc)
+    frag = intersect(ot, nt)
+    got = {}
+    for i, j, c in zip(frag.old_row.tolist(), frag.new_row.tolist(), frag.count.tolist()):
+        got[(i, j)] = got.get((i, j), 0) + c
+    assert got == _brute_overlaps(catalog, ot, nt)
+
+
+@pytest.mark.parametrize(("old", "new"), MOE_TRANSITIONS,
+                         ids=[f"{a}->{b}" for a, b in MOE_TRANSITIONS])
+def test_moe_plans_move_the_lower_bound(old, new):
+    from slurm_etc.plan import Layout, Topology, default_pool, plan_migration
+
+    oc, nc = (ParallelConfig.parse(x, distributed_optimizer=True) for x in (old, new))
+    layout = Layout(oc, tuple(range(oc.world)))
+    topo = Topology(gpus_per_node=4)
+    plan = plan_migration(PRESETS["tiny-moe"], layout, nc, default_pool(layout, nc, topo), topo)
+    s = plan.summary()
+    assert s["moved_bytes"] == s["lower_bound_moved_bytes"] > 0
