@@ -7,10 +7,16 @@ machine; run with ``OMP_NUM_THREADS=1`` so the two measure the same single threa
 Series: dp shrinks by 1/8 (the last dp replicas of every stage are released), dp grows
 by 8/7 (whole nodes appended) and reshapes (gpt-175b pp16 -> pp8 with dp doubled;
 llama-70b tp8 -> tp4 with dp doubled), for gpt-175b (tp8 pp16) and llama-70b (tp8 pp8),
-distributed optimizer on except where the name says otherwise. Targets: 1 s at 16,384
-GPUs, 10 s and 2 GiB at 131,072.
+and expert-parallel changes of qwen3-235b-a22b (tp4 pp2: ep32 -> ep64 on the same GPUs, and
+a dp shrink by 1/8 with ep64 -> ep32), distributed optimizer on except where the name says
+otherwise. Targets: 1 s at 16,384 GPUs, 10 s and 2 GiB at 131,072.
 
-    python bench/plan_scale.py [--max-gpus N] [--json] [--png docs/plan_scale.png] [--save F]
+    python bench/plan_scale.py [--max-gpus N] [--min-gpus N] [--series TEXT] [--json]
+                               [--png docs/plan_scale.png] [--save F]
+    python bench/plan_scale.py --case '["qwen3-235b-a22b",[256,4,2,32],[256,4,2,64],true]'
+
+A case's layouts are ``[dp, tp, pp, ep, cp, vpp]`` (trailing degrees default to 1) or layout
+strings (``"dp=256,tp=4,pp=2,ep=32"``).
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ import resource
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slurm_etc.plan import ParallelConfig
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # (series, model, tp, pp, kind, distributed optimizer)
@@ -31,15 +41,24 @@ SERIES = [
     ("llama-70b dp grow", "llama-70b", 8, 8, "grow", True),
     ("gpt-175b pp16->pp8 (no ZeRO)", "gpt-175b", 8, 16, "pp", False),
     ("llama-70b tp8->tp4", "llama-70b", 8, 8, "tp", True),
+    ("qwen3-235b ep32->ep64", "qwen3-235b-a22b", 4, 2, "ep", True),
+    ("qwen3-235b dp shrink, ep64->ep32", "qwen3-235b-a22b", 4, 2, "ep-shrink", True),
 ]
+MOE_SIZES = (2048, 4096, 8192, 16384)   # the expert series: ep 64 needs dp >= 64
 TARGETS = {16384: (1.0, None), 131072: (10.0, 2048.0)}   # GPUs: (seconds, MiB)
 GPN = 8
 
 
-def case_configs(tp: int, pp: int, kind: str, gpus: int
-                 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(old, new) as (dp, tp, pp) for a series at ``gpus`` GPUs (the larger side)."""
+Degrees = tuple[int, ...]
+
+
+def case_configs(tp: int, pp: int, kind: str, gpus: int) -> tuple[Degrees, Degrees]:
+    """(old, new) as (dp, tp, pp[, ep]) for a series at ``gpus`` GPUs (the larger side)."""
     dp = gpus // (tp * pp)
+    if kind == "ep":
+        return (dp, tp, pp, 32), (dp, tp, pp, 64)
+    if kind == "ep-shrink":
+        return (dp, tp, pp, 64), (dp - dp // 8, tp, pp, 32)
     if kind == "shrink":
         return (dp, tp, pp), (dp - dp // 8, tp, pp)
     if kind == "grow":
@@ -51,31 +70,44 @@ def case_configs(tp: int, pp: int, kind: str, gpus: int
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def drop_last_replicas(old: tuple[int, int, int], new: tuple[int, int, int], gpn: int = GPN
-                       ) -> list[int]:
+def drop_last_replicas(old: Degrees, new: Degrees, gpn: int = GPN) -> list[int]:
     """Nodes holding the dp replicas a shrink gives up: the last ones of every stage."""
-    dp, tp, pp = old
+    dp, tp, pp = old[:3]
     per_stage = dp * tp // gpn
     keep = new[0] * new[1] // gpn
     return [p * per_stage + i for p in range(pp) for i in range(keep, per_stage)] \
         if new[2] == pp and new[1] == tp and new[0] < dp else []
 
 
-def run_case(model: str, old: tuple[int, int, int], new: tuple[int, int, int], dist: bool
-             ) -> dict:
+def parse_layout(spec: object, dist: bool) -> ParallelConfig:
+    """A ParallelConfig from ``[dp, tp, pp, ep, cp, vpp]`` (a prefix) or a layout string."""
+    from slurm_etc.plan import ParallelConfig
+    from slurm_etc.plan.config import DEGREE_NAMES
+
+    if isinstance(spec, str):
+        return ParallelConfig.parse(spec, dist)
+    if not isinstance(spec, (list, tuple)) or not 1 <= len(spec) <= len(DEGREE_NAMES):
+        raise SystemExit(f"a case layout is [dp, tp, pp, ep, cp, vpp] or a string, "
+                         f"got {spec!r}")
+    return ParallelConfig(distributed_optimizer=dist, **dict(zip(DEGREE_NAMES, spec)))
+
+
+def run_case(model: str, old: object, new: object, dist: bool) -> dict:
     from slurm_etc.plan import (
         PRESETS,
         Layout,
-        ParallelConfig,
         Topology,
         default_pool,
         plan_migration,
     )
-    oc = ParallelConfig(*old, distributed_optimizer=dist)
-    nc = ParallelConfig(*new, distributed_optimizer=dist)
+    oc, nc = parse_layout(old, dist), parse_layout(new, dist)
+    oc.validate_for(PRESETS[model])
+    nc.validate_for(PRESETS[model])
     layout = Layout(oc, tuple(range(oc.world)))
     topo = Topology(gpus_per_node=GPN)
-    pool = default_pool(layout, nc, topo, drop_nodes=drop_last_replicas(old, new))
+    drop = (drop_last_replicas((oc.dp, oc.tp, oc.pp), (nc.dp, nc.tp, nc.pp))
+            if oc.cp == nc.cp == 1 else [])
+    pool = default_pool(layout, nc, topo, drop_nodes=drop)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_migration(PRESETS[model], layout, nc, pool, topo)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -86,11 +118,14 @@ def run_case(model: str, old: tuple[int, int, int], new: tuple[int, int, int], d
     return s
 
 
-def cases(max_gpus: int) -> list[tuple[str, str, int, tuple, tuple, bool]]:
+def cases(max_gpus: int, min_gpus: int = 0, series: str = ""
+          ) -> list[tuple[str, str, int, tuple, tuple, bool]]:
     out = []
     for name, model, tp, pp, kind, dist in SERIES:
-        for gpus in SIZES:
-            if gpus <= max_gpus:
+        if series not in name:
+            continue
+        for gpus in (MOE_SIZES if kind.startswith("ep") else SIZES):
+            if min_gpus <= gpus <= max_gpus:
                 old, new = case_configs(tp, pp, kind, gpus)
                 out.append((name, model, gpus, old, new, dist))
     return out
@@ -144,12 +179,14 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-gpus", type=int, default=max(SIZES))
+    ap.add_argument("--min-gpus", type=int, default=0)
+    ap.add_argument("--series", default="", help="only the series whose name holds this")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--png", default=None, help="write the log-log figure here")
     ap.add_argument("--save", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
     rows = []
-    todo = cases(args.max_gpus)
+    todo = cases(args.max_gpus, args.min_gpus, args.series)
     for i, (name, model, gpus, old, new, dist) in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {name} {gpus} ...", file=sys.stderr, flush=True)
         out = subprocess.run([sys.executable, __file__, "--case",

@@ -144,6 +144,9 @@ VOCAB = Bound("tokens", 1, 1 << 24, "256k-token vocabularies today")
 SEQ = Bound("tokens", 1, 1 << 23, "1M-token contexts today")
 VOCAB_DIVISOR = Bound("(divisor)", 1, 1 << 16, "megatron's default is 128")
 PARAMS = Bound("parameters", 1, 10 ** 13, "models up to ~2 T parameters, x 5")
+EXPERTS = Bound("experts", 1, 4_096, "256 routed experts in DeepSeek-V3, x 16")
+ROUTER_TOPK = Bound("experts per token", 1, 4_096, "8 in Qwen3-MoE and DeepSeek-V3; at most "
+                    "the experts")
 
 # Free text: a Slurm name, a job id, a path.
 NAME_CHARS = 128

@@ -86,8 +86,9 @@ class Text(BoundedType):
 
 
 class Layout(Text):
-    """A parallel layout ``dp=N,tp=N,pp=N`` whose devices (dp x tp x pp) are within the
-    devices bound; the command parses it again with its own options."""
+    """A parallel layout ``dp=N,tp=N,pp=N[,ep=N,cp=N,vpp=N]`` whose devices
+    (dp x tp x pp x cp) are within the devices bound; the command parses it again with its
+    own options."""
 
     name = "layout"
 
@@ -99,14 +100,15 @@ class Layout(Text):
         text = super().convert(value, param, ctx)
         try:
             config = ParallelConfig.parse(text)
-            bounds.check_product(text, {"dp": config.dp, "tp": config.tp, "pp": config.pp},
-                                 bounds.DEVICES)
+            bounds.check_product(text, {"dp": config.dp, "tp": config.tp, "pp": config.pp,
+                                        "cp": config.cp}, bounds.DEVICES)
         except (ConfigError, bounds.BoundError) as exc:
             self.fail(str(exc), param, ctx)
         return text
 
     def past_bound(self) -> list[str]:
-        return [f"dp={bounds.GPUS + 1}", "dp=512,tp=512,pp=512", f"dp=1{'0' * 40}"]
+        return [f"dp={bounds.GPUS + 1}", "dp=512,tp=512,pp=512", f"dp=1{'0' * 40}",
+                "dp=512,tp=8,pp=8,cp=8"]
 
 
 class SafePath(click.Path):

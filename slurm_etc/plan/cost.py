@@ -1,7 +1,7 @@
 """Cost matrix C[device][new rank]: bytes new rank needs that the device already holds.
 
 Built from fragments, never by pairwise loops over devices: replicated state collapses to a
-small matrix over (old model-parallel class, new model-parallel class), the distributed
+small matrix over (old holding class, new holding class), the distributed
 optimizer's shards to a sparse list of (old rank, new rank, bytes).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def build_cost(catalog: Catalog, old: Layout, new: ParallelConfig, pool: np.ndar
     dist = old_tab.dp_rank[frag.old_row] >= 0
     # replicated x replicated: class pairs
     rep = np.flatnonzero(~dist)
-    M = np.zeros((oc.mp, nc.mp), np.int64)
+    M = np.zeros((oc.classes, nc.classes), np.int64)
     k, x, y = _cross(old_tab.class_ptr, old_tab.class_idx, new_tab.class_ptr, new_tab.class_idx,
                      frag.old_row[rep], frag.new_row[rep])
     np.add.at(M, (x, y), nbytes[rep][k])
@@ -88,8 +88,9 @@ def build_cost(catalog: Catalog, old: Layout, new: ParallelConfig, pool: np.ndar
     dis = np.flatnonzero(dist)
     k, x, y = _cross(old_tab.class_ptr, old_tab.class_idx, new_tab.class_ptr, new_tab.class_idx,
                      frag.old_row[dis], frag.new_row[dis])
-    o_rank = (x % oc.tp) + oc.tp * (old_tab.dp_rank[frag.old_row[dis]][k] + oc.dp * (x // oc.tp))
-    n_rank = (y % nc.tp) + nc.tp * (new_tab.dp_rank[frag.new_row[dis]][k] + nc.dp * (y // nc.tp))
+    ow, nw, orep, nrep = oc.class_width, nc.class_width, oc.replicas, nc.replicas
+    o_rank = (x % ow) + ow * (old_tab.dp_rank[frag.old_row[dis]][k] + orep * (x // ow))
+    n_rank = (y % nw) + nw * (new_tab.dp_rank[frag.new_row[dis]][k] + nrep * (y // nw))
     o_dev = np.asarray(old.devices, np.int64)[o_rank]
     pidx = np.searchsorted(pool, o_dev)
     in_pool = (pidx < len(pool)) & (pool[np.minimum(pidx, len(pool) - 1)] == o_dev)
@@ -104,9 +105,9 @@ def build_cost(catalog: Catalog, old: Layout, new: ParallelConfig, pool: np.ndar
     ok = (where < len(pool)) & (pool[np.minimum(where, len(pool) - 1)] == old_dev)
     pool_old_rank[where[ok]] = np.flatnonzero(ok)
     pool_class = np.where(pool_old_rank >= 0,
-                          (pool_old_rank % oc.tp) + oc.tp * (pool_old_rank // (oc.tp * oc.dp)), -1)
+                          (pool_old_rank % ow) + ow * (pool_old_rank // (ow * orep)), -1)
     ranks = np.arange(nc.world)
-    rank_class = (ranks % nc.tp) + nc.tp * (ranks // (nc.tp * nc.dp))
+    rank_class = (ranks % nw) + nw * (ranks // (nw * nrep))
     needed = int((new_tab.count * bpe[new_tab.group] * _holders(new_tab)).sum())
     return CostMatrix(pool, pool_old_rank, pool_class, rank_class, M,
                       uk // nc.world, uk % nc.world, db, needed)
@@ -114,4 +115,4 @@ def build_cost(catalog: Catalog, old: Layout, new: ParallelConfig, pool: np.ndar
 
 def _holders(tab: RegionTable) -> np.ndarray:
     n_cls = np.diff(tab.class_ptr)
-    return n_cls * np.where(tab.dp_rank < 0, tab.config.dp, 1)
+    return n_cls * np.where(tab.dp_rank < 0, tab.config.replicas, 1)

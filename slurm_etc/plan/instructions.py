@@ -85,12 +85,13 @@ def _holder_sets(old: Layout, old_tab: RegionTable, rows: np.ndarray, alive: np.
     cls = uniq[:, 1:]
     s_idx, c_pos = np.nonzero(cls >= 0)
     c = cls[s_idx, c_pos]
-    reps = np.where(dp_of[s_idx] < 0, cfg.dp, 1)
+    reps = np.where(dp_of[s_idx] < 0, cfg.replicas, 1)
     s_all = np.repeat(s_idx, reps)
     c_all = np.repeat(c, reps)
     within = np.arange(len(s_all)) - np.repeat(np.cumsum(reps) - reps, reps)
     d_all = np.where(np.repeat(dp_of[s_idx] < 0, reps), within, np.repeat(dp_of[s_idx], reps))
-    ranks = (c_all % cfg.tp) + cfg.tp * (d_all + cfg.dp * (c_all // cfg.tp))
+    w = cfg.class_width
+    ranks = (c_all % w) + w * (d_all + cfg.replicas * (c_all // w))
     if alive is not None:
         keep = alive[ranks]
         s_all, ranks = s_all[keep], ranks[keep]

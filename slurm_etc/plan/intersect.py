@@ -126,24 +126,38 @@ def _box_runs(tab: RegionTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _box_candidates(old: RegionTable, new: RegionTable, o_rep: np.ndarray, n_rep: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs of runs (old, new) that may overlap: same group, and same layer where both
-    runs are per-layer rows (a run spanning a layer range meets every run of its group).
+    """Pairs of runs (old, new) that may overlap: same group, and where both runs are
+    per-layer rows, a shared index of axis 0 (the layer; for experts the folded (layer,
+    expert) index, so a layer's experts are not all paired with each other); a run spanning
+    a layer range meets every run of its group.
 
     ``o_rep`` / ``n_rep``: a representative row of each run.
     """
-    n_layer_keys = 1 << 20
     og, ng = old.group[o_rep].astype(np.int64), new.group[n_rep].astype(np.int64)
     ol, nl = old.layer[o_rep], new.layer[n_rep]
     old_layered, new_layered = ol >= 0, nl >= 0
     parts = []
     oi, ni = np.flatnonzero(old_layered), np.flatnonzero(new_layered)
-    a, b = _join(og[oi] * n_layer_keys + ol[oi], ng[ni] * n_layer_keys + nl[ni])
-    parts.append((oi[a], ni[b]))
+    (ok, okey), (nk, nkey) = (_axis0_keys(tab, rep[idx], g[idx], idx) for tab, rep, g, idx in
+                              ((old, o_rep, og, oi), (new, n_rep, ng, ni)))
+    a, b = _join(okey, nkey)
+    pair = np.unique(ok[a] * len(n_rep) + nk[b])
+    parts.append((pair // len(n_rep), pair % len(n_rep)))
     for om, nm in ((~old_layered, np.ones(len(n_rep), bool)), (old_layered, ~new_layered)):
         oi, ni = np.flatnonzero(om), np.flatnonzero(nm)
         a, b = _join(og[oi], ng[ni])
         parts.append((oi[a], ni[b]))
     return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def _axis0_keys(tab: RegionTable, rows: np.ndarray, group: np.ndarray, runs: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(run, key) for every axis-0 index ``group * 2**40 + i`` a per-layer run's box spans."""
+    lo, hi = tab.lo[rows, 0], tab.hi[rows, 0]
+    n = hi - lo
+    which = np.repeat(np.arange(len(rows)), n)
+    i = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(lo, n)
+    return runs[which], group[which] * (1 << 40) + i
 
 
 def _expand_runs(first: np.ndarray, count: np.ndarray, runs: np.ndarray

@@ -67,7 +67,7 @@ def require_survivors(catalog: Catalog, old: Layout, old_tab: RegionTable,
     by_tensor: dict[str, list[int]] = {}
     for row in orphans.tolist():
         by_tensor.setdefault(tensor_name(catalog.groups[int(old_tab.group[row])]), []).append(row)
-    if cfg.dp == 1:
+    if cfg.dp_cp == 1:
         why = f"{cfg} layout: every shard has one copy"
     elif bool(np.any(old_tab.dp_rank[orphans] >= 0)):
         why = (f"{cfg} layout: the distributed optimizer keeps one copy of each dp rank's "

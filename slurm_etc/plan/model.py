@@ -36,6 +36,17 @@ class ModelDesc:
         param_dtype: ``fp32`` (Adam state in fp32 too) or ``bf16`` (mixed precision:
             bf16 params, fp32 main params, fp32 Adam moments).
         vocab_divisor: megatron's ``make_vocab_size_divisible_by``.
+        head_dim: channels per attention head (megatron's ``kv_channels``); ``None`` means
+            ``hidden // num_heads``. Qwen3 sets it apart (128 with 64 heads of a 4,096 hidden).
+        qk_layernorm: a norm on each head's queries and keys (Qwen3).
+        num_experts: routed experts in every layer's MLP (megatron's ``num_moe_experts``);
+            ``None`` is a dense model. Every layer is a mixture-of-experts layer.
+        router_topk: experts each token is routed to (megatron's ``moe_router_topk``);
+            ``None`` means megatron's default, 2.
+        expert_ffn: inner size of each routed expert (``moe_ffn_hidden_size``); ``None``
+            means ``ffn_hidden``.
+        shared_expert_ffn: inner size of the shared expert every token also passes through
+            (``moe_shared_expert_intermediate_size``); ``None`` means none.
     """
 
     name: str
@@ -53,6 +64,12 @@ class ModelDesc:
     tied_embeddings: bool = True
     param_dtype: str = "bf16"
     vocab_divisor: int = 128
+    head_dim: int | None = None
+    qk_layernorm: bool = False
+    num_experts: int | None = None
+    router_topk: int | None = None
+    expert_ffn: int | None = None
+    shared_expert_ffn: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden", "ffn_hidden", "num_heads", "vocab_size", "seq_length",
@@ -62,17 +79,18 @@ class ModelDesc:
                 raise ConfigError(f"model {self.name}: {f} must be a positive integer, "
                                   f"got {value!r}")
         for f in ("swiglu", "rmsnorm", "add_bias_linear", "learned_position_embeddings",
-                  "tied_embeddings"):
+                  "tied_embeddings", "qk_layernorm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"model {self.name}: {f} must be true or false, "
                                   f"got {getattr(self, f)!r}")
-        if self.num_query_groups is not None and (
-                not isinstance(self.num_query_groups, int)
-                or isinstance(self.num_query_groups, bool)):
-            raise ConfigError(f"model {self.name}: num_query_groups must be a positive "
-                              f"integer or null, got {self.num_query_groups!r}")
+        for f in ("num_query_groups", *OPTIONAL_SIZES):
+            value = getattr(self, f)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"model {self.name}: {f} must be a positive integer or "
+                                  f"null, got {value!r}")
         self._check_bounds()
-        if self.hidden % self.num_heads:
+        self._check_experts()
+        if self.head_dim is None and self.hidden % self.num_heads:
             raise ConfigError(f"model {self.name}: num_heads ({self.num_heads}) must divide "
                               f"hidden ({self.hidden})")
         groups = self.query_groups
@@ -82,6 +100,18 @@ class ModelDesc:
         if self.param_dtype not in DTYPE_BYTES or self.param_dtype == "fp16":
             raise ConfigError(f"model {self.name}: param_dtype must be 'fp32' or 'bf16', "
                               f"got {self.param_dtype!r}")
+
+    def _check_experts(self) -> None:
+        """The expert fields make sense together (after their bounds are checked)."""
+        if self.num_experts is None:
+            given = [f for f in ("router_topk", "expert_ffn", "shared_expert_ffn")
+                     if getattr(self, f) is not None]
+            if given:
+                raise ConfigError(f"model {self.name}: {', '.join(given)} needs num_experts "
+                                  "(a mixture-of-experts model); leave it out for a dense one")
+        elif self.topk > self.num_experts:
+            raise ConfigError(f"model {self.name}: router_topk ({self.topk}) must be at most "
+                              f"num_experts ({self.num_experts})")
 
     def _check_bounds(self) -> None:
         """Every size within its bound, and the parameter count (layers x hidden x ...)
@@ -103,8 +133,13 @@ class ModelDesc:
         """Weights in all (embeddings, attention, MLP; norms and biases left out): what the
         bound on model size is checked against."""
         h = self.hidden
-        mlp = (3 if self.swiglu else 2) * self.ffn_hidden * h
-        layer = self.qkv_rows * h + h * h + mlp
+        per_ffn = (3 if self.swiglu else 2) * h
+        if self.num_experts is None:
+            mlp = per_ffn * self.ffn_hidden
+        else:
+            mlp = (self.num_experts * (per_ffn * self.expert_ffn_size + h)
+                   + per_ffn * (self.shared_expert_ffn or 0))
+        layer = self.qkv_rows * h + self.attention_width * h + mlp
         embed = self.padded_vocab * h * (1 if self.tied_embeddings else 2)
         position = self.seq_length * h if self.learned_position_embeddings else 0
         return self.num_layers * layer + embed + position
@@ -115,7 +150,26 @@ class ModelDesc:
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden // self.num_heads
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Columns of the attention output projection: heads x channels per head."""
+        return self.num_heads * self.kv_channels
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts is not None
+
+    @property
+    def topk(self) -> int:
+        return self.router_topk or 2
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Inner size of one routed expert (``ffn_hidden`` unless set apart)."""
+        return self.expert_ffn or self.ffn_hidden
 
     @property
     def qkv_rows(self) -> int:
@@ -156,7 +210,12 @@ MODEL_BOUNDS: dict[str, bounds.Bound] = {
     "num_layers": bounds.LAYERS, "hidden": bounds.HIDDEN, "ffn_hidden": bounds.FFN,
     "num_heads": bounds.HEADS, "num_query_groups": bounds.HEADS, "vocab_size": bounds.VOCAB,
     "seq_length": bounds.SEQ, "vocab_divisor": bounds.VOCAB_DIVISOR,
+    "head_dim": bounds.HIDDEN, "num_experts": bounds.EXPERTS, "router_topk": bounds.ROUTER_TOPK,
+    "expert_ffn": bounds.FFN, "shared_expert_ffn": bounds.FFN,
 }
+
+# Sizes that may be null (``None``: the default the field's docstring names).
+OPTIONAL_SIZES = ("head_dim", "num_experts", "router_topk", "expert_ffn", "shared_expert_ffn")
 
 
 def _llama(m: ModelDesc) -> ModelDesc:
@@ -186,6 +245,19 @@ PRESETS: dict[str, ModelDesc] = {
                          num_heads=64, num_query_groups=8, vocab_size=32000, seq_length=4096)),
         ModelDesc("gpt-175b", num_layers=96, hidden=12288, ffn_hidden=49152, num_heads=96,
                   vocab_size=50257, seq_length=2048),
+        # Mixtures of experts, every layer routed (megatron's SequentialMLP on CPU).
+        _llama(ModelDesc("tiny-moe", num_layers=4, hidden=64, ffn_hidden=128, num_heads=4,
+                         num_query_groups=2, vocab_size=256, seq_length=64, param_dtype="fp32",
+                         vocab_divisor=64, num_experts=4, router_topk=2, expert_ffn=64)),
+        # mistralai/Mixtral-8x7B-v0.1 config.json
+        _llama(ModelDesc("mixtral-8x7b", num_layers=32, hidden=4096, ffn_hidden=14336,
+                         num_heads=32, num_query_groups=8, vocab_size=32000, seq_length=4096,
+                         num_experts=8, router_topk=2, expert_ffn=14336)),
+        # Qwen/Qwen3-235B-A22B config.json: head_dim 128 apart from hidden / heads, q/k norms
+        _llama(ModelDesc("qwen3-235b-a22b", num_layers=94, hidden=4096, ffn_hidden=12288,
+                         num_heads=64, num_query_groups=4, head_dim=128, qk_layernorm=True,
+                         vocab_size=151936, seq_length=4096, num_experts=128, router_topk=8,
+                         expert_ffn=1536)),
     ]
 }
 

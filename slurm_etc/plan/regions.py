@@ -1,8 +1,16 @@
 """Regions a layout holds: boxes in each tensor group's global index space.
 
 A row of a ``RegionTable`` is a box (``lo``/``hi`` per axis, padded to three axes) and an
-interval ``[s, e)`` of that box's row-major order, held by a set of model-parallel classes
-(``t + tp * p``) on one data-parallel rank (``dp_rank``) or on all of them (``-1``).
+interval ``[s, e)`` of that box's row-major order, held by a set of holding classes
+(``t + tp * (e + ep * p)``, see ``ParallelConfig.holding_class``) on one replica of them
+(``dp_rank``: the expert data-parallel index, the dp rank when ep = cp = 1) or on all of
+them (``-1``). Dense state is held alike by the ep classes of its (t, p) and by all
+``dp x cp`` ranks of each (parameters are replicated over cp); the distributed optimizer's
+dense buffers are cut over the ``dp x cp`` ranks (rank ``c + cp * d`` = class ep rank
+``m % ep``, replica ``m // ep``), its expert buffers over the expert data-parallel replicas.
+
+With VPP a pipeline rank holds ``vpp`` chunks of layers (``chunk_layers``), each a model
+chunk of its own with its own distributed-optimizer buffers, as megatron-core builds them.
 Whole boxes have ``[0, size)``; the distributed optimizer's flat ranges cut a parameter's
 local tensor into such intervals (a row-major interval of a box stays an interval of any
 sub-box's row-major order, which is what makes intersections cheap; see intersect.py).
@@ -19,7 +27,7 @@ from math import lcm
 
 import numpy as np
 
-from .catalog import FIRST, LAST, LAYERS, TIED_SUFFIX, Catalog, TensorGroup
+from .catalog import EXPERT_PREFIX, FIRST, LAST, LAYERS, TIED_SUFFIX, Catalog, TensorGroup
 from .config import ParallelConfig
 
 NDIM = 3
@@ -34,12 +42,12 @@ class RegionTable:
 
     config: ParallelConfig
     group: np.ndarray      # int32, index into catalog.groups
-    layer: np.ndarray      # int32, the single layer of a per-layer row, else -1
+    layer: np.ndarray      # int32, the single model layer of a per-layer row, else -1
     lo: np.ndarray         # int64 (n, 3)
     hi: np.ndarray         # int64 (n, 3)
     s: np.ndarray          # int64 start of the row-major interval within the box
     e: np.ndarray          # int64 end
-    dp_rank: np.ndarray    # int32, -1 = every dp rank holds it
+    dp_rank: np.ndarray    # int32 replica holding it, -1 = every replica
     class_ptr: np.ndarray  # int64 CSR pointers into class_idx
     class_idx: np.ndarray  # int32 model-parallel classes holding the row
 
@@ -54,28 +62,30 @@ class RegionTable:
     def holder_ranks(self, row: int) -> np.ndarray:
         """Ranks holding a row, ascending."""
         cfg = self.config
+        w, n = cfg.class_width, cfg.replicas
         classes = self.class_idx[self.class_ptr[row]:self.class_ptr[row + 1]]
-        t, p = classes % cfg.tp, classes // cfg.tp
-        dps = np.arange(cfg.dp) if self.dp_rank[row] < 0 else np.array([self.dp_rank[row]])
-        ranks = (t[:, None] + cfg.tp * (dps[None, :] + cfg.dp * p[:, None])).ravel()
+        t, p = classes % w, classes // w
+        dps = np.arange(n) if self.dp_rank[row] < 0 else np.array([self.dp_rank[row]])
+        ranks = (t[:, None] + w * (dps[None, :] + n * p[:, None])).ravel()
         return np.sort(ranks)
 
     @cached_property
     def rank_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rank, row) pairs for every rank holding every row, sorted by rank then row."""
         cfg = self.config
+        w, n = cfg.class_width, cfg.replicas
         n_cls = np.diff(self.class_ptr)
         row_of_cls = np.repeat(np.arange(len(self)), n_cls)
-        t, p = self.class_idx % cfg.tp, self.class_idx // cfg.tp
+        t, p = self.class_idx % w, self.class_idx // w
         dp = self.dp_rank[row_of_cls]
         all_dp = dp < 0
-        reps = np.where(all_dp, cfg.dp, 1)
+        reps = np.where(all_dp, n, 1)
         rows = np.repeat(row_of_cls, reps)
         t, p = np.repeat(t, reps), np.repeat(p, reps)
         starts = np.cumsum(reps) - reps
         d = np.arange(len(rows)) - np.repeat(starts, reps)
         d = np.where(np.repeat(all_dp, reps), d, np.repeat(dp, reps))
-        ranks = t + cfg.tp * (d + cfg.dp * p)
+        ranks = t + w * (d + n * p)
         order = np.lexsort((rows, ranks))
         return ranks[order].astype(np.int64), rows[order].astype(np.int64)
 
@@ -85,8 +95,32 @@ def stage_layers(num_layers: int, pp: int, p: int) -> tuple[int, int]:
     return p * per, (p + 1) * per
 
 
-def holds_group(g: TensorGroup, p: int, pp: int) -> bool:
-    return g.stage == LAYERS or (g.stage == FIRST and p == 0) or (g.stage == LAST and p == pp - 1)
+def chunk_layers(num_layers: int, pp: int, vpp: int, p: int, chunk: int) -> tuple[int, int]:
+    """Layers of virtual chunk ``chunk`` of pipeline rank ``p``: megatron-core's
+    ``get_transformer_layer_offset`` (chunk c of rank p is the (c * pp + p)-th slice)."""
+    per = num_layers // (pp * vpp)
+    first = (chunk * pp + p) * per
+    return first, first + per
+
+
+def layer_place(num_layers: int, pp: int, vpp: int, layer: int) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding a layer: the inverse of ``chunk_layers``."""
+    chunk, p = divmod(layer // (num_layers // (pp * vpp)), pp)
+    return p, chunk
+
+
+def holds_group(g: TensorGroup, p: int, pp: int, chunk: int = 0, vpp: int = 1) -> bool:
+    """Whether chunk ``chunk`` of pipeline rank ``p`` holds g: the embedding sits in the first
+    chunk of the first rank, the final norm and output layer in the last of the last."""
+    return (g.stage == LAYERS or (g.stage == FIRST and p == 0 and chunk == 0)
+            or (g.stage == LAST and p == pp - 1 and chunk == vpp - 1))
+
+
+def expert_range(g: TensorGroup, e: int, ep: int) -> tuple[int, int]:
+    """Experts ep rank e holds of an expert group (consecutive, as SequentialMLP numbers
+    them: ``ep_rank * local + i``)."""
+    local = g.experts // ep
+    return e * local, (e + 1) * local
 
 
 def tp_boxes(g: TensorGroup, t: int, tp: int) -> list[tuple[int, int]]:
@@ -105,19 +139,33 @@ def tp_boxes(g: TensorGroup, t: int, tp: int) -> list[tuple[int, int]]:
 Box = tuple[list[int], list[int]]
 
 
-def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int]) -> list[Box]:
-    """Boxes (lo, hi over NDIM axes) tp rank t holds of g over a layer range."""
-    lo = [0] * NDIM
-    hi = list(g.shape) + [1] * (NDIM - len(g.shape))
-    if g.stacked:
-        lo[0], hi[0] = layers
-    if g.tp_axis is None:
-        return [(lo, hi)]
+def local_boxes(g: TensorGroup, t: int, tp: int, layers: tuple[int, int],
+                experts: tuple[int, int] | None = None) -> list[Box]:
+    """Boxes (lo, hi over NDIM axes) tp rank t holds of g over a layer range.
+
+    For an expert group ``layers`` ranges over the folded (layer, expert) axis unless
+    ``experts`` (an ep rank's expert range) is given: then one box per layer of ``layers``
+    covers those experts, or one box for all when they are all the experts.
+    """
+    spans = [layers]
+    if g.expert and experts is not None:
+        e0, e1 = experts
+        n = g.experts
+        spans = ([(layers[0] * n, layers[1] * n)] if (e0, e1) == (0, n) else
+                 [(layer * n + e0, layer * n + e1) for layer in range(*layers)])
     boxes: list[Box] = []
-    for a, b in tp_boxes(g, t, tp):
-        blo, bhi = list(lo), list(hi)
-        blo[g.tp_axis], bhi[g.tp_axis] = a, b
-        boxes.append((blo, bhi))
+    for span in spans:
+        lo = [0] * NDIM
+        hi = list(g.shape) + [1] * (NDIM - len(g.shape))
+        if g.stacked:
+            lo[0], hi[0] = span
+        if g.tp_axis is None:
+            boxes.append((lo, hi))
+            continue
+        for a, b in tp_boxes(g, t, tp):
+            blo, bhi = list(lo), list(hi)
+            blo[g.tp_axis], bhi[g.tp_axis] = a, b
+            boxes.append((blo, bhi))
     return boxes
 
 
@@ -141,10 +189,11 @@ class _Builder:
         self.scalars.append((group, layer, *lo, *hi, s, e, dp_rank, cls))
 
     def add_columns(self, group: np.ndarray, layer: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-                    s: np.ndarray, e: np.ndarray, dp_rank: np.ndarray, cls: int) -> None:
+                    s: np.ndarray, e: np.ndarray, dp_rank: np.ndarray,
+                    cls: int | np.ndarray) -> None:
         n = len(group)
         self.chunks.append((group, layer, *lo.T, *hi.T, s, e, dp_rank,
-                            np.full(n, cls, np.int64)))
+                            np.broadcast_to(np.asarray(cls, np.int64), (n,))))
 
     def table(self, config: ParallelConfig) -> RegionTable:
         chunks = list(self.chunks)
@@ -177,29 +226,47 @@ class _Builder:
         return RegionTable(config, *arrays)
 
 
-def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int
+def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int, chunk: int = 0,
+                expert: bool = False, e: int = 0
                 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
-    """The distributed optimizer's flat buffer of one model-parallel rank.
+    """The distributed optimizer's flat buffer of one rank's model chunk.
+
+    Args:
+        catalog: the model's tensor groups.
+        config: the layout.
+        t, p: the rank's tensor- and pipeline-parallel coordinates.
+        chunk: the virtual pipeline chunk (each chunk is a DDP module of its own).
+        expert: the expert-parallel buffer (expert parameters, cut over the expert
+            data-parallel ranks) instead of the dense one (cut over dp x cp).
+        e: the ep rank (which experts the expert buffer holds).
 
     Returns (entries, buckets): entries are (group index, layer, start offset) in buffer
-    order; buckets are (start, padded end) ranges, each cut into dp equal parts.
+    order (an expert group's layer is the folded ``layer * experts + expert``); buckets are
+    (start, padded end) ranges, each cut into equal parts, one per data-parallel rank.
     Mirrors megatron-core's _ParamAndGradBuffer (0.16.1, overlap_grad_reduce off, so no size
     limit on buckets): parameters in reverse registration order, each start aligned to 64
-    elements, bucket ends padded to a multiple of lcm(dp, 128); a tied embedding shared
+    elements, bucket ends padded to a multiple of lcm(shards, 128); a tied embedding shared
     across pipeline stages gets a bucket of its own on both stages.
     """
     model = catalog.model
-    layers = stage_layers(model.num_layers, config.pp, p)
-    held: list[tuple[tuple[int, int, int], int, int]] = []
+    layers = chunk_layers(model.num_layers, config.pp, config.vpp, p, chunk)
+    held: list[tuple[tuple[int, ...], int, int]] = []
     for gi, g in enumerate(catalog.groups):
-        if not g.dist or not holds_group(g, p, config.pp) or _alias_of(catalog, g, config):
+        if (not g.dist or g.expert != expert or not holds_group(g, p, config.pp, chunk,
+                                                                 config.vpp)
+                or _alias_of(catalog, g, config)):
             continue
-        if g.stacked:
+        if g.expert:
+            e0, e1 = expert_range(g, e, config.ep)
+            held.extend((layer_order_key(g, layer * g.experts + j), gi, layer * g.experts + j)
+                        for layer in range(*layers) for j in range(e0, e1))
+        elif g.stacked:
             held.extend((layer_order_key(g, layer), gi, layer) for layer in range(*layers))
         else:
             held.append((layer_order_key(g, -1), gi, -1))
     held.sort(reverse=True)
-    align = lcm(config.dp, BUCKET_END_ALIGN)
+    shards = config.replicas if expert else config.dp_cp
+    align = lcm(shards, BUCKET_END_ALIGN)
     entries: list[tuple[int, int, int]] = []
     buckets: list[tuple[int, int]] = []
     offset = bucket_start = 0
@@ -244,16 +311,25 @@ def _shared_embedding(g: TensorGroup, tied: bool, pp: int) -> bool:
 
 # Registration order of parameters inside megatron's GPTModel (local layer spec):
 # embeddings, then per layer in module-construction order, then final norm, output layer.
+# A MoE layer registers the router, then every local expert (fc1, fc2), then the shared one.
 _LAYER_PARAM_ORDER = [
     "self_attention.linear_qkv.layer_norm_weight",   # input_layernorm
     "self_attention.linear_qkv.layer_norm_bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight",              # pre_mlp_layernorm
     "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    "mlp.router.weight",
+    "mlp.experts.experts.",                          # SequentialMLP, expert by expert
+    "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
 ]
+_EXPERT_PARAM_ORDER = ["linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight",
+                       "linear_fc2.bias"]
 _TOP_ORDER = {
     "embedding.word_embeddings.weight": (0, 0),
     "embedding.position_embeddings.weight": (0, 1),
@@ -263,15 +339,21 @@ _TOP_ORDER = {
 }
 
 
-def layer_order_key(g: TensorGroup, layer: int) -> tuple[int, int, int]:
-    """Sort key of a parameter (one layer of it) in megatron's registration order."""
+def layer_order_key(g: TensorGroup, layer: int) -> tuple[int, ...]:
+    """Sort key of a parameter (one layer of it; for an expert group one folded
+    (layer, expert) index) in megatron's registration order."""
+    if g.expert:
+        layer_of, expert = divmod(layer, g.experts)
+        name = g.param.removeprefix(EXPERT_PREFIX)
+        return (1, layer_of, _LAYER_PARAM_ORDER.index("mlp.experts.experts."), expert,
+                _EXPERT_PARAM_ORDER.index(name))
     if g.stacked:
         name = g.param.removeprefix("decoder.layers.")
-        return (1, layer, _LAYER_PARAM_ORDER.index(name))
+        return (1, layer, _LAYER_PARAM_ORDER.index(name), 0, 0)
     if g.param.endswith(TIED_SUFFIX):
-        return (3, 0, 0)
+        return (3, 0, 0, 0, 0)
     major, minor = _TOP_ORDER[g.param]
-    return (major, 0, minor)
+    return (major, 0, minor, 0, 0)
 
 
 @lru_cache(maxsize=32)
@@ -282,41 +364,61 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
     """
     b = _Builder()
     model = catalog.model
-    tp, pp = config.tp, config.pp
+    tp, pp, ep, vpp = config.tp, config.pp, config.ep, config.vpp
     for p in range(pp):
-        layers = stage_layers(model.num_layers, pp, p)
-        for t in range(tp):
-            cls = t + tp * p
+        for chunk in range(vpp):
+            layers = chunk_layers(model.num_layers, pp, vpp, p, chunk)
             for gi, g in enumerate(catalog.groups):
-                if g.dist or not holds_group(g, p, pp):
+                if g.dist or not holds_group(g, p, pp, chunk, vpp):
                     continue
-                for lo, hi in local_boxes(g, t, tp, layers):
-                    b.add(gi, -1, lo, hi, 0, _box_size(lo, hi), -1, cls)
-        if catalog.distributed_optimizer:
-            _add_dist_rows(b, catalog, config, p)
+                for t in range(tp):
+                    for e in range(ep):
+                        cls = t + tp * (e + ep * p)
+                        experts = expert_range(g, e, ep) if g.expert else None
+                        for lo, hi in local_boxes(g, t, tp, layers, experts):
+                            b.add(gi, _expert_layer(g, lo, hi), lo, hi, 0, _box_size(lo, hi),
+                                  -1, cls)
+            if catalog.distributed_optimizer:
+                _add_dist_rows(b, catalog, config, p, chunk, expert=False)
+                if model.moe:
+                    _add_dist_rows(b, catalog, config, p, chunk, expert=True)
     return b.table(config)
 
 
-def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int) -> None:
-    """The distributed optimizer's rows of every tp rank of pipeline stage p.
+def _expert_layer(g: TensorGroup, lo: Sequence[int], hi: Sequence[int]) -> int:
+    """The layer column of a replicated row: the model layer of an expert box inside one
+    layer (so the intersection pairs it only with rows of that layer), else -1. Expert rows
+    of the distributed optimizer carry their model layer too, not the folded index."""
+    if not g.expert or (hi[0] - 1) // g.experts != lo[0] // g.experts:
+        return -1
+    return int(lo[0]) // g.experts
+
+
+def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int, chunk: int,
+                   expert: bool) -> None:
+    """The distributed optimizer's rows of one buffer (dense or expert) of every tp and ep
+    rank of one model chunk of pipeline rank p.
 
     The flat buffer's layout (offsets, buckets) is the same for every tp rank of a stage
-    (each holds an equal slice of every parameter), so the pieces each dp rank's range cuts
-    are found once, vectorised over dp ranks, and shifted along the tp axis per tp rank.
+    (each holds an equal slice of every parameter), and for every ep rank (each holds an
+    equal number of experts), so the pieces each data-parallel rank's range cuts are found
+    once, vectorised over those ranks, and shifted along the tp axis per tp rank and along
+    the folded expert axis per ep rank.
     """
-    tp = config.tp
-    entries, buckets = dist_buffer(catalog, config, 0, p)
+    tp, ep = config.tp, config.ep
+    entries, buckets = dist_buffer(catalog, config, 0, p, chunk, expert, 0)
     aliases: dict[int, tuple[int, ...]] = {}
     for gi, g in enumerate(catalog.groups):
         main = _alias_of(catalog, g, config) if g.dist else None
         if main is not None:
             aliases[main] = (main, gi)
-    # every box of every entry, in buffer order, with its tp rank 0 position and tp shift
+    # every box of every entry, in buffer order, with its rank-0 position and shifts
     p_group: list[int] = []
     p_layer: list[int] = []
     p_lo: list[list[int]] = []
     p_hi: list[list[int]] = []
     p_shift: list[list[int]] = []
+    p_eshift: list[int] = []
     p_start: list[int] = []
     p_size: list[int] = []
     for gi, layer, off in entries:
@@ -334,6 +436,7 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
                 p_lo.append(lo)
                 p_hi.append(hi)
                 p_shift.append(step)
+                p_eshift.append(g.experts // ep if g.expert else 0)
                 p_start.append(base)
                 p_size.append(size)
             base += size
@@ -343,17 +446,21 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     end = start + np.array(p_size, np.int64)
     lo0, hi0 = np.array(p_lo, np.int64), np.array(p_hi, np.int64)
     shift = np.array(p_shift, np.int64)
+    eshift = np.zeros_like(shift)
+    eshift[:, 0] = p_eshift
     group, layers = np.array(p_group, np.int64), np.array(p_layer, np.int64)
-    # every dp rank's range of every bucket, then the pieces it cuts: pieces are in buffer
-    # order and disjoint (an alias repeats its main entry's range), so the pieces a range
-    # [r0, r1) meets are the slice from the first ending after r0 to the last starting
-    # before r1
+    n_experts = np.array([max(catalog.groups[gi].experts, 1) for gi in p_group], np.int64)
+    # every data-parallel rank's range of every bucket, then the pieces it cuts: pieces are
+    # in buffer order and disjoint (an alias repeats its main entry's range), so the pieces
+    # a range [r0, r1) meets are the slice from the first ending after r0 to the last
+    # starting before r1
+    shards = config.replicas if expert else config.dp_cp
     bs = np.array([x for x, _ in buckets], np.int64)
     be = np.array([y for _, y in buckets], np.int64)
-    part = (be - bs) // config.dp
-    r0 = (bs[:, None] + np.arange(config.dp)[None, :] * part[:, None]).ravel()
-    r1 = r0 + np.repeat(part, config.dp)
-    d = np.tile(np.arange(config.dp, dtype=np.int64), len(bs))
+    part = (be - bs) // shards
+    r0 = (bs[:, None] + np.arange(shards)[None, :] * part[:, None]).ravel()
+    r1 = r0 + np.repeat(part, shards)
+    d = np.tile(np.arange(shards, dtype=np.int64), len(bs))
     first = np.searchsorted(end, r0, side="right")
     last = np.searchsorted(start, r1, side="left")
     n = np.maximum(last - first, 0)
@@ -363,7 +470,19 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     z = np.minimum(r1[which] - start[k], end[k] - start[k])
     ok = a < z
     which, k, a, z = which[ok], k[ok], a[ok], z[ok]
+    m = d[which]
     for t in range(tp):
-        off = t * shift[k]
-        b.add_columns(group[k], layers[k], lo0[k] + off, hi0[k] + off, a, z, d[which],
-                      t + tp * p)
+        if expert:
+            # one expert buffer per ep rank, cut over its expert data-parallel replicas
+            for e in range(ep):
+                off = t * shift[k] + e * eshift[k]
+                lay = np.where(layers[k] >= 0, (layers[k] + e * eshift[k][:, 0]) // n_experts[k],
+                               -1)
+                b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m,
+                              t + tp * (e + ep * p))
+        else:
+            # the dense buffer is cut over dp x cp ranks m: class ep rank m % ep, replica
+            # m // ep
+            off = t * shift[k]
+            b.add_columns(group[k], layers[k], lo0[k] + off, hi0[k] + off, a, z, m // ep,
+                          t + tp * (m % ep + ep * p))

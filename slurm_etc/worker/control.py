@@ -24,8 +24,8 @@ from slurm_etc.plan.model import ModelDesc
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N``; ``devices[rank]`` the vrank of
-    every rank in megatron's rank order."""
+    """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N[,ep=N,cp=N,vpp=N]``;
+    ``devices[rank]`` the vrank of every rank in megatron's rank order."""
 
     config: str
     devices: tuple[int, ...]
@@ -39,7 +39,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def of(cls, layout: Layout) -> LayoutSpec:
         c = layout.config
-        return cls(f"dp={c.dp},tp={c.tp},pp={c.pp}", tuple(layout.devices),
+        return cls(c.degrees(), tuple(layout.devices),
                    c.distributed_optimizer)
 
 

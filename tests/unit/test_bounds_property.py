@@ -500,7 +500,7 @@ line, exit 2 and nothing written.
 
 A value past its bound is refused while the command line or the file is parsed, before
 anything is allocated, opened or written; products of bounded values are bounded too
-(nodes x GPUs per node, dp x tp x pp, a model's parameters, the old layout's nodes plus
+(nodes x GPUs per node, dp x tp x pp x cp, a model's parameters, the old layout's nodes plus
 `--add-nodes`, a synthetic trace's expected events).
 
 """
@@ -517,7 +517,7 @@ def _where() -> dict[tuple[str, float, float], list[str]]:
         if isinstance(p.type, params.Number):
             add(p.type.bound, f"`{' '.join(path)} {p.opts[0]}`")
         elif isinstance(p.type, params.Layout):
-            add(bounds.DEVICES, f"`{' '.join(path)} {p.opts[0]}` (dp x tp x pp)")
+            add(bounds.DEVICES, f"`{' '.join(path)} {p.opts[0]}` (dp x tp x pp x cp)")
     for f, b in MODEL_BOUNDS.items():
         add(b, f"model `{f}`")
     for cls, table in TRACE_BOUNDS.items():
@@ -543,7 +543,7 @@ COUNTS = {
     "TRACE_JOBS": "elastic jobs in a trace", "TRACE_POLICIES": "policies in a trace",
     "SCRIPT_EVENTS": "events in an events script",
     "DEGREES": "policy `allowed_tp`/`allowed_pp`: degrees in the list",
-    "PARAMS": "a model's parameters (layers x (attention + MLP) + embeddings)",
+    "PARAMS": "a model's parameters (layers x (attention + MLP or experts) + embeddings)",
 }
 
 
