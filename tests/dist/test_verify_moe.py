@@ -36,7 +36,8 @@ from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.pool.local import LocalWorkers
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+# generous: the pool starts once per module, on a shared 2-core machine
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 TINY = PRESETS["tiny"]
 # Until the planner's preset lands: 4 layers, 4 experts, top-2 (no linear biases: megatron-core
@@ -68,7 +69,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def workers():
-    with LocalWorkers(4, preload=PRELOAD, timeout_s=240) as pool:
+    with LocalWorkers(4, preload=PRELOAD, timeout_s=600) as pool:
         yield pool
 
 
