@@ -225,9 +225,11 @@ def reshard_live(state: TrainingState, new_config: ParallelConfig, *,
     t0 = time.perf_counter()
     step = optimizer_step(state)
     old_pieces = local_pieces(state)
-    old_meta = [p.meta for p in old_pieces]
     if relabel is not None:
-        old_meta = relabel(old_meta)
+        # a wrong label is read the way a right one is: the box is cut from the tensor by it
+        old_pieces = [Piece(m, p.tensor)
+                      for m, p in zip(relabel([p.meta for p in old_pieces]), old_pieces)]
+    old_meta = [p.meta for p in old_pieces]
     old_coords = _coords(state)
     # before anything is built: building the new modules draws from the CPU generator
     rng = torch.get_rng_state().tolist()

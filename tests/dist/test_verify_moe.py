@@ -85,8 +85,8 @@ def _expert_keys(model) -> set[str]:
 def test_live_reshard_is_bit_identical(workers, name):
     model, old, new = CASES[name]
     report = verify_live_transition(LiveTransition(model, old, new), workers=workers)
-    assert report["verified"], (report["first_mismatch"], report["old_state_problems"],
-                                report["step"], report["rng"], report["loss_after"])
+    assert report["verified"], (report["loss_after"], report["unchecked_tensors"],
+                                report["first_mismatch"], report["step"], report["rng"])
     assert report["mismatches"] == 0 and not report["unchecked_tensors"]
     seen = {t["tensor"]: t for t in report["per_tensor"]}
     # every tensor, the experts' and the router's with their Adam moments, by both oracles
