@@ -196,8 +196,11 @@ def verify(ctx, model_spec, from_spec, to_spec, sequence, global_batch, distribu
 
     level = logging.getLogger().getEffectiveLevel()
     try:
-        report = verify_transition(tr, seed=seed, steps=steps, corrupt=corrupt,
-                                   progress=progress_printer(), log_level=level)
+        if _needs_live_reshard(tr.old, tr.new):
+            report = _verify_live(tr, seed=seed, steps=steps, log_level=level)
+        else:
+            report = verify_transition(tr, seed=seed, steps=steps, corrupt=corrupt,
+                                       progress=progress_printer(), log_level=level)
     except WorkerFailed as exc:
         logging.getLogger(__name__).info("worker failure: %s", exc)
         raise run_failed(exc) from None
@@ -233,3 +236,27 @@ def _verify_sequence(ctx, model_spec, text, distributed_optimizer, param_dtype, 
         click.echo(f"slurm-etc: verify: MISMATCH: {describe_sequence_failure(report)}",
                    err=True)
         ctx.exit(1)
+
+
+def _needs_live_reshard(old: ParallelConfig, new: ParallelConfig) -> bool:
+    """Layouts with ep, vpp or cp go through the live reshard (the executor's catalog has
+    dp/tp/pp only)."""
+    return any(getattr(c, d) > 1 for c in (old, new) for d in ("ep", "vpp", "cp"))
+
+
+def _verify_live(tr, *, seed: int, steps: int, log_level: int) -> dict:
+    """``verify_live_transition`` on a pool of its own; what it refuses is refused before
+    any process starts (ConfigError, exit 2)."""
+    from ..megatron.build import refuse_on_local_spec
+    from ..megatron.phases import PRELOAD
+    from ..megatron.reshard import refuse
+    from ..megatron.verify import LiveTransition, verify_live_transition
+    from ..pool.local import LocalWorkers
+
+    for config in (tr.old, tr.new):
+        refuse_on_local_spec(tr.model, config)
+    refuse(tr.model, tr.old, tr.new)
+    live = LiveTransition(tr.model, tr.old, tr.new)
+    with LocalWorkers(live.processes, preload=PRELOAD, log_level=log_level) as pool:
+        return verify_live_transition(live, workers=pool, seed=seed, steps=steps,
+                                      progress=progress_printer())

@@ -71,6 +71,7 @@ def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
     from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
     config.validate_for(model)
+    refuse_on_local_spec(model, config)
     dtype = _DTYPES[model.param_dtype]
     mixed = model.mixed_precision
     return TransformerConfig(
@@ -82,6 +83,9 @@ def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
         kv_channels=model.kv_channels,
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        context_parallel_size=config.cp,
+        expert_model_parallel_size=config.ep,
         sequence_parallel=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -103,7 +107,69 @@ def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        qk_layernorm=model.qk_layernorm,
+        **moe_settings(model),
     )
+
+
+# Token dispatcher of MoE layers: megatron-core 0.16.1's "alltoall" dispatcher creates a
+# torch.cuda.Stream in its constructor (RuntimeError without CUDA); "allgather" runs on gloo.
+MOE_TOKEN_DISPATCHER = "allgather"
+
+
+def moe_settings(model: ModelDesc) -> dict:
+    """megatron ``TransformerConfig`` fields of a mixture-of-experts model (none if dense).
+
+    Experts are megatron's ``SequentialMLP`` (``moe_grouped_gemm=False``: the grouped GEMM
+    layers need Transformer Engine); the load-balancing loss is off, so a step's loss is the
+    language-model loss alone and the same for every layout (docs/moe-vpp-cp.md).
+    """
+    if not model.moe:
+        return {}
+    _define_missing_te_names()
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.topk,
+        "moe_ffn_hidden_size": model.expert_ffn_size,
+        "moe_shared_expert_intermediate_size": model.shared_expert_ffn,
+        "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER,
+        "moe_grouped_gemm": False,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+    }
+
+
+def refuse_on_local_spec(model: ModelDesc, config: ParallelConfig) -> None:
+    """Refuse, in one line, the layouts megatron-core 0.16.1's local (non Transformer-Engine)
+    layers cannot build or train; each message quotes megatron's own error.
+
+    Raises:
+        ConfigError: cp > 1, or a mixture-of-experts model with tp > 1 or linear biases.
+    """
+    if config.cp > 1:
+        raise ConfigError(f"cp ({config.cp}) needs Transformer Engine: megatron-core's local "
+                          "attention says 'Context parallelism is only supported by "
+                          "TEDotProductAttention!'")
+    if model.moe and config.tp > 1:
+        raise ConfigError(f"tp ({config.tp}) with the experts of {model.name} needs Transformer "
+                          "Engine or Apex: megatron-core's MoE layer requires sequence "
+                          "parallelism with tp > 1, and its torch norms say 'sequence parallel "
+                          "not supported by torch LayerNorm'")
+    if model.moe and model.add_bias_linear:
+        raise ConfigError(f"{model.name}: experts with linear biases fail in megatron-core "
+                          "0.16.1's local experts ('Bias in Moe is only supported when "
+                          "ETP==1'; with tp=1 an in-place add on a view in mlp.py): set "
+                          "add_bias_linear false")
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` only when Transformer
+    Engine is installed but its router tests ``te_general_gemm is not None`` either way
+    (NameError without TE): define the name as absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @dataclass
@@ -113,9 +179,10 @@ class TrainingState:
     Attributes:
         model_desc: the model description it was built from.
         config: its parallel configuration.
-        model: the model chunks (one per virtual pipeline stage; one here), each a megatron
-            ``DistributedDataParallel`` around a ``GPTModel`` (in a ``Float16Module`` for bf16).
-        gpt: the unwrapped ``GPTModel`` of this rank's pipeline stage.
+        model: the model chunks (one per virtual pipeline stage, in megatron's order), each a
+            megatron ``DistributedDataParallel`` around a ``GPTModel`` (in a
+            ``Float16Module`` for bf16).
+        gpt: the unwrapped ``GPTModel`` of this rank's first (or only) chunk.
         optimizer: megatron's optimizer (a ``ChainedOptimizer`` around an ``FP32Optimizer``,
             ``Float16OptimizerWithFloat16Params`` or ``DistributedOptimizer``).
         transformer_config: the megatron ``TransformerConfig``.
@@ -129,10 +196,33 @@ class TrainingState:
     optimizer: Any
     transformer_config: Any
     losses: list[float] = field(default_factory=list)
+    chunks: list[Any] = field(default_factory=list)
+
+    @property
+    def gpts(self) -> list[Any]:
+        """The unwrapped ``GPTModel`` of every virtual pipeline chunk of this rank."""
+        return self.chunks or [self.gpt]
 
     def model_sharded_state_dict(self) -> dict:
-        """megatron's ``sharded_state_dict()`` of the model (keys without a ``module.`` prefix)."""
-        return self.gpt.sharded_state_dict()
+        """megatron's ``sharded_state_dict()`` of the model (keys without a ``module.`` prefix).
+
+        With vpp > 1, ``{"model0": chunk 0's, "model1": ...}`` as Megatron-LM saves them:
+        chunks name their layers locally (``decoder.layers.0...`` in every chunk), so the
+        dicts cannot merge; the ShardedTensors' keys and offsets are global either way.
+        """
+        gpts = self.gpts
+        if len(gpts) == 1:
+            return gpts[0].sharded_state_dict()
+        return {f"model{v}": gpt.sharded_state_dict() for v, gpt in enumerate(gpts)}
+
+    def load_model_state_dict(self, loaded: dict) -> None:
+        """Put a loaded ``model_sharded_state_dict()`` into the chunks."""
+        gpts = self.gpts
+        if len(gpts) == 1:
+            gpts[0].load_state_dict(loaded)
+            return
+        for v, gpt in enumerate(gpts):
+            gpt.load_state_dict(loaded[f"model{v}"])
 
     def optimizer_sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
         """megatron's optimizer ``sharded_state_dict``; ``dp_reshardable`` when distributed."""
@@ -167,7 +257,6 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
     Raises:
         ConfigError: the world size, the batch sizes or ``config`` do not fit ``model``.
     """
-    from megatron.core import parallel_state
 
     world = dist.get_world_size()
     config.validate_for(model, devices=world)
@@ -179,8 +268,7 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
         raise ConfigError(f"global_batch ({global_batch}) must be a multiple of dp * micro_batch "
                           f"({config.dp} * {micro_batch})")
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
-                                             pipeline_model_parallel_size=config.pp)
+    initialize_parallel_state(config)
     try:
         state = build_modules(model, config, seed=seed)
         for step in range(steps):
@@ -196,6 +284,28 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
     return state
 
 
+def initialize_parallel_state(config: ParallelConfig) -> None:
+    """megatron's ``initialize_model_parallel`` for every degree of ``config``."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tp,
+        pipeline_model_parallel_size=config.pp,
+        virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        context_parallel_size=config.cp,
+        expert_model_parallel_size=config.ep)
+
+
+def parallel_state_matches(config: ParallelConfig) -> bool:
+    """Whether megatron's initialised model parallel state is the one of ``config``."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            vpp) == (config.tp, config.pp, config.cp, config.ep, config.vpp)
+
+
 def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None) -> TrainingState:
     """GPTModel, DDP wrapper and optimizer of this rank (model parallel state initialised).
 
@@ -208,10 +318,12 @@ def build_modules(model: ModelDesc, config: ParallelConfig, *, seed: int | None)
     else:
         torch.manual_seed(seed)
     with skip_tied_embedding_sync(seed is None):
-        gpt = _gpt_model(model, tf_config)
+        gpts = [_gpt_model(model, tf_config, vp_stage=v if config.vpp > 1 else None)
+                for v in range(config.vpp)]
     if seed is not None:
-        reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
-    return wrap_for_training(model, config, gpt, tf_config, optimizer_config(model, config))
+        for gpt in gpts:
+            reinit_global_deterministic(gpt, seed=seed, num_layers=model.num_layers)
+    return wrap_for_training(model, config, gpts, tf_config, optimizer_config(model, config))
 
 
 def optimizer_config(model: ModelDesc, config: ParallelConfig) -> Any:
@@ -230,30 +342,36 @@ def optimizer_config(model: ModelDesc, config: ParallelConfig) -> Any:
 
 def wrap_for_training(model: ModelDesc, config: ParallelConfig, gpt: Any, tf_config: Any,
                       opt_config: Any) -> TrainingState:
-    """What megatron's training loop puts around a GPTModel: ``Float16Module`` in mixed
-    precision, ``DistributedDataParallel`` and ``get_megatron_optimizer``, with the
-    finalize/no-sync hooks the pipeline schedule calls after backward."""
+    """What megatron's training loop puts around a GPTModel (or the list of a rank's vpp
+    chunks): ``Float16Module`` in mixed precision, ``DistributedDataParallel`` per chunk and
+    one ``get_megatron_optimizer`` over all, with the finalize/no-sync hooks the pipeline
+    schedule calls after backward (a list of no-sync hooks for the interleaved schedule)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    module = Float16Module(tf_config, gpt) if model.mixed_precision else gpt
+    gpts = gpt if isinstance(gpt, list) else [gpt]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=model.mixed_precision,
         overlap_grad_reduce=False,
         use_distributed_optimizer=config.distributed_optimizer,
     )
-    ddp = DistributedDataParallel(tf_config, ddp_config, module)
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    ddps = [DistributedDataParallel(
+        tf_config, ddp_config, Float16Module(tf_config, g) if model.mixed_precision else g)
+        for g in gpts]
+    optimizer = get_megatron_optimizer(opt_config, ddps)
     tf_config.finalize_model_grads_func = finalize_model_grads
-    tf_config.no_sync_func = ddp.no_sync
-    return TrainingState(model_desc=model, config=config, model=[ddp], gpt=gpt,
-                         optimizer=optimizer, transformer_config=tf_config)
+    tf_config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
+    return TrainingState(model_desc=model, config=config, model=ddps, gpt=gpts[0],
+                         optimizer=optimizer, transformer_config=tf_config,
+                         chunks=gpts if len(gpts) > 1 else [])
 
 
-def _gpt_model(model: ModelDesc, tf_config: Any) -> Any:
-    """megatron's GPTModel with the local (non Transformer-Engine) layer spec."""
+def _gpt_model(model: ModelDesc, tf_config: Any, vp_stage: int | None = None) -> Any:
+    """megatron's GPTModel with the local (non Transformer-Engine) layer spec (MoE layers
+    with ``SequentialMLP`` experts for a mixture-of-experts model); ``vp_stage``: which
+    virtual pipeline chunk of this rank (None without vpp)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -261,11 +379,16 @@ def _gpt_model(model: ModelDesc, tf_config: Any) -> Any:
     return GPTModel(
         config=tf_config,
         transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=model.num_experts, moe_grouped_gemm=False,
+            qk_layernorm=model.qk_layernorm,
             normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
         vocab_size=model.padded_vocab,
         max_sequence_length=model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=model.tied_embeddings,
         position_embedding_type="learned_absolute" if model.learned_position_embeddings
         else "rope",
@@ -329,9 +452,13 @@ def _train_step(state: TrainingState, *, seed: int, step: int, micro_batch: int,
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    # the interleaved schedule takes one iterator per chunk; each chunk's forward reads
+    # micro-batch k at its k-th call (only the first chunk uses the tokens, the last the labels)
+    data = (iter(micro_batches) if len(state.model) == 1
+            else [iter(micro_batches) for _ in state.model])
     losses = get_forward_backward_func()(
         forward_step_func=gpt_forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=data,
         model=state.model,
         num_microbatches=len(micro_batches),
         seq_length=seq,
@@ -382,7 +509,9 @@ def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
 
 # -- deterministic initialisation ---------------------------------------------------------------
 
-_OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# megatron draws these from output_layer_init_method (std / sqrt(2 * layers)): the attention
+# and MLP output projections, the experts' and the shared expert's fc2 included.
+_OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
 def reinit_global_deterministic(gpt: Any, *, seed: int, num_layers: int) -> None:

@@ -106,7 +106,7 @@ def load_checkpoint(state: Any, directory: str, *, optimizer: bool = True) -> di
     t0 = time.perf_counter()
     sd = _checkpoint_state_dict(state, loading=True, optimizer=optimizer)
     loaded = dist_checkpointing.load(sd, directory)
-    state.gpt.load_state_dict(loaded["model"])
+    state.load_model_state_dict(loaded["model"])
     if optimizer:
         # the DistributedOptimizer copies into fp32 main params that are views of the model's
         # leaf parameters, which autograd refuses outside no_grad

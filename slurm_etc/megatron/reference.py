@@ -151,7 +151,7 @@ def megatron_view(state: Any, *, model_only: bool = False) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    model_sd = state.gpt.sharded_state_dict()
+    model_sd = state.model_sharded_state_dict()
     shards: dict[ShardKey, np.ndarray] = {}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -174,7 +174,7 @@ def megatron_view(state: Any, *, model_only: bool = False) -> dict:
                                                          prefix=f"optimizer.state.{name}")
             for sh in _sharded_tensors({"x": optimizer_sh}):
                 add(sh)
-    layers = [int(layer.layer_number) for layer in state.gpt.decoder.layers]
+    layers = [int(layer.layer_number) for gpt in state.gpts for layer in gpt.decoder.layers]
     return {"shards": shards, "shapes": shapes, "steps": sorted(set(steps)),
             "rng": rng_digest(),
             "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),

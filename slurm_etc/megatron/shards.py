@@ -10,7 +10,8 @@ compared, stored as JSON and reproduced without building the model.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 RECORD_FIELDS = ("key", "path", "dtype", "global_shape", "global_offset", "local_shape",
@@ -121,3 +122,125 @@ def record_numel(record: dict) -> int:
     for n in record["local_shape"]:
         numel *= n
     return numel
+
+
+# -- moving boxes between layouts (the live reshard, :mod:`.reshard`) -----------------------
+
+@dataclass(frozen=True)
+class PieceMeta:
+    """Where one local tensor lies in its global tensor: box ``[lo, hi)`` over every axis
+    (the prepended layer / expert axes have length 1), and whether it is the main copy.
+
+    Attributes:
+        key: the global tensor (megatron's ShardedTensor key).
+        path: where it sits in the rank's sharded state dict (names the vpp chunk).
+        lo, hi: the box.
+        main: every replica id component is 0 (the copy a move reads).
+        global_shape: the global tensor's shape.
+    """
+
+    key: str
+    path: str
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    main: bool
+    global_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, path: str, sh: Any) -> "PieceMeta":
+        """The metadata of a (model-space) ShardedTensor."""
+        p = sh.prepend_axis_num
+        lo = tuple(int(x) for x in sh.global_offset)
+        hi = tuple(o + 1 for o in lo[:p]) + tuple(
+            o + int(n) for o, n in zip(lo[p:], sh.local_shape))
+        replica = sh.replica_id if isinstance(sh.replica_id, (tuple, list)) else (sh.replica_id,)
+        return cls(sh.key, path, lo, hi, all(int(r) == 0 for r in replica),
+                   tuple(int(n) for n in sh.global_shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.lo, self.hi))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def renamed(self, key: str, path: str) -> "PieceMeta":
+        """The same box of another tensor (an optimizer state of this parameter)."""
+        return PieceMeta(key, path, self.lo, self.hi, self.main, self.global_shape)
+
+    def to_json(self) -> list:
+        return [self.key, self.path, list(self.lo), list(self.hi), self.main,
+                list(self.global_shape)]
+
+    @classmethod
+    def from_json(cls, row: list) -> "PieceMeta":
+        key, path, lo, hi, main, shape = row
+        return cls(str(key), str(path), tuple(int(x) for x in lo), tuple(int(x) for x in hi),
+                   bool(main), tuple(int(x) for x in shape))
+
+
+@dataclass(frozen=True)
+class BoxMove:
+    """Box ``[lo, hi)`` of ``key`` from old rank ``src`` (its piece ``src_piece``) to new rank
+    ``dst`` (its piece ``dst_piece``)."""
+
+    key: str
+    src: int
+    src_piece: int
+    dst: int
+    dst_piece: int
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in zip(self.lo, self.hi):
+            n *= b - a
+        return n
+
+
+class MoveError(ValueError):
+    """The old layout's pieces do not cover a piece the new layout needs, exactly once."""
+
+
+def plan_box_moves(old: Sequence[Sequence[PieceMeta]], new: Sequence[Sequence[PieceMeta]]
+                   ) -> list[BoxMove]:
+    """Every box each new rank needs, from the old ranks' main copies that intersect it.
+
+    ``old[r]`` / ``new[r]``: rank r's pieces in each layout. Pure and deterministic: every
+    rank computes the same list from the same inputs (old pieces by key in (rank, piece)
+    order; moves in (new rank, piece, old rank, piece) order).
+
+    Raises:
+        MoveError: a new piece is not covered exactly once by old main copies (overlapping
+            or missing old boxes, or a global shape that differs), with the numbers.
+    """
+    sources: dict[str, list[tuple[int, int, PieceMeta]]] = {}
+    for rank, metas in enumerate(old):
+        for i, m in enumerate(metas):
+            if m.main:
+                sources.setdefault(m.key, []).append((rank, i, m))
+    moves: list[BoxMove] = []
+    for dst, metas in enumerate(new):
+        for j, want in enumerate(metas):
+            covered = 0
+            for src, i, have in sources.get(want.key, []):
+                if have.global_shape != want.global_shape:
+                    raise MoveError(f"{want.key}: global shape {have.global_shape} in the old "
+                                    f"layout, {want.global_shape} in the new one")
+                lo = tuple(max(a, b) for a, b in zip(have.lo, want.lo))
+                hi = tuple(min(a, b) for a, b in zip(have.hi, want.hi))
+                if any(a >= b for a, b in zip(lo, hi)):
+                    continue
+                move = BoxMove(want.key, src, i, dst, j, lo, hi)
+                covered += move.numel
+                moves.append(move)
+            if covered != want.numel:
+                raise MoveError(f"{want.key} {list(want.lo)}..{list(want.hi)} of new rank {dst}: "
+                                f"old main copies cover {covered} of its {want.numel} elements")
+    return moves

@@ -745,14 +745,14 @@ def build_empty_state(model: ModelDesc, config: ParallelConfig) -> TrainingState
     if parallel_state.model_parallel_is_initialized():
         # A second state in the same layout (e.g. a checkpoint loaded beside a migrated one)
         # shares megatron's groups.
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (config.tp, config.pp):
-            raise StateError(f"megatron is initialised for tp={have[0]}, pp={have[1]}, not "
-                             f"{config}: tear it down first")
+        if not build.parallel_state_matches(config):
+            have = (parallel_state.get_tensor_model_parallel_world_size(),
+                    parallel_state.get_pipeline_model_parallel_world_size(),
+                    parallel_state.get_expert_model_parallel_world_size())
+            raise StateError(f"megatron is initialised for tp={have[0]}, pp={have[1]}, "
+                             f"ep={have[2]}, not {config}: tear it down first")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
-                                                 pipeline_model_parallel_size=config.pp)
+        build.initialize_parallel_state(config)
     try:
         return build.build_modules(model, config, seed=None)
     except BaseException:

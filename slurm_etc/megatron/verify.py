@@ -10,8 +10,12 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Any
 
+from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
+from slurm_etc.plan.model import ModelDesc
 from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
@@ -227,6 +231,8 @@ def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views,
         "mismatches": len(mismatches) + len(old.problems),
         "verified": verified,
         "first_mismatch": mismatches[0] if mismatches else None,
+        "mismatches_by_oracle": {o: sum(1 for m in mismatches if m.get("oracle") == o)
+                                 for o in sorted({m.get("oracle", "") for m in mismatches})},
         "old_state_problems": old.problems,
         "unchecked_tensors": unchecked,
         "oracles": {k: len(v) for k, v in by_oracle.items()},
@@ -241,3 +247,109 @@ def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views,
         "loss_after": loss,
         "seconds": seconds,
     }
+
+
+# -- the live reshard (ep / vpp layouts, :mod:`.reshard`) -----------------------------------
+
+@dataclass(frozen=True)
+class LiveTransition:
+    """A transition the live reshard makes: same processes, other ep / vpp / dp / tp / pp."""
+
+    model: ModelDesc
+    old: ParallelConfig
+    new: ParallelConfig
+
+    @property
+    def processes(self) -> int:
+        return self.old.world
+
+    def __str__(self) -> str:
+        return f"{self.model.name}: {self.old} -> {self.new}"
+
+
+def megatron_reshards_expert_optimizer(model: ModelDesc, old: ParallelConfig,
+                                       new: ParallelConfig) -> bool:
+    """Whether megatron-core 0.16.1's checkpoint loads a MoE model's (non-distributed)
+    optimizer across ``old -> new``: with ep > 1 the experts get an optimizer of their own
+    (expert data-parallel group) and the ChainedOptimizer prefixes every state key with
+    ``chained_<i>.``; with ep = 1 there is one optimizer and no prefix, so between ep = 1 and
+    ep > 1 no key matches (``KeyError: optimizer.state.exp_avg... not in state dict:
+    ['chained_0.optimizer.state...``, measured)."""
+    return not model.moe or (old.ep > 1) == (new.ep > 1)
+
+
+@dataclass(frozen=True)
+class _Moved:
+    moved_bytes: int
+
+
+def verify_live_transition(tr: LiveTransition, *, workers: LocalWorkers, seed: int = 1234,
+                           steps: int = 2, after_steps: int = AFTER_STEPS,
+                           relabel: Any = None, progress: Progress = _no_progress,
+                           workdir: str | None = None) -> dict:
+    """:func:`verify_transition` for the live reshard (:func:`.reshard.reshard_live`).
+
+    Same references, none sharing code with the reshard: ``megatron-gather`` (every full
+    tensor of the new layout equals the old layout's, read through megatron-core and torch),
+    ``megatron-checkpoint`` (every shard of every new rank equals what megatron's own
+    ``dist_checkpointing`` loads into a state built for the new layout: model and Adam
+    moments), the Adam step, each rank's generator (source from megatron's coordinates), and
+    ``after_steps`` more steps bit-equal to the checkpoint-loaded state's. Where megatron's
+    checkpoint cannot load the optimizer (:func:`megatron_reshards_expert_optimizer`), the
+    checkpoint checks the model alone, the gather everything, and the losses are compared
+    with the old layout trained on (``LOSS_RTOL``). ``relabel``: a planted bug (see
+    :data:`.reshard.Relabel`).
+
+    Raises:
+        ConfigError: the pool is too small, or the live reshard refuses the transition.
+    """
+    from .reshard import refuse, w_reshard
+
+    refuse(tr.model, tr.old, tr.new)
+    with_optimizer = megatron_reshards_expert_optimizer(tr.model, tr.old, tr.new)
+    if workers.size != tr.processes:
+        raise ConfigError(f"{tr} needs a pool of {tr.processes} processes, not {workers.size}")
+    tag = f"verify-live-{os.getpid()}-{time.monotonic_ns()}"
+    seq = min(tr.model.seq_length, 64)
+    train = dict(seed=seed, seq=seq, global_batch=batch_for(tr.old, tr.new))
+    tmp = tempfile.mkdtemp(prefix="slurm-etc-verify-", dir=workdir)
+    losses: dict[str, list[float]] = {}
+    t_start = time.perf_counter()
+    try:
+        progress(f"building {tr.model.name} under {tr.old} and training {steps} step(s)")
+        workers.run(w_build, tr.model, tr.old, tag=tag, steps=steps, **train)
+        workers.run(w_seed_rng, seed)
+        old_views = workers.run(w_megatron_view)
+        progress("saving megatron's checkpoint of the old layout (the reference)")
+        workers.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
+        progress(f"resharding live to {tr.new}")
+        stats = workers.run(w_reshard, tr.new, relabel=relabel)
+        new_views = workers.run(w_megatron_view)
+        progress("loading the checkpoint into a state built for the new layout"
+                 + ("" if with_optimizer else " (model only: megatron cannot reshard this "
+                                               "optimizer)"))
+        workers.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"),
+                    optimizer=with_optimizer)
+        loaded_views = workers.run(w_megatron_view, "loaded", model_only=not with_optimizer)
+        if after_steps:
+            losses["migrated"] = _first(workers.run(w_train_steps, "state", first_step=steps,
+                                                    count=after_steps, **train))
+            if with_optimizer:
+                losses["checkpoint"] = _first(workers.run(
+                    w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
+        workers.run(w_drop)
+        if after_steps and not with_optimizer:
+            progress(f"reference: the old layout rebuilt and trained {after_steps} steps on")
+            ref = _first(workers.run(w_build, tr.model, tr.old, tag=f"{tag}/reference",
+                                     steps=steps + after_steps, **train))
+            losses["old_layout"] = ref["losses"][steps:]
+    finally:
+        workers.run(w_drop)
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t_start
+    moved = 4 * sum(s["sent_elements"] for s in stats if s is not None)
+    report = _report(tr, _Moved(moved), steps, with_optimizer, old_views, new_views,
+                     loaded_views, losses, seconds)
+    report["path"] = "live-reshard"
+    report["reshard"] = stats
+    return report

@@ -37,7 +37,9 @@ class SeededTokens:
 
 
 def gpt_provider(model: ModelDesc) -> Any:
-    """A megatron model provider ``(tf_config, pre_process, post_process) -> GPTModel``."""
+    """A megatron model provider ``(tf_config, pre_process, post_process) -> GPTModel``
+    (MoE layers with ``SequentialMLP`` experts for a mixture-of-experts model, as
+    :func:`slurm_etc.megatron.build.transformer_config` configures them)."""
 
     def provide(tf_config: Any, pre_process: bool, post_process: bool) -> Any:
         from megatron.core.models.gpt import GPTModel
@@ -46,6 +48,8 @@ def gpt_provider(model: ModelDesc) -> Any:
         return GPTModel(
             config=tf_config,
             transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=model.num_experts, moe_grouped_gemm=False,
+                qk_layernorm=model.qk_layernorm,
                 normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
             vocab_size=model.padded_vocab, max_sequence_length=model.seq_length,
             pre_process=pre_process, post_process=post_process,
