@@ -8,7 +8,16 @@ import sys
 import time
 
 from slurm_etc.coordinator.channel import WorkerChannel
-from slurm_etc.worker.control import LAYOUT, Exited, Progress, Resize, Resized, Stop, parse_layout
+from slurm_etc.worker.control import (
+    LAYOUT,
+    Exited,
+    Progress,
+    Ready,
+    Resize,
+    Resized,
+    Stop,
+    parse_layout,
+)
 
 STEP_S = float(os.environ.get("FAKE_STEP_S", "0.2"))
 STEPS = int(os.environ.get("FAKE_STEPS", "0"))  # > 0: every worker ends after that many
@@ -30,6 +39,8 @@ def main() -> int:
                 return 0
             if isinstance(order, Resize) and order.generation > gen:
                 gen = order.generation
+                if layout is None:  # a joiner: warmed up at once (nothing to import)
+                    ch.report(Ready(job, gen, vrank))
                 if vrank not in order.new.devices:
                     ch.report(Resized(job, gen, vrank, "left", step))
                     ch.report(Exited(job, gen, vrank, "left", step))
