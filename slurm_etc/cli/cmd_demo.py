@@ -62,9 +62,10 @@ def resizes_table(detail, timeline) -> Table:
               help="Directory for the record, worker logs and the timeline PNG.")
 @click.option("--model", "model_spec", default="tiny", show_default=True,
               type=Text(bounds.PATH_CHARS))
-@click.option("--steps", type=Number(bounds.STEPS, low=12), default=180, show_default=True,
-              help="Training steps in all (events at 1/6, 2/6, 3/6, 4/6 of them; the "
-                   "old layout trains on through a grow's warm-up, tens of steps here).")
+@click.option("--steps", type=Number(bounds.STEPS, low=12), default=400, show_default=True,
+              help="Training steps in all (events at 1/10, 2/10, 3/10, 4/10 of them, counted "
+                   "in steps trained while no resize is in flight: the old layout trains "
+                   "on through a grow's warm-up, tens of steps here).")
 @click.option("--inject", metavar="WHERE", type=Text(),
               help="Kill a worker (SIGKILL) at this phase of the first resize: "
                    f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "
@@ -108,7 +109,8 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     logging.getLogger("slurm_etc.coordinator.channel").setLevel(logging.WARNING)
     timeline = Timeline()
     started = time.time()
-    backend = LocalBackend(demo_script(steps), log_dir=out_dir / "workers")
+    backend = LocalBackend(demo_script(steps, settled_steps=True, parts=10),
+                           log_dir=out_dir / "workers")
     try:
         with Live(_line(timeline, started), console=console, refresh_per_second=2) as live:
             def progress(p: dict) -> None:

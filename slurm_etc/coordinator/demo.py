@@ -55,11 +55,15 @@ class Timeline:
                                    p["generation"]))
 
 
-def demo_script(steps: int, grace_s: float = 60.0) -> EventsScript:
-    """The scripted cluster of the demo (events spread over ``steps``)."""
-    q = max(steps // 6, 2)
+def demo_script(steps: int, grace_s: float = 60.0, *, settled_steps: bool = False,
+                parts: int = 6) -> EventsScript:
+    """The scripted cluster of the demo: four events at 1, 2, 3 and 4 ``parts`` of ``steps``
+    (``settled_steps``: counted in steps trained while settled, so the steps trained through
+    a grow's warm-up move the later events back; see :mod:`~slurm_etc.coordinator.events`)."""
+    q = max(steps // parts, 2)
     return script_from_dict({
         "nodes": 3, "gpus_per_node": 2, "initial_nodes": 1, "grace_s": grace_s,
+        "settled_steps": settled_steps,
         "events": [
             {"at_step": q, "grant": ["n1"], "reason": "an idle node"},
             {"at_step": 2 * q, "preempt": ["n1"], "grace_s": grace_s,

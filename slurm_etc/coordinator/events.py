@@ -35,6 +35,10 @@ options::
   - ``lose: N`` / ``lose: [names]``: the nodes fail now (workers killed, a Loss with cause
     ``failure``); by count as for preempt, nodes under notice last; a lost device that the
     job does not hold just disappears.
+* ``settled_steps`` (default false): when true, ``at_step`` counts only the steps trained
+  while the job was settled: the steps the old layout trains on through a resize (a grow's
+  joiners warming up, the preparation) move every later event back by as many, so the
+  events keep their spacing in training however long a warm-up takes (the demo).
 * ``grant_requests`` (default false): when true, the coordinator's requests are granted as
   soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
 
@@ -109,6 +113,7 @@ class ScriptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     initial_nodes: Annotated[int, _meta(bounds.NODES)] = 1
     grace_s: Annotated[float, _meta(bounds.SECONDS)] = 30.0
     grant_requests: bool = False
+    settled_steps: bool = False
     events: Annotated[tuple[EventSpec, ...],
                       msgspec.Meta(max_length=int(bounds.SCRIPT_EVENTS.high))] = ()
 
@@ -149,6 +154,7 @@ class EventsScript:
     initial_nodes: int
     grant_requests: bool
     events: tuple[ScriptedEvent, ...]
+    settled_steps: bool = False
 
     @property
     def anchor_devices(self) -> tuple[Device, ...]:
@@ -307,7 +313,7 @@ def _validated(spec: ScriptSpec, source: str) -> EventsScript:
         grace = ev.grace_s if ev.grace_s is not None else spec.grace_s
         events.append(ScriptedEvent(i, ev.at_step, kind, count, devices, grace, ev.reason))
     script = EventsScript(source, topology, spec.initial_nodes, spec.grant_requests,
-                          tuple(events))
+                          tuple(events), spec.settled_steps)
     # Play it once without a coordinator: every count available, no anchor touched.
     dry = ScriptedResources(script, strict=True)
     for event in script.events:
@@ -375,6 +381,7 @@ class ScriptedResources:
         self._keys: set[str] = set()
         self._fired = 0
         self._step = -1
+        self._lag = 0  # settled_steps: steps trained while not settled (not reported)
         self._undelivered = False  # a group fired and no tick (poll) came since
         self._out: list[BackendEvent] = []
         self._grant(script.anchor_devices, None)
@@ -411,11 +418,15 @@ class ScriptedResources:
     def on_step(self, step: int, now: float) -> None:
         """The job reached ``step`` (steps going back count as the highest seen): fire the
         earliest group of scripted events due by then (events with one ``at_step``), unless
-        the group fired before has not been handed over yet (no :meth:`tick` since)."""
+        the group fired before has not been handed over yet (no :meth:`tick` since). With
+        ``settled_steps``, steps not reported since the last report (trained while a resize
+        was in flight) push the remaining events back by as many."""
+        if self.script.settled_steps and 0 <= self._step < step - 1:
+            self._lag += step - 1 - self._step
         self._step = max(self._step, step)
         events = self.script.events
         if self._undelivered or self._fired >= len(events) \
-                or events[self._fired].at_step > self._step:
+                or events[self._fired].at_step + self._lag > self._step:
             return
         at = events[self._fired].at_step
         while self._fired < len(events) and events[self._fired].at_step == at:

@@ -869,7 +869,7 @@ class ElasticTrainer:
         prep.stage = "world"
         if proc.vrank not in prep.order.new.devices:
             return
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         catalog = self.catalog  # _build sets the new one: the old layout trains on with this
         try:
             prepare_new_world(prep.prepared, build_new=lambda cfg: self._build(cfg, empty=True),
@@ -880,6 +880,10 @@ class ElasticTrainer:
         finally:
             prep.new_catalog, self.catalog = self.catalog, catalog
         prep.world_s = time.perf_counter() - t
+        # training stops for this (not yet in the record's pause: docs/zero-stall.md)
+        self._log("built the new world of generation %d at a step boundary: %.3f s (training "
+                  "stopped; unix %.3f to %.3f)", prep.order.generation, prep.world_s, wall,
+                  wall + prep.world_s)
 
     def _finish_preparation(self, prep: _Preparation) -> str:
         """The pause of a resize prepared while training."""

@@ -17,6 +17,10 @@ from pathlib import Path
 STEP_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] step (\d+) loss \S+ lr \S+ "
                        r"consumed \d+ started ([\d.]+) ended ([\d.]+)")
 RESIZED_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] resized .* pause ([\d.]+) s,")
+# logged when a stayer built the new world at one step boundary (not a thread: it swaps
+# torch's and megatron's globals), training stopped meanwhile: not yet in the record's pause
+WORLD_LINE = re.compile(r"built the new world of generation \d+ at a step boundary: [\d.]+ s "
+                        r"\(training stopped; unix ([\d.]+) to ([\d.]+)\)")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ def steps_from_logs(log_dir: Path) -> list[Step]:
             g, v, s, t0, t1 = m.groups()
             out.append(Step(int(g), int(v), int(s), float(t0), float(t1)))
     return out
+
+
+def world_builds(log_dir: Path) -> list[tuple[float, float]]:
+    """When stayers built the new world at a step boundary: (start, end), unix seconds."""
+    return [(float(m.group(1)), float(m.group(2)))
+            for log in sorted(Path(log_dir).glob("*.log"))
+            for m in WORLD_LINE.finditer(log.read_text(errors="replace"))]
 
 
 def worker_timed_pauses(log_dir: Path) -> dict[int, float]:

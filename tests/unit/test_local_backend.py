@@ -564,3 +564,28 @@ def test_launch_never_takes_an_older_process_for_the_new_one(backend: LocalBacke
     now = backend.workers()[0]
     assert now.pid != old and now.generation == 3 and now.running
     assert WorkerExited(0, 0, d("n0:0"), -signal.SIGTERM, True) in backend.poll()
+
+
+def test_settled_steps_move_later_events_back_by_the_steps_trained_through_a_resize() -> None:
+    script = {**EXAMPLE, "settled_steps": True}
+    r = ScriptedResources(parse_script(json.dumps(script)))
+    r.drain()
+    r.on_step(5, now=0)  # the grant at step 5
+    assert r.drain() == [Grant("a1", devs("n1:0", "n1:1", "n2:0", "n2:1"))]
+    r.tick(0)
+    # steps 6..29 trained while the grow was in flight (not reported): the preemption due
+    # at step 12 moves back by those 24 steps, to 36
+    r.on_step(30, now=100.0)
+    assert r.drain() == []
+    for step in range(31, 36):
+        r.on_step(step, now=100.0)
+    assert r.drain() == []
+    r.on_step(36, now=100.0)
+    assert [type(e) for e in r.drain()] == [PreemptNotice]
+    # without settled_steps the same reports fire it at once (absolute steps)
+    plain = ScriptedResources(parse_script(json.dumps(EXAMPLE)))
+    plain.on_step(5, now=0)
+    plain.tick(0)
+    plain.drain()
+    plain.on_step(30, now=100.0)
+    assert [type(e) for e in plain.drain()] == [PreemptNotice]
