@@ -120,7 +120,7 @@ def test_example_script_parses(tmp_path: Path) -> None:
      "step order"),
     ({"nodes": 4, "evnts": []},
      "events.json: object contains unknown field `evnts` (fields: nodes, gpus_per_node, "
-     "initial_nodes, grace_s, grant_requests, events)"),
+     "initial_nodes, grace_s, grant_requests, settled_steps, events)"),
     ({"nodes": 0}, "events.json: nodes: expected `int` >= 1"),
     ({"gpus_per_node": 2}, "events.json: object missing required field `nodes`"),
     ({"nodes": 2, "initial_nodes": 3}, "events.json: initial_nodes (3) exceeds nodes (2)"),
