@@ -200,7 +200,9 @@ def srun(step: StepSpec) -> Command:
 
 
 def step_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without the SLURM_* variables of the job we may be running in (keeps
-    SLURM_CONF): a step launched from an anchor's batch script must not inherit the anchor's
-    node list, GPUs and job name."""
-    return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    """``environ`` without the SLURM_* variables of the job we may be running in: a step
+    launched from an anchor's batch script must not inherit the anchor's node list, GPUs and
+    job name. SLURM_CONF (which cluster) and slurm-etc's own SLURM_ETC_* (the workers' settings,
+    e.g. SLURM_ETC_INJECT) are kept."""
+    return {k: v for k, v in environ.items()
+            if not k.startswith("SLURM_") or k == "SLURM_CONF" or k.startswith("SLURM_ETC_")}

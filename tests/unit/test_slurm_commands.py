@@ -84,9 +84,12 @@ def test_srun():
 
 def test_step_environment_drops_the_enclosing_jobs_variables():
     env = {"PATH": "/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
-           "SLURM_CONF": "/x/slurm.conf", "CUDA_VISIBLE_DEVICES": "0"}
+           "SLURM_CONF": "/x/slurm.conf", "CUDA_VISIBLE_DEVICES": "0",
+           "SLURM_ETC_INJECT": "before-commit@3,1", "SLURM_STEP_ID": "0"}
+    # the job's own variables go; the cluster and slurm-etc's own settings stay
     assert commands.step_environment(env) == {"PATH": "/bin", "SLURM_CONF": "/x/slurm.conf",
-                                              "CUDA_VISIBLE_DEVICES": "0"}
+                                              "CUDA_VISIBLE_DEVICES": "0",
+                                              "SLURM_ETC_INJECT": "before-commit@3,1"}
 
 
 def test_signal_resize_node_state_commands():
