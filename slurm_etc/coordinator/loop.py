@@ -174,6 +174,10 @@ class JobSpec:
         prepare_while_training: the old layout builds the new world (migration group,
             program, staging in a thread; groups, model, DDP, optimizer at a step boundary)
             while it trains on, and pauses at a later boundary (``Resize``'s field).
+        prepare_aside_min_grace_s: under a preemption notice with less grace left than
+            this, the old layout does not prepare beside training: it stops and prepares at
+            full speed (on shared cores, preparing beside training takes several times as
+            long, and the deadline comes first).
     """
 
     job_id: str
@@ -189,6 +193,7 @@ class JobSpec:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     order_after_joined: bool = True
     prepare_while_training: bool = True
+    prepare_aside_min_grace_s: float = 15.0
     model_from_workers: bool = False
     batch_from_workers: bool = False
     model_label: str = "--model"
@@ -1024,12 +1029,18 @@ class Coordinator:
         joiners = set(new.devices) - set(old.devices)
         # joiners of an aborted resize stop; the retry starts its joiners afresh
         self._stop_idle("resize retried")
+        left = None if action.deadline is None else action.deadline - self.clock()
+        aside = self.spec.prepare_while_training and (
+            left is None or left >= self.spec.prepare_aside_min_grace_s)
+        if self.spec.prepare_while_training and not aside:
+            logger.info("generation %d: %.1f s of grace left (< %.0f s): the old layout "
+                        "prepares at full speed, not beside training", gen, left,
+                        self.spec.prepare_aside_min_grace_s)
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
                        lost=tuple(lost), reason=action.reason[:200],
-                       prepare_while_training=self.spec.prepare_while_training)
-        left = None if action.deadline is None else action.deadline - self.clock()
+                       prepare_while_training=aside)
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
                            plan.est_seconds, left)

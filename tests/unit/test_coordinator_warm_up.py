@@ -190,3 +190,37 @@ def test_preemption_notice_during_a_grows_warm_up_supersedes_it_at_once(tmp_path
         finally:
             con.close()
         assert len(rows) == 1 and rows[0][0] == "aborted" and "superseded" in rows[0][1], rows
+
+
+def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_path):
+    """Preparing beside training shares the cores with it (several times slower): under a
+    notice with less grace left than ``prepare_aside_min_grace_s`` the shrink is ordered to
+    prepare at full speed; with ample grace it trains through its preparation."""
+    from slurm_etc.alloc.topology import ClusterTopology, Device
+    from slurm_etc.coordinator.backend import Grant, PreemptNotice
+    from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
+
+    def shrink_order(job: str, grace_s: float):
+        backend = HandDrivenBackend(ClusterTopology(2, ("n1", "n2")))
+        with coordinator_over(tmp_path / job, job, backend,
+                              training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                              policy=EffectivePolicy(max_nodes=2), hardware=DEMO_HARDWARE,
+                              backend_name="local", order_after_joined=False) as (c, _):
+            n1, n2 = (Device("n1", 0), Device("n1", 1)), (Device("n2", 0), Device("n2", 1))
+            backend.pending = [Grant("a0", n1 + n2)]
+            c._observe_backend()
+            c._decide()
+            assert c.layout is not None and len(c.layout.devices) == 4
+            c.step = 5
+            backend.pending = [PreemptNotice("a0", n2, time.time() + grace_s)]
+            c._observe_backend()
+            c._decide()
+            assert c.inflight is not None, "the notice ordered no shrink"
+            return c.inflight.order
+
+    (tmp_path / "short").mkdir()
+    (tmp_path / "long").mkdir()
+    short, ample = shrink_order("short", 5.0), shrink_order("long", 120.0)
+    assert len(short.new.devices) == 2 and len(ample.new.devices) == 2
+    assert short.prepare_while_training is False
+    assert ample.prepare_while_training is True
