@@ -176,7 +176,8 @@ def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: 
             alone = how == "per_process_core"
             progress(f"checkpoint: starting {tr.new.world} fresh processes "
                      f"{'one at a time' if alone else 'all at once'} (cold import)")
-            fresh = LocalWorkers(tr.new.world, preload=PRELOAD, log_level=log_level)
+            fresh = LocalWorkers(tr.new.world, preload=PRELOAD, log_level=log_level,
+                                 cold=True)
             try:
                 fresh.start(one_at_a_time=alone)
                 progress("checkpoint: build the new layout and load")

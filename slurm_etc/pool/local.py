@@ -36,9 +36,14 @@ Failures are loud and leave no processes behind:
 * workers exit when the parent process goes away (a watchdog thread), and
   :meth:`LocalWorkers.close` stops them by PID (ask, terminate, then kill).
 
-Workers are started with the ``spawn`` method (no inherited locks or torch state) and are not
-daemonic, because megatron's ``dist_checkpointing.save`` starts a multiprocessing Manager
-inside them; a worker stops its own child processes before it exits.
+Workers are forked from multiprocessing's ``forkserver``, a server process that imported
+torch and megatron-core once (:mod:`slurm_etc.pool.preload`): each worker is a fresh process
+(no inherited locks or torch state: the server only imported) that starts in a fraction of a
+second instead of a cold import's seconds. Each gets the parent's environment, working
+directory and ``sys.path`` as they are at its start, as a spawned one would. ``cold=True``
+spawns instead, for what measures a cold start (a checkpoint-restart's real cost). Workers
+are not daemonic, because megatron's ``dist_checkpointing.save`` starts a multiprocessing
+Manager inside them; a worker stops its own child processes before it exits.
 """
 from __future__ import annotations
 
@@ -143,12 +148,30 @@ class WorkerContext:
 # -- worker side ----------------------------------------------------------------------------
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit this worker when its parent is gone (no orphans after a killed run)."""
+    """Exit this worker when its parent is gone (no orphans after a killed run). A worker
+    forked from the forkserver is the server's child: the server ends with the parent, so
+    either its own parent changing or the pool's parent going away means the pool is gone."""
+    started_under = os.getppid()
     while True:
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+            gone = os.getppid() != started_under
+        except ProcessLookupError:
+            gone = True
+        if gone:
             _stop_children()
             os._exit(3)
         time.sleep(1.0)
+
+
+def _context(cold: bool) -> Any:
+    """The multiprocessing context workers start in: ``spawn`` for a cold start, else the
+    ``forkserver`` (started on first use with :mod:`slurm_etc.pool.preload`)."""
+    if cold:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["slurm_etc.pool.preload"])  # no effect once it runs
+    return ctx
 
 
 def _stop_children() -> None:
@@ -183,9 +206,16 @@ def _configure_logging(index: int, log_level: int) -> None:
 
 def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid: int,
                  preload: Sequence[str], timeout_s: float, log_level: int,
-                 default_group: bool, secret: bytes) -> None:
-    """Entry point of one worker: import, join the store, then serve calls until told to stop."""
+                 default_group: bool, secret: bytes, parent: tuple[dict, str, list]) -> None:
+    """Entry point of one worker: import, join the store, then serve calls until told to stop.
+    ``parent``: the parent's environment, working directory and ``sys.path`` at the start (a
+    worker forked from the forkserver would otherwise have the server's)."""
+    environ, cwd, path = parent
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(WORKER_ENV)
+    os.chdir(cwd)
+    sys.path[:] = path
     # Ctrl-C reaches the whole process group: let the parent decide when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -251,11 +281,13 @@ class LocalWorkers:
         log_level: logging level inside the workers (warnings are silenced above INFO).
         default_group: join every worker into one gloo default group at start-up, kept
             between calls, and call ``func(rank, world, ...)`` instead of ``func(ctx, ...)``.
+        cold: spawn the workers (each pays a cold import) instead of forking them from the
+            preloaded forkserver: for measuring what a fresh job's start costs.
     """
 
     def __init__(self, size: int, *, preload: Sequence[str] = (),
                  timeout_s: float = DEFAULT_TIMEOUT_S, log_level: int = logging.WARNING,
-                 default_group: bool = False) -> None:
+                 default_group: bool = False, cold: bool = False) -> None:
         if size < 1:
             raise ValueError(f"need at least one worker, got {size}")
         self.size = size
@@ -263,6 +295,7 @@ class LocalWorkers:
         self.timeout_s = timeout_s
         self.log_level = log_level
         self.default_group = default_group
+        self.cold = cold
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._store: StoreServer | None = None
@@ -313,7 +346,8 @@ class LocalWorkers:
         if self._store is not None:
             self._store.close()
         store = self._store = StoreServer(secret, "127.0.0.1", job="pool")
-        mp = multiprocessing.get_context("spawn")
+        mp = _context(self.cold)
+        parent = (dict(os.environ), os.getcwd(), list(sys.path))
         spawned: list[float] = []
         ready: dict[int, float] = {}
         bound = max(self.timeout_s, START_TIMEOUT_S)
@@ -323,7 +357,8 @@ class LocalWorkers:
                 proc = mp.Process(target=_worker_main, name=f"slurm-etc-worker-{index}",
                                   args=(index, self.size, store.port, child_conn,
                                         os.getpid(), self.preload, self.timeout_s,
-                                        self.log_level, self.default_group, secret))
+                                        self.log_level, self.default_group, secret,
+                                        parent))
                 spawned.append(time.perf_counter())
                 proc.start()
                 child_conn.close()

@@ -163,3 +163,63 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _where(ctx: WorkerContext) -> tuple[str | None, str, str | None, bool]:
+    import sys
+
+    return (os.environ.get("SLURM_ETC_POOL_PROBE"), os.getcwd(),
+            os.environ.get("OMP_NUM_THREADS"), "/pool-probe-path" in sys.path)
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["forkserver", "spawn"])
+def test_workers_get_the_parents_environment_cwd_and_path_at_their_start(
+        cold, tmp_path, monkeypatch):
+    """Forked from the forkserver (started earlier, with another environment) or spawned,
+    a worker sees what its parent has when the pool starts."""
+    import sys
+
+    with LocalWorkers(1, timeout_s=60) as before:  # the forkserver runs from here on
+        assert before.run(_where)[0][0] is None
+    monkeypatch.setenv("SLURM_ETC_POOL_PROBE", f"probe-{cold}-{time.time()}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [*sys.path, "/pool-probe-path"])
+    with LocalWorkers(2, timeout_s=60, cold=cold) as workers:
+        got = workers.run(_where)
+    assert got == [(os.environ["SLURM_ETC_POOL_PROBE"], str(tmp_path), "1", True)] * 2
+
+
+PARENT = """
+import sys, time
+from slurm_etc.pool.local import LocalWorkers
+
+def main():
+    pool = LocalWorkers(2, timeout_s=60)
+    pool.start()
+    print(" ".join(map(str, pool.pids)), flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_workers_of_a_killed_parent_exit():
+    """No orphans: the parent SIGKILLed (no close), its forked workers exit on their own."""
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), pids
