@@ -1032,7 +1032,7 @@ class Coordinator:
         left = None if action.deadline is None else action.deadline - self.clock()
         aside = self.spec.prepare_while_training and (
             left is None or left >= self.spec.prepare_aside_min_grace_s)
-        if self.spec.prepare_while_training and not aside:
+        if self.spec.prepare_while_training and not aside and not lost:
             logger.info("generation %d: %.1f s of grace left (< %.0f s): the old layout "
                         "prepares at full speed, not beside training", gen, left,
                         self.spec.prepare_aside_min_grace_s)

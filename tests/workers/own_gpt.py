@@ -25,7 +25,7 @@ class CountingTokens:
     """Sample ``i``: ``SEQ + 1`` tokens counting up from ``i`` (mod VOCAB): learnable."""
 
     def __len__(self) -> int:
-        return 4096
+        return 16384  # 2,048 steps of 8 samples: one epoch for any run here
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return (torch.arange(SEQ + 1) + i) % VOCAB
