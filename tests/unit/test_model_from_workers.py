@@ -16,7 +16,7 @@ from slurm_etc.alloc.chooser import Hardware
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import Grant, LaunchWorkers
 from slurm_etc.coordinator.loop import PROVISIONAL_MODEL, provisional_job
-from slurm_etc.plan import load_model
+from slurm_etc.plan import PRESETS, load_model
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.worker.control import (
@@ -154,3 +154,83 @@ def test_given_model_without_batch_takes_the_batch_from_the_workers(tmp_path: Pa
         c._model_built(1, ModelReport.of(LIVE_TINY, 8, 2))
         assert c.fatal == ("the batch differs: global_batch: 8 in vrank 1's training script, "
                            "16 in vrank 0's training script")
+
+
+# ---- every field that changes the catalog or the chooser travels ------------------------
+
+def _resolved(m: ModelDesc) -> ModelDesc:
+    """``m`` with every default spelled out, as a worker's live model says it: the padded
+    vocabulary (divisor 1), the query groups, the channels per head and, for a mixture of
+    experts, the router's top-k and the experts' inner size."""
+    return replace(m, vocab_size=m.padded_vocab, vocab_divisor=1,
+                   num_query_groups=m.query_groups, head_dim=m.kv_channels,
+                   router_topk=m.topk if m.moe else None,
+                   expert_ffn=m.expert_ffn_size if m.moe else None)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_report_rebuilds_every_preset_exactly(name: str) -> None:
+    from slurm_etc.plan.catalog import build_catalog
+    from slurm_etc.plan.config import ParallelConfig
+
+    preset = PRESETS[name]
+    live = _resolved(preset)
+    back = REPORT_DECODER.decode(ENCODER.encode(ModelBuilt(JOB, 0, 0,
+                                                           ModelReport.of(live, 8, 1))))
+    assert back.model.desc() == live  # nothing dropped: MoE stays MoE, qk norms stay
+    assert ModelReport.of(preset, 8, 1) == back.model  # the same model, however described
+    assert ModelReport.of(preset, 8, 1).desc() == live
+    one = ParallelConfig(1, 1, 1)
+    assert build_catalog(back.model.desc(), one).groups == build_catalog(preset, one).groups
+    if preset.moe:
+        assert back.model.desc().moe and back.model.num_experts == preset.num_experts
+
+
+def test_report_carries_every_field_of_the_model_description() -> None:
+    from dataclasses import fields
+
+    # vocab_divisor: the report carries the vocabulary padded (what the catalog cuts)
+    described = {f.name for f in fields(ModelDesc)} - {"vocab_divisor"}
+    assert described <= set(ModelReport.__struct_fields__), \
+        described - set(ModelReport.__struct_fields__)
+    assert set(MODEL_FIELDS) == described - {"name"}
+
+
+@pytest.mark.parametrize("field,value", [("num_experts", 10 ** 6), ("router_topk", 0),
+                                         ("expert_ffn", 10 ** 9), ("head_dim", 10 ** 9),
+                                         ("shared_expert_ffn", -1)])
+def test_expert_fields_out_of_their_bounds_are_refused_on_the_wire(field: str,
+                                                                   value: int) -> None:
+    moe = ModelReport.of(PRESETS["tiny-moe"], 8, 1)
+    bad = msgspec.structs.replace(moe, **{field: value})
+    with pytest.raises(msgspec.ValidationError, match=field):
+        REPORT_DECODER.decode(ENCODER.encode(ModelBuilt(JOB, 0, 0, bad)))
+
+
+def test_without_model_a_moe_script_is_planned_as_the_moe_it_is(tmp_path: Path) -> None:
+    backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
+    with ctx as (c, _db):
+        c._model_built(0, ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1))
+        assert c.fatal is None
+        planned = c.spec.job.model
+        assert planned.moe and planned.num_experts == 4 and planned.topk == 2
+        assert planned.expert_ffn_size == 64
+
+
+def test_given_model_that_differs_only_in_experts_is_named_in_one_line(
+        tmp_path: Path) -> None:
+    moe = PRESETS["tiny-moe"]
+    backend, ctx = _coordinator(tmp_path, training=provisional_job(moe, 8, 1, False),
+                                model_label="--model tiny-moe")
+    with ctx as (c, _db):
+        c._model_built(0, ModelReport.of(_resolved(moe), 8, 1))
+        assert c.fatal is None  # the same model, its defaults spelled out
+        c._model_built(1, ModelReport.of(_resolved(replace(moe, num_experts=8)), 8, 1))
+        assert c.fatal == ("the model differs: num_experts: 8 in vrank 1's training script, "
+                           "4 in --model tiny-moe")
+    backend, ctx = _coordinator(tmp_path / "dense", training=provisional_job(TINY, 8, 1, False),
+                                model_label="--model tiny")
+    with ctx as (c, _db):
+        c._model_built(0, ModelReport.of(replace(LIVE_TINY, qk_layernorm=True), 8, 1))
+        assert c.fatal == ("the model differs: qk_layernorm: true in vrank 0's training "
+                           "script, false in --model tiny")
