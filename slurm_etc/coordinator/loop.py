@@ -135,9 +135,9 @@ PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
                     distributed_optimizer: bool) -> TrainingJob:
     """The job the first layout is chosen for: what was given, the provisional model and a
-    batch of one (dp=1) where it was not."""
+    global batch of one micro batch (dp=1) where none was given."""
     if global_batch is None:
-        global_batch = micro_batch = 1
+        global_batch = micro_batch
     return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
                        distributed_optimizer)
 
@@ -165,6 +165,9 @@ class JobSpec:
         model_from_workers: ``job.model`` is provisional (no ``--model``): the first
             layout's workers say the model (:class:`ModelBuilt`) and it is planned with.
         batch_from_workers: likewise ``job``'s batch (no ``--global-batch``).
+        micro_batch_given: ``job.micro_batch`` is the user's (``--micro-batch`` without
+            ``--global-batch``): the workers' micro batch must be it, the global batch is
+            theirs.
         model_label: where ``job.model`` came from, for the one line of a mismatch
             (``--model tiny``).
         order_after_joined: order the old layout of a resize only once every joiner said
@@ -191,6 +194,7 @@ class JobSpec:
     prepare_while_training: bool = True
     model_from_workers: bool = False
     batch_from_workers: bool = False
+    micro_batch_given: bool = False
     model_label: str = "--model"
 
 
@@ -278,6 +282,10 @@ class Coordinator:
             None if spec.model_from_workers else (given, spec.model_label))
         self.batch: tuple[ModelReport, str] | None = (
             None if spec.batch_from_workers else (given, "--global-batch"))
+        # --micro-batch alone: what the first worker's micro batch must be
+        self.micro_batch: tuple[ModelReport, str] | None = (
+            (given, "--micro-batch") if spec.batch_from_workers and spec.micro_batch_given
+            else None)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
         self.reattached = False  # the layout is a killed coordinator's, taken up again
         # a worker that lost its coordinator and says Hello again is taken up only if it
@@ -763,7 +771,8 @@ class Coordinator:
         first difference (before any resize: none is decided until both are known, and
         a worker plans with its own)."""
         here = f"vrank {vrank}'s training script"
-        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch)):
+        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch),
+                              (("micro_batch",), self.micro_batch)):
             if ref is None:
                 continue
             there = {"": ref[1], "global_batch": ref[1], "micro_batch": ref[1]}

@@ -234,3 +234,54 @@ def test_given_model_that_differs_only_in_experts_is_named_in_one_line(
         c._model_built(0, ModelReport.of(replace(LIVE_TINY, qk_layernorm=True), 8, 1))
         assert c.fatal == ("the model differs: qk_layernorm: true in vrank 0's training "
                            "script, false in --model tiny")
+
+
+# ---- --micro-batch without --global-batch ------------------------------------------------
+
+def test_micro_batch_alone_is_checked_against_the_workers(tmp_path: Path) -> None:
+    backend, ctx = _coordinator(tmp_path, training=provisional_job(None, None, 4, False),
+                                model_from_workers=True, batch_from_workers=True,
+                                micro_batch_given=True)
+    with ctx as (c, _db):
+        c._model_built(0, ModelReport.of(OWN, 8, 2))
+        assert c.fatal == ("the batch differs: micro_batch: 2 in vrank 0's training script, "
+                           "4 in --micro-batch")
+    backend, ctx = _coordinator(tmp_path / "same", training=provisional_job(None, None, 4,
+                                                                             False),
+                                model_from_workers=True, batch_from_workers=True,
+                                micro_batch_given=True)
+    with ctx as (c, _db):
+        c._model_built(0, ModelReport.of(OWN, 16, 4))
+        assert c.fatal is None
+        assert (c.spec.job.global_batch, c.spec.job.micro_batch) == (16, 4)
+
+
+def test_run_passes_a_micro_batch_given_alone_on_to_the_check(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """``slurm-etc run --micro-batch 4`` without ``--global-batch``: the job checks the
+    workers' micro batch against 4 (before, it was dropped: a batch of one was planned and
+    nothing compared); without either, the training script's is taken."""
+    from click.testing import CliRunner
+
+    from slurm_etc.cli.main import cli
+    from slurm_etc.coordinator import run as run_module
+
+    specs: list[Any] = []
+
+    def fake_run_job(spec: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        specs.append(spec)
+        return {"state": "finished"}
+
+    monkeypatch.setattr(run_module, "run_job", fake_run_job)
+    monkeypatch.chdir(tmp_path)
+    base = ["run", "--nodes", "1", "--gpus-per-node", "1", "--job-id", "mb"]
+    for extra in (["--micro-batch", "4"], [], ["--global-batch", "8", "--micro-batch", "2"]):
+        result = CliRunner().invoke(cli, [*base, *extra, "--", "python", "train.py"],
+                                    env={"SLURM_ETC_RUN_MICRO_BATCH": None})
+        assert result.exit_code == 0, result.output
+    alone, neither, both = specs
+    assert alone.micro_batch_given and alone.batch_from_workers
+    assert alone.job.micro_batch == 4
+    assert not neither.micro_batch_given and neither.batch_from_workers
+    assert not both.batch_from_workers and (both.job.global_batch, both.job.micro_batch) == \
+        (8, 2)
