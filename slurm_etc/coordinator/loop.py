@@ -42,7 +42,6 @@ from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
-    REQUEST_PATIENCE_S,
     Notice,
     Pause,
     Release,
@@ -866,7 +865,8 @@ class Coordinator:
         if not self.growing or self.request_sent_at is None:
             return False
         age = time.monotonic() - self.request_sent_at
-        if age < REQUEST_PATIENCE_S or time.monotonic() < self._overdue_checked + 60.0:
+        if age < self.spec.policy.patience_s or \
+                time.monotonic() < self._overdue_checked + 60.0:
             return False
         self._overdue_checked = time.monotonic()
         return True
