@@ -112,6 +112,10 @@ DEAD_GRACE_S = 1.0
 # How long a launched worker has to say Hello (slurm-etc run --join-timeout): a cold import of
 # torch and megatron-core takes seconds; a script that never calls run_worker never says it.
 DEFAULT_JOIN_TIMEOUT_S = 300.0
+# The partition's usable nodes are read again at a decision this long after the last read
+# (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
+# not hold raises no event.
+PARTITION_REREAD_S = 60.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
@@ -257,6 +261,10 @@ class Coordinator:
         self.requests = 0
         self.request_sent_at: float | None = None  # when the pending request went out
         self._overdue_checked = 0.0
+        # the partition's nodes this job can hold (_partition_nodes), and when last read
+        self.partition_nodes = len(topology.nodes)
+        self._partition_read_at: float | None = None
+        self._partition_stale = False  # a loss since: read again at the next decision
         self.done: set[int] = set()
         self.dirty = True
         self.dirty_at_first_step = False
@@ -571,6 +579,7 @@ class Coordinator:
                         f"{event.deadline - now:.0f} s of grace", state="preempting",
                         deadline=event.deadline))
                 case Loss():
+                    self._partition_stale = True  # a node DOWN may take others with it
                     for d in event.devices:
                         self.lost.add(d)
                         self.notices[d] = (now, "failure" if event.cause == "failure"
@@ -855,9 +864,27 @@ class Coordinator:
             notices=tuple(Notice(frozenset(ds), deadline, cause)
                           for (deadline, cause), ds in sorted(by_deadline.items())),
             resizes=tuple(self.resize_times), growing=self.growing,
-            pinned=frozenset(self.pinned), partition_nodes=len(self.topology.nodes),
+            pinned=frozenset(self.pinned), partition_nodes=self._partition_nodes(),
             request_age_s=(None if not self.growing or self.request_sent_at is None
                            else time.monotonic() - self.request_sent_at))
+
+    def _partition_nodes(self) -> int:
+        """The nodes this job can hold now: re-read through the backend (``usable_nodes``:
+        the Slurm backend counts those not DOWN/DRAIN, with the job's own) after a loss was
+        observed and otherwise at most every PARTITION_REREAD_S, since nodes of the
+        partition that go down later raise no event of this job; the last count where the
+        backend cannot say (a scripted cluster: all of its nodes)."""
+        read = getattr(self.backend, "usable_nodes", None)
+        now = time.monotonic()
+        if read is not None and (self._partition_stale or self._partition_read_at is None
+                                 or now >= self._partition_read_at + PARTITION_REREAD_S):
+            self._partition_read_at, self._partition_stale = now, False
+            count = read()
+            if count is not None and count != self.partition_nodes:
+                logger.info("the partition has %d usable node(s) for this job (was %d)",
+                            count, self.partition_nodes)
+                self.partition_nodes = count
+        return self.partition_nodes
 
     def _request_overdue(self) -> bool:
         """The pending request waited past the policy's patience: decide again (it may be

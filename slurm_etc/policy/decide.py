@@ -259,13 +259,14 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
         deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
         actions.append(Resize(config, target, forced, why, deadline))
     kept = frozenset(target.vranks.values())
-    withdraw = _withdraw(s, policy, capped)
+    unmeetable = _unmeetable(s)
+    withdraw = unmeetable or _withdraw(s, policy, capped)
     released, grow = target.released, None
-    if withdraw is not None:  # only where a smaller request is worth asking for
+    if withdraw is not None:
         released, grow = _growth(s, policy, kept, target.released, choice, capped, 0,
                                  s.growing)
-        if grow is None:
-            withdraw = None
+        if grow is None and unmeetable is None:
+            withdraw = None  # past its patience: only where a smaller one is worth asking
     if withdraw is None:
         released, grow = _growth(s, policy, kept, target.released, choice, capped,
                                  s.growing, None)
@@ -289,6 +290,19 @@ def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
         return tuple(d for d in released if d not in spare[0]), spare[1]
     return released, _grow_request(s, policy, kept, choice, capped, growing=growing,
                                    smaller_than=smaller_than)
+
+
+def _unmeetable(s: Snapshot) -> WithdrawRequest | None:
+    """The pending request, when the partition's usable nodes no longer meet it (nodes went
+    DOWN or DRAIN after it was sent): it would pend forever, whatever its age."""
+    if not s.growing or s.partition_nodes is None:
+        return None
+    held = len({d.node for d in s.held})
+    beyond = max(s.partition_nodes - held, 0)
+    if s.growing <= beyond:
+        return None
+    return WithdrawRequest(s.growing, f"the partition has {beyond} usable node(s) beyond the "
+                                      f"{held} this job holds; asking for fewer")
 
 
 def _withdraw(s: Snapshot, policy: EffectivePolicy, capped: bool) -> WithdrawRequest | None:
