@@ -887,10 +887,17 @@ class Coordinator:
         return self.partition_nodes
 
     def _request_overdue(self) -> bool:
-        """The pending request waited past the policy's patience: decide again (it may be
-        withdrawn and asked again smaller), once a minute at most."""
+        """Decide again about the pending request: it waited past the policy's patience
+        (once a minute at most), or a fresh count of the partition's usable nodes (at most
+        every PARTITION_REREAD_S) no longer meets it. Either way it may be withdrawn and
+        asked again smaller."""
         if not self.growing or self.request_sent_at is None:
             return False
+        read_at = self._partition_read_at
+        usable = self._partition_nodes()
+        if self._partition_read_at != read_at and \
+                self.growing > usable - len({d.node for d in self.held}):
+            return True
         age = time.monotonic() - self.request_sent_at
         if age < self.spec.policy.patience_s or \
                 time.monotonic() < self._overdue_checked + 60.0:

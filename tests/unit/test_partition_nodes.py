@@ -131,3 +131,33 @@ def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path) -> None:
         c.held = {d: "a0" for d in node("n1")}
         assert c._snapshot().partition_nodes == len(TOPO.nodes) == 4
         assert Device("n1", 0) in c.held
+
+
+def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_reread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No event comes when a node this job does not hold goes DOWN: the periodic re-read
+    finds the pending request unmeetable and decides again (withdrawn, asked within the
+    usable nodes), instead of waiting out the patience."""
+    from tests.unit.coordinator_harness import coordinator_over
+
+    backend = CountingBackend()
+    vranks, layout = on(node("n1"))
+    with coordinator_over(tmp_path, "downbeyond", backend, training=JOB,
+                          policy=EffectivePolicy(grow=True, max_nodes=4),
+                          hardware=HW, backend_name="local") as (c, _db):
+        c.held = {d: "a0" for d in node("n1")}
+        c.pinned = set(node("n1"))
+        c.layout, c.vranks, c.step = layout, dict(vranks), 5
+        c.requests, c.growing = 1, 3
+        c.request_sent_at = time.monotonic() - 5.0
+        assert not c._request_overdue() and backend.reads == 1  # 3 more of 4: can come
+        assert not c._request_overdue() and backend.reads == 1  # not read again at once
+        backend.usable = 2  # n3, n4 DOWN
+        real = time.monotonic
+        monkeypatch.setattr(coordinator_loop.time, "monotonic",
+                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
+        assert c._request_overdue() and backend.reads == 2
+        c._decide()
+        assert [w.key for w in backend.withdrawn] == ["grow-1"]
+        assert all(r.nodes <= 1 for r in backend.requested), backend.requested
+        assert not c._request_overdue()  # decided: not again and again
