@@ -1296,10 +1296,15 @@ def _rebuilt(fl: _Inflight) -> tuple[tuple[int, int] | None, str | None]:
 def describe_job(job: TrainingJob) -> str:
     """One line: the model and batch a job plans with."""
     m = job.model
+    experts = ""
+    if m.moe:
+        shared = f", shared ffn {m.shared_expert_ffn}" if m.shared_expert_ffn else ""
+        experts = (f", {m.num_experts} experts (top {m.topk}, expert ffn "
+                   f"{m.expert_ffn_size}{shared})")
     return (f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads "
-            f"({m.query_groups} query groups), ffn {m.ffn_hidden}, vocab {m.padded_vocab}, "
-            f"seq {m.seq_length}, {m.param_dtype}; global batch {job.global_batch}, "
-            f"micro batch {job.micro_batch}")
+            f"({m.query_groups} query groups), ffn {m.ffn_hidden}{experts}, vocab "
+            f"{m.padded_vocab}, seq {m.seq_length}, {m.param_dtype}; global batch "
+            f"{job.global_batch}, micro batch {job.micro_batch}")
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],

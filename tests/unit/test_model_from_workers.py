@@ -285,3 +285,19 @@ def test_run_passes_a_micro_batch_given_alone_on_to_the_check(monkeypatch: pytes
     assert not neither.micro_batch_given and neither.batch_from_workers
     assert not both.batch_from_workers and (both.job.global_batch, both.job.micro_batch) == \
         (8, 2)
+
+
+def test_a_reported_moe_that_does_not_fit_together_stops_the_job_and_the_log_shows_experts(
+        tmp_path: Path) -> None:
+    from slurm_etc.alloc.chooser import TrainingJob
+    from slurm_etc.coordinator.loop import describe_job
+
+    moe = ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1)
+    backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
+    with ctx as (c, _db):
+        c._model_built(0, msgspec.structs.replace(moe, num_experts=2, router_topk=4))
+        assert c.fatal == ("vrank 0's training script builds a model that cannot be planned: "
+                           "model tiny-moe: router_topk (4) must be at most num_experts (2)")
+    line = describe_job(TrainingJob(PRESETS["tiny-moe"], 8, 1))
+    assert "ffn 128, 4 experts (top 2, expert ffn 64), vocab 256" in line, line
+    assert "experts" not in describe_job(TrainingJob(TINY, 8, 1))
