@@ -271,6 +271,7 @@ def show(ctx: click.Context, partition: str | None, account: str | None, as_json
         out: dict = {"policies": [p.to_json() for p in found]}
         if merged is not None:
             out["effective"] = {f: _jsonable(getattr(merged, f)) for f in FIELDS}
+            out["effective"]["request_patience_s"] = merged.patience_s  # unset: the 300 s
         click.echo(json.dumps(out, indent=2))
         return
     if not found and merged is None:

@@ -104,3 +104,24 @@ def test_policy_set_stores_the_patience(tmp_path: Path) -> None:
     bad = CliRunner().invoke(cli, ["policy", "--db", str(db), "set", "--partition", "gpu",
                                    "request_patience_s=0"], obj=admin)
     assert bad.exit_code == 2 and "request_patience_s must be an integer >= 1" in bad.output
+
+
+def test_policy_show_gives_the_effective_patience(tmp_path: Path) -> None:
+    import json
+
+    db = tmp_path / "policies.db"
+    admin = {"admin_check": lambda: AdminVerdict(True, "Slurm Administrator", "admin")}
+    for scope, value in (("--partition", "gpu"), ("--account", "ml")):
+        r = CliRunner().invoke(cli, ["policy", "--db", str(db), "set", scope, value,
+                                     "max_nodes=8"], obj=admin)
+        assert r.exit_code == 0, r.output
+    show = ["policy", "--db", str(db), "show", "--partition", "gpu", "--account", "ml"]
+    r = CliRunner().invoke(cli, [*show, "--json"], obj=admin)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["effective"]["request_patience_s"] == 300  # unset: default
+    r = CliRunner().invoke(cli, show, obj=admin, env={"COLUMNS": "200"})
+    assert "300 (default)" in r.output, r.output
+    r = CliRunner().invoke(cli, ["policy", "--db", str(db), "set", "--account", "ml",
+                                 "request_patience_s=90s"], obj=admin)
+    r = CliRunner().invoke(cli, [*show, "--json"], obj=admin)
+    assert json.loads(r.output)["effective"]["request_patience_s"] == 90
