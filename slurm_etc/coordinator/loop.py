@@ -895,8 +895,8 @@ class Coordinator:
             return False
         read_at = self._partition_read_at
         usable = self._partition_nodes()
-        if self._partition_read_at != read_at and \
-                self.growing > usable - len({d.node for d in self.held}):
+        keeps = {d.node for d in self.held if d not in self.release_later}
+        if self._partition_read_at != read_at and self.growing > usable - len(keeps):
             return True
         age = time.monotonic() - self.request_sent_at
         if age < self.spec.policy.patience_s or \

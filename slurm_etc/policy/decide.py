@@ -259,7 +259,7 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
         deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
         actions.append(Resize(config, target, forced, why, deadline))
     kept = frozenset(target.vranks.values())
-    unmeetable = _unmeetable(s)
+    unmeetable = _unmeetable(s, kept)
     withdraw = unmeetable or _withdraw(s, policy, capped)
     released, grow = target.released, None
     if withdraw is not None:
@@ -292,17 +292,19 @@ def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
                                    smaller_than=smaller_than)
 
 
-def _unmeetable(s: Snapshot) -> WithdrawRequest | None:
+def _unmeetable(s: Snapshot, kept: frozenset[Device]) -> WithdrawRequest | None:
     """The pending request, when the partition's usable nodes no longer meet it (nodes went
-    DOWN or DRAIN after it was sent): it would pend forever, whatever its age."""
+    DOWN or DRAIN after it was sent): it would pend forever, whatever its age. Counted
+    beside the nodes the job keeps, as the request was sized: nodes it releases are free
+    again once released."""
     if not s.growing or s.partition_nodes is None:
         return None
-    held = len({d.node for d in s.held})
-    beyond = max(s.partition_nodes - held, 0)
+    keeps = len({d.node for d in kept})
+    beyond = max(s.partition_nodes - keeps, 0)
     if s.growing <= beyond:
         return None
     return WithdrawRequest(s.growing, f"the partition has {beyond} usable node(s) beyond the "
-                                      f"{held} this job holds; asking for fewer")
+                                      f"{keeps} this job keeps; asking for fewer")
 
 
 def _withdraw(s: Snapshot, policy: EffectivePolicy, capped: bool) -> WithdrawRequest | None:

@@ -64,7 +64,7 @@ def test_a_young_request_that_can_no_longer_be_met_is_withdrawn_at_once() -> Non
     gone = decide(_pending(2, 3), EffectivePolicy(max_nodes=4), cost=fake_cost)
     (withdraw,) = of(gone, WithdrawRequest)
     assert withdraw.nodes == 3
-    assert ("the partition has 1 usable node(s) beyond the 1 this job holds" in
+    assert ("the partition has 1 usable node(s) beyond the 1 this job keeps" in
             str(withdraw)), gone.lines()
     asked = of(gone, RequestGrow)
     assert all(g.nodes <= 1 for g in asked), gone.lines()
@@ -161,3 +161,15 @@ def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_rerea
         assert [w.key for w in backend.withdrawn] == ["grow-1"]
         assert all(r.nodes <= 1 for r in backend.requested), backend.requested
         assert not c._request_overdue()  # decided: not again and again
+
+
+def test_nodes_being_released_do_not_make_a_pending_request_unmeetable() -> None:
+    """A node the job releases (it fits no layout) is held until the release is carried out;
+    a request sized on what the job keeps must not look unmeetable meanwhile (withdrawn and
+    asked again: churn)."""
+    vranks, layout = on(node("n1", "n2"))
+    snap = Snapshot(now=500.0, job=JOB, hardware=HW, topology=TOPO,
+                    held=node("n1", "n2", "n3"), layout=layout, vranks=vranks,
+                    pinned=node("n1"), partition_nodes=4, growing=2, request_age_s=10.0)
+    d = decide(snap, EffectivePolicy(max_nodes=3), cost=fake_cost)
+    assert not of(d, WithdrawRequest), d.lines()
