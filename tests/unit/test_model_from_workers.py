@@ -301,3 +301,30 @@ def test_a_reported_moe_that_does_not_fit_together_stops_the_job_and_the_log_sho
     line = describe_job(TrainingJob(PRESETS["tiny-moe"], 8, 1))
     assert "ffn 128, 4 experts (top 2, expert ffn 64), vocab 256" in line, line
     assert "experts" not in describe_job(TrainingJob(TINY, 8, 1))
+
+
+def test_the_live_model_says_its_channels_per_head_and_its_query_key_norms() -> None:
+    """What model_desc_of reads off the TransformerConfig and the GPTModel (attributes only:
+    no model is built here) reaches the report: a script with kv_channels apart from
+    hidden / heads (Qwen3) and q/k layer norms is planned with them, not as their absence
+    (before, the catalog then held against its sharded_state_dict refused it)."""
+    from types import SimpleNamespace
+
+    from slurm_etc.megatron.live import model_desc_of
+
+    tf = SimpleNamespace(num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                         num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                         qk_layernorm=True, gated_linear_unit=True, normalization="RMSNorm",
+                         add_bias_linear=False, bf16=False, fp16=False, num_moe_experts=None,
+                         mtp_num_layers=None)
+    gpt = SimpleNamespace(vocab_size=256, max_sequence_length=64,
+                          position_embedding_type="rope",
+                          share_embeddings_and_output_weights=False)
+    desc = model_desc_of(tf, gpt, "qwen-like")
+    assert desc.kv_channels == 32 and desc.qk_layernorm and desc.attention_width == 128
+    report = ModelReport.of(desc, 8, 1)
+    assert (report.head_dim, report.qk_layernorm) == (32, True)
+    assert report.desc() == desc
+    plain = model_desc_of(SimpleNamespace(**{**vars(tf), "kv_channels": 16,
+                                             "qk_layernorm": False}), gpt)
+    assert plain.head_dim is None and plain.kv_channels == 16 and not plain.qk_layernorm
