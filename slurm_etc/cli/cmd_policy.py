@@ -26,6 +26,7 @@ from .. import bounds
 from ..coordinator.policy_lookup import SITE_POLICY_DB, site_policy_problem
 from ..policy.admin import AdminVerdict, SacctmgrAnswer, adminlevel_command, verdict
 from ..policy.rules import (
+    DEFAULT_REQUEST_PATIENCE_S,
     FIELDS,
     EffectivePolicy,
     PolicyError,
@@ -194,6 +195,10 @@ def _value(v) -> str:
     return str(v)
 
 
+# What an unset field means in the effective policy, where it is not "no limit".
+_UNSET_EFFECTIVE = {"request_patience_s": f"{DEFAULT_REQUEST_PATIENCE_S} (default)"}
+
+
 def _table(policies: list[StoredPolicy], title: str,
            merged: EffectivePolicy | None = None) -> Table:
     """Fields as rows, one column per scope (narrow enough for a terminal), and the
@@ -205,8 +210,8 @@ def _table(policies: list[StoredPolicy], title: str,
     if merged is not None:
         t.add_column("effective", justify="right", style="bold")
     for f in FIELDS:
-        extra = [] if merged is None else [
-            "any" if getattr(merged, f) is None else _value(getattr(merged, f))]
+        extra = [] if merged is None else [_value(getattr(merged, f)) if getattr(
+            merged, f) is not None else _UNSET_EFFECTIVE.get(f, "any")]
         t.add_row(f, *(_value(getattr(p.policy, f)) for p in policies), *extra)
     pad = [] if merged is None else [""]
     t.add_row("changed by", *(p.updated_by for p in policies), *pad)
@@ -266,6 +271,7 @@ def show(ctx: click.Context, partition: str | None, account: str | None, as_json
         out: dict = {"policies": [p.to_json() for p in found]}
         if merged is not None:
             out["effective"] = {f: _jsonable(getattr(merged, f)) for f in FIELDS}
+            out["effective"]["request_patience_s"] = merged.patience_s  # unset: the 300 s
         click.echo(json.dumps(out, indent=2))
         return
     if not found and merged is None:
@@ -286,7 +292,8 @@ def show(ctx: click.Context, partition: str | None, account: str | None, as_json
 def set_(ctx: click.Context, partition: str | None, account: str | None, as_json: bool,
          assignments: tuple[str, ...]) -> None:
     """Set policy fields, e.g. min_nodes=2 max_nodes=32 allowed_tp=2,4,8 grow=yes
-    grow_partition=preempt grow_qos=scavenger preempt_grace_s=2m max_resizes_per_hour=6."""
+    grow_partition=preempt grow_qos=scavenger preempt_grace_s=2m max_resizes_per_hour=6
+    request_patience_s=5m."""
     scope = _required_scope(partition, account)
     try:
         changes = parse_assignments(assignments)

@@ -111,7 +111,11 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               help="Sequences per step. Default: the training script's (the first layout "
                    "is one worker until its workers said it). Given, it is checked against "
                    "theirs, with --micro-batch.")
-@click.option("--micro-batch", type=Number(bounds.BATCH), default=1, show_default=True)
+@click.option("--micro-batch", type=Number(bounds.BATCH),
+              help="Sequences per micro batch of one model replica. With --global-batch: "
+                   "default 1. Without: default the training script's; given, the "
+                   "workers' must be it (the job stops at once, naming both) and the global "
+                   "batch is theirs.")
 @click.option("--distributed-optimizer", is_flag=True)
 @click.option("--policy-partition", type=Text(), help="Partition whose resize policy applies.")
 @click.option("--account", type=Text(), help="Account whose resize policy applies.")
@@ -200,6 +204,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     except ChannelError as err:
         raise ConfigError(str(err)) from None
     model = load_model(model_spec) if model_spec else None
+    micro_batch_given = micro_batch is not None
+    micro_batch = micro_batch or 1
     figures = load_hardware(hardware)
     if global_batch is not None:
         TrainingJob(model or _ANY_MODEL, global_batch, micro_batch,
@@ -243,6 +249,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                    recovery=recovery, reattach_wait_s=reattach_wait,
                    join_timeout_s=float(join_timeout), model_from_workers=model is None,
                    batch_from_workers=global_batch is None,
+                   micro_batch_given=global_batch is None and micro_batch_given,
                    model_label=f"--model {model_spec}")
     logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
                                                 logging.getLogger().getEffectiveLevel()))

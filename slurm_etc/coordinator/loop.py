@@ -42,7 +42,6 @@ from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
-    REQUEST_PATIENCE_S,
     Notice,
     Pause,
     Release,
@@ -113,6 +112,10 @@ DEAD_GRACE_S = 1.0
 # How long a launched worker has to say Hello (slurm-etc run --join-timeout): a cold import of
 # torch and megatron-core takes seconds; a script that never calls run_worker never says it.
 DEFAULT_JOIN_TIMEOUT_S = 300.0
+# The partition's usable nodes are read again at a decision this long after the last read
+# (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
+# not hold raises no event.
+PARTITION_REREAD_S = 60.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
@@ -135,9 +138,9 @@ PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
                     distributed_optimizer: bool) -> TrainingJob:
     """The job the first layout is chosen for: what was given, the provisional model and a
-    batch of one (dp=1) where it was not."""
+    global batch of one micro batch (dp=1) where none was given."""
     if global_batch is None:
-        global_batch = micro_batch = 1
+        global_batch = micro_batch
     return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
                        distributed_optimizer)
 
@@ -165,6 +168,9 @@ class JobSpec:
         model_from_workers: ``job.model`` is provisional (no ``--model``): the first
             layout's workers say the model (:class:`ModelBuilt`) and it is planned with.
         batch_from_workers: likewise ``job``'s batch (no ``--global-batch``).
+        micro_batch_given: ``job.micro_batch`` is the user's (``--micro-batch`` without
+            ``--global-batch``): the workers' micro batch must be it, the global batch is
+            theirs.
         model_label: where ``job.model`` came from, for the one line of a mismatch
             (``--model tiny``).
         order_after_joined: order the old layout of a resize only once every joiner said
@@ -196,6 +202,7 @@ class JobSpec:
     prepare_aside_min_grace_s: float = 15.0
     model_from_workers: bool = False
     batch_from_workers: bool = False
+    micro_batch_given: bool = False
     model_label: str = "--model"
 
 
@@ -259,6 +266,10 @@ class Coordinator:
         self.requests = 0
         self.request_sent_at: float | None = None  # when the pending request went out
         self._overdue_checked = 0.0
+        # the partition's nodes this job can hold (_partition_nodes), and when last read
+        self.partition_nodes = len(topology.nodes)
+        self._partition_read_at: float | None = None
+        self._partition_stale = False  # a loss since: read again at the next decision
         self.done: set[int] = set()
         self.dirty = True
         self.dirty_at_first_step = False
@@ -283,6 +294,10 @@ class Coordinator:
             None if spec.model_from_workers else (given, spec.model_label))
         self.batch: tuple[ModelReport, str] | None = (
             None if spec.batch_from_workers else (given, "--global-batch"))
+        # --micro-batch alone: what the first worker's micro batch must be
+        self.micro_batch: tuple[ModelReport, str] | None = (
+            (given, "--micro-batch") if spec.batch_from_workers and spec.micro_batch_given
+            else None)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
         self.reattached = False  # the layout is a killed coordinator's, taken up again
         # a worker that lost its coordinator and says Hello again is taken up only if it
@@ -569,6 +584,7 @@ class Coordinator:
                         f"{event.deadline - now:.0f} s of grace", state="preempting",
                         deadline=event.deadline))
                 case Loss():
+                    self._partition_stale = True  # a node DOWN may take others with it
                     for d in event.devices:
                         self.lost.add(d)
                         self.notices[d] = (now, "failure" if event.cause == "failure"
@@ -768,7 +784,8 @@ class Coordinator:
         first difference (before any resize: none is decided until both are known, and
         a worker plans with its own)."""
         here = f"vrank {vrank}'s training script"
-        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch)):
+        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch),
+                              (("micro_batch",), self.micro_batch)):
             if ref is None:
                 continue
             there = {"": ref[1], "global_batch": ref[1], "micro_batch": ref[1]}
@@ -852,17 +869,43 @@ class Coordinator:
             notices=tuple(Notice(frozenset(ds), deadline, cause)
                           for (deadline, cause), ds in sorted(by_deadline.items())),
             resizes=tuple(self.resize_times), growing=self.growing,
-            pinned=frozenset(self.pinned), partition_nodes=len(self.topology.nodes),
+            pinned=frozenset(self.pinned), partition_nodes=self._partition_nodes(),
             request_age_s=(None if not self.growing or self.request_sent_at is None
                            else time.monotonic() - self.request_sent_at))
 
+    def _partition_nodes(self) -> int:
+        """The nodes this job can hold now: re-read through the backend (``usable_nodes``:
+        the Slurm backend counts those not DOWN/DRAIN, with the job's own) after a loss was
+        observed and otherwise at most every PARTITION_REREAD_S, since nodes of the
+        partition that go down later raise no event of this job; the last count where the
+        backend cannot say (a scripted cluster: all of its nodes)."""
+        read = getattr(self.backend, "usable_nodes", None)
+        now = time.monotonic()
+        if read is not None and (self._partition_stale or self._partition_read_at is None
+                                 or now >= self._partition_read_at + PARTITION_REREAD_S):
+            self._partition_read_at, self._partition_stale = now, False
+            count = read()
+            if count is not None and count != self.partition_nodes:
+                logger.info("the partition has %d usable node(s) for this job (was %d)",
+                            count, self.partition_nodes)
+                self.partition_nodes = count
+        return self.partition_nodes
+
     def _request_overdue(self) -> bool:
-        """The pending request waited past the policy's patience: decide again (it may be
-        withdrawn and asked again smaller), once a minute at most."""
+        """Decide again about the pending request: it waited past the policy's patience
+        (once a minute at most), or a fresh count of the partition's usable nodes (at most
+        every PARTITION_REREAD_S) no longer meets it. Either way it may be withdrawn and
+        asked again smaller."""
         if not self.growing or self.request_sent_at is None:
             return False
+        read_at = self._partition_read_at
+        usable = self._partition_nodes()
+        keeps = {d.node for d in self.held if d not in self.release_later}
+        if self._partition_read_at != read_at and self.growing > usable - len(keeps):
+            return True
         age = time.monotonic() - self.request_sent_at
-        if age < REQUEST_PATIENCE_S or time.monotonic() < self._overdue_checked + 60.0:
+        if age < self.spec.policy.patience_s or \
+                time.monotonic() < self._overdue_checked + 60.0:
             return False
         self._overdue_checked = time.monotonic()
         return True
@@ -1264,10 +1307,15 @@ def _rebuilt(fl: _Inflight) -> tuple[tuple[int, int] | None, str | None]:
 def describe_job(job: TrainingJob) -> str:
     """One line: the model and batch a job plans with."""
     m = job.model
+    experts = ""
+    if m.moe:
+        shared = f", shared ffn {m.shared_expert_ffn}" if m.shared_expert_ffn else ""
+        experts = (f", {m.num_experts} experts (top {m.topk}, expert ffn "
+                   f"{m.expert_ffn_size}{shared})")
     return (f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads "
-            f"({m.query_groups} query groups), ffn {m.ffn_hidden}, vocab {m.padded_vocab}, "
-            f"seq {m.seq_length}, {m.param_dtype}; global batch {job.global_batch}, "
-            f"micro batch {job.micro_batch}")
+            f"({m.query_groups} query groups), ffn {m.ffn_hidden}{experts}, vocab "
+            f"{m.padded_vocab}, seq {m.seq_length}, {m.param_dtype}; global batch "
+            f"{job.global_batch}, micro batch {job.micro_batch}")
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],

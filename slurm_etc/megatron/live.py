@@ -36,8 +36,13 @@ def model_desc_of(tf_config: Any, gpt: Any, name: str = "user-model") -> ModelDe
     if position not in ("learned_absolute", "rope"):
         raise ConfigError(f"position embedding {position!r} is not supported "
                           "(learned_absolute, rope)")
+    kv = getattr(tf_config, "kv_channels", None)
     return ModelDesc(
         name=name,
+        # channels per head set apart from hidden / heads (Qwen3): None where it is that
+        head_dim=kv if kv and kv * tf_config.num_attention_heads != tf_config.hidden_size
+        else None,
+        qk_layernorm=bool(getattr(tf_config, "qk_layernorm", False)),
         num_layers=tf_config.num_layers,
         hidden=tf_config.hidden_size,
         ffn_hidden=tf_config.ffn_hidden_size,

@@ -84,10 +84,10 @@ def stricter(site: EffectivePolicy, own: EffectivePolicy) -> EffectivePolicy:
     """The site's policy, narrowed by a user's own (``run --policy-db``): a user's policy
     file can only make the job's limits stricter, never looser.
 
-    The larger ``min_nodes`` and preemption grace, the smaller ``max_nodes`` and resize cap
-    (unset: no limit), the common allowed degrees, growth only if both allow it. The member
-    partition and QOS are the site's where it sets them (Slurm decides who may use which;
-    a user's choice applies only where the site leaves it open).
+    The larger ``min_nodes`` and preemption grace, the smaller ``max_nodes``, resize cap
+    (unset: no limit) and request patience, the common allowed degrees, growth only if both
+    allow it. The member partition and QOS are the site's where it sets them (Slurm
+    decides who may use which; a user's choice applies only where the site leaves it open).
 
     Raises:
         PolicyError: the two leave nothing (no common degree, min above max).
@@ -114,7 +114,8 @@ def stricter(site: EffectivePolicy, own: EffectivePolicy) -> EffectivePolicy:
         grow_partition=site.grow_partition or own.grow_partition,
         grow_qos=site.grow_qos or own.grow_qos,
         preempt_grace_s=max(site.preempt_grace_s, own.preempt_grace_s),
-        max_resizes_per_hour=smaller(site.max_resizes_per_hour, own.max_resizes_per_hour))
+        max_resizes_per_hour=smaller(site.max_resizes_per_hour, own.max_resizes_per_hour),
+        request_patience_s=smaller(site.request_patience_s, own.request_patience_s))
     if out.max_nodes is not None and out.min_nodes > out.max_nodes:
         raise PolicyError(f"min_nodes {out.min_nodes} exceeds max_nodes {out.max_nodes} "
                           "(the site's and your policy together)")

@@ -21,9 +21,6 @@ from .rules import EffectivePolicy
 # throughput by at least this much; smaller gains do not pay for the pause.
 MIN_GAIN = 0.05
 HOUR = 3600.0
-# A node request still pending after this long is withdrawn and asked again smaller (a big
-# request can wait forever on a busy partition where a smaller one starts).
-REQUEST_PATIENCE_S = 300.0
 
 CostFn = Callable[[Layout, ParallelConfig, Allocation], int]
 
@@ -57,8 +54,7 @@ class Snapshot:
             local backend's scripted cluster); None: unknown. No request asks for more than
             these minus the nodes it keeps.
         request_age_s: how long the pending request (``growing``) has waited; None: none.
-        request_patience_s: how long a pending request may wait before it is withdrawn and
-            asked again smaller.
+            Past the policy's ``request_patience_s`` it is withdrawn and asked again smaller.
     """
 
     now: float
@@ -74,7 +70,6 @@ class Snapshot:
     pinned: frozenset[Device] = frozenset()
     partition_nodes: int | None = None
     request_age_s: float | None = None
-    request_patience_s: float = REQUEST_PATIENCE_S
 
 
 @dataclass(frozen=True)
@@ -264,13 +259,14 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
         deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
         actions.append(Resize(config, target, forced, why, deadline))
     kept = frozenset(target.vranks.values())
-    withdraw = _withdraw(s, capped)
+    unmeetable = _unmeetable(s, kept)
+    withdraw = unmeetable or _withdraw(s, policy, capped)
     released, grow = target.released, None
-    if withdraw is not None:  # only where a smaller request is worth asking for
+    if withdraw is not None:
         released, grow = _growth(s, policy, kept, target.released, choice, capped, 0,
                                  s.growing)
-        if grow is None:
-            withdraw = None
+        if grow is None and unmeetable is None:
+            withdraw = None  # past its patience: only where a smaller one is worth asking
     if withdraw is None:
         released, grow = _growth(s, policy, kept, target.released, choice, capped,
                                  s.growing, None)
@@ -296,13 +292,30 @@ def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
                                    smaller_than=smaller_than)
 
 
-def _withdraw(s: Snapshot, capped: bool) -> WithdrawRequest | None:
-    """The pending request, when it waited past the patience and a smaller one exists."""
+def _unmeetable(s: Snapshot, kept: frozenset[Device]) -> WithdrawRequest | None:
+    """The pending request, when the partition's usable nodes no longer meet it (nodes went
+    DOWN or DRAIN after it was sent): it would pend forever, whatever its age. Counted
+    beside the nodes the job keeps, as the request was sized: nodes it releases are free
+    again once released."""
+    if not s.growing or s.partition_nodes is None:
+        return None
+    keeps = len({d.node for d in kept})
+    beyond = max(s.partition_nodes - keeps, 0)
+    if s.growing <= beyond:
+        return None
+    return WithdrawRequest(s.growing, f"the partition has {beyond} usable node(s) beyond the "
+                                      f"{keeps} this job keeps; asking for fewer")
+
+
+def _withdraw(s: Snapshot, policy: EffectivePolicy, capped: bool) -> WithdrawRequest | None:
+    """The pending request, when it waited past the policy's patience and a smaller one
+    exists."""
+    patience = policy.patience_s
     if not s.growing or s.growing < 2 or s.request_age_s is None or capped or \
-            s.request_age_s < s.request_patience_s:
+            s.request_age_s < patience:
         return None
     return WithdrawRequest(s.growing, f"pending for {s.request_age_s:.0f} s (more than "
-                                      f"{s.request_patience_s:.0f} s); asking for fewer")
+                                      f"{patience} s); asking for fewer")
 
 
 def _spare_worth_keeping(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],

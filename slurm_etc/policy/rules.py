@@ -59,6 +59,9 @@ class ResizePolicy:
             member's ``--signal`` lead time; the partition's GraceTime should match).
         max_resizes_per_hour: voluntary resizes allowed in any hour (hysteresis); losses
             are always handled.
+        request_patience_s: seconds a node request may pend before it is withdrawn and
+            asked again smaller (a big request can wait forever on a busy partition where a
+            smaller one starts); checked at most once a minute.
     """
 
     min_nodes: int | None = None
@@ -70,11 +73,14 @@ class ResizePolicy:
     grow_qos: str | None = None
     preempt_grace_s: int | None = None
     max_resizes_per_hour: int | None = None
+    request_patience_s: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("min_nodes", "max_nodes", "max_resizes_per_hour", "preempt_grace_s"):
+        for name in ("min_nodes", "max_nodes", "max_resizes_per_hour", "preempt_grace_s",
+                     "request_patience_s"):
             value = getattr(self, name)
-            low = 1 if name in ("min_nodes", "max_nodes") else 0
+            # a patience of 0 would withdraw every request at its first look
+            low = 1 if name in ("min_nodes", "max_nodes", "request_patience_s") else 0
             if value is not None and (not _is_int(value) or value < low):
                 raise PolicyError(f"{name} must be an integer >= {low}, got "
                                   f"{bounds.shown(value)}")
@@ -115,7 +121,7 @@ FIELDS = tuple(f.name for f in fields(ResizePolicy))
 POLICY_BOUNDS: dict[str, bounds.Bound] = {
     "min_nodes": bounds.NODES, "max_nodes": bounds.NODES, "allowed_tp": bounds.DEGREE,
     "allowed_pp": bounds.DEGREE, "preempt_grace_s": bounds.SECONDS,
-    "max_resizes_per_hour": bounds.RESIZES_PER_HOUR,
+    "max_resizes_per_hour": bounds.RESIZES_PER_HOUR, "request_patience_s": bounds.SECONDS,
 }
 
 
@@ -134,6 +140,11 @@ def _bounded(name: str, value: object) -> None:
         raise PolicyError(str(exc)) from None
 
 
+# A node request pending this long is withdrawn and asked again smaller, unless a policy
+# says otherwise.
+DEFAULT_REQUEST_PATIENCE_S = 300
+
+
 @dataclass(frozen=True)
 class EffectivePolicy:
     """Every field resolved: what ``decide`` applies to one job."""
@@ -147,13 +158,23 @@ class EffectivePolicy:
     grow_qos: str | None = None
     preempt_grace_s: int = 0
     max_resizes_per_hour: int | None = None
+    # None: no policy sets it (DEFAULT_REQUEST_PATIENCE_S); kept apart from the default so
+    # that merging takes the shortest any policy sets, never the default over a site's
+    request_patience_s: int | None = None
+
+    @property
+    def patience_s(self) -> int:
+        """How long a node request may pend before it is withdrawn and asked smaller."""
+        return (DEFAULT_REQUEST_PATIENCE_S if self.request_patience_s is None
+                else self.request_patience_s)
 
 
 def effective(policies: Iterable[tuple[Scope, ResizePolicy]]) -> EffectivePolicy:
     """Merge the policies that bind one job (its partition's and its account's).
 
-    The stricter value wins: the larger min_nodes and preempt grace, the smaller max_nodes
-    and resize cap, the intersection of allowed degrees, growth only if all allow it. The
+    The stricter value wins: the larger min_nodes and preempt grace, the smaller max_nodes,
+    resize cap and request patience (a big request holds its place in the queue less
+    long), the intersection of allowed degrees, growth only if all allow it. The
     member partition and QOS come from the account's policy before the partition's.
 
     Raises:
@@ -167,7 +188,7 @@ def effective(policies: Iterable[tuple[Scope, ResizePolicy]]) -> EffectivePolicy
             current = getattr(out, name)
             if name in ("min_nodes", "preempt_grace_s"):
                 merged = max(current, value)
-            elif name in ("max_nodes", "max_resizes_per_hour"):
+            elif name in ("max_nodes", "max_resizes_per_hour", "request_patience_s"):
                 merged = value if current is None else min(current, value)
             elif name in ("allowed_tp", "allowed_pp"):
                 merged = value if current is None else tuple(sorted(set(current) & set(value)))
@@ -191,7 +212,8 @@ def parse_assignments(items: Iterable[str]) -> dict[str, PolicyValue]:
     """Parse ``key=value`` strings into field values (validated by ResizePolicy later).
 
     Values: integers; ``allowed_tp``/``allowed_pp`` as comma lists (``1,2,4``); ``grow`` as
-    yes/no/true/false/1/0; ``preempt_grace_s`` also as ``90s``, ``5m``, ``1h``.
+    yes/no/true/false/1/0; ``preempt_grace_s`` and ``request_patience_s`` also as ``90s``,
+    ``5m``, ``1h``.
 
     Raises:
         PolicyError: unknown key, repeated key or unparsable value, naming the valid keys.
@@ -260,15 +282,15 @@ def _parse_value(key: str, raw: str) -> PolicyValue:
         raise PolicyError(f"grow must be yes or no, got {raw!r}")
     if key in ("grow_partition", "grow_qos"):
         return raw
-    if key == "preempt_grace_s":
-        return _parse_seconds(raw)
+    if key in ("preempt_grace_s", "request_patience_s"):
+        return _parse_seconds(key, raw)
     try:
         return int(raw)
     except ValueError:
         raise PolicyError(f"{key} must be an integer, got {raw!r}") from None
 
 
-def _parse_seconds(raw: str) -> int:
+def _parse_seconds(key: str, raw: str) -> int:
     units = {"s": 1, "m": 60, "h": 3600}
     text = raw.lower()
     scale = units.get(text[-1:], None)
@@ -276,7 +298,7 @@ def _parse_seconds(raw: str) -> int:
     try:
         return int(number) * (scale or 1)
     except ValueError:
-        raise PolicyError(f"preempt_grace_s must be seconds (like 120, 90s, 5m, 1h), "
+        raise PolicyError(f"{key} must be seconds (like 120, 90s, 5m, 1h), "
                           f"got {raw!r}") from None
 
 

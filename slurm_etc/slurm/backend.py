@@ -401,6 +401,21 @@ class SlurmBackend:
             self._topology = ClusterTopology(self.gpus_per_node, tuple(names))
         return self._topology
 
+    def usable_nodes(self) -> int | None:
+        """How many of :attr:`topology`'s nodes this job can hold now: those Slurm would
+        start a job on (not DOWN, DRAIN, FAIL, not responding) and those it holds. Asked
+        anew on every call (one sinfo; the coordinator bounds the rate); None when Slurm
+        does not answer."""
+        names = set(self.topology.nodes)
+        try:
+            nodes = self.client.nodes()
+        except SlurmError as e:
+            logger.warning("[slurm] cannot count the partition's usable nodes: %s", e)
+            return None
+        held = {d.node for d in self._held}
+        return len({n.name for n in nodes if n.name in names and (n.usable or n.name in held)}
+                   | (held & names))
+
     def __enter__(self) -> "SlurmBackend":
         return self
 

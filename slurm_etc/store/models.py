@@ -47,6 +47,8 @@ class PolicyRow(Base):
                         name="ck_policies_grace"),
         CheckConstraint("max_resizes_per_hour IS NULL OR max_resizes_per_hour >= 0",
                         name="ck_policies_resizes"),
+        CheckConstraint("request_patience_s IS NULL OR request_patience_s >= 1",
+                        name="ck_policies_patience"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -61,6 +63,7 @@ class PolicyRow(Base):
     grow_qos: Mapped[str | None] = mapped_column(String(64))
     preempt_grace_s: Mapped[int | None]
     max_resizes_per_hour: Mapped[int | None]
+    request_patience_s: Mapped[int | None]
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_by: Mapped[str] = mapped_column(String(64))
 

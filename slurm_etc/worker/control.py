@@ -20,7 +20,7 @@ import msgspec
 from slurm_etc import bounds
 from slurm_etc.plan.config import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.plan.model import ModelDesc
+from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -168,17 +168,24 @@ def _within(bound: bounds.Bound) -> msgspec.Meta:
 class ModelReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The model a worker built, as the layout chooser, the memory estimate and the planner
     see it: the description whose catalog the live model's ``sharded_state_dict()`` was
-    checked against (``vocab_size`` already padded by the model), and the batch it trains.
-    Every size is bounded as a model file's is (``plan.model.MODEL_BOUNDS``)."""
+    checked against, and the batch it trains. Every field of :class:`ModelDesc` that
+    changes the catalog or the chooser is here (``vocab_divisor`` only pads the vocabulary:
+    ``vocab_size`` is the padded one), each bounded as a model file's is
+    (``plan.model.MODEL_BOUNDS``).
+
+    Every default is resolved (the query groups, the channels per head, the padded
+    vocabulary; for a mixture of experts the router's top-k and the experts' inner size),
+    so that two descriptions of the same model report the same: a preset and the live
+    model megatron built from it compare equal field by field."""
 
     name: Annotated[str, msgspec.Meta(max_length=bounds.NAME_CHARS)]
-    num_layers: Annotated[int, _within(bounds.LAYERS)]
-    hidden: Annotated[int, _within(bounds.HIDDEN)]
-    ffn_hidden: Annotated[int, _within(bounds.FFN)]
-    num_heads: Annotated[int, _within(bounds.HEADS)]
-    num_query_groups: Annotated[int, _within(bounds.HEADS)]
-    vocab_size: Annotated[int, _within(bounds.VOCAB)]
-    seq_length: Annotated[int, _within(bounds.SEQ)]
+    num_layers: Annotated[int, _within(MODEL_BOUNDS["num_layers"])]
+    hidden: Annotated[int, _within(MODEL_BOUNDS["hidden"])]
+    ffn_hidden: Annotated[int, _within(MODEL_BOUNDS["ffn_hidden"])]
+    num_heads: Annotated[int, _within(MODEL_BOUNDS["num_heads"])]
+    num_query_groups: Annotated[int, _within(MODEL_BOUNDS["num_query_groups"])]
+    vocab_size: Annotated[int, _within(MODEL_BOUNDS["vocab_size"])]
+    seq_length: Annotated[int, _within(MODEL_BOUNDS["seq_length"])]
     swiglu: bool
     rmsnorm: bool
     add_bias_linear: bool
@@ -187,24 +194,39 @@ class ModelReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     param_dtype: Literal["fp32", "bf16"]
     global_batch: Annotated[int, _within(bounds.BATCH)]
     micro_batch: Annotated[int, _within(bounds.BATCH)]
-    num_experts: Annotated[int, msgspec.Meta(ge=0, le=bounds.HEADS.high)] = 0
+    head_dim: Annotated[int, _within(MODEL_BOUNDS["head_dim"])] | None = None
+    qk_layernorm: bool = False
+    # None: a dense model (then the three below are None too)
+    num_experts: Annotated[int, _within(MODEL_BOUNDS["num_experts"])] | None = None
+    router_topk: Annotated[int, _within(MODEL_BOUNDS["router_topk"])] | None = None
+    expert_ffn: Annotated[int, _within(MODEL_BOUNDS["expert_ffn"])] | None = None
+    shared_expert_ffn: Annotated[int, _within(MODEL_BOUNDS["shared_expert_ffn"])] | None = None
 
     @classmethod
     def of(cls, desc: ModelDesc, global_batch: int, micro_batch: int) -> ModelReport:
         dtype: Literal["fp32", "bf16"] = "bf16" if desc.param_dtype == "bf16" else "fp32"
+        moe = desc.moe
         return cls(desc.name, desc.num_layers, desc.hidden, desc.ffn_hidden, desc.num_heads,
                    desc.query_groups, desc.padded_vocab, desc.seq_length, desc.swiglu,
                    desc.rmsnorm, desc.add_bias_linear, desc.learned_position_embeddings,
                    desc.tied_embeddings, dtype, global_batch, micro_batch,
-                   int(getattr(desc, "num_experts", 0) or 0))
+                   head_dim=desc.kv_channels, qk_layernorm=desc.qk_layernorm,
+                   num_experts=desc.num_experts,
+                   router_topk=desc.topk if moe else desc.router_topk,
+                   expert_ffn=desc.expert_ffn_size if moe else desc.expert_ffn,
+                   shared_expert_ffn=desc.shared_expert_ffn)
 
     def desc(self) -> ModelDesc:
-        """The ModelDesc (raises ConfigError where the sizes do not fit together)."""
+        """The ModelDesc, its defaults resolved (raises ConfigError where the sizes do not
+        fit together, e.g. a router top-k above the experts)."""
         return ModelDesc(self.name, self.num_layers, self.hidden, self.ffn_hidden,
                          self.num_heads, self.vocab_size, self.num_query_groups,
                          self.seq_length, self.swiglu, self.rmsnorm, self.add_bias_linear,
                          self.learned_position_embeddings, self.tied_embeddings,
-                         self.param_dtype, vocab_divisor=1)
+                         self.param_dtype, vocab_divisor=1, head_dim=self.head_dim,
+                         qk_layernorm=self.qk_layernorm, num_experts=self.num_experts,
+                         router_topk=self.router_topk, expert_ffn=self.expert_ffn,
+                         shared_expert_ffn=self.shared_expert_ffn)
 
     def difference(self, other: ModelReport, here: str, there: Mapping[str, str],
                    compared: tuple[str, ...]) -> str | None:
@@ -227,7 +249,7 @@ MODEL_FIELDS = tuple(f for f in ModelReport.__struct_fields__
 
 
 def _shown(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 class ModelBuilt(msgspec.Struct, frozen=True, tag="model", forbid_unknown_fields=True):

@@ -103,7 +103,8 @@ def test_node_list_parser(text: str) -> None:
 
 
 POLICY_KEYS = ["min_nodes", "max_nodes", "allowed_tp", "allowed_pp", "grow",
-               "grow_partition", "grow_qos", "preempt_grace_s", "max_resizes_per_hour"]
+               "grow_partition", "grow_qos", "preempt_grace_s", "max_resizes_per_hour",
+               "request_patience_s"]
 
 
 @FUZZ
@@ -165,7 +166,7 @@ def test_model_sizes_are_bounded(sizes: dict[str, Any]) -> None:
 @given(st.sampled_from(sorted(POLICY_BOUNDS)), st.integers(-(2**80), 2**80),
        st.sampled_from(["", "s", "m", "h"]))
 def test_policy_values_are_bounded(key: str, value: int, unit: str) -> None:
-    raw = f"{value}{unit if key == 'preempt_grace_s' else ''}"
+    raw = f"{value}{unit if key in ('preempt_grace_s', 'request_patience_s') else ''}"
     try:
         parsed = parse_assignments([f"{key}={raw}"])[key]
     except PolicyError as exc:
