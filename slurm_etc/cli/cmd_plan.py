@@ -89,8 +89,22 @@ def render(summary: dict, console: Console) -> None:
     console.print(t)
 
 
-# Rows of the ranking the human table shows (--json gives the near-equal ones and as many).
+# Rows of the ranking shown (the table and --json alike).
 SHOWN = 10
+
+# Options of one mode only: (parameter name, option) given to the other mode is refused.
+RESIZE_ONLY = (("from_spec", "--from"), ("to_spec", "--to"), ("drop_nodes", "--drop-nodes"),
+               ("add_nodes", "--add-nodes"), ("no_tp_in_node", "--no-tp-in-node"))
+CHOOSE_ONLY = (("nodes", "--nodes"), ("global_batch", "--global-batch"),
+               ("micro_batch", "--micro-batch"), ("consider", "--consider"),
+               ("memory_gib", "--memory-gib"))
+
+
+def _given(options: tuple[tuple[str, str], ...]) -> list[str]:
+    """The options of ``options`` given on the command line or in the environment."""
+    ctx = click.get_current_context()
+    return [flag for name, flag in options
+            if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
 
 
 def _degrees(text: str) -> frozenset[str]:
@@ -193,9 +207,7 @@ def plan(model_spec, from_spec, to_spec, choose, nodes, global_batch, micro_batc
     With --choose: rank the layouts for --nodes nodes as the layout chooser does.
     """
     if choose:
-        given = [o for o, v in (("--from", from_spec), ("--to", to_spec),
-                                ("--drop-nodes", drop_nodes), ("--add-nodes", add_nodes),
-                                ("--no-tp-in-node", no_tp_in_node)) if v]
+        given = _given(RESIZE_ONLY)
         if given:
             raise click.UsageError(f"--choose ranks layouts for --nodes; it takes no "
                                    f"{', '.join(given)}")
@@ -217,6 +229,9 @@ def plan(model_spec, from_spec, to_spec, choose, nodes, global_batch, micro_batc
         else:
             render_choice(summary, Console(width=160))
         return
+    given = _given(CHOOSE_ONLY)
+    if given:
+        raise click.UsageError(f"{', '.join(given)} only go with --choose")
     for option, value in (("--from", from_spec), ("--to", to_spec)):
         if value is None:
             raise click.UsageError(f"Missing option '{option}' (or give --choose)")

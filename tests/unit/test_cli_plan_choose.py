@@ -60,8 +60,9 @@ def test_human_table():
     (["--model", "tiny", "--global-batch", "8"], "--choose needs --nodes"),
     (["--model", "tiny", "--nodes", "1", "--global-batch", "8", "--consider", "ep,sp"],
      "--consider: 'sp' given; expected a comma list of ep, vpp, cp, or none"),
-    (["--model", "tiny", "--nodes", "1", "--global-batch", "8", "--from", "dp=1"],
-     "--choose ranks layouts for --nodes; it takes no --from"),
+    (["--model", "tiny", "--nodes", "1", "--global-batch", "8", "--from", "dp=1",
+      "--add-nodes", "0"], "--choose ranks layouts for --nodes; it takes no --from, "
+     "--add-nodes"),
     (["--model", "tiny", "--nodes", "1", "--global-batch", "6", "--micro-batch", "4"],
      "micro_batch (4) must divide global_batch (6)"),
     (["--model", "llama-70b", "--nodes", "1", "--global-batch", "8"],
@@ -76,8 +77,13 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_plan_without_choose_still_needs_from_and_to():
-    r = CliRunner().invoke(cli, ["plan", "--model", "tiny", "--from", "dp=2"])
+@pytest.mark.parametrize("args, message", [
+    (["--from", "dp=2"], "Missing option '--to' (or give --choose)"),
+    (["--from", "dp=2", "--to", "dp=1", "--micro-batch", "2", "--nodes", "2"],
+     "--nodes, --micro-batch only go with --choose"),
+])
+def test_plan_without_choose_still_needs_from_and_to(args, message):
+    r = CliRunner().invoke(cli, ["plan", "--model", "tiny", *args])
     assert r.exit_code == 2
-    assert "Missing option '--to' (or give --choose)" in r.stderr
+    assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
