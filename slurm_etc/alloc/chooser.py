@@ -7,6 +7,11 @@ admin's allowed tp/pp and node limit. The chooser ranks candidates by an analyti
 throughput estimate; among those within ``tolerance`` of the best it takes the one the
 planner says moves the fewest bytes.
 
+Beyond dp/tp/pp it considers expert parallelism (ep, mixture-of-experts models only),
+interleaved pipeline chunks (vpp) and context parallelism (cp), each only where the training
+runtime can build it (``TrainingJob.supports``; default none: the elastic worker builds
+dp/tp/pp layouts only) and the model and batch allow it (megatron-core's rules).
+
 The estimates are deliberately simple (stated per function) and only used to rank
 candidates against each other; they are not performance predictions.
 """
@@ -14,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Collection, Sequence
+from itertools import product
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from ..plan.catalog import FIRST, LAST, Catalog, build_catalog
 from ..plan.config import ParallelConfig
@@ -27,6 +33,12 @@ GIB = 1024 ** 3
 # Candidates whose estimated throughput is within this fraction of the best are "near-equal":
 # the cheapest migration wins among them.
 TOLERANCE = 0.03
+
+# The degrees beyond dp/tp/pp a training runtime may be able to build.
+EXTRA_DEGREES = ("ep", "vpp", "cp")
+
+# Bytes per activation element on the wire (bf16 activations whatever the parameters' dtype).
+WIRE_BYTES = DTYPE_BYTES["bf16"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,18 @@ class TrainingJob:
         global_batch: sequences per optimizer step (kept across resizes).
         micro_batch: sequences per forward/backward on one rank.
         distributed_optimizer: ZeRO-1 over dp (fixed: the state format depends on it).
+        supports: which of ep, vpp and cp the training runtime can build, so the chooser
+            may use them. Default none: the elastic worker builds dp/tp/pp layouts only
+            (megatron/live.py refuses mixture-of-experts models, the trainer builds neither
+            VPP model chunks nor CP groups). Planning at scale (``slurm-etc plan --choose``)
+            enables them.
     """
 
     model: ModelDesc
     global_batch: int
     micro_batch: int = 1
     distributed_optimizer: bool = True
+    supports: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.micro_batch < 1:
@@ -73,6 +91,12 @@ class TrainingJob:
         if self.global_batch % self.micro_batch:
             raise ConfigError(f"micro_batch ({self.micro_batch}) must divide global_batch "
                               f"({self.global_batch})")
+        unknown = sorted(set(self.supports) - set(EXTRA_DEGREES))
+        if unknown:
+            raise ConfigError(f"unknown parallelism(s) {', '.join(map(repr, unknown))}: the "
+                              f"chooser considers {', '.join(EXTRA_DEGREES)} beyond dp/tp/pp")
+        # any collection of names is accepted; a frozenset keeps the job hashable
+        object.__setattr__(self, "supports", frozenset(self.supports))
 
 
 @dataclass(frozen=True)
@@ -109,17 +133,39 @@ def _catalog(model: ModelDesc, distributed_optimizer: bool) -> Catalog:
     return build_catalog(model, distributed_optimizer)
 
 
+class _Stage(NamedTuple):
+    """What one rank of a pipeline stage holds before ep and dp x cp divide it (tp and pp
+    already have).
+
+    Attributes:
+        dense_params: parameters replicated over dp x cp (their gradients are reduced there).
+        expert_params: routed-expert parameters of all ep ranks together (divided by ep).
+        dense_state: bytes of the dense parameters, their gradients and the optimizer state
+            that is not dp-sharded.
+        expert_state: the same for the routed experts (divided by ep).
+        sharded: bytes of the distributed optimizer's state, divided by dp x cp: dense state
+            is sharded over dp x cp, expert state over ep x expert-dp = dp x cp too.
+    """
+
+    dense_params: float
+    expert_params: float
+    dense_state: float
+    expert_state: float
+    sharded: float
+
+
 @lru_cache(maxsize=4096)
 def _stage_numbers(model: ModelDesc, distributed_optimizer: bool, tp: int, pp: int,
-                   stage: int) -> tuple[float, float, float]:
-    """(parameters, state bytes, dp-sharded state bytes) one rank of ``stage`` holds.
+                   stage: int) -> _Stage:
+    """What one rank of ``stage`` holds, exactly per the planner's shard catalog.
 
-    Exact per the planner's shard catalog; gradients add one param-dtype copy of the
-    parameters. The dp-sharded part (distributed optimizer) is divided by dp by the caller.
+    Gradients add one param-dtype copy of the parameters. The catalog folds the experts into
+    the layer axis (``TensorGroup.experts``), so an expert group's share of a stage is its
+    ``1 / pp`` as for a dense layer weight, and an ep rank holds ``1 / ep`` of that.
     """
     catalog = _catalog(model, distributed_optimizer)
     grad_bytes = DTYPE_BYTES[model.param_dtype]
-    params = state = sharded = 0.0
+    dense = experts = dense_state = expert_state = sharded = 0.0
     for g in catalog.groups:
         if (g.stage == FIRST and stage != 0) or (g.stage == LAST and stage != pp - 1):
             continue
@@ -128,43 +174,61 @@ def _stage_numbers(model: ModelDesc, distributed_optimizer: bool, tp: int, pp: i
             numel /= pp
         if g.dist:
             sharded += numel * g.bytes_per_element
+        elif g.expert:
+            experts += numel
+            expert_state += numel * (g.bytes_per_element + grad_bytes)
         else:
-            params += numel
-            state += numel * (g.bytes_per_element + grad_bytes)
-    return params, state, sharded
+            dense += numel
+            dense_state += numel * (g.bytes_per_element + grad_bytes)
+    return _Stage(dense, experts, dense_state, expert_state, sharded)
 
 
-def _fullest_stage(job: TrainingJob, config: ParallelConfig) -> tuple[float, float]:
-    """(parameters, state bytes) of the fullest rank: first or last pipeline stage."""
+def _fullest_stage(job: TrainingJob, config: ParallelConfig) -> tuple[float, float, float]:
+    """(dense parameters, expert parameters on one ep rank, state bytes) of the fullest
+    rank: first or last pipeline stage.
+
+    Per-rank counts are whole numbers held as floats (tp and pp divide what they split), so
+    the sums are exact in any order.
+    """
     per_stage = []
     for p in {0, config.pp - 1}:
-        params, state, sharded = _stage_numbers(job.model, job.distributed_optimizer,
-                                                config.tp, config.pp, p)
-        per_stage.append((state + sharded / config.dp, params))
-    state, params = max(per_stage)
-    return params, state
+        s = _stage_numbers(job.model, job.distributed_optimizer, config.tp, config.pp, p)
+        state = s.dense_state + s.expert_state / config.ep + s.sharded / config.dp_cp
+        experts = s.expert_params / config.ep
+        per_stage.append((state, s.dense_params + experts, s.dense_params, experts))
+    state, _, dense, experts = max(per_stage)
+    return dense, experts, state
 
 
 def state_bytes_per_device(job: TrainingJob, config: ParallelConfig) -> int:
     """Training state (params, fp32 copies, Adam moments, grads) of the fullest rank.
 
     The fullest rank is on the first or the last pipeline stage (embedding, output layer).
+    Routed experts and their optimizer state are divided by ep; the distributed optimizer's
+    state by dp x cp (parameters are replicated over cp).
     """
-    return int(_fullest_stage(job, config)[1])
+    return int(_fullest_stage(job, config)[2])
 
 
 def activation_bytes_per_device(job: TrainingJob, config: ParallelConfig) -> int:
     """Activations of the first stage under 1F1B with selective recomputation.
 
-    Per layer and micro-batch ``s*b*h*(10 + 24/tp)`` bytes (Korthikanti et al. 2022, no
-    sequence parallelism); the first stage keeps ``min(pp, micro-batches)`` micro-batches of
-    its ``L/pp`` layers in flight.
+    Per layer and micro-batch ``(s/cp)*b*h*(10 + 24/tp)`` bytes (Korthikanti et al. 2022, no
+    sequence parallelism; cp splits every sequence). Without VPP the first stage keeps
+    ``min(pp, micro-batches)`` micro-batches of its ``L/pp`` layers in flight. With VPP it
+    keeps megatron's warm-up plus one model-chunk micro-batches of ``L/(pp*vpp)`` layers:
+    ``2*(pp-1) + (vpp-1)*pp + 1`` (``get_pp_rank_microbatches`` with the default group size
+    pp), at most all ``vpp * micro-batches``.
     """
     m = job.model
-    per_layer = m.seq_length * job.micro_batch * m.hidden * (10 + 24 / config.tp)
+    per_layer = m.seq_length // config.cp * job.micro_batch * m.hidden * (10 + 24 / config.tp)
     microbatches = job.global_batch // (job.micro_batch * config.dp)
-    in_flight = min(config.pp, microbatches)
-    return int(per_layer * m.num_layers / config.pp * in_flight)
+    pp, vpp = config.pp, config.vpp
+    if vpp == 1:
+        in_flight = min(pp, microbatches)
+        return int(per_layer * m.num_layers / pp * in_flight)
+    chunks = min(2 * (pp - 1) + (vpp - 1) * pp + 1, vpp * microbatches)
+    return int(per_layer * m.num_layers / (pp * vpp) * chunks)
 
 
 def memory_bytes(job: TrainingJob, config: ParallelConfig) -> int:
@@ -173,38 +237,150 @@ def memory_bytes(job: TrainingJob, config: ParallelConfig) -> int:
 
 
 def _flops_per_token(m: ModelDesc) -> float:
-    """Forward + backward FLOPs per token: 6 per weight plus attention scores (Narayanan et al.)."""
-    L, h, f = m.num_layers, m.hidden, m.ffn_hidden
-    per_layer = h * m.qkv_rows + h * h + h * f * (3 if m.swiglu else 2)
+    """Forward + backward FLOPs per token: 6 per weight a token passes through plus attention
+    scores (Narayanan et al.). A mixture-of-experts token passes through its top-k routed
+    experts, the shared expert and the router, not all experts."""
+    L, h = m.num_layers, m.hidden
+    per_ffn = h * (3 if m.swiglu else 2)
+    if m.moe:
+        mlp = (m.topk * per_ffn * m.expert_ffn_size + per_ffn * (m.shared_expert_ffn or 0)
+               + h * (m.num_experts or 0))
+    else:
+        mlp = per_ffn * m.ffn_hidden
+    per_layer = h * m.qkv_rows + h * m.attention_width + mlp
     return 6 * (L * per_layer + m.padded_vocab * h) + 12 * L * h * m.seq_length
 
 
-def tokens_per_second(job: TrainingJob, config: ParallelConfig, hw: Hardware) -> float:
-    """Estimated training throughput of ``config`` (for ranking candidates only).
+@dataclass(frozen=True)
+class IterationTime:
+    """One optimizer step of a configuration, in seconds, term by term (nothing overlaps).
 
-    Iteration time = compute * (1 + pipeline bubble) + tensor-parallel all-reduces
-    (4 per layer and micro-batch, intra-node) + pipeline send/recv (inter-node) +
-    data-parallel gradient all-reduce (intra-node while a dp group fits in a node).
-    Nothing overlaps: the estimate is conservative for every candidate alike.
+    Attributes:
+        compute: FLOPs over the devices' sustained rate, without the bubble.
+        bubble: the pipeline bubble as a fraction of ``compute``.
+        tp, pp, dp, ep, cp: communication of each kind of group.
+    """
+
+    compute: float
+    bubble: float
+    tp: float
+    pp: float
+    dp: float
+    ep: float
+    cp: float
+
+    @property
+    def total(self) -> float:
+        return self.compute * (1 + self.bubble) + self.tp + self.pp + self.dp + self.ep + self.cp
+
+
+def iteration_time(job: TrainingJob, config: ParallelConfig, hw: Hardware) -> IterationTime:
+    """Estimated time of one step of ``config`` (for ranking candidates only).
+
+    - compute: FLOPs of the global batch over ``world`` devices.
+    - bubble: ``(pp-1) / (vpp * m)`` of the ideal time for ``m`` micro-batches per pipeline
+      (megatron's interleaved schedule shrinks 1F1B's bubble by vpp).
+    - tp: 4 all-reduces of a micro-batch's activations per layer (intra-node).
+    - pp: a send and a receive of a micro-batch's activations per micro-batch and model chunk
+      (vpp times the messages; inter-node).
+    - dp: the gradient all-reduce, dense gradients over dp x cp, expert gradients over the
+      expert-dp group (intra-node while a group fits in a node).
+    - ep: the token dispatcher's all-to-all: a micro-batch's routed tokens (``(s/cp) * b *
+      topk`` of ``h`` bf16 values) leave for the other ep ranks, ``(ep-1)/ep`` of them, on
+      dispatch and on combine, in forward and backward: 4 per MoE layer and micro-batch,
+      intra-node when the ep group (``tp * ep`` consecutive ranks) fits in a node.
+    - cp: ring attention's K/V exchange: each rank passes its K and V chunk (``2 * (s/cp) * b
+      * groups * head_dim / tp`` bf16 values) ``cp-1`` times forward and twice that backward
+      (K/V again and their gradients), per layer and micro-batch, intra-node when the cp
+      group (``tp * cp`` consecutive ranks) fits.
     """
     m = job.model
-    tp, pp, dp = config.tp, config.pp, config.dp
+    tp, pp, dp, cp, ep, vpp = config.tp, config.pp, config.dp, config.cp, config.ep, config.vpp
     tokens = job.global_batch * m.seq_length
     microbatches = job.global_batch // (job.micro_batch * dp)
     compute = _flops_per_token(m) * tokens / (config.world * hw.tflops * 1e12)
-    bubble = (pp - 1) / microbatches
-    act = m.seq_length * job.micro_batch * m.hidden * DTYPE_BYTES["bf16"]
+    bubble = (pp - 1) / (vpp * microbatches)
+    seq = m.seq_length // cp
+    act = seq * job.micro_batch * m.hidden * WIRE_BYTES
     t_tp = 0.0
     if tp > 1:
         per_allreduce = 2 * (tp - 1) / tp * act / (hw.intra_node_gbps * 1e9)
         t_tp = 4 * (m.num_layers / pp) * microbatches * per_allreduce
-    t_pp = 2 * microbatches * act / (hw.inter_node_gbps * 1e9) if pp > 1 else 0.0
+    t_pp = 2 * vpp * microbatches * act / (hw.inter_node_gbps * 1e9) if pp > 1 else 0.0
     t_dp = 0.0
-    if dp > 1:
-        grads = _fullest_stage(job, config)[0] * DTYPE_BYTES[m.param_dtype]
-        bw = hw.intra_node_gbps if tp * dp <= hw.gpus_per_node else hw.inter_node_gbps
-        t_dp = 2 * (dp - 1) / dp * grads / (bw * 1e9)
-    return tokens / (compute * (1 + bubble) + t_tp + t_pp + t_dp)
+    dense, experts, _ = _fullest_stage(job, config)
+    # with ep = 1 the experts' gradients are reduced with the dense ones, over dp x cp
+    reduced = ([(config.dp_cp, dense + experts)] if ep == 1
+               else [(config.dp_cp, dense), (config.expert_dp, experts)])
+    bw = _link(hw, tp * dp * cp)
+    for ranks, params in reduced:
+        if ranks > 1:
+            t_dp += 2 * (ranks - 1) / ranks * params * DTYPE_BYTES[m.param_dtype] / (bw * 1e9)
+    t_ep = 0.0
+    if ep > 1:
+        routed = seq * job.micro_batch * m.topk * m.hidden * WIRE_BYTES
+        t_ep = 4 * (m.num_layers / pp) * microbatches * (ep - 1) / ep * routed / (
+            _link(hw, tp * ep) * 1e9)
+    t_cp = 0.0
+    if cp > 1:
+        kv = 2 * seq * job.micro_batch * m.query_groups * m.kv_channels / tp * WIRE_BYTES
+        t_cp = 3 * (cp - 1) * (m.num_layers / pp) * microbatches * kv / (
+            _link(hw, tp * cp) * 1e9)
+    return IterationTime(compute, bubble, t_tp, t_pp, t_dp, t_ep, t_cp)
+
+
+def _link(hw: Hardware, span: int) -> float:
+    """GB/s per device of a group spanning ``span`` consecutive ranks."""
+    return hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps
+
+
+def tokens_per_second(job: TrainingJob, config: ParallelConfig, hw: Hardware) -> float:
+    """Estimated training throughput of ``config`` (for ranking candidates only): the global
+    batch's tokens over :func:`iteration_time`. Nothing overlaps: the estimate is
+    conservative for every candidate alike."""
+    return job.global_batch * job.model.seq_length / iteration_time(job, config, hw).total
+
+
+def schedule_problem(job: TrainingJob, config: ParallelConfig) -> str | None:
+    """Why megatron-core's pipeline schedule cannot run ``config`` on this batch, or None.
+
+    The interleaved schedule (vpp > 1) runs micro-batches in groups of
+    ``microbatch_group_size_per_vp_stage`` (default pp) and refuses a last group smaller
+    than pp (``forward_backward_pipelining_with_interleaving`` in schedules.py): the
+    micro-batches per pipeline must be a multiple of pp.
+    """
+    microbatches = job.global_batch // (job.micro_batch * config.dp)
+    if config.vpp > 1 and microbatches % config.pp:
+        return (f"vpp ({config.vpp}) needs the micro-batches per pipeline ({microbatches} = "
+                f"{job.global_batch} / ({job.micro_batch} x dp {config.dp})) to be a "
+                f"multiple of pp ({config.pp})")
+    return None
+
+
+def _vpps(job: TrainingJob, pp: int) -> list[int]:
+    """Model chunks per pipeline rank to consider: those that split the layers evenly."""
+    layers = job.model.num_layers
+    if "vpp" not in job.supports or pp == 1:
+        return [1]
+    return [v for v in range(1, layers // pp + 1) if layers % (pp * v) == 0]
+
+
+def _cps(job: TrainingJob, most: int) -> list[int]:
+    """Context-parallel degrees to consider, up to ``most``: megatron's load-balanced CP
+    splits every sequence into 2 x cp chunks."""
+    seq = job.model.seq_length
+    if "cp" not in job.supports:
+        return [1]
+    return [c for c in range(1, max(1, min(most, seq // 2)) + 1) if c == 1 or seq % (2 * c) == 0]
+
+
+def _eps(job: TrainingJob, dp_cp: int) -> list[int]:
+    """Expert-parallel degrees to consider: mixture-of-experts models only; ep divides the
+    experts and dp x cp."""
+    experts = job.model.num_experts or 1
+    if "ep" not in job.supports or experts == 1:
+        return [1]
+    return [e for e in range(1, experts + 1) if experts % e == 0 and dp_cp % e == 0]
 
 
 def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
@@ -213,6 +389,8 @@ def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
                max_nodes: int | None = None,
                tp_in_node: bool = True) -> list[Candidate]:
     """Every configuration the devices can run, with its estimates, best first.
+
+    ep, vpp and cp other than 1 are considered only where ``job.supports`` names them.
 
     Args:
         job: model and batch.
@@ -245,13 +423,19 @@ def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
                 ParallelConfig(1, tp, pp).validate_for(m)
             except ConfigError:
                 continue
-            for dp in dps:
-                if dp * tp * pp > room:
-                    break
-                config = ParallelConfig(dp, tp, pp, job.distributed_optimizer)
-                need = memory_bytes(job, config)
-                if need <= budget:
-                    out.append(Candidate(config, tokens_per_second(job, config, hw), need))
+            for vpp, cp in product(_vpps(job, pp), _cps(job, room // (tp * pp))):
+                for dp in dps:
+                    if dp * cp * tp * pp > room:
+                        break
+                    for ep in _eps(job, dp * cp):
+                        config = ParallelConfig(dp, tp, pp, job.distributed_optimizer,
+                                                ep=ep, cp=cp, vpp=vpp)
+                        if schedule_problem(job, config) is not None:
+                            continue
+                        need = memory_bytes(job, config)
+                        if need <= budget:
+                            out.append(Candidate(config, tokens_per_second(job, config, hw),
+                                                 need))
     out.sort(key=lambda c: (-c.tokens_per_s, c.config))
     return out
 
@@ -281,7 +465,7 @@ def choose_config(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
             f"no parallel configuration of {job.model.name} fits {sum(node_counts)} devices "
             f"on {len(node_counts)} node(s) with {hw.memory_gib:g} GiB each "
             f"(global batch {job.global_batch}, allowed tp {_fmt(allowed_tp)}, "
-            f"pp {_fmt(allowed_pp)})")
+            f"pp {_fmt(allowed_pp)}; beyond dp/tp/pp: {_fmt_names(job.supports)})")
     top = cands[0].tokens_per_s
     near = [c for c in cands if c.tokens_per_s >= (1 - tolerance) * top]
     if migration_cost is not None and len(near) > 1:
@@ -297,3 +481,7 @@ def choose_config(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
 
 def _fmt(values: Collection[int] | None) -> str:
     return "any" if values is None else ",".join(map(str, sorted(values)))
+
+
+def _fmt_names(names: Collection[str]) -> str:
+    return ",".join(n for n in EXTRA_DEGREES if n in names) or "none"
