@@ -804,7 +804,8 @@ class Coordinator:
             global_batch, micro_batch = ((job.global_batch, job.micro_batch)
                                          if self.batch is not None
                                          else (got.global_batch, got.micro_batch))
-            job = TrainingJob(model, global_batch, micro_batch, job.distributed_optimizer)
+            # replace, not a new TrainingJob: what the runtime supports (ep/vpp/cp) stays
+            job = replace(job, model=model, global_batch=global_batch, micro_batch=micro_batch)
         except ConfigError as err:
             self.fatal = self.fatal or f"{here} builds a model that cannot be planned: {err}"
             return
