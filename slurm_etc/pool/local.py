@@ -40,7 +40,7 @@ Workers are forked from multiprocessing's ``forkserver``, a server process that 
 torch and megatron-core once (:mod:`slurm_etc.pool.preload`): each worker is a fresh process
 (no inherited locks or torch state: the server only imported) that starts in a fraction of a
 second instead of a cold import's seconds. Each gets the parent's environment, working
-directory and ``sys.path`` as they are at its start, as a spawned one would. ``cold=True``
+directory, ``sys.path`` and stderr as they are at its start, as a spawned one would. ``cold=True``
 spawns instead, for what measures a cold start (a checkpoint-restart's real cost). Workers
 are not daemonic, because megatron's ``dist_checkpointing.save`` starts a multiprocessing
 Manager inside them; a worker stops its own child processes before it exits.
@@ -164,6 +164,32 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+class _ParentStderr:
+    """The parent's stderr, handed to a worker as a file descriptor when it starts (forked
+    from the forkserver, a worker would otherwise write to the server's stderr: under pytest,
+    the capture file of whichever test started the server). Pickled only while a process is
+    started (``reduction.DupFd`` passes the descriptor with the start)."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        try:
+            os.fstat(2)
+        except OSError:  # no stderr to hand on
+            return _adopt_stderr, (None,)
+        return _adopt_stderr, (reduction.DupFd(2),)
+
+
+def _adopt_stderr(dup: Any) -> None:
+    """In the worker: make the parent's stderr this process's fd 2."""
+    if dup is None:
+        return
+    fd = dup.detach()
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
 def _context(cold: bool) -> Any:
     """The multiprocessing context workers start in: ``spawn`` for a cold start, else the
     ``forkserver`` (started on first use with :mod:`slurm_etc.pool.preload`)."""
@@ -206,11 +232,11 @@ def _configure_logging(index: int, log_level: int) -> None:
 
 def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid: int,
                  preload: Sequence[str], timeout_s: float, log_level: int,
-                 default_group: bool, secret: bytes, parent: tuple[dict, str, list]) -> None:
+                 default_group: bool, secret: bytes, parent: tuple[dict, str, list, None]) -> None:
     """Entry point of one worker: import, join the store, then serve calls until told to stop.
-    ``parent``: the parent's environment, working directory and ``sys.path`` at the start (a
-    worker forked from the forkserver would otherwise have the server's)."""
-    environ, cwd, path = parent
+    ``parent``: the parent's environment, working directory, ``sys.path`` and stderr at the
+    start (a worker forked from the forkserver would otherwise have the server's)."""
+    environ, cwd, path, _stderr = parent  # _stderr: fd 2 is the parent's (unpickling did it)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(WORKER_ENV)
@@ -347,7 +373,7 @@ class LocalWorkers:
             self._store.close()
         store = self._store = StoreServer(secret, "127.0.0.1", job="pool")
         mp = _context(self.cold)
-        parent = (dict(os.environ), os.getcwd(), list(sys.path))
+        parent = (dict(os.environ), os.getcwd(), list(sys.path), _ParentStderr())
         spawned: list[float] = []
         ready: dict[int, float] = {}
         bound = max(self.timeout_s, START_TIMEOUT_S)

@@ -223,3 +223,20 @@ def test_workers_of_a_killed_parent_exit():
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), pids
+
+
+def _say(ctx: WorkerContext, text: str) -> None:
+    os.write(2, f"{text} from worker {ctx.index}\n".encode())
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["forkserver", "spawn"])
+def test_workers_write_to_the_parents_stderr(cold, capfd):
+    """What a worker writes to fd 2 (a faulthandler dump on a timeout, a warning) reaches the
+    stderr its parent has at the pool's start, not the forkserver's."""
+    with capfd.disabled():  # the forkserver starts (if not yet) with another stderr
+        with LocalWorkers(1, timeout_s=60) as before:
+            before.run(_say, "warm-up")
+    with LocalWorkers(2, timeout_s=60, cold=cold) as workers:
+        workers.run(_say, f"hello-{cold}")
+    err = capfd.readouterr().err
+    assert f"hello-{cold} from worker 0" in err and f"hello-{cold} from worker 1" in err, err
