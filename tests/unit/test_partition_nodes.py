@@ -20,7 +20,17 @@ from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
 from slurm_etc.slurm.fake import FakeSlurmClient
 from slurm_etc.slurm.model import NodeState
-from tests.unit.test_requests_met import HW, JOB, TOPO, Requests, fake_cost, node, of, on
+from tests.unit.test_requests_met import (
+    HW,
+    JOB,
+    TOPO,
+    Requests,
+    fake_cost,
+    growing_from_one_node,
+    node,
+    of,
+    on,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -138,18 +148,9 @@ def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_rerea
     """No event comes when a node this job does not hold goes DOWN: the periodic re-read
     finds the pending request unmeetable and decides again (withdrawn, asked within the
     usable nodes), instead of waiting out the patience."""
-    from tests.unit.coordinator_harness import coordinator_over
-
     backend = CountingBackend()
-    vranks, layout = on(node("n1"))
-    with coordinator_over(tmp_path, "downbeyond", backend, training=JOB,
-                          policy=EffectivePolicy(grow=True, max_nodes=4),
-                          hardware=HW, backend_name="local") as (c, _db):
-        c.held = {d: "a0" for d in node("n1")}
-        c.pinned = set(node("n1"))
-        c.layout, c.vranks, c.step = layout, dict(vranks), 5
-        c.requests, c.growing = 1, 3
-        c.request_sent_at = time.monotonic() - 5.0
+    with growing_from_one_node(tmp_path, "downbeyond", backend,
+                               EffectivePolicy(grow=True, max_nodes=4), 5.0) as c:
         assert not c._request_overdue() and backend.reads == 1  # 3 more of 4: can come
         assert not c._request_overdue() and backend.reads == 1  # not read again at once
         backend.usable = 2  # n3, n4 DOWN

@@ -17,7 +17,17 @@ from slurm_etc.policy.admin import AdminVerdict, stricter
 from slurm_etc.policy.decide import Snapshot, WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy, parse_assignments
 from slurm_etc.store import get_policy, open_store
-from tests.unit.test_requests_met import HW, JOB, TOPO, Requests, fake_cost, node, of, on
+from tests.unit.test_requests_met import (
+    HW,
+    JOB,
+    TOPO,
+    Requests,
+    fake_cost,
+    growing_from_one_node,
+    node,
+    of,
+    on,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -68,19 +78,9 @@ def test_a_policy_with_a_short_patience_withdraws_earlier() -> None:
 
 def test_the_coordinator_decides_again_once_the_policys_patience_passed(
         tmp_path: Path) -> None:
-    from tests.unit.coordinator_harness import coordinator_over
-
     backend = Requests()
-    vranks, layout = on(node("n1"))
-    with coordinator_over(tmp_path, "patience", backend, training=JOB,
-                          policy=EffectivePolicy(grow=True, max_nodes=4,
-                                                 request_patience_s=60),
-                          hardware=HW, backend_name="local") as (c, _db):
-        c.held = {d: "a0" for d in node("n1")}
-        c.pinned = set(node("n1"))
-        c.layout, c.vranks, c.step = layout, dict(vranks), 5
-        c.requests, c.growing = 1, 3
-        c.request_sent_at = time.monotonic() - 30.0
+    policy = EffectivePolicy(grow=True, max_nodes=4, request_patience_s=60)
+    with growing_from_one_node(tmp_path, "patience", backend, policy, 30.0) as c:
         assert not c._request_overdue()
         c.request_sent_at = time.monotonic() - 100.0  # past 60 s, not 300 s
         assert c._request_overdue()

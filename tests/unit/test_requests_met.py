@@ -2,6 +2,7 @@
 the partition's nodes minus what the job keeps; a granted node that fits no valid layout now
 is kept while a request makes it useful, instead of released and asked for again; a request
 pending past its patience is withdrawn and asked again smaller. Each says why."""
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -126,21 +127,32 @@ class Requests:
         self.withdrawn.append(action)
 
 
-def test_coordinator_withdraws_an_old_request_and_asks_again_smaller(tmp_path):
+@contextmanager
+def growing_from_one_node(tmp_path, job: str, backend, policy: EffectivePolicy,
+                          sent_ago_s: float):
+    """A coordinator over ``backend`` training on n1's devices, with a request for three
+    more nodes pending for ``sent_ago_s`` seconds; yields it."""
     import time
 
     from tests.unit.coordinator_harness import coordinator_over
 
-    backend = Requests()
     vranks, layout = on(node("n1"))
-    with coordinator_over(tmp_path, "withdraw", backend, training=JOB,
-                          policy=EffectivePolicy(grow=True, max_nodes=4),
+    with coordinator_over(tmp_path, job, backend, training=JOB, policy=policy,
                           hardware=HW, backend_name="local") as (c, _db):
         c.held = {d: "a0" for d in node("n1")}
         c.pinned = set(node("n1"))
         c.layout, c.vranks, c.step = layout, dict(vranks), 5
         c.requests, c.growing = 1, 3
-        c.request_sent_at = time.monotonic() - 10.0
+        c.request_sent_at = time.monotonic() - sent_ago_s
+        yield c
+
+
+def test_coordinator_withdraws_an_old_request_and_asks_again_smaller(tmp_path):
+    import time
+
+    backend = Requests()
+    with growing_from_one_node(tmp_path, "withdraw", backend,
+                               EffectivePolicy(grow=True, max_nodes=4), 10.0) as c:
         assert not c._request_overdue()  # young: not decided again
         c.request_sent_at = time.monotonic() - 400.0
         assert c._request_overdue()
