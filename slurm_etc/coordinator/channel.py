@@ -97,6 +97,7 @@ from slurm_etc.worker.control import (
     Stop,
 )
 
+from ..errors import InputError, InternalError
 from . import env as envvars
 
 logger = logging.getLogger(__name__)
@@ -135,15 +136,15 @@ _QUIET_REASONS: Final = {"old_generation": logging.INFO, "duplicate": logging.DE
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ChannelError(RuntimeError):
+class ChannelError(InternalError, RuntimeError):
     """The channel cannot be set up or used (bind, connect, join, environment)."""
 
 
-class SecretError(ChannelError):
+class SecretError(InputError, ChannelError):
     """The job's secret file is missing, malformed or not private to its owner."""
 
 
-class Rejected(Exception):
+class Rejected(InternalError):
     """A received message failed a check; ``reason`` is one of :data:`REJECT_REASONS`."""
 
     def __init__(self, reason: RejectReason, detail: str = "") -> None:
@@ -560,6 +561,9 @@ class CoordinatorChannel:
         self._opener = Opener(job, secret, COORDINATOR, window_s=window_s, clock=clock)
         self._rejects = _RejectLog(f"[job {job} coordinator]")
         self._peers: dict[int, bytes] = {}
+        # the routing id each vrank was last found unreachable at: said once, not per send
+        # (a relaunched vrank's old process is gone until its new one says hello)
+        self._unreachable: dict[int, bytes] = {}
         self._rendezvous = rendezvous
         self._on_commit = on_commit
         self._committed = -1
@@ -653,9 +657,14 @@ class CoordinatorChannel:
                            self.job, vrank, type(message).__name__)
             return False
         except zmq.ZMQError as e:
-            logger.info("[job %s coordinator] vrank %d unreachable (%s); %s not sent",
-                        self.job, vrank, e, type(message).__name__)
+            first = self._unreachable.get(vrank) != routing
+            self._unreachable[vrank] = routing
+            logger.log(logging.INFO if first else logging.DEBUG,
+                       "[job %s coordinator] vrank %d unreachable (%s); %s not sent%s",
+                       self.job, vrank, e, type(message).__name__,
+                       " (said once until it says hello again)" if first else "")
             return False
+        self._unreachable.pop(vrank, None)
         return True
 
     def broadcast(self, message: Order, vranks: Iterable[int]) -> list[int]:

@@ -99,6 +99,23 @@ def _first_step_of(path: Path, generation: int) -> dict | None:
     return next((p for p in _progress(path) if p["generation"] == generation), None)
 
 
+def _story(log: Path, client) -> str:
+    """What a failed wait prints: the coordinator's and the backend's lines (the last 80; a
+    worker's lines and repeated channel notes left out) and what Slurm holds now."""
+    if not log.exists():
+        return "(no output)"
+    ours = re.compile(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) slurm_etc\.(coordinator|slurm)\.")
+    lines = [ln for ln in log.read_text(errors="replace").splitlines()
+             if ours.match(ln) or "Traceback" in ln or "Error" in ln]
+    try:
+        queue = "\n".join(f"{j.job_id} {j.name} {j.state.name} {','.join(j.nodes)}"
+                          for j in client.jobs())
+        nodes = "\n".join(f"{n.name} usable={n.usable} reason={n.reason}" for n in client.nodes())
+    except Exception as e:  # the story is printed for a failure already: never mask it
+        queue, nodes = f"(squeue failed: {e})", ""
+    return "\n".join(lines[-80:]) + f"\n--- squeue\n{queue}\n--- nodes\n{nodes}"
+
+
 def _running_member(client, anchor: str, exclude: set[str]):
     jobs = [j for j in client.jobs(name=member_job_name(anchor))
             if j.state is JobState.RUNNING and j.job_id not in exclude and j.nodes]
@@ -152,7 +169,7 @@ def test_grow_preempt_and_node_down_train_exactly(client, jobs, tmp_path, store)
     log = tmp_path / "anchor.out"
 
     def tail() -> str:
-        return log.read_text()[-4000:] if log.exists() else "(no output)"
+        return _story(log, client)
 
     def generation(g: int, what: str, timeout: float = 150) -> dict:
         try:
@@ -338,7 +355,7 @@ def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_no
     log = tmp_path / "anchor.out"
 
     def tail() -> str:
-        return log.read_text()[-5000:] if log.exists() else "(no output)"
+        return _story(log, client)
 
     def world_at_least(n: int, after: int, what: str, timeout: float = 480) -> dict:
         def seen() -> dict | None:

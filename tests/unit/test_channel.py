@@ -249,6 +249,30 @@ def test_send_to_unknown_vrank_is_false(coordinator: CoordinatorChannel) -> None
         coordinator.send(9, Stop("other", 0))
 
 
+def test_a_gone_vrank_is_said_unreachable_once_until_it_says_hello_again(
+        coordinator: CoordinatorChannel, key: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """A relaunched vrank's old process is gone until its new one says hello: the heartbeats
+    sent meanwhile say so once (they filled the Slurm tier's log every 2 s per vrank)."""
+    with worker(coordinator, key, vrank=3) as w:
+        join(coordinator, w)
+    caplog.set_level(logging.INFO, logger="slurm_etc.coordinator.channel")
+    deadline = time.monotonic() + 5
+    while coordinator.send(3, Stop(JOB, 0)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the disconnect reaches the router a moment later
+    for _ in range(5):
+        assert coordinator.send(3, Stop(JOB, 0)) is False
+    said = [r for r in caplog.records if "vrank 3 unreachable" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    with worker(coordinator, key, vrank=3) as w2:
+        join(coordinator, w2)
+        assert coordinator.send(3, Stop(JOB, 0))
+    caplog.clear()
+    while coordinator.send(3, Stop(JOB, 0)) and time.monotonic() < deadline + 5:
+        time.sleep(0.05)
+    assert [r.levelno for r in caplog.records
+            if "vrank 3 unreachable" in r.getMessage()] == [logging.INFO]
+
+
 def test_report_for_another_vrank_is_a_bug(coordinator: CoordinatorChannel, key: bytes) -> None:
     with worker(coordinator, key, vrank=1) as w:
         with pytest.raises(ValueError):
