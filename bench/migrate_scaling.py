@@ -42,6 +42,7 @@ from rich.table import Table
 from slurm_etc.cli.cmd_bench import phase_label
 from slurm_etc.cli.cmd_plan import human_bytes
 from slurm_etc.cli.cmd_verify import progress_printer, transition_from_options
+from slurm_etc.cli.errors import RunFailed
 from slurm_etc.plan.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,6 @@ GIB = 2**30
 PROCESS_BYTES = 3 * GIB // 4
 # Left free for everyone else on the machine.
 MEMORY_SPARE = 2 * GIB
-RUN_FAILED = 3
 
 
 def ladder() -> list[str]:
@@ -356,10 +356,6 @@ def scaling(argv, models, from_spec, to_spec, distributed_optimizer, repeat, p2p
         click.echo(json.dumps(result, indent=2))
     else:
         render(result, Console())
-
-
-class RunFailed(click.ClickException):
-    exit_code = RUN_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

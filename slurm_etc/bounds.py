@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import InputError
 
-class BoundError(ValueError):
+
+class BoundError(InputError, ValueError):
     """A value past its bound, or text with control characters: one line, exit 2."""
 
 

@@ -1,5 +1,8 @@
 """Errors of the allocator."""
 
 
-class AllocationError(ValueError):
+from ..errors import InputError
+
+
+class AllocationError(InputError, ValueError):
     """Devices that cannot be turned into the requested allocation, with the numbers."""

@@ -47,7 +47,7 @@ from ..store import (
     unset_policy,
 )
 from ..store.db import redact, sqlite_path, with_password_file
-from .main import UserError
+from .errors import UserError
 from .params import SafePath, Text
 
 SACCTMGR_TIMEOUT_S = 10

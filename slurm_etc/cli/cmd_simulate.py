@@ -13,7 +13,7 @@ from .. import bounds
 from ..sim import TraceError, load_trace, simulate, synthetic_trace
 from ..sim.report import comparison, plot, rows
 from ..sim.synthetic import check_size
-from .main import UserError
+from .errors import UserError
 from .params import Number, SafePath
 
 

@@ -47,7 +47,7 @@ from ..store.location import (
     open_owned,
     open_private_dir,
 )
-from .main import UserError
+from .errors import UserError
 from .params import Number, SafePath
 from .params import Text as TextType
 

@@ -23,9 +23,8 @@ from .. import bounds
 from ..plan import ParallelConfig, load_model
 from ..plan.errors import ConfigError
 from .cmd_plan import human_bytes
+from .errors import RunFailed
 from .params import Layout, Number, Text
-
-RUN_FAILED = 3
 
 
 def progress_printer(enabled: bool = True):
@@ -56,12 +55,6 @@ def transition_from_options(model_spec: str, from_spec: str, to_spec: str,
         raise ConfigError(f"{old} -> {new} needs {tr.processes} local processes, more than "
                           f"--max-processes ({max_processes})")
     return tr
-
-
-class RunFailed(click.ClickException):
-    """The run itself failed (a worker raised or died), not the state: exit code 3."""
-
-    exit_code = RUN_FAILED
 
 
 def run_failed(exc: Exception) -> click.ClickException:

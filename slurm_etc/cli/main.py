@@ -6,26 +6,12 @@ import sys
 
 import click
 
-from ..bounds import BoundError
-from ..coordinator.channel import SecretError
-from ..plan.errors import ConfigError
-from ..store.db import StoreError
-from ..store.location import LocationError
+from ..errors import EtcError, InputError
+from .errors import UserError
 
-# Mistakes in what was asked or in the files named (a model, a trace, a corrupt, locked or
-# foreign database, an unknown job): one line, never a traceback.
-_DOMAIN_ERRORS = (ConfigError, StoreError, LocationError, SecretError, BoundError)
+__all__ = ["UserError", "cli", "main"]
 
-
-class UserError(click.ClickException):
-    """A mistake in what the user asked for: one line on stderr, exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file=None) -> None:
-        # one line whatever the message quotes (a file's field names may hold newlines)
-        message = self.format_message().strip().replace("\r", "\\r").replace("\n", "\\n")
-        click.echo(f"slurm-etc: error: {message}", err=True)
+logger = logging.getLogger(__name__)
 
 
 class EtcGroup(click.Group):
@@ -35,8 +21,12 @@ class EtcGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except _DOMAIN_ERRORS as exc:
-            raise UserError(str(exc) or type(exc).__name__) from None
+        except EtcError as exc:
+            # the root's kinds: input (exit 2) and internal (exit 3), one line either way;
+            # an internal one's traceback for whoever runs with -vv
+            if not isinstance(exc, InputError):
+                logger.debug("internal error", exc_info=exc)
+            raise UserError.of(exc) from None
 
     def main(self, args=None, prog_name=None,
              complete_var=None, standalone_mode: bool = True, **extra):

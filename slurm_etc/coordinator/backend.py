@@ -33,8 +33,10 @@ from typing import Literal, Protocol, TypeAlias
 
 from slurm_etc.alloc.topology import Device
 
+from ..errors import InternalError
 
-class BackendError(RuntimeError):
+
+class BackendError(InternalError, RuntimeError):
     """An action the backend cannot carry out (e.g. a launch on a device the job does not
     hold); the message says what and why."""
 

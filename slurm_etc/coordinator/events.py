@@ -63,6 +63,7 @@ import msgspec
 from slurm_etc import bounds
 from slurm_etc.alloc.topology import ClusterTopology, Device
 
+from ..errors import InputError
 from .backend import BackendEvent, Grant, Loss, PreemptNotice
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class ScriptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                       msgspec.Meta(max_length=int(bounds.SCRIPT_EVENTS.high))] = ()
 
 
-class ScriptError(ValueError):
+class ScriptError(InputError, ValueError):
     """An events script that does not parse or does not fit its cluster (one line)."""
 
 

@@ -79,6 +79,7 @@ from slurm_etc.worker.control import (
 from slurm_etc.worker.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.worker.trainer import plan_digest
 
+from ..errors import InternalError
 from .backend import (
     Backend,
     BackendError,
@@ -231,7 +232,7 @@ class _Inflight:
     step_at_launch: int = 0  # the job's step when the joiners were launched
 
 
-class JobStopped(RuntimeError):
+class JobStopped(InternalError, RuntimeError):
     """The job cannot go on (one line: why)."""
 
 

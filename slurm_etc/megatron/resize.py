@@ -24,6 +24,7 @@ from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 
+from ..errors import InternalError
 from .build import TrainingState
 from .placement import Placed, give_back, place_staying_state
 from .state import (
@@ -290,7 +291,7 @@ class ResizeOutcome:
     seconds: dict = field(default_factory=dict)
 
 
-class InstallInterrupted(RuntimeError):
+class InstallInterrupted(InternalError, RuntimeError):
     """The migration committed but a new rank died before the new layout was installed: the
     survivors hold their new shards uninstalled (``shards``, ``resume``) and move them on in
     the next resize (``resize_in_place(held=...)``), which names the dead as lost.

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InternalError
+
 RECORD_FIELDS = ("key", "path", "dtype", "global_shape", "global_offset", "local_shape",
                  "axis_fragmentations", "replica_id", "prepend_axis_num", "flattened_range")
 
@@ -204,7 +206,7 @@ class BoxMove:
         return n
 
 
-class MoveError(ValueError):
+class MoveError(InternalError, ValueError):
     """The old layout's pieces do not cover a piece the new layout needs, exactly once."""
 
 

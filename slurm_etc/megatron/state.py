@@ -43,6 +43,7 @@ from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.plan.regions import region_table
 
+from ..errors import InternalError
 from .build import TrainingState
 from .shards import iter_sharded_tensors
 
@@ -56,7 +57,7 @@ FP32_PARAM, EXP_AVG, EXP_AVG_SQ = "fp32_param", "exp_avg", "exp_avg_sq"
 _INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class StateError(RuntimeError):
+class StateError(InternalError, RuntimeError):
     """A training state does not match the catalog or the shards given to it."""
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InternalError
 from .collector import collector_paused
 from .fake import dtype_for
 from .faults import FaultInjector
@@ -191,7 +192,7 @@ class RankFailure:
     text: str
 
 
-class MigrationError(RuntimeError):
+class MigrationError(InternalError, RuntimeError):
     """A migration failed (base class)."""
 
 

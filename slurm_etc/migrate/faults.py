@@ -45,6 +45,8 @@ import os
 import signal
 from dataclasses import dataclass, replace
 
+from ..errors import InternalError
+
 logger = logging.getLogger(__name__)
 
 FAULT_POINTS = ("start", "pack", "before", "local", "unpack", "after", "commit")
@@ -53,7 +55,7 @@ KILL_PHASES = ("before-send", "mid-transfer", "after-receive", "before-commit", 
 INJECT_ENV = "SLURM_ETC_INJECT"
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(InternalError, RuntimeError):
     """Raised where a FaultInjector says so."""
 
 

@@ -37,11 +37,13 @@ from typing import Protocol
 
 import torch
 
+from ..errors import InternalError
+
 # Polling interval of NCCL work completion (NCCL's wait() blocks the stream, not the host).
 _POLL_S = 2e-4
 
 
-class TransportError(RuntimeError):
+class TransportError(InternalError, RuntimeError):
     """A send, receive or control allgather failed or timed out (``timed_out``).
 
     After one, the data group may be unusable (gloo closes the pair; NCCL needs an abort):

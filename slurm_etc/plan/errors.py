@@ -1,7 +1,10 @@
 """Errors raised by the pure planning core."""
 
 
-class ConfigError(ValueError):
+from ..errors import InputError, InternalError
+
+
+class ConfigError(InputError, ValueError):
     """A parallel configuration or model description that cannot work, with the numbers."""
 
 
@@ -19,7 +22,7 @@ class StateLostError(ConfigError):
         self.lost = lost
 
 
-class PlanError(RuntimeError):
+class PlanError(InternalError, RuntimeError):
     """A migration plan that violates its own invariants (a bug, never user input)."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .. import bounds
+from ..errors import InputError
 
 SCOPE_KINDS = ("partition", "account")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -20,7 +21,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 PolicyValue = int | bool | str | tuple[int, ...] | None
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError, ValueError):
     """An invalid policy, scope or assignment, with the valid choices."""
 
 

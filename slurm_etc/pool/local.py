@@ -63,6 +63,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
+from ..errors import InternalError
+
 if TYPE_CHECKING:
     from slurm_etc.protocol.store import StoreServer
 
@@ -82,7 +84,7 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 DEFAULT_GROUP_TAG = "default"
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(InternalError, RuntimeError):
     """A worker raised, died or did not answer."""
 
 

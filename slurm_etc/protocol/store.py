@@ -38,6 +38,7 @@ import msgspec
 import torch.distributed as dist
 import zmq
 
+from ..errors import InternalError
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ _REPLY = msgspec.msgpack.Decoder(Reply)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-class StoreError(RuntimeError):
+class StoreError(InternalError, RuntimeError):
     """The store refused a request, or cannot be reached."""
 
 
@@ -401,7 +402,7 @@ class StoreServer:
                                              error=f"{len(w.missing)} keys missing"))
 
 
-class _Refused(Exception):
+class _Refused(InternalError):
     def __init__(self, status: str, detail: str) -> None:
         super().__init__(detail)
         self.status, self.detail = status, detail

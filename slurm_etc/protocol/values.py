@@ -13,6 +13,8 @@ from typing import Any, Final
 import msgspec
 import torch
 
+from ..errors import InternalError
+
 _TENSOR: Final = 1
 # dtypes a value may carry (RNG states are uint8; scalers and counters float/int)
 _DTYPES: Final = {name: getattr(torch, name) for name in (
@@ -21,7 +23,7 @@ _DTYPES: Final = {name: getattr(torch, name) for name in (
 _HEADER: Final = msgspec.msgpack.Decoder(tuple[str, list[int]])
 
 
-class BadValue(ValueError):
+class BadValue(InternalError, ValueError):
     """Bytes that are not a value this module wrote (one line, never a traceback)."""
 
 

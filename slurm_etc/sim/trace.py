@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import bounds
 from ..alloc.chooser import Hardware, TrainingJob
+from ..errors import InputError
 from ..plan.errors import ConfigError
 from ..plan.model import load_model
 from ..policy.rules import FIELDS, PolicyError, ResizePolicy, Scope
@@ -24,7 +25,7 @@ from ..policy.rules import FIELDS, PolicyError, ResizePolicy, Scope
 EVENT_KINDS = ("grow", "preempt", "fail", "recover", "submit")
 
 
-class TraceError(ValueError):
+class TraceError(InputError, ValueError):
     """A trace that cannot be replayed: where in the file, what, and what is valid."""
 
 

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ..errors import InputError, InternalError
 
-class SlurmError(RuntimeError):
+
+class SlurmError(InternalError, RuntimeError):
     """A Slurm command failed: one line naming the command, its exit code and its stderr."""
 
     def __init__(self, argv: Sequence[str], returncode: int | None, stderr: str, stdout: str = "",
@@ -29,7 +31,7 @@ class SlurmError(RuntimeError):
         super().__init__(f"`{cmd}` failed ({what}): {detail or '(no stderr)'}")
 
 
-class SlurmSpecError(ValueError):
+class SlurmSpecError(InputError, ValueError):
     """A job or step description that cannot become a valid command, with the fix."""
 
 

@@ -32,6 +32,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..errors import InputError
 from .location import LocationError, check_writable_location, private_dir, private_file
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _WRITE: ContextVar[bool] = ContextVar("slurm_etc_store_write", default=False)
 
 
-class StoreError(RuntimeError):
+class StoreError(InputError, RuntimeError):
     """The database cannot be opened, is not ours, or cannot be brought to the current
     schema (one line: where and why)."""
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping
 
+from ..errors import InputError
+
 ENV_STATE_DIR = "SLURM_ETC_STATE_DIR"
 
 # Filesystems where SQLite's locking or WAL cannot be trusted: remote, clustered or FUSE.
@@ -34,7 +36,7 @@ _JOB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
-class LocationError(ValueError):
+class LocationError(InputError, ValueError):
     """A path the store must not use, with why and what to use instead (one line)."""
 
 

@@ -19,6 +19,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+from ..errors import InternalError
 from .location import LocationError, open_owned, open_private_dir, private_file
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ _COPY_CHUNK = 1 << 20
 MAX_RECORD_BYTES = 64 << 20
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(InternalError, RuntimeError):
     """A snapshot could not be written or restored (where and why, one line)."""
 
 

@@ -57,6 +57,7 @@ from slurm_etc.plan.model import ModelDesc
 from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
+from ..errors import InternalError
 from .control import (
     ENCODER,
     HOLD_AFTER_S,
@@ -147,7 +148,7 @@ class WorkerProcess:
     reattach_wait_s: float | None = None
 
 
-class CoordinatorLost(Exception):
+class CoordinatorLost(InternalError):
     """Nothing heard from the coordinator for the reattach wait (one line: how long)."""
 
 

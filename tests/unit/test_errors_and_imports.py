@@ -1,0 +1,140 @@
+"""Every module of the package imports on its own, and every error it raises on purpose
+has the one root (slurm_etc.errors) whose kind the CLI turns into an exit code."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import click
+import pytest
+from click.testing import CliRunner
+
+import slurm_etc
+from slurm_etc.errors import EtcError, InputError, InternalError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+
+# Alembic's scripts: run by alembic with its context, loaded by path (not importable names)
+NOT_MODULES = ("slurm_etc.store.migrations.",)
+
+
+def _modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.walk_packages(slurm_etc.__path__, "slurm_etc.")
+                  if not m.name.startswith(NOT_MODULES))
+
+
+# One interpreter imports the third-party libraries once; each module is then imported in a
+# fork of it, with nothing of slurm_etc loaded before: an import cycle that only bites when
+# its module comes first (``import slurm_etc.cli.cmd_policy`` did) fails there.
+_ALONE = textwrap.dedent("""
+    import json, os, sys, traceback
+    import alembic.command, alembic.config, click, msgspec, rich.console, rich.table  # noqa
+    import scipy.optimize, scipy.sparse.csgraph, sqlalchemy.orm, torch.distributed, zmq  # noqa
+    import megatron.core.dist_checkpointing, megatron.core.distributed  # noqa
+    import megatron.core.models.gpt, megatron.core.optimizer  # noqa
+    assert not [m for m in sys.modules if m.startswith("slurm_etc")]
+    failed = {}
+    for name in json.loads(sys.argv[1]):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                __import__(name)
+                os._exit(0)
+            except BaseException:
+                os.write(w, traceback.format_exc().strip().splitlines()[-1].encode()[:2000])
+                os._exit(1)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            why = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        if status:
+            failed[name] = why or f"exit status {status}"
+    print(json.dumps(failed))
+""")
+
+
+def _import_alone(names: list[str]) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-c", _ALONE, json.dumps(names)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_module_imports_on_its_own() -> None:
+    names = _modules()
+    assert len(names) > 80, names  # the walk found the package
+    assert _import_alone(names) == {}
+
+
+def test_the_import_check_catches_a_cycle(tmp_path, monkeypatch) -> None:
+    """A planted cycle (a module importing a name from one that imports it back, the way
+    cmd_policy imported UserError from cli.main) fails the same check."""
+    pkg = tmp_path / "cyclepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text("class UserError(Exception):\n    pass\n\n\n"
+                                 "from . import cmd\nregistered = cmd.command\n")
+    (pkg / "cmd.py").write_text("from .main import UserError\ncommand = UserError\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    failed = _import_alone(["cyclepkg.main", "cyclepkg.cmd"])
+    assert set(failed) == {"cyclepkg.cmd"} and "command" in failed["cyclepkg.cmd"], failed
+
+
+def _error_classes() -> list[type[BaseException]]:
+    found: dict[str, type[BaseException]] = {}
+    for name in _modules():
+        module = importlib.import_module(name)
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == name:
+                found[f"{name}.{obj.__qualname__}"] = obj
+    return list(found.values())
+
+
+def test_every_error_of_the_package_has_the_root_and_one_kind() -> None:
+    classes = _error_classes()
+    assert len(classes) >= 25, classes
+    # click's own exception type is how the CLI prints: the one class outside the root
+    outside = [c for c in classes if not issubclass(c, EtcError)
+               and not issubclass(c, click.ClickException)]
+    assert outside == [], [f"{c.__module__}.{c.__qualname__}" for c in outside]
+    kindless = [c for c in classes if issubclass(c, EtcError) and c is not EtcError
+                and not issubclass(c, (InputError, InternalError))]
+    assert kindless == [], kindless
+
+
+@pytest.mark.parametrize("error, code", [
+    ("slurm_etc.plan.errors:ConfigError", 2), ("slurm_etc.store.db:StoreError", 2),
+    ("slurm_etc.coordinator.channel:SecretError", 2),  # a ChannelError the user fixes
+    ("slurm_etc.plan.errors:PlanError", 3), ("slurm_etc.slurm.model:SlurmError", 3),
+    ("slurm_etc.coordinator.channel:ChannelError", 3)])
+def test_the_cli_maps_the_root_to_one_line_and_the_kinds_exit_code(error: str,
+                                                                    code: int) -> None:
+    from slurm_etc.cli.main import EtcGroup
+
+    module, name = error.split(":")
+    kind = getattr(importlib.import_module(module), name)
+
+    @click.group(cls=EtcGroup)
+    def group() -> None:
+        pass
+
+    @group.command()
+    def fail() -> None:
+        message = "what went wrong,\nand what would be right"
+        if name == "SlurmError":  # its line is built from the command that failed
+            raise kind(["squeue"], 1, "x", what=message)
+        raise kind(message)
+
+    res = CliRunner().invoke(group, ["fail"])
+    assert res.exit_code == code, (res.output, res.exception)
+    assert res.stderr.startswith("slurm-etc: error: ") and res.stderr.count("\n") == 1, \
+        res.stderr
+    assert "what went wrong,\\nand what would be right" in res.stderr, res.stderr
+    assert "Traceback" not in res.output
