@@ -422,7 +422,7 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
     if d.migrations:
         mig = _table("migrations (bytes moved against the lower bound; seconds)",
                      "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>data|>pause|"
-                     ">prep|~outcome")
+                     ">stall|>prep|~outcome")
         for m in d.migrations:
             ratio = m.ratio_to_lower_bound
             outcome = m.outcome or "running"
@@ -436,13 +436,16 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                         _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
                         _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
                         _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
-                        _seconds(m.data_seconds), pause_text(m),
+                        _seconds(m.data_seconds), pause_text(m), _seconds(m.stall_seconds),
                         _seconds(m.preparation_seconds), outcome)
         parts.append(mig)
         parts.append(Text("pause: the widest gap over the processes between the end of the "
                           "last step in the old layout and the start of the first in the new "
                           "one (in brackets: the workers' timing, until every process reported "
-                          "it); prep: decision to pause, the old layout training on", style="dim"))
+                          "it); stall: the widest gap between two old-layout steps before it, "
+                          "while the resize was prepared (the boundary that built the new "
+                          "world); prep: decision to pause, the old layout training on",
+                          style="dim"))
 
     pending = d.pending_events
     if pending:

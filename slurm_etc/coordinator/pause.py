@@ -10,10 +10,18 @@ launching and warming up joiners while the old layout trained on) is the prepara
 recorded apart. Measured this way a pause cannot start after planning or end before the
 first new step, which a timer around the resize code would let it do.
 
+Training can also stop once before the pause, while the resize is prepared beside it: a
+stayer builds the new world (groups, model, DDP, optimizer) at one step boundary of the old
+layout (megatron's globals are swapped while it builds: not in a thread). Each process
+reports the widest gap between two of its old-layout steps meanwhile; the migration's stall
+is the widest over the processes, recorded beside the pause, so the record says every time
+training stopped for the resize.
+
 Pure: the coordinator feeds reports in and writes what comes out.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -28,6 +36,7 @@ class ProcessGap:
     last_ended: float
     started: float
     joined: bool = False
+    stalled: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -45,6 +54,9 @@ class MeasuredPause:
             already stopped when the coordinator decided, as on a node lost).
         processes: how many processes' gaps the largest is taken over.
         vrank: the process whose gap it is.
+        stall_seconds: the widest gap between two old-layout steps of any of them while the
+            resize was prepared beside training (0: none).
+        stall_vrank: the process whose stall that is.
     """
 
     seconds: float
@@ -53,6 +65,8 @@ class MeasuredPause:
     preparation_seconds: float
     processes: int
     vrank: int
+    stall_seconds: float = 0.0
+    stall_vrank: int | None = None
 
 
 def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPause | None:
@@ -62,8 +76,10 @@ def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPau
         return None
     # ties go to the lowest vrank, so every run of the same reports records the same
     widest = max(known, key=lambda g: (g.seconds, -g.vrank))
+    stalled = max(known, key=lambda g: (g.stalled, -g.vrank))
     return MeasuredPause(widest.seconds, widest.last_ended, widest.started,
-                         max(0.0, widest.last_ended - decided_at), len(known), widest.vrank)
+                         max(0.0, widest.last_ended - decided_at), len(known), widest.vrank,
+                         stalled.stalled, stalled.vrank if stalled.stalled > 0 else None)
 
 
 @dataclass
@@ -88,7 +104,9 @@ class PauseTracker:
     def add(self, report: Resumed) -> list[tuple[object, MeasuredPause]]:
         """One process's report; the pauses it completes."""
         gap = (None if report.last_ended is None else
-               ProcessGap(report.vrank, report.last_ended, report.started, report.joined))
+               ProcessGap(report.vrank, report.last_ended, report.started, report.joined,
+                          report.stalled if math.isfinite(report.stalled)
+                          and report.stalled > 0 else 0.0))
         self._gaps.setdefault(report.generation, {})[report.vrank] = gap
         return self._complete(report.generation, partial=False)
 

@@ -243,7 +243,9 @@ class MigrationRow(Base):
     the step boundaries, once ``pause_processes`` processes reported it (NULL: not yet; the
     workers' own timing of the resize stands meanwhile), lying from ``paused_at`` to
     ``resumed_at``; ``preparation_seconds``: decision to ``paused_at`` (the old layout
-    trained through it); ``data_seconds``: the longest data phase of any process."""
+    trained through it); ``data_seconds``: the longest data phase of any process;
+    ``stall_seconds``: the widest gap between two old-layout steps of any process while the
+    resize was prepared beside training (the boundary that built the new world; 0: none)."""
 
     __tablename__ = "migrations"
     __table_args__ = (
@@ -259,6 +261,8 @@ class MigrationRow(Base):
                         "'checkpoint')", name="ck_migrations_rebuilt_from"),
         CheckConstraint("pause_processes IS NULL OR pause_processes >= 1",
                         name="ck_migrations_pause_processes"),
+        CheckConstraint("stall_seconds IS NULL OR stall_seconds >= 0",
+                        name="ck_migrations_stall"),
         Index("ix_migrations_job", "job_id", "to_generation"),
     )
 
@@ -290,3 +294,4 @@ class MigrationRow(Base):
     paused_at: Mapped[datetime | None] = mapped_column(Timestamp())
     resumed_at: Mapped[datetime | None] = mapped_column(Timestamp())
     pause_processes: Mapped[int | None] = mapped_column(Integer)
+    stall_seconds: Mapped[float | None] = mapped_column(Double)

@@ -279,7 +279,10 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     (unix seconds), ``last_ended`` when its last step in the old layout ended, or, for a
     process that joined with this resize, when the old layout's last step ended on the
     rank that published its state (None: not known). Their difference is this process's
-    training gap; the migration's pause is the largest over the new layout's processes."""
+    training gap; the migration's pause is the largest over the new layout's processes.
+    ``stalled``: the widest gap between two of this process's steps in the old layout while
+    the resize was prepared beside training (the step boundary that built the new world),
+    seconds; 0 where nothing was prepared while training (a joiner, a loss)."""
 
     job: str
     generation: int
@@ -288,6 +291,7 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     started: float
     last_ended: float | None
     joined: bool = False
+    stalled: float = 0.0
 
 
 Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready

@@ -274,6 +274,9 @@ class ElasticTrainer:
         # (generation, unix end) of the last step this process trained; the generation it
         # first trained in without a resize (its first layout: no gap to report)
         self._ended_in: tuple[int, float] | None = None
+        # the widest gap between two old-layout steps while a resize was prepared beside
+        # training (the boundary that built the new world): reported with the first new step
+        self._stalled = 0.0
         self._first_generation: int | None = None
         # a resize being prepared while the old layout trains (see _advance_preparation)
         self._preparing: _Preparation | None = None
@@ -457,6 +460,9 @@ class ElasticTrainer:
             proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step, loss,
                                          lr, self.consumed_samples, str(cfg), started, ended))
         self._report_resumed(started)
+        if self._preparing is not None and self._ended_in is not None and \
+                self._ended_in[0] == self.generation:  # training stopped at that boundary
+            self._stalled = max(self._stalled, started - self._ended_in[1])
         self._ended_in = (self.generation, ended)
         self._log("step %d loss %.6f lr %.3e consumed %d started %.6f ended %.6f", self.step,
                   loss, lr, self.consumed_samples, started, ended)
@@ -478,7 +484,9 @@ class ElasticTrainer:
             if proc.store.check([key]):
                 last = float(proc.store.get(key).decode())
         proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
-                                    last, joined=self._ended_in is None))
+                                    last, joined=self._ended_in is None,
+                                    stalled=self._stalled))
+        self._stalled = 0.0
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -800,6 +808,7 @@ class ElasticTrainer:
 
         proc = self._proc()
         prep = _Preparation(order, plan, time.perf_counter())
+        self._stalled = 0.0  # this resize's, not an aborted one's before it
 
         def transfer() -> None:
             try:
@@ -881,7 +890,7 @@ class ElasticTrainer:
         finally:
             prep.new_catalog, self.catalog = self.catalog, catalog
         prep.world_s = time.perf_counter() - t
-        # training stops for this (not yet in the record's pause: docs/zero-stall.md)
+        # training stops for this: the next step's gap is reported as the resize's stall
         self._log("built the new world of generation %d at a step boundary: %.3f s (training "
                   "stopped; unix %.3f to %.3f)", prep.order.generation, prep.world_s, wall,
                   wall + prep.world_s)

@@ -84,6 +84,28 @@ def training_gaps(steps: list[Step], *, from_start: bool = False) -> dict[int, f
     return gaps
 
 
+def preparation_stalls(steps: list[Step], windows: dict[int, tuple[float, float]]
+                       ) -> dict[int, float]:
+    """The stall of every resize (keyed by the new generation) from the per-step times: the
+    widest gap between two consecutive old-layout steps of a process of the new layout
+    inside the resize's preparation, ``windows[g] = (decided, paused)`` in unix seconds
+    (0 where no two steps lie in it: a loss, a joiner)."""
+    by = defaultdict(list)
+    for s in steps:
+        by[(s.generation, s.vrank)].append(s)
+    out: dict[int, float] = {}
+    for g, (decided, paused) in sorted(windows.items()):
+        stayers = {v for (gg, v) in by if gg == g} & {v for (gg, v) in by if gg == g - 1}
+        worst = 0.0
+        for v in stayers:
+            old = sorted(by[(g - 1, v)], key=lambda s: s.started)
+            for a, b in zip(old, old[1:]):
+                if a.ended >= decided - 0.05 and b.started <= paused + 0.05:
+                    worst = max(worst, b.started - a.ended)
+        out[g] = worst
+    return out
+
+
 def mismatches(recorded: dict[int, float | None], gaps: dict[int, float],
                tolerance_s: float = 0.05) -> list[str]:
     """Why the recorded pauses are not the gaps (empty: they are, within ``tolerance_s``)."""

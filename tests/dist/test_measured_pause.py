@@ -5,8 +5,11 @@ Every committed resize's recorded pause equals the training gap computed from th
 times the workers logged (the largest over the new layout's processes of first-new-step
 start minus last-old-step end) within 0.05 s; two planted errors (the gap from the last old
 step's start; the workers' own timing around the resize code, which the record held before)
-are caught by the same check. The loss falls across the resizes (byte-level text), no gap
-between steps lies outside a measured pause, and the tables keep one row a line in a pipe.
+are caught by the same check. The stall before each pause (the boundary at which a stayer
+built the new world while the old layout trained) is recorded as the widest gap between two
+old-layout steps inside the preparation, checked the same way (planted: left out). The loss
+falls across the resizes (byte-level text), no gap between steps lies outside a measured
+pause or a recorded stall, and the tables keep one row a line in a pipe.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from slurm_etc.store.db import open_store_readonly
 
 from .pause_check import (
     mismatches,
+    preparation_stalls,
     steps_from_logs,
     training_gaps,
     worker_timed_pauses,
@@ -78,20 +82,32 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.5, losses
 
-    # no time between steps outside a measured pause (the timeline has no hidden gap) but
-    # the stayers' one boundary that builds the new world (logged with its seconds; not yet
-    # in the record's pause: docs/zero-stall.md says so)
-    spans = sorted((s.started, s.ended) for s in steps)
-    pauses = [(m.paused_at.timestamp(), m.resumed_at.timestamp()) for m in committed]
+    # the stall before each pause (the stayers' one boundary that builds the new world while
+    # the old layout trains) is recorded too: the widest gap between two old-layout steps
+    # inside the preparation, from the per-step times, within 0.05 s
+    windows = {m.to_generation: (m.paused_at.timestamp() - (m.preparation_seconds or 0.0),
+                                 m.paused_at.timestamp()) for m in committed}
+    stalls = preparation_stalls(steps, windows)
+    recorded_stalls = {m.to_generation: m.stall_seconds for m in committed}
+    assert mismatches(recorded_stalls, stalls) == []
     builds = world_builds(out / "workers")
     assert len({round(a) for a, _ in builds}) >= 2  # each grow built its world while training
+    assert sum(v > 0.05 for v in stalls.values()) >= 2, stalls  # so the check can fail
+    # planted: the stall left out of the record (what it held before), the same check fails
+    assert mismatches({g: 0.0 for g in recorded_stalls}, stalls)
+
+    # no time between steps outside what the record says: a measured pause, or a recorded
+    # stall inside its resize's preparation (the timeline has no hidden gap)
+    spans = sorted((s.started, s.ended) for s in steps)
+    pauses = [(m.paused_at.timestamp(), m.resumed_at.timestamp()) for m in committed]
+    stalled = [(windows[m.to_generation], m.stall_seconds or 0.0) for m in committed]
     reach = spans[0][1]
     for started, ended in spans[1:]:
         if started - reach > UNCOVERED_S:
             in_pause = any(a - 0.05 <= reach and started <= b + 0.05 for a, b in pauses)
-            in_build = any(reach - 0.05 <= a and b <= started + 0.05
-                           and started - reach <= b - a + UNCOVERED_S for a, b in builds)
-            assert in_pause or in_build, \
+            in_stall = any(a - 0.05 <= reach and started <= b + 0.05
+                           and started - reach <= stall + 0.05 for (a, b), stall in stalled)
+            assert in_pause or in_stall, \
                 f"training stopped {started - reach:.2f} s at {reach:.2f} outside any pause"
         reach = max(reach, ended)
 
@@ -103,6 +119,7 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
         assert len(row) == 1, run.stdout
         cells = row[0].split()
         assert f"{m.data_seconds:.2f}" in cells and f"{m.pause_seconds:.2f}" in cells, row
+        assert f"{m.stall_seconds:.2f}" in cells, row
     gen_rows = [ln for ln in run.stdout.splitlines() if re.match(r"\s+\d+\s+dp=", ln)]
     assert len(gen_rows) == len(detail.generations), run.stdout
 
@@ -111,4 +128,6 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     (as_json,) = json.loads(shown.stdout)["jobs"]
     assert [m["pause_seconds"] for m in as_json["migrations"]] == \
         [m.pause_seconds for m in detail.migrations]
+    assert [m["stall_seconds"] for m in as_json["migrations"]] == \
+        [m.stall_seconds for m in detail.migrations]
     assert all(m["pause_measured"] for m in as_json["migrations"])

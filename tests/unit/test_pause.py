@@ -72,6 +72,25 @@ def test_flush_takes_what_came_and_an_unknown_end_counts_for_nothing():
     assert (mid, p.seconds, p.processes) == ("m2", 0.5, 1)
 
 
+def test_the_stall_is_the_widest_over_the_processes_and_kept_apart_from_the_pause():
+    """A stayer built the new world at one boundary of the old layout (0.8 s without a
+    step); the pause after it is another gap: both recorded, neither inside the other."""
+    gaps = [ProcessGap(0, 1003.0, 1003.2, stalled=0.8), ProcessGap(1, 1003.0, 1003.25,
+                                                                    stalled=0.75),
+            ProcessGap(2, 1003.0, 1003.1, True)]  # a joiner: nothing prepared beside it
+    p = measured_pause(gaps, DECIDED)
+    assert p is not None and (p.seconds, p.vrank) == (0.25, 1)
+    assert (p.stall_seconds, p.stall_vrank) == (0.8, 0)
+    none = measured_pause([ProcessGap(0, 1003.0, 1003.2)], DECIDED)
+    assert none is not None and (none.stall_seconds, none.stall_vrank) == (0.0, None)
+    # what a worker says is bounded: a negative or non-finite stall counts for nothing
+    t = PauseTracker()
+    t.committed(1, "m", (0, 1), DECIDED)
+    t.add(Resumed("j", 1, 0, 7, 1004.0, 1003.0, stalled=float("nan")))
+    ((_, q),) = t.add(Resumed("j", 1, 1, 7, 1004.0, 1003.0, stalled=-5.0))
+    assert (q.stall_seconds, q.stall_vrank) == (0.0, None)
+
+
 def test_resumed_travels_on_the_wire():
     r = _resumed(3, 1004.25, None, joined=True)
     assert REPORT_DECODER.decode(ENCODER.encode(r)) == r
@@ -97,14 +116,17 @@ def test_the_measured_pause_replaces_the_workers_timing_of_a_committed_migration
         assert (m.pause_seconds, m.data_seconds, m.pause_measured) == (0.8, 0.3, False)
         resumed = T0 + timedelta(seconds=1.25)
         record_migration_pause(store, mid, pause_seconds=1.25, paused_at=T0,
-                               resumed_at=resumed, preparation_seconds=3.5, processes=4)
+                               resumed_at=resumed, preparation_seconds=3.5, processes=4,
+                               stall_seconds=0.7)
         (m,) = job_detail(store, "7").migrations
         assert (m.pause_seconds, m.preparation_seconds, m.pause_processes) == (1.25, 3.5, 4)
+        assert m.stall_seconds == 0.7
         assert (m.paused_at, m.resumed_at, m.pause_measured) == (T0, resumed, True)
         shown = job_detail(store, "7").to_json(now=T0)["migrations"][0]
         assert shown["pause_measured"] and shown["data_seconds"] == 0.3
-        assert shown["paused_at"] == T0.isoformat()
+        assert shown["paused_at"] == T0.isoformat() and shown["stall_seconds"] == 0.7
         for bad, says in [({"pause_seconds": -1.0}, "pause_seconds"),
+                          ({"stall_seconds": float("inf")}, "stall_seconds"),
                           ({"processes": 0}, "processes"),
                           ({"resumed_at": T0 - timedelta(seconds=1)}, "before paused_at")]:
             kwargs = {"pause_seconds": 1.0, "paused_at": T0, "resumed_at": resumed,
@@ -144,6 +166,7 @@ def test_a_record_from_before_the_columns_reads_as_not_measured_and_upgrades(tmp
     try:
         (m,) = job_detail(old, "7").migrations
         assert (m.pause_seconds, m.pause_measured, m.data_seconds) == (0.5, False, None)
+        assert m.stall_seconds is None
     finally:
         old.close()
     store = open_store(path)
