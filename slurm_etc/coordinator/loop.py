@@ -40,6 +40,7 @@ from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
+from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
     Notice,
@@ -77,7 +78,6 @@ from slurm_etc.worker.control import (
     format_layout,
 )
 from slurm_etc.worker.recovery import RESUME_FROM, Recovery, newest_checkpoint
-from slurm_etc.worker.trainer import plan_digest
 
 from ..errors import InternalError
 from .backend import (

@@ -38,6 +38,7 @@ from typing import Iterator
 import numpy as np
 
 from slurm_etc.plan.boxes import box_offset, box_strides, interval_boxes
+from slurm_etc.plan.fingerprint import plan_fingerprint
 
 from .shards import ShardSpec, shard_specs
 
@@ -286,16 +287,11 @@ def group_devices(plan) -> tuple[int, ...]:
     return tuple(plan.participants)
 
 
-def plan_digest(plan, chunk_bytes: int, direct_min: int = DIRECT_MIN_BYTES) -> int:
-    """A 63-bit fingerprint of what the ranks must agree on (plan messages and chunking)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr((plan.old.config, plan.old.devices, plan.new.config, plan.new.devices,
-                   plan.catalog.model.name, chunk_bytes, direct_min)).encode())
-    if plan.lost:  # (absent without losses: digests of such plans stay what they were)
-        h.update(repr(("lost", tuple(plan.lost))).encode())
-    t, m = plan.transfers, plan.messages
-    for arr in (t.src, t.dst, t.frag, t.nbytes, t.offset, m.src, m.dst, m.nbytes, m.round):
-        h.update(np.ascontiguousarray(arr, np.int64).tobytes())
+def program_digest(plan, chunk_bytes: int, direct_min: int = DIRECT_MIN_BYTES) -> int:
+    """A 63-bit fingerprint of what the ranks' programs must agree on: the plan's
+    fingerprint and the chunking."""
+    h = hashlib.blake2b(plan_fingerprint(plan), digest_size=8)
+    h.update(repr((chunk_bytes, direct_min)).encode())
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -404,7 +400,7 @@ def compile_program(plan, device: int, staging_bytes: int = DEFAULT_STAGING_BYTE
     kept = _kept_whole(old_specs, new_specs, local_src, local_dst)
     return Program(device, devices, old_rank, new_rank, old_specs, new_specs, chunk, sends,
                    recvs, local_src, local_dst, steps,
-                   plan_digest(plan, chunk, direct_min_bytes), direct_min_bytes,
+                   program_digest(plan, chunk, direct_min_bytes), direct_min_bytes,
                    stats={"local_bytes": pos,
                           "kept_whole_bytes": sum(new_specs[j].nbytes for j in kept)},
                    kept=kept)

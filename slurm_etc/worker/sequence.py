@@ -94,7 +94,7 @@ class ResizeSequence:
     def layouts(self) -> tuple[list[Layout], list[str]]:
         """The layout of every generation (the planner places each new layout on the
         processes, keeping the most bytes in place) and each resize's plan digest."""
-        from .trainer import plan_digest
+        from ..plan.fingerprint import plan_digest
 
         topo = Topology(gpus_per_node=self.processes)
         layouts = [Layout(self.configs[0], tuple(range(self.configs[0].world)))]

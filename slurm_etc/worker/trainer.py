@@ -53,6 +53,7 @@ from slurm_etc.migrate.faults import KillSpec, kill_spec_from_env
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
+from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
@@ -1437,20 +1438,6 @@ def _surviving_peer(old: Layout, rank: int, lost: frozenset[int]) -> int:
     alive = [r for r in same if old.devices[r] not in lost] or \
         [r for r in range(old.config.world) if old.devices[r] not in lost]
     return alive[0]
-
-
-def plan_digest(plan: Any) -> str:
-    """sha256 over what every worker must agree on: layouts and every message."""
-    import hashlib
-
-    import numpy as np
-
-    h = hashlib.sha256()
-    h.update(repr((plan.old, plan.new, tuple(getattr(plan, "lost", ())))).encode())
-    m = plan.messages
-    for arr in (m.src, m.dst, m.nbytes, m.round):
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:

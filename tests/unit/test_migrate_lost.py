@@ -19,7 +19,7 @@ from slurm_etc.megatron.state import (
 )
 from slurm_etc.migrate.executor import MigrationOptions
 from slurm_etc.migrate.fake import fake_shards, shard_mismatches
-from slurm_etc.migrate.program import compile_program, group_devices, plan_digest
+from slurm_etc.migrate.program import compile_program, group_devices, program_digest
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.migrate.transport import ThreadHub
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology, plan_migration
@@ -65,11 +65,11 @@ def test_a_lost_device_has_no_program():
     assert prog.group_devices == (0, 2) and prog.group_rank == 1
 
 
-def test_digest_names_the_lost_devices_only_when_there_are_some():
+def test_the_program_digest_tells_a_plan_with_lost_devices_from_one_without():
     a = _plan("tiny", (2, 1, 2), (1, 1, 2), [0, 2], [1, 3])
     b = _plan("tiny", (2, 1, 2), (1, 1, 2), [0, 2], [])
     assert a.messages.src.tolist() == b.messages.src.tolist()
-    assert plan_digest(a, 1 << 20) != plan_digest(b, 1 << 20)
+    assert program_digest(a, 1 << 20) != program_digest(b, 1 << 20)
 
 
 def test_rng_source_falls_back_to_the_lowest_surviving_dp_rank():
