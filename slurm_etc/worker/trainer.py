@@ -892,9 +892,13 @@ class ElasticTrainer:
             prep.new_catalog, self.catalog = self.catalog, catalog
         prep.world_s = time.perf_counter() - t
         # training stops for this: the next step's gap is reported as the resize's stall
+        parts = prep.prepared.seconds
         self._log("built the new world of generation %d at a step boundary: %.3f s (training "
-                  "stopped; unix %.3f to %.3f)", prep.order.generation, prep.world_s, wall,
-                  wall + prep.world_s)
+                  "stopped; unix %.3f to %.3f): group %.3f, megatron's groups %.3f, model + "
+                  "DDP + optimizer %.3f, staying state placed %.3f", prep.order.generation,
+                  prep.world_s, wall, wall + prep.world_s, parts.get("world_group", 0.0),
+                  parts.get("world_megatron_groups", 0.0), parts.get("world_build", 0.0),
+                  parts.get("place", 0.0))
 
     def _finish_preparation(self, prep: _Preparation) -> str:
         """The pause of a resize prepared while training."""

@@ -18,7 +18,7 @@ STEP_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] step (\d+) loss \S+ l
                        r"consumed \d+ started ([\d.]+) ended ([\d.]+)")
 RESIZED_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] resized .* pause ([\d.]+) s,")
 # logged when a stayer built the new world at one step boundary (not a thread: it swaps
-# torch's and megatron's globals), training stopped meanwhile: not yet in the record's pause
+# torch's and megatron's globals), training stopped meanwhile: the record's stall
 WORLD_LINE = re.compile(r"built the new world of generation \d+ at a step boundary: [\d.]+ s "
                         r"\(training stopped; unix ([\d.]+) to ([\d.]+)\)")
 
