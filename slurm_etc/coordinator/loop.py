@@ -567,6 +567,11 @@ class Coordinator:
                 case Grant():
                     for d in event.devices:
                         self.held[d] = event.allocation
+                        # a new allocation's device is whole again, whatever happened to it
+                        # under an earlier one (a worker killed there, a loss): kept as
+                        # lost, the next commit forgot it (held.pop) or a resize named it dead
+                        self.lost.discard(d)
+                        self.notices.pop(d, None)
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
@@ -587,6 +592,8 @@ class Coordinator:
                 case Loss():
                     self._partition_stale = True  # a node DOWN may take others with it
                     for d in event.devices:
+                        if self.held.get(d, event.allocation) != event.allocation:
+                            continue  # the device is another allocation's now: not lost
                         self.lost.add(d)
                         self.notices[d] = (now, "failure" if event.cause == "failure"
                                            else "preemption")
@@ -1245,6 +1252,7 @@ class Coordinator:
         for d in gone:
             self.held.pop(d, None)
             self.notices.pop(d, None)
+        self.lost -= gone  # forgotten: a later grant of the same device is a new one
         self.journal.write(record.open_generation, self.spec.job_id, self.generation,
                            str(new.config), new.devices, self.vranks, first_step=self.step)
         self.resize_times.append(self.clock())

@@ -224,3 +224,51 @@ def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_pa
     assert len(short.new.devices) == 2 and len(ample.new.devices) == 2
     assert short.prepare_while_training is False
     assert ample.prepare_while_training is True
+
+
+def test_a_device_granted_again_is_not_the_one_that_was_lost(tmp_path):
+    """A node lost (or a worker killed on it) and granted again in a new allocation: its
+    devices are whole again. Kept as lost, a later commit dropped them from what the job
+    holds although the new allocation held them (the job never grew again: the Slurm tier's
+    CI failure), and a late loss of the old allocation does not touch the new one's."""
+    from slurm_etc.alloc.topology import ClusterTopology, Device
+    from slurm_etc.coordinator.backend import Grant, Loss
+    from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
+
+    class Stub(HandDrivenBackend):
+        def __init__(self) -> None:
+            super().__init__(ClusterTopology(2, ("n1", "n2")))
+            self.launched: list[Any] = []
+
+        def launch(self, action: Any) -> None:
+            self.launched.append(action)
+
+    stub = Stub()
+    with coordinator_over(tmp_path, "regrant-1", stub,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=True, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _):
+        n1, n2 = (Device("n1", 0), Device("n1", 1)), (Device("n2", 0), Device("n2", 1))
+        stub.pending = [Grant("a0", n1)]
+        c._observe_backend()
+        c._decide()
+        c.step = 5
+        stub.pending = [Grant("a1", n2)]
+        c._observe_backend()
+        c._decide()
+        assert c.inflight is not None and c.inflight.joiners  # the grow warms up
+        stub.pending = [Loss("a1", n2)]  # its node fails during the warm-up
+        c._observe_backend()
+        c._decide()
+        assert c.inflight is None and set(n2) <= c.lost
+        stub.pending = [Grant("a2", n2)]  # the same node, a new allocation
+        c._observe_backend()
+        assert not set(n2) & c.lost and all(c.held[d] == "a2" for d in n2)
+        assert not set(n2) & set(c.notices)
+        stub.pending = [Loss("a1", n2)]  # the old allocation's end, reported late
+        c._observe_backend()
+        assert not set(n2) & c.lost, "a late loss of a1 marked a2's devices lost"
+        c._decide()
+        fl = c.inflight
+        assert fl is not None and {fl.vranks[v] for v in fl.joiners} == set(n2), \
+            "the job did not grow onto the node granted again"
