@@ -469,7 +469,7 @@ def _train_step(state: TrainingState, *, seed: int, step: int, micro_batch: int,
     if not ok:
         raise RuntimeError(f"optimizer step {step} of {state.model_desc.name} under "
                            f"{state.config} was skipped (non-finite gradients)")
-    return _mean_loss(losses, state.config)
+    return mean_loss(losses, state.config)
 
 
 def _global_batch_tokens(model: ModelDesc, *, seed: int, step: int, sequences: int,
@@ -493,7 +493,7 @@ def gpt_forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple
     return output, loss_func
 
 
-def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
+def mean_loss(losses: list[dict], config: ParallelConfig) -> float:
     """The step's mean loss, averaged over micro-batches and dp ranks, known on every rank.
 
     Only last-stage ranks hold losses; each of their tp ranks holds the same value.

@@ -169,7 +169,8 @@ class _OptEntry:
     separate_main: bool  # main is an fp32 copy (mixed precision): the 'fp32_param' state
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers inside megatron's chained optimizer (or the one given)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
@@ -179,7 +180,7 @@ def _opt_entries(state: TrainingState) -> dict[int, _OptEntry]:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     entries: dict[int, _OptEntry] = {}
-    for sub in _sub_optimizers(state.optimizer):
+    for sub in sub_optimizers(state.optimizer):
         inner = sub.optimizer
         if isinstance(sub, DistributedOptimizer):
             for param, (gi, go) in sub.model_param_group_index_map.items():
@@ -592,7 +593,7 @@ def finish_install(state: TrainingState, dest: Destinations, shards: Sequence[Lo
 def set_resume(state: TrainingState, resume: ResumeState) -> None:
     """Install step (every parameter's Adam state) and the CPU generator."""
     step = torch.tensor(float(resume.step), dtype=torch.float32)
-    for sub in _sub_optimizers(state.optimizer):
+    for sub in sub_optimizers(state.optimizer):
         for st in sub.optimizer.state.values():
             st["step"] = step.clone()
     torch.set_rng_state(torch.frombuffer(bytearray(resume.rng), dtype=torch.uint8))
@@ -629,7 +630,7 @@ class ResumeState:
 def optimizer_step(state: TrainingState) -> int:
     """The Adam step of this rank's optimizer (every parameter's state must agree)."""
     steps = set()
-    for sub in _sub_optimizers(state.optimizer):
+    for sub in sub_optimizers(state.optimizer):
         for st in sub.optimizer.state.values():
             if "step" in st:
                 steps.add(int(float(st["step"])))
@@ -641,7 +642,7 @@ def optimizer_step(state: TrainingState) -> int:
 def set_optimizer_step(state: TrainingState, step: int) -> None:
     """Set the Adam step of every parameter's state on this rank."""
     value = torch.tensor(float(step), dtype=torch.float32)
-    for sub in _sub_optimizers(state.optimizer):
+    for sub in sub_optimizers(state.optimizer):
         for st in sub.optimizer.state.values():
             if "step" in st:
                 st["step"] = value.clone()

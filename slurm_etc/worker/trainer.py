@@ -46,9 +46,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurm_etc.megatron.build import TrainingState, skip_tied_embedding_sync, wrap_for_training
+from slurm_etc.megatron.build import (
+    TrainingState,
+    mean_loss,
+    skip_tied_embedding_sync,
+    wrap_for_training,
+)
 from slurm_etc.megatron.live import check_catalog, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
+from slurm_etc.megatron.state import sub_optimizers
 from slurm_etc.migrate.faults import KillSpec, kill_spec_from_env
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
@@ -449,7 +455,7 @@ class ElasticTrainer:
         self.scheduler.step(increment=self.global_batch)
         self.step += 1
         self.consumed_samples += self.global_batch
-        loss = _mean_loss(losses, cfg)
+        loss = mean_loss(losses, cfg)
         ended = time.time()  # the step's work is done here (what follows only reports it)
         lr = float(state.optimizer.param_groups[0]["lr"])
         rec = StepRecord(self.step, loss, lr, self.consumed_samples, str(cfg), self.generation,
@@ -1023,7 +1029,7 @@ class ElasticTrainer:
                 "scheduler": self.scheduler.state_dict(),
                 "grad_scalers": [getattr(sub, "grad_scaler", None) and
                                  sub.grad_scaler.state_dict()
-                                 for sub in _sub_optimizers(state.optimizer)]}
+                                 for sub in sub_optimizers(state.optimizer)]}
 
     def _adopt_extras(self, tag: str, old: Layout, new: Layout, plan: Any) -> None:
         proc = self._proc()
@@ -1038,7 +1044,7 @@ class ElasticTrainer:
         state, _cfg = self._live()
         self.scheduler = self._make_scheduler(state.optimizer)
         self.scheduler.load_state_dict(saved["scheduler"])
-        for sub, scaler in zip(_sub_optimizers(state.optimizer), saved["grad_scalers"],
+        for sub, scaler in zip(sub_optimizers(state.optimizer), saved["grad_scalers"],
                                strict=False):
             if scaler is not None and getattr(sub, "grad_scaler", None) is not None:
                 sub.grad_scaler.load_state_dict(scaler)
@@ -1457,22 +1463,6 @@ def _stack(samples: list) -> Any:
     if isinstance(samples[0], dict):
         return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     return torch.stack(samples)
-
-
-def _sub_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _mean_loss(losses: list[dict], config: ParallelConfig) -> float:
-    """The step's mean loss over micro-batches and dp ranks, on every rank (only the last
-    pipeline stage holds losses; its tp ranks hold the same value)."""
-    from megatron.core import parallel_state
-
-    local = torch.zeros(1, dtype=torch.float64)
-    if losses and parallel_state.is_pipeline_last_stage():
-        local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
-    dist.all_reduce(local)
-    return float(local[0]) / (config.dp * config.tp)
 
 
 def _rng_extras() -> dict:
