@@ -47,7 +47,7 @@ import torch
 
 from ..errors import InternalError
 from .collector import collector_paused
-from .fake import dtype_for
+from .dtypes import dtype_for
 from .faults import FaultInjector
 from .memory import PeakMemory
 from .program import (

@@ -15,25 +15,11 @@ import torch
 
 from slurm_etc.plan.catalog import Catalog
 
+from .dtypes import DTYPES, dtype_for
 from .shards import LocalShard, ShardSpec, shard_specs
 
-# itemsize -> (value dtype, integer dtype of the same width for bitwise comparison)
-DTYPES: dict[int, tuple[torch.dtype, torch.dtype]] = {
-    1: (torch.uint8, torch.uint8),
-    2: (torch.bfloat16, torch.int16),
-    4: (torch.float32, torch.int32),
-    8: (torch.float64, torch.int64),
-}
 _EXP = {2: (0x7F80, 0x4000), 4: (0x7F800000, 0x40000000),
         8: (0x7FF0000000000000, 0x4000000000000000)}
-
-
-def dtype_for(itemsize: int) -> torch.dtype:
-    """The default torch dtype of a state with ``itemsize`` bytes per element."""
-    try:
-        return DTYPES[itemsize][0]
-    except KeyError:
-        raise ValueError(f"no dtype for itemsize {itemsize}; known: {sorted(DTYPES)}") from None
 
 
 def padded_shape(catalog: Catalog, group: int) -> tuple[int, int, int]:
