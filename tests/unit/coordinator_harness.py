@@ -37,6 +37,29 @@ class HandDrivenBackend:
     def close(self) -> None: ...
 
 
+class RecordingBackend(HandDrivenBackend):
+    """Also keeps the launch, stop, release and request actions it was given, in order."""
+
+    def __init__(self, topology: ClusterTopology) -> None:
+        super().__init__(topology)
+        self.launched: list[Any] = []
+        self.stopped: list[Any] = []
+        self.released: list[Any] = []
+        self.requested: list[Any] = []
+
+    def launch(self, action: Any) -> None:
+        self.launched.append(action)
+
+    def stop(self, action: Any) -> None:
+        self.stopped.append(action)
+
+    def release(self, action: Any) -> None:
+        self.released.append(action)
+
+    def request(self, action: Any) -> None:
+        self.requested.append(action)
+
+
 @contextmanager
 def coordinator_over(tmp_path: Path, job: str, backend: HandDrivenBackend, *,
                      training: TrainingJob, policy: EffectivePolicy, hardware: Hardware,

@@ -10,7 +10,6 @@ import logging
 import sys
 import textwrap
 import time
-from typing import Any
 
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.coordinator.demo import DEMO_HARDWARE
@@ -141,25 +140,9 @@ def test_preemption_notice_during_a_grows_warm_up_supersedes_it_at_once(tmp_path
 
     from slurm_etc.alloc.topology import ClusterTopology, Device
     from slurm_etc.coordinator.backend import Grant, PreemptNotice
-    from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
+    from tests.unit.coordinator_harness import RecordingBackend, coordinator_over
 
-    class Stub(HandDrivenBackend):
-        def __init__(self) -> None:
-            super().__init__(ClusterTopology(2, ("n1", "n2")))
-            self.launched: list[Any] = []
-            self.stopped: list[Any] = []
-            self.released: list[Any] = []
-
-        def launch(self, action: Any) -> None:
-            self.launched.append(action)
-
-        def stop(self, action: Any) -> None:
-            self.stopped.append(action)
-
-        def release(self, action: Any) -> None:
-            self.released.append(action)
-
-    stub = Stub()
+    stub = RecordingBackend(ClusterTopology(2, ("n1", "n2")))
     with coordinator_over(tmp_path, "warm-2", stub,
                           training=TrainingJob(PRESETS["tiny"], 8, 1, False),
                           policy=EffectivePolicy(grow=True, max_nodes=2),
@@ -233,17 +216,9 @@ def test_a_device_granted_again_is_not_the_one_that_was_lost(tmp_path):
     CI failure), and a late loss of the old allocation does not touch the new one's."""
     from slurm_etc.alloc.topology import ClusterTopology, Device
     from slurm_etc.coordinator.backend import Grant, Loss
-    from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
+    from tests.unit.coordinator_harness import RecordingBackend, coordinator_over
 
-    class Stub(HandDrivenBackend):
-        def __init__(self) -> None:
-            super().__init__(ClusterTopology(2, ("n1", "n2")))
-            self.launched: list[Any] = []
-
-        def launch(self, action: Any) -> None:
-            self.launched.append(action)
-
-    stub = Stub()
+    stub = RecordingBackend(ClusterTopology(2, ("n1", "n2")))
     with coordinator_over(tmp_path, "regrant-1", stub,
                           training=TrainingJob(PRESETS["tiny"], 8, 1, False),
                           policy=EffectivePolicy(grow=True, max_nodes=2),
