@@ -38,7 +38,6 @@ from slurm_etc.store.location import private_dir
 
 from . import env as envvars
 from .backend import (
-    UNKNOWN_EXIT,
     BackendError,
     BackendEvent,
     CancelRequest,
@@ -51,6 +50,7 @@ from .backend import (
     WorkerState,
 )
 from .events import EventsScript, ScriptedResources, load_script
+from .processes import AdoptedProcess, process_start
 
 logger = logging.getLogger(__name__)
 
@@ -60,61 +60,10 @@ CLOSE_GRACE_S = 5.0
 STOPPING_WAIT_S = 10.0
 
 
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``); None
-    when it is gone or has ended (a zombie). With the pid it names one process: a pid can
-    be reused, a (pid, start) pair cannot."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    if len(fields) < 20 or fields[0] in ("Z", "X") or not fields[19].isdigit():
-        return None
-    return int(fields[19])
-
-
-class _Adopted:
-    """A worker process started by an earlier coordinator of the job (found from the
-    record after a restart): not this process's child, so it is watched through /proc
-    (pid and start time) instead of waited for; the subset of ``Popen`` the backend uses."""
-
-    def __init__(self, pid: int, start: int) -> None:
-        self.pid, self.start = pid, start
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None and process_start(self.pid) != self.start:
-            if _zombie(self.pid):
-                # ended, not reaped (its parent is gone): its pid, so its group id, is
-                # not reused yet; what it spawned goes with it
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            self.returncode = UNKNOWN_EXIT
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        until = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if until is not None and time.monotonic() > until:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
 @dataclass
 class _Worker:
     state: WorkerState
-    proc: subprocess.Popen[bytes] | _Adopted
+    proc: subprocess.Popen[bytes] | AdoptedProcess
     log: IO[bytes] | None
     kill_at: float | None = None
     reported: bool = False
@@ -300,7 +249,7 @@ class LocalBackend:
             if w.start is None or w.device not in held or process_start(w.pid) != w.start:
                 continue
             state = replace(w, returncode=None, stopping=False)
-            self._workers[w.vrank] = _Worker(state, _Adopted(w.pid, w.start), None)
+            self._workers[w.vrank] = _Worker(state, AdoptedProcess(w.pid, w.start), None)
             out.append(w.vrank)
             logger.info("[local] adopted vrank %d (gen %d) on %s: pid %d", w.vrank,
                         w.generation, w.device, w.pid)
@@ -408,7 +357,7 @@ class LocalBackend:
         behind die with it while its pid cannot have been reused."""
         if w.proc.returncode is not None:
             return w.proc.returncode
-        if isinstance(w.proc, _Adopted):
+        if isinstance(w.proc, AdoptedProcess):
             return w.proc.poll()
         try:
             info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -426,7 +375,7 @@ class LocalBackend:
     def _signal(w: _Worker, sig: signal.Signals) -> None:
         """Signal the worker's process group (its session, started by us), while its leader
         has not been reaped (so the group id is still ours)."""
-        if w.proc.returncode is not None or (isinstance(w.proc, _Adopted)
+        if w.proc.returncode is not None or (isinstance(w.proc, AdoptedProcess)
                                              and w.proc.poll() is not None):
             return
         try:

@@ -37,6 +37,7 @@ from typing import Any, Final
 import msgspec
 import torch.distributed as dist
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import InternalError
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
@@ -412,6 +413,15 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _close_pair(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
+    sock.close(linger=0)
+
+
 class StoreClient(dist.Store):
     """A worker's ``torch.distributed.Store`` over the job's :class:`StoreServer`.
 
@@ -433,7 +443,7 @@ class StoreClient(dist.Store):
         self._timeout = timeout
         self._ctx = zmq.Context()
         self._local = threading.local()
-        self._sockets: list[zmq.Socket] = []
+        self._sockets: list[tuple[zmq.Socket, zmq.Socket]] = []  # (socket, its monitor)
         self._lock = threading.Lock()
         self._ids = 0
 
@@ -442,19 +452,32 @@ class StoreClient(dist.Store):
 
     # -- transport -------------------------------------------------------------------------
 
-    def _socket(self) -> zmq.Socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
+    def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """This thread's socket and a monitor of its disconnections: a store whose process
+        died (its coordinator SIGKILLed) closes the connection at once, and a request
+        waiting on it need not wait out the reply grace."""
+        pair = getattr(self._local, "sock", None)
+        if pair is None:
             sock = self._ctx.socket(zmq.DEALER)
             make_client(sock, self._keys)
             sock.setsockopt(zmq.LINGER, 0)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(f"tcp://{_bracket(self.host)}:{self.port}")
-            self._local.sock = sock
+            pair = self._local.sock = (sock, monitor)
             with self._lock:
-                self._sockets.append(sock)
-        return sock
+                self._sockets.append(pair)
+        return pair
+
+    def _drop(self, pair: tuple[zmq.Socket, zmq.Socket]) -> None:
+        """Close this thread's socket (it is unusable: an answer may still come)."""
+        sock, monitor = pair
+        with self._lock:
+            if pair in self._sockets:
+                self._sockets.remove(pair)
+        _close_pair(sock, monitor)
+        self._local.sock = None
 
     def _call(self, op: str, keys: Sequence[str] = (), values: Sequence[bytes] = (), *,
               amount: int = 0, timeout: timedelta | None = None) -> Reply:
@@ -462,16 +485,25 @@ class StoreClient(dist.Store):
         with self._lock:
             self._ids += 1
             rid = self._ids
-        sock = self._socket()
+        pair = self._socket()
+        sock, monitor = pair
         sock.send(_ENCODER.encode(Request(rid, op, list(keys), [bytes(v) for v in values],
                                           amount, int(limit * 1000))))
         deadline = time.monotonic() + limit + _REPLY_GRACE_S
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000)):
-                # the answer may still come: this socket is unusable for the next request
-                sock.close(linger=0)
-                self._local.sock = None
+            ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
+            if monitor in ready and sock not in ready:
+                recv_monitor_message(monitor)  # only disconnections are monitored
+                self._drop(pair)
+                raise StoreUnreachable(f"the rendezvous store at {_bracket(self.host)}:"
+                                       f"{self.port} closed the connection ({op}: its process ended, or "
+                                       "it refused this client's secret)")
+            if sock not in ready:
+                self._drop(pair)
                 raise StoreUnreachable(f"no answer from the rendezvous store at "
                                  f"{_bracket(self.host)}:{self.port} within "
                                  f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
@@ -501,8 +533,8 @@ class StoreClient(dist.Store):
 
     def close(self) -> None:
         with self._lock:
-            for s in self._sockets:
-                s.close(linger=0)
+            for sock, monitor in self._sockets:
+                _close_pair(sock, monitor)
             self._sockets = []
         self._local = threading.local()
 

@@ -39,7 +39,11 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   (:mod:`.task`) picks its worker by ``SLURM_LOCALID``, narrows ``CUDA_VISIBLE_DEVICES`` to
   the worker's GPU and reports start and exit on stdout. The coordinator's SLURM_* variables
   (the anchor's node list, GPUs, job name...) are removed from the step's environment
-  (SLURM_CONF kept).
+  (SLURM_CONF kept). srun's stdout is a file and its stdin a FIFO that srun itself holds
+  open for writing too (``<run dir>/steps/gen<G>-<node>-<allocation>-v<first vrank>.out``
+  and ``.in``), never pipes to this process: a coordinator that dies leaves its steps
+  running, and one restarted on the job's record takes them up (:meth:`SlurmBackend.adopt`:
+  the srun pid and start time from the record, the file read again, the FIFO opened again).
 - **stop** (:class:`StopWorkers`): ``stop <vrank>`` on the step's stdin (srun broadcasts it
   to its tasks; the wrapper signals its worker with the stop signal), ``kill <vrank>`` after
   the grace, and ``scancel --signal=KILL <job>.<step>`` as the last resort.
@@ -66,7 +70,6 @@ on every call; it blocks only for a Slurm query (bounded by the client's timeout
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 import os
@@ -98,6 +101,7 @@ from slurm_etc.coordinator.backend import (
     WorkerExited,
     WorkerState,
 )
+from slurm_etc.coordinator.processes import AdoptedProcess, process_start
 
 from . import commands, parsers
 from .client import CliSlurmClient, SlurmClient
@@ -120,6 +124,8 @@ STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 # A worker killed by SIGTERM/SIGKILL that nobody here sent is reported up to this late, so
 # that the Loss that explains it (Slurm's state lags its signals) comes first.
 EXIT_HOLD_S = 5.0
+# Under the run directory: each step's stdout file and stdin FIFO.
+STEP_FILES = "steps"
 LOST_NODE_STATES = (NodeState.DOWN, NodeState.FAIL, NodeState.DRAINED, NodeState.DRAINING)
 
 
@@ -243,9 +249,11 @@ class _Step:
     allocation: str
     node: str
     generation: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | AdoptedProcess  # srun
     vranks: tuple[int, ...]
     log: IO[bytes] | None
+    out: IO[bytes]  # srun's stdout file (the wrapper's start and exit lines), read as it grows
+    inbox: Path  # the FIFO srun reads as its stdin: stop and kill lines
     step_id: str | None = None
     buf: bytes = b""
     done: bool = False
@@ -606,6 +614,50 @@ class SlurmBackend:
     def workers(self) -> Mapping[int, WorkerState]:
         return {v: w.state for v, w in sorted(self._workers.items())}
 
+    def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
+        """Take up the workers an earlier coordinator of this job launched (from the record:
+        vrank, generation, device, and the pid and start time of their step's srun, which
+        ran on this node), those whose srun still runs on a device this backend holds and
+        whose task has not reported its exit; returns their vranks. Members a killed
+        coordinator submitted were found at construction (``recover``); they are read from
+        Slurm first, so that their devices count as held. The step's stdout file is read
+        again from its start (its step id, the exits so far), its FIFO opened again for
+        stops."""
+        self._query()
+        steps: dict[tuple[int, int], list[WorkerState]] = {}
+        for w in recorded:
+            current = self._workers.get(w.vrank)
+            if current is not None and not current.reported:
+                continue
+            if w.start is not None and w.device in self._held:
+                steps.setdefault((w.pid, w.start), []).append(w)
+        out: list[int] = []
+        for (pid, start), ws in sorted(steps.items()):
+            places = {(w.generation, w.device.node, self._held[w.device]) for w in ws}
+            if process_start(pid) != start or len(places) != 1:
+                continue
+            ((generation, node, job_id),) = places
+            vranks = tuple(sorted(w.vrank for w in ws))
+            out_path, inbox = self._step_files(generation, node, job_id, vranks[0])
+            try:
+                reader = open(out_path, "rb", buffering=0)
+            except OSError:
+                continue
+            step = _Step(job_id, node, generation, AdoptedProcess(pid, start), vranks, None,
+                         reader, inbox)
+            self._steps.append(step)
+            for w in ws:
+                self._workers[w.vrank] = _Worker(replace(w, returncode=None, stopping=False),
+                                                 step)
+            self._read_output(step)
+            live = [v for v in vranks if self._workers[v].code is None]
+            out += live
+            logger.info("[slurm] adopted vranks %s (gen %d) on %s in %s: srun pid %d%s",
+                        ",".join(map(str, live)) or "-", generation, node, job_id, pid,
+                        f" ({len(vranks) - len(live)} ended meanwhile)"
+                        if len(live) < len(vranks) else "")
+        return sorted(out)
+
     def close(self) -> None:
         """Stops every worker (stop, then kill after CLOSE_GRACE_S, then the steps) and
         cancels every member; the anchor is left alone (the coordinator runs in it)."""
@@ -839,6 +891,8 @@ class SlurmBackend:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"gen{action.generation}-{node}-{job_id}.log", "ab")
+        out_path, inbox = self._step_files(action.generation, node, job_id,
+                                           min(t.vrank for t in tasks))
         on_member = not self._allocs[job_id].anchor
         term_is_notice = self.notice_signal == "TERM" and on_member
         spec = worker_step_spec(
@@ -847,22 +901,32 @@ class SlurmBackend:
             stop_signal="INT" if term_is_notice else "TERM")
         cmd = commands.srun(spec)
         env = {**commands.step_environment(os.environ), **action.env}
+        stdin = -1
         try:
-            proc = subprocess.Popen(cmd.argv, env=env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=log,
-                                    start_new_session=True)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            inbox.unlink(missing_ok=True)
+            os.mkfifo(inbox, 0o600)
+            # srun holds both ends of its stdin: it never reads end-of-file, so the stop and
+            # kill lines of a coordinator restarted after this one died still reach the tasks
+            stdin = os.open(inbox, os.O_RDWR)
+            with open(out_path, "wb") as stdout:
+                proc = subprocess.Popen(cmd.argv, env=env, stdin=stdin, stdout=stdout,
+                                        stderr=log, start_new_session=True)
         except OSError as e:
             if log is not None:
                 log.close()
             raise BackendError(f"launch on {node} ({job_id}): cannot start srun: "
                                f"{e.strerror}") from None
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-        step = _Step(job_id, node, action.generation, proc, tuple(t.vrank for t in tasks), log)
+        finally:
+            if stdin >= 0:
+                os.close(stdin)
+        step = _Step(job_id, node, action.generation, proc, tuple(t.vrank for t in tasks), log,
+                     open(out_path, "rb", buffering=0), inbox)
         self._steps.append(step)
+        start = process_start(proc.pid)
         for t in tasks:
-            state = WorkerState(t.vrank, action.generation, Device(node, t.local), proc.pid)
+            state = WorkerState(t.vrank, action.generation, Device(node, t.local), proc.pid,
+                                start=start)
             self._workers[t.vrank] = _Worker(state, step)
         logger.info("[slurm] launched vranks %s (gen %d) on %s in %s: srun pid %d",
                     ",".join(map(str, step.vranks)), action.generation, node, job_id,
@@ -918,17 +982,12 @@ class SlurmBackend:
                 self._cancel_step(w.step)
 
     def _read_output(self, step: _Step) -> None:
-        assert step.proc.stdout is not None
-        while True:
-            try:
-                chunk = os.read(step.proc.stdout.fileno(), 65536)
-            except BlockingIOError:
-                break
-            except OSError:
-                break
-            if not chunk:
-                break
-            step.buf += chunk
+        if step.out.closed:
+            return
+        try:
+            step.buf += step.out.read() or b""  # what srun wrote since the last read
+        except OSError:
+            return
         *lines, step.buf = step.buf.split(b"\n")
         for raw in lines:
             line = raw.decode(errors="replace")
@@ -950,24 +1009,33 @@ class SlurmBackend:
         if step.done:
             return
         step.done = True
-        if step.proc.stdin is not None:
-            try:
-                step.proc.stdin.close()
-            except OSError:
-                pass
-        if step.proc.stdout is not None:
-            step.proc.stdout.close()
+        step.out.close()
+        step.inbox.unlink(missing_ok=True)
         if step.log is not None:
             step.log.close()
 
     def _tell(self, step: _Step, line: str) -> None:
-        if step.done or step.proc.stdin is None:
+        if step.done:
             return
         try:
-            step.proc.stdin.write(line.encode() + b"\n")
-            step.proc.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
+            fd = os.open(step.inbox, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return  # srun ended (no reader) or its FIFO is gone
+        try:
+            os.write(fd, line.encode() + b"\n")
+        except OSError:
             pass
+        finally:
+            os.close(fd)
+
+    def _step_files(self, generation: int, node: str, job_id: str,
+                    first_vrank: int) -> tuple[Path, Path]:
+        """A step's stdout file and stdin FIFO: named by what the record keeps of its launch
+        (generation, device, vranks) and the allocation holding the device, so that
+        :meth:`adopt` finds them again."""
+        base = f"gen{generation}-{node}-{job_id}-v{first_vrank}"
+        return (self.run_dir / STEP_FILES / f"{base}.out",
+                self.run_dir / STEP_FILES / f"{base}.in")
 
     def _cancel_step(self, step: _Step) -> None:
         if step.done or step.step_id is None:

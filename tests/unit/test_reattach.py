@@ -26,8 +26,9 @@ from slurm_etc.coordinator.backend import UNKNOWN_EXIT, StopWorkers, WorkerExite
 from slurm_etc.coordinator.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.coordinator.demo import DEMO_HARDWARE
 from slurm_etc.coordinator.events import script_from_options
-from slurm_etc.coordinator.local_backend import LocalBackend, process_start
+from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.loop import Coordinator
+from slurm_etc.coordinator.processes import process_start
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.store import StoreClient, StoreServer

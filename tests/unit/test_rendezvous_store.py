@@ -29,6 +29,7 @@ from slurm_etc.protocol.store import (
     StoreLimits,
     StoreServer,
     StoreTimeout,
+    StoreUnreachable,
     wait_for_keys,
 )
 from slurm_etc.protocol.values import BadValue, decode_value, encode_value
@@ -209,7 +210,7 @@ def test_peers_without_the_secret_are_dropped_at_the_handshake(server: StoreServ
     # the job's own client with the wrong secret fails the same way
     bad = StoreClient(server.host, server.port, secrets.token_bytes(32),
                       timeout=timedelta(seconds=0.2))
-    with pytest.raises(Exception, match="no answer"):
+    with pytest.raises(StoreUnreachable, match="no answer|refused this client's secret"):
         bad.check(["secret-plan"])
     bad.close()
     ctx.term()
@@ -309,3 +310,53 @@ def test_a_committed_resize_retires_the_generations_before_it(key: bytes) -> Non
         assert not client.check(["j/g0/agree/5/0"]) and not client.check(["j/g1/trainer"])
         assert client.check(["j/g2/commit"]) and client.num_keys() == 1
         client.close()
+
+
+SERVER_ALONE = """
+import sys, time
+from slurm_etc.protocol.store import StoreServer
+server = StoreServer(bytes.fromhex(sys.stdin.readline().strip()), "127.0.0.1", job="j")
+server.__enter__()
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_request_on_a_store_that_died_fails_at_once(key: bytes) -> None:
+    """The store's process SIGKILLed (a coordinator killed) while a request waits on it: the
+    client hears the connection close and raises StoreUnreachable at once, not after the
+    request's limit and the reply grace (here 30 + 10 s), so a worker holds for a restarted
+    coordinator within a second of the kill."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_ALONE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(key.hex() + "\n")
+        proc.stdin.flush()
+        port = int(proc.stdout.readline())
+        client = StoreClient("127.0.0.1", port, key, timeout=timedelta(seconds=30))
+        client.set("here", b"1")
+        failed: list[tuple[BaseException, float]] = []
+
+        def wait() -> None:
+            t0 = time.monotonic()
+            try:
+                client.wait(["never"])
+            except BaseException as e:  # noqa: BLE001 - what it raised is the point
+                failed.append((e, time.monotonic() - t0))
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.5)
+        proc.kill()
+        waiter.join(20)
+        assert failed, "the request still waits on a dead store"
+        (err, took), = failed
+        assert isinstance(err, StoreUnreachable) and "closed the connection" in str(err), err
+        assert took < 0.5 + 3.0, took
+        with pytest.raises(StoreUnreachable):  # the next request, on a new socket: no store
+            client.wait(["never"], timedelta(seconds=0.2))
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
