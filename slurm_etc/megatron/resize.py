@@ -205,23 +205,66 @@ def prepare_new_world(prepared: PreparedResize, *, build_new: Callable[[Parallel
     """On a process of the new layout, after :func:`prepare_transfer` (or inside
     :func:`prepare_resize`): start the new layout's groups, build its model, DDP and
     optimizer beside the live ones, make their tensors the destinations, and move the
-    staying old state into them (see :func:`prepare_resize`, ``world=True``). Collective
-    over the new layout's ranks; swaps torch's default group and megatron's globals while
-    it builds, so it runs on the thread that trains, between steps. The migration group is
-    destroyed if it fails."""
-    plan, device, program, seconds = (prepared.plan, prepared.device, prepared.program,
-                                      prepared.seconds)
+    staying old state into them (see :func:`prepare_resize`, ``world=True``):
+    :func:`start_new_world`, then :func:`finish_new_world`. Collective over the new
+    layout's ranks; swaps torch's default group and megatron's globals while it builds, so
+    it runs on the thread that trains, between steps. The migration group is destroyed if
+    it fails."""
+    start_new_world(prepared)
+    finish_new_world(prepared, build_new=build_new, state=state, prefault=prefault)
+
+
+def start_new_world(prepared: PreparedResize) -> None:
+    """The new layout's groups (``W`` and megatron's), no model yet: the first of the two
+    step boundaries a resize prepared while training builds its world at (the old layout
+    trains a step between). Collective over the new layout's ranks."""
+    import torch.distributed as dist
+
+    from .world import start_world
+
     t = time.perf_counter()
     try:
-        new_world, receive = _prepare_new_world(plan, device, prepared.store, prepared.tag,
-                                                program, build_new, prepared.group_timeout_s,
-                                                prefault)
+        prepared.world = start_world(prepared.plan.new.config,
+                                     prepared.plan.new.devices.index(prepared.device),
+                                     dist.PrefixStore(f"{prepared.tag}/train",
+                                                      prepared.store),
+                                     name=prepared.tag, timeout_s=prepared.group_timeout_s)
     except BaseException:
         prepared.group.destroy()
         raise
-    seconds["prepare_world"] = time.perf_counter() - t
+    prepared.seconds["prepare_world"] = time.perf_counter() - t
+
+
+def finish_new_world(prepared: PreparedResize, *, build_new: Callable[[ParallelConfig],
+                     TrainingState] | None = None, state: TrainingState | None = None,
+                     prefault: bool = True) -> None:
+    """After :func:`start_new_world`: the new layout's model, DDP and optimizer in its
+    world, the executor's destinations inside them, and the staying old state moved in.
+    Collective over the new layout's ranks; the world and the migration group are dropped
+    if it fails."""
+    from . import build
+    from .world import build_world
+
+    plan, program, seconds, new_world = (prepared.plan, prepared.program, prepared.seconds,
+                                         prepared.world)
+    if new_world is None:
+        raise RuntimeError("finish_new_world before start_new_world")
+    model = plan.catalog.model
+    builder = build_new or (lambda c: build.build_modules(model, c, seed=None))
+    t = time.perf_counter()
+    try:
+        build_world(new_world, builder)
+        with new_world.active():
+            receive = receive_into(new_world.state, plan.catalog, program.new_specs,
+                                   program.kept, prefault=prefault)
+    except BaseException:
+        new_world.drop()
+        prepared.world = None
+        prepared.group.destroy()
+        raise
+    seconds["prepare_world"] = seconds.get("prepare_world", 0.0) + time.perf_counter() - t
     seconds.update({f"world_{k}": v for k, v in new_world.seconds.items()})
-    prepared.world, prepared.receive = new_world, receive
+    prepared.receive = receive
     prepared.destinations = receive.tensors
     if state is not None and program.old_rank is not None:
         t = time.perf_counter()
@@ -241,31 +284,6 @@ def _place(state: TrainingState, plan: Any, program: Any, receive: Destinations,
         new_world.drop()
         group.destroy()
         raise
-
-
-def _prepare_new_world(plan: Any, device: int, store: Any, tag: str, program: Any,
-                       build_new: Callable[[ParallelConfig], TrainingState] | None,
-                       timeout_s: float, prefault: bool) -> tuple[Any, Destinations]:
-    """The new layout's world (groups, model, DDP, optimizer) and the executor's
-    destinations inside it; the world is dropped again if anything fails."""
-    import torch.distributed as dist
-
-    from . import build
-    from .world import prepare_world
-
-    cfg, model = plan.new.config, plan.catalog.model
-    builder = build_new or (lambda c: build.build_modules(model, c, seed=None))
-    new_world = prepare_world(cfg, plan.new.devices.index(device),
-                              dist.PrefixStore(f"{tag}/train", store), name=tag,
-                              build=builder, timeout_s=timeout_s)
-    try:
-        with new_world.active():
-            receive = receive_into(new_world.state, plan.catalog, program.new_specs,
-                                   program.kept, prefault=prefault)
-    except BaseException:
-        new_world.drop()
-        raise
-    return new_world, receive
 
 
 @dataclass

@@ -218,7 +218,7 @@ def prepare_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
                   build: Callable[[ParallelConfig], Any], timeout_s: float = 300.0
                   ) -> PreparedWorld:
     """Start the new layout's groups from ``store`` and build its training state beside the
-    live world (see the module docstring).
+    live world (see the module docstring): :func:`start_world`, then :func:`build_world`.
 
     Collective over the new layout's ranks (every one calls it with its ``rank``); the
     process's current default group, megatron globals, models and CPU generator are left as
@@ -233,6 +233,18 @@ def prepare_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
             group and megatron's globals are the new world's while it runs).
         timeout_s: default timeout of the new world's groups.
     """
+    prepared = start_world(config, rank, store, name=name, timeout_s=timeout_s)
+    build_world(prepared, build)
+    return prepared
+
+
+def start_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
+                timeout_s: float = 300.0) -> PreparedWorld:
+    """The first half of :func:`prepare_world`: ``W`` and megatron's groups of the new
+    layout (``initialize_model_parallel`` inside ``W``), no training state yet. The live
+    world is put back before it returns, so the old layout can train a step before
+    :func:`build_world` (a resize prepared while training splits the build across two step
+    boundaries this way). Collective over the new layout's ranks."""
     from megatron.core import parallel_state
 
     shutdown_retired()
@@ -253,16 +265,9 @@ def prepare_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
             tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
             distributed_timeout_minutes=max(1, round(timeout_s / 60)))
         seconds["megatron_groups"] = time.perf_counter() - t
-        t = time.perf_counter()
-        rng = torch.get_rng_state()  # the old layout's generator goes on untouched
-        try:
-            state = build(config)
-        finally:
-            torch.set_rng_state(rng)
-        seconds["build"] = time.perf_counter() - t
         groups = [g for g in world.pg_map if id(g) not in before]
         prepared = PreparedWorld(config, rank, group, groups, megatron_globals(),
-                                 world.group_count, state, seconds)
+                                 world.group_count, None, seconds)
     except BaseException:
         new = [g for g in list(world.pg_map) if id(g) not in before]
         _restore(saved_default, saved_count, saved_megatron)
@@ -271,6 +276,37 @@ def prepare_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
         raise
     _restore(saved_default, saved_count, saved_megatron)
     return prepared
+
+
+def build_world(prepared: PreparedWorld, build: Callable[[ParallelConfig], Any]) -> None:
+    """The second half of :func:`prepare_world`: ``build`` runs with the started world's
+    default group, globals and group counter in place (groups it creates, e.g. the
+    DistributedOptimizer's, join ``prepared.groups``); ``prepared.state`` is what it
+    returns. The live world and the CPU generator are put back; if ``build`` fails the
+    prepared world is dropped. Collective over the new layout's ranks."""
+    world = c10d._world
+    saved = (world.default_pg, world.group_count, megatron_globals())
+    before = {id(g) for g in world.pg_map}
+    t = time.perf_counter()
+    try:
+        c10d._update_default_pg(prepared.group)
+        world.group_count = prepared.group_count
+        set_megatron_globals(prepared.megatron)
+        rng = torch.get_rng_state()  # the old layout's generator goes on untouched
+        try:
+            prepared.state = build(prepared.config)
+        finally:
+            torch.set_rng_state(rng)
+        prepared.groups += [g for g in world.pg_map if id(g) not in before]
+        prepared.megatron = megatron_globals()
+        prepared.group_count = world.group_count
+    except BaseException:
+        prepared.groups += [g for g in list(world.pg_map) if id(g) not in before]
+        _restore(*saved)
+        prepared.drop()
+        raise
+    prepared.seconds["build"] = time.perf_counter() - t
+    _restore(*saved)
 
 
 def _restore(default: Any, count: int, megatron: dict[str, Any]) -> None:

@@ -845,6 +845,9 @@ class ElasticTrainer:
             raise RuntimeError("no resize is being prepared in a live layout")
         if prep.stage == "world":
             return self._finish_preparation(prep)
+        if prep.stage == "groups":
+            self._build_new_world(prep)
+            return self._finish_preparation(prep) if last else "stay"
         if last and prep.thread is not None:
             prep.thread.join(proc.timeout_s)
         done = prep.thread is not None and not prep.thread.is_alive()
@@ -873,14 +876,42 @@ class ElasticTrainer:
         if b"0" in values:
             return "stay"
         prep.prepared_s = time.perf_counter() - prep.started
-        self._build_new_world(prep)
-        return self._finish_preparation(prep) if last else "stay"
+        self._start_new_world(prep)
+        if last:
+            self._build_new_world(prep)
+            return self._finish_preparation(prep)
+        return "stay"
+
+    def _start_new_world(self, prep: _Preparation) -> None:
+        """The new world's groups beside the live ones, at a step boundary (it swaps torch's
+        default group and megatron's globals: not in a thread); its model, DDP and
+        optimizer come at the next boundary (:meth:`_build_new_world`), so that training
+        stops for each half, not for the whole. Every rank of the old layout takes the
+        stages at the same steps; a leaving one has nothing to build."""
+        from slurm_etc.megatron.resize import start_new_world
+
+        prep.stage = "groups"
+        if self._proc().vrank not in prep.order.new.devices:
+            return
+        t, wall = time.perf_counter(), time.time()
+        try:
+            start_new_world(prep.prepared)
+        except BaseException:
+            self._preparing = None  # its migration group is destroyed
+            raise
+        took = time.perf_counter() - t
+        prep.world_s += took
+        parts = prep.prepared.world.seconds
+        self._log("built the new world of generation %d at a step boundary: %.3f s (training "
+                  "stopped; unix %.3f to %.3f): part 1 of 2: group %.3f, megatron's groups "
+                  "%.3f", prep.order.generation, took, wall, wall + took,
+                  parts.get("group", 0.0), parts.get("megatron_groups", 0.0))
 
     def _build_new_world(self, prep: _Preparation) -> None:
-        """The new world beside the live one, at a step boundary (it swaps torch's default
-        group and megatron's globals while it builds: not in a thread). The old layout
-        trains on in it afterwards (its staying tensors now live in the new memory)."""
-        from slurm_etc.megatron.resize import prepare_new_world
+        """The new world's model, DDP and optimizer, at the step boundary after its groups
+        (:meth:`_start_new_world`), and the staying state moved in. The old layout trains
+        on in it afterwards (its staying tensors now live in the new memory)."""
+        from slurm_etc.megatron.resize import finish_new_world
 
         proc = self._proc()
         prep.stage = "world"
@@ -889,22 +920,21 @@ class ElasticTrainer:
         t, wall = time.perf_counter(), time.time()
         catalog = self.catalog  # _build sets the new one: the old layout trains on with this
         try:
-            prepare_new_world(prep.prepared, build_new=lambda cfg: self._build(cfg, empty=True),
-                              state=self.state)
+            finish_new_world(prep.prepared, build_new=lambda cfg: self._build(cfg, empty=True),
+                             state=self.state)
         except BaseException:
             self._preparing = None  # its migration group is destroyed
             raise
         finally:
             prep.new_catalog, self.catalog = self.catalog, catalog
-        prep.world_s = time.perf_counter() - t
-        # training stops for this: the next step's gap is reported as the resize's stall
+        took = time.perf_counter() - t
+        prep.world_s += took
+        # training stops for each half: the widest gap is reported as the resize's stall
         parts = prep.prepared.seconds
         self._log("built the new world of generation %d at a step boundary: %.3f s (training "
-                  "stopped; unix %.3f to %.3f): group %.3f, megatron's groups %.3f, model + "
-                  "DDP + optimizer %.3f, staying state placed %.3f", prep.order.generation,
-                  prep.world_s, wall, wall + prep.world_s, parts.get("world_group", 0.0),
-                  parts.get("world_megatron_groups", 0.0), parts.get("world_build", 0.0),
-                  parts.get("place", 0.0))
+                  "stopped; unix %.3f to %.3f): part 2 of 2: model + DDP + optimizer %.3f, "
+                  "staying state placed %.3f", prep.order.generation, took, wall,
+                  wall + took, parts.get("world_build", 0.0), parts.get("place", 0.0))
 
     def _finish_preparation(self, prep: _Preparation) -> str:
         """The pause of a resize prepared while training."""
@@ -1416,7 +1446,8 @@ class _EarlyReport:
 @dataclass
 class _Preparation:
     """A resize prepared while the old layout trains: the transfer (``thread``), then the
-    new world (``stage`` "world"), then the pause."""
+    new world's groups (``stage`` "groups") and its model (``stage`` "world") at two step
+    boundaries, then the pause."""
 
     order: Resize
     plan: Any
