@@ -499,9 +499,10 @@ class StoreClient(dist.Store):
             if monitor in ready and sock not in ready:
                 recv_monitor_message(monitor)  # only disconnections are monitored
                 self._drop(pair)
-                raise StoreUnreachable(f"the rendezvous store at {_bracket(self.host)}:"
-                                       f"{self.port} closed the connection ({op}: its process ended, or "
-                                       "it refused this client's secret)")
+                raise StoreUnreachable(
+                    f"the rendezvous store at {_bracket(self.host)}:{self.port} closed the "
+                    f"connection ({op}: its process ended, or it refused this client's "
+                    "secret)")
             if sock not in ready:
                 self._drop(pair)
                 raise StoreUnreachable(f"no answer from the rendezvous store at "
