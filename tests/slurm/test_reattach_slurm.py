@@ -25,16 +25,20 @@ from pathlib import Path
 import pytest
 
 from .test_client import running, wait_for, wait_free
-from .test_elastic_training import _progress, _running_member, _story, _world
+from .test_elastic_training import (
+    PACE_S,
+    VENV_BIN,
+    WORKER,
+    WRAPPER,
+    _progress,
+    _running_member,
+    _story,
+    _world,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
-REPO = Path(__file__).resolve().parents[2]
-WRAPPER = REPO / "scripts" / "elastic.sbatch"
-WORKER = Path(__file__).resolve().parent / "paced_worker.py"
-VENV_BIN = Path(sys.executable).parent
 STEPS = 40
-PACE_S = 0.25  # per forward pass while paced: ~1 s a step
 
 
 def _coordinator_of(anchor: str) -> int | None:
