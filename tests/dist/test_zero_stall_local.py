@@ -53,7 +53,8 @@ def test_grow_trains_through_warm_up_and_preparation(tmp_path, caplog):
     finally:
         store.close()
     assert detail is not None
-    assert [m.outcome for m in detail.migrations] == ["committed"]
+    assert [m.outcome for m in detail.migrations] == ["committed"], (
+        [m.error for m in detail.migrations], caplog.text[-3000:])
 
     # the joiners warmed up while the old layout trained: steps between launch and order
     ordered = ORDERED.search(caplog.text)
