@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.migrate.faults import INJECT_ENV, KillSpec
+from slurm_etc.migrate.faults import KillSpec
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.testing.hooks import INJECT_ENV
 
 from .events import EventsScript, script_from_dict
 from .loop import JobSpec
@@ -47,7 +48,7 @@ class Timeline:
     t0: float = field(default_factory=time.time)
     steps: list[StepSeen] = field(default_factory=list)
 
-    def progress(self, p: dict) -> None:
+    def progress(self, p: dict[str, Any]) -> None:
         heard = time.time() - self.t0
         ended = p["ended"] - self.t0 if p.get("ended") else heard
         started = p["started"] - self.t0 if p.get("started") else ended
@@ -79,7 +80,9 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
     e.g. ``mid-transfer``): a worker kills itself (SIGKILL) at that phase of a resize.
     ``data``: ``seeded`` random tokens (what the equality tests replay) or ``text``, bytes
     the model learns (:mod:`slurm_etc.worker.text_data`: the loss falls)."""
-    argv = (sys.executable, "-m", "slurm_etc.worker.preset_worker", "--model", model.name,
+    # a fault to inject: the preset worker with its hooks set (slurm_etc.testing)
+    worker = "slurm_etc.testing.worker" if inject else "slurm_etc.worker.preset_worker"
+    argv = (sys.executable, "-m", worker, "--model", model.name,
             "--global-batch", str(global_batch), "--train-steps", str(steps),
             "--data", data)
     # one thread per worker process: several share a core here (and the reference path's
@@ -87,7 +90,7 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
     env = {"OMP_NUM_THREADS": "1"}
     if inject:
         KillSpec.parse(inject)  # a bad spec fails here, before any worker starts
-        env[INJECT_ENV] = inject
+        env[INJECT_ENV] = inject  # read by slurm_etc.testing.worker only
     return JobSpec(job_id, "demo", argv, TrainingJob(model, global_batch, 1, False),
                    EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
                    env=env)

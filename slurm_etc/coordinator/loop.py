@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -119,11 +118,10 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 PARTITION_REREAD_S = 60.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
-COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
-# where inject() may kill: events polled and not recorded; recorded and not acted on; a node
-# request sent (recorded before it); a resize ordered and its outcome not recorded; its
-# commit recorded and not acted on (old generation not closed, new one not opened, nothing
-# released)
+# where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
+# polled and not recorded; recorded and not acted on; a node request sent (recorded before
+# it); a resize ordered and its outcome not recorded; its commit recorded and not acted on
+# (old generation not closed, new one not opened, nothing released)
 KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
 
@@ -241,8 +239,12 @@ class Coordinator:
 
     def __init__(self, spec: JobSpec, backend: Backend, store: Any, channel: Any,
                  topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
-                 progress: Callable[[dict], None] | None = None) -> None:
+                 progress: Callable[[dict[str, Any]], None] | None = None,
+                 crash: Callable[[str], None] | None = None) -> None:
         self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
+        # called at each of KILL_POINTS: a test kills the coordinator there; by default
+        # nothing happens
+        self.crash = crash or (lambda _point: None)
         self.journal = Journal(store)
         self.topology = topology
         self.clock = clock
@@ -627,7 +629,7 @@ class Coordinator:
         if any(o.kind in ("preempt-notice", "loss") for o in seen):
             self._supersede_warm_up()
         if seen:
-            inject("before-record")
+            self.crash("before-record")
             ids = self.journal.write(record.record_observed, self.spec.job_id, seen)
             self._event_ids += ids if isinstance(ids, list) else [ids]  # or a Deferred
             for o in seen:
@@ -925,7 +927,7 @@ class Coordinator:
     def _decide(self) -> None:
         self.dirty = False
         if self._event_ids:
-            inject("after-record")
+            self.crash("after-record")
         if not self.held:
             return
         if (self.model is None or self.batch is None) and self.layout is not None:
@@ -973,7 +975,7 @@ class Coordinator:
                             payload={"nodes": request.nodes, "summary": request.reason[:200]})
                         perform(self.backend, request)
                         self.request_sent_at = time.monotonic()
-                        inject("after-request")
+                        self.crash("after-request")
                         self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
                     logger.warning("paused: %s", action.reason)
@@ -1132,7 +1134,7 @@ class Coordinator:
         # that does not end in run_worker, a crash at import) pauses nobody.
         self.inflight.stayers = set(old.devices) - set(lost)
         self._order_when_joined()
-        inject("after-order")
+        self.crash("after-order")
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
@@ -1230,7 +1232,7 @@ class Coordinator:
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from,
                                        data_seconds=data)
-        inject("after-commit-record")
+        self.crash("after-commit-record")
         self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
                                 last_step=self.step, last_loss=self.loss)
@@ -1347,16 +1349,6 @@ def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
     fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
     return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
              if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
-
-
-def inject(point: str) -> None:
-    """Fault injection for the coordinator-restart tests: with
-    ``SLURM_ETC_COORDINATOR_INJECT=<point>`` the coordinator SIGKILLs itself the first time
-    it reaches ``point`` (one of :data:`KILL_POINTS`)."""
-    if os.environ.get(COORDINATOR_INJECT) == point:
-        logger.error("%s=%s: killing the coordinator", COORDINATOR_INJECT, point)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def event_key(kind: str, event: Any) -> str:

@@ -26,11 +26,13 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
             state_dir: str | None = None, bind: str = "127.0.0.1",
             advertise: str | None = None, secret_dir: Path | None = None,
             deadline_s: float | None = None,
-            progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[dict[str, Any]], None] | None = None,
+            crash: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the job to its end; returns ``{"state", "reaction_s", "db"}``.
 
     The record is created before anything starts; the backend is closed (every worker
-    stopped) whatever happens.
+    stopped) whatever happens. ``crash``: the coordinator's crash hook (a test's SIGKILL at
+    one of :data:`~slurm_etc.coordinator.loop.KILL_POINTS`; none by default).
     """
     store = _open_record(spec.job_id, db, state_dir)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
@@ -49,7 +51,8 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
         raise
     channel.set_rendezvous(advertise or bind_host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
-    coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress)
+    coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress,
+                              crash=crash)
     # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
     # through the same clean close as any other end: workers stopped, members cancelled,
     # the record ended as cancelled with the signal as its reason.

@@ -32,9 +32,10 @@ resize meets them (:data:`KILL_PHASES`):
 (the others saw every vote OK): the split that a death inside the vote can cause, made
 deterministic.
 
-:class:`KillSpec` is the reusable form for whole jobs (the ``SLURM_ETC_INJECT`` variable of
-the workers, ``slurm-etc demo --inject``): which phase, which vrank (default: one the plan
-has do that phase) and which generation's resize.
+:class:`KillSpec` is the reusable form for whole jobs (a trainer's ``hooks.kill``, which
+:mod:`slurm_etc.testing` sets from ``SLURM_ETC_INJECT`` and ``slurm-etc demo --inject``):
+which phase, which vrank (default: one the plan has do that phase) and which generation's
+resize.
 
 The injector is a frozen value: it pickles to worker processes and every call returns a new one.
 """
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 FAULT_POINTS = ("start", "pack", "before", "local", "unpack", "after", "commit")
 KILL_PHASES = ("before-send", "mid-transfer", "after-receive", "before-commit", "in-vote",
                "after-commit")
-INJECT_ENV = "SLURM_ETC_INJECT"
 
 
 class InjectedFault(InternalError, RuntimeError):
@@ -162,8 +162,3 @@ class KillSpec:
             return FaultInjector()
         return FaultInjector().kill(plan.participants.index(device), self.phase)
 
-
-def kill_spec_from_env(environ=None) -> KillSpec | None:
-    """The worker's ``SLURM_ETC_INJECT``, parsed (None when unset or empty)."""
-    text = (environ if environ is not None else os.environ).get(INJECT_ENV, "")
-    return KillSpec.parse(text) if text.strip() else None

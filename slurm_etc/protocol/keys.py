@@ -55,14 +55,14 @@ def curve_keys(secret: bytes, purpose: Purpose) -> CurveKeys:
     return CurveKeys(spub, ssec, cpub, csec)
 
 
-def make_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+def make_server(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     """Make ``sock`` (before bind) a CURVE server; its context needs a :class:`ZapGuard`."""
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
 
 
-def make_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+def make_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     """Make ``sock`` (before connect) a CURVE client of the job's server."""
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
@@ -75,7 +75,7 @@ class ZapGuard:
     included). Start it before binding a CURVE server socket in ``ctx``; :meth:`close`
     before terminating the context. ``refused`` counts refused handshakes."""
 
-    def __init__(self, ctx: zmq.Context, allowed: set[bytes]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allowed: set[bytes]) -> None:
         self._allowed = {z85.decode(k) for k in allowed}
         self.refused = 0
         self.admitted = 0
@@ -123,7 +123,7 @@ class HandshakeWatch:
     EVENTS: Final = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
-    def __init__(self, sock: zmq.Socket, label: str = "", *,
+    def __init__(self, sock: zmq.Socket[bytes], label: str = "", *,
                  interval_s: float = 10.0) -> None:
         self._sock = sock
         self._monitor = sock.get_monitor_socket(self.EVENTS)

@@ -413,7 +413,7 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _close_pair(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+def _close_pair(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
     try:
         sock.disable_monitor()
     except zmq.ZMQError:
@@ -443,7 +443,8 @@ class StoreClient(dist.Store):
         self._timeout = timeout
         self._ctx = zmq.Context()
         self._local = threading.local()
-        self._sockets: list[tuple[zmq.Socket, zmq.Socket]] = []  # (socket, its monitor)
+        # every thread's (socket, its monitor)
+        self._sockets: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
         self._lock = threading.Lock()
         self._ids = 0
 
@@ -452,7 +453,7 @@ class StoreClient(dist.Store):
 
     # -- transport -------------------------------------------------------------------------
 
-    def _socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+    def _socket(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         """This thread's socket and a monitor of its disconnections: a store whose process
         died (its coordinator SIGKILLed) closes the connection at once, and a request
         waiting on it need not wait out the reply grace."""
@@ -470,7 +471,7 @@ class StoreClient(dist.Store):
                 self._sockets.append(pair)
         return pair
 
-    def _drop(self, pair: tuple[zmq.Socket, zmq.Socket]) -> None:
+    def _drop(self, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:
         """Close this thread's socket (it is unusable: an answer may still come)."""
         sock, monitor = pair
         with self._lock:

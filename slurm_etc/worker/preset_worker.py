@@ -16,10 +16,13 @@ from slurm_etc.plan import load_model
 from .entry import run_worker
 from .gpt import preset_trainer
 from .text_data import StdlibText
+from .trainer import ElasticTrainer
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slurm_etc.worker.preset_worker")
+def build(argv: list[str] | None = None, prog: str = "python -m slurm_etc.worker.preset_worker"
+          ) -> ElasticTrainer:
+    """The trainer the command line describes."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", default="tiny")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=1)
@@ -35,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.data == "text":
         seq, vocab = trainer.seq_length, model.vocab_size
         trainer.dataset_provider = lambda: StdlibText(seq, vocab)
-    return run_worker(trainer)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(build(argv))
 
 
 if __name__ == "__main__":

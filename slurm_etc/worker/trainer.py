@@ -55,7 +55,7 @@ from slurm_etc.megatron.build import (
 from slurm_etc.megatron.live import check_catalog, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
 from slurm_etc.megatron.state import sub_optimizers
-from slurm_etc.migrate.faults import KillSpec, kill_spec_from_env
+from slurm_etc.migrate.faults import KillSpec
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
@@ -97,7 +97,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
 # A planted bug for the node-loss oracle's self-test: peer copies one refresh stale.
-STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
 # A new rank that waits this long for its peers to install a committed layout reports the
 # commit at once: the coordinator can then settle it and name a peer that died meanwhile.
 EARLY_COMMIT_REPORT_S = 2.0
@@ -190,6 +189,16 @@ class ResizeRecord:
     lost_steps: tuple[int, int] | None = None  # (first, last) trained, lost with a node
 
 
+@dataclass(frozen=True)
+class TrainerHooks:
+    """Faults a test plants in a trainer (:mod:`slurm_etc.testing` sets them; nothing in
+    the runtime does): ``kill``, this process SIGKILLs itself at a phase of a resize;
+    ``stale_peer_copies``, the peer copies it sends are a step stale. The defaults do
+    nothing."""
+    kill: KillSpec | None = None
+    stale_peer_copies: bool = False
+
+
 class ElasticTrainer:
     """A megatron-core training loop that resizes in place on the coordinator's orders.
 
@@ -247,6 +256,7 @@ class ElasticTrainer:
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         self.keep_checkpoints = DEFAULT_KEEP_CHECKPOINTS
         self.resume_from: str | None = None  # a checkpoint the first layout loads
+        self.hooks = TrainerHooks()  # fault injection: set by slurm_etc.testing only
         self.peers: PeerCopies | None = None  # this layout's snapshots and peer copies
         self._peers_gen = -1
         self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
@@ -317,7 +327,7 @@ class ElasticTrainer:
         # what this worker forks (megatron's checkpoint Manager, data loaders) ends with it
         children_die_with_me()
         self.proc = proc
-        self._kill = kill_spec_from_env()  # fault injection: SLURM_ETC_INJECT
+        self._kill = self.hooks.kill
         self._dataset = self.dataset_provider()
         resume_from = resume_from or self.resume_from
         if proc.layout is not None and proc.vrank in proc.layout.devices:
@@ -1141,7 +1151,7 @@ class ElasticTrainer:
             buddies = peer_buddies(layout.devices, proc.topology.gpus_per_node)
             self.peers = PeerCopies(self.peer_copy_every, rank, buddies[rank],
                                     tuple(r for r, b in enumerate(buddies) if b == rank),
-                                    stale_copies=bool(os.environ.get(STALE_COPIES_ENV)))
+                                    stale_copies=self.hooks.stale_peer_copies)
             self._peers_gen = self.generation
         return self.peers
 

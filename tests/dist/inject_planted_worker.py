@@ -1,4 +1,4 @@
-"""The demo's preset worker with a planted bug in the after-commit path: the shards a rank
+"""The fault-injecting preset worker (slurm_etc.testing.worker) with a planted bug in the after-commit path: the shards a rank
 holds when a new rank died before the install (``InstallInterrupted``) are perturbed by 1e-3,
 as if the held copy were corrupted. test_inject.py runs a job of these to show that its
 loss comparison catches it. Nothing in slurm-etc knows about this module.
@@ -27,6 +27,6 @@ def _corrupting(original):
 resize.InstallInterrupted.__init__ = _corrupting(resize.InstallInterrupted.__init__)
 
 if __name__ == "__main__":
-    from slurm_etc.worker.preset_worker import main
+    from slurm_etc.testing.worker import main
 
     sys.exit(main())

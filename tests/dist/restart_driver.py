@@ -22,6 +22,7 @@ from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.testing.hooks import coordinator_crash_from_env
 
 FAKE = Path(__file__).resolve().parents[2] / "bench" / "fake_worker.py"
 
@@ -56,7 +57,8 @@ def main() -> int:
                    env={"FAKE_STEPS": "100", "FAKE_STEP_S": "0.05", "SLURM_ETC_JOB": job})
     backend = CountingBackend(out / "actions.jsonl", script, log_dir=out / "workers")
     result = run_job(spec, backend, backend.topology, db=str(out / "job.db"),
-                     state_dir=str(out / "state"), secret_dir=out / "keys", deadline_s=120)
+                     state_dir=str(out / "state"), secret_dir=out / "keys", deadline_s=120,
+                     crash=coordinator_crash_from_env())
     print(json.dumps({"state": result["state"], "generation": result["generation"]}))
     return 0 if result["state"] == "finished" else 1
 

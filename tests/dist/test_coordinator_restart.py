@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.coordinator.loop import COORDINATOR_INJECT, KILL_POINTS
+from slurm_etc.coordinator.loop import KILL_POINTS
+from slurm_etc.testing.hooks import COORDINATOR_INJECT
 
 DRIVER = Path(__file__).with_name("restart_driver.py")
 REATTACH_DRIVER = Path(__file__).with_name("reattach_driver.py")

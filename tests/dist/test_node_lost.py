@@ -155,6 +155,7 @@ def dying_main(case: Case, vrank: int, port: int, job: str, ckpt_dir: str | None
 def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> dict | None:
     from slurm_etc.worker.control import LayoutSpec, Resize
     from slurm_etc.worker.sequence import _digest
+    from slurm_etc.worker.trainer import TrainerHooks
 
     if ctx.index not in case.devices:
         return None
@@ -164,20 +165,16 @@ def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> di
                    pool=tuple(case.new_devices), gpus_per_node=1, lost=case.die,
                    reason="node lost without grace")
     trainer = _trainer(case, ckpt_dir)
-    if case.stale:
-        os.environ["SLURM_ETC_PLANT_STALE_COPIES"] = "1"
-    try:
-        control = LossControl(store, f"{job}/dead", order)
-        why = trainer.run(_proc(case, ctx.index, store, control, job))
-        out = {"why": why, "history": [vars(h) for h in trainer.history],
-               "lost_history": [vars(h) for h in trainer.lost_history],
-               "resizes": [vars(r) for r in trainer.resizes],
-               "reports": [r for r in control.reports if type(r).__name__ == "Resized"],
-               "digest": _digest(trainer)}
-        trainer.close()
-        return out
-    finally:
-        os.environ.pop("SLURM_ETC_PLANT_STALE_COPIES", None)
+    trainer.hooks = TrainerHooks(stale_peer_copies=case.stale)
+    control = LossControl(store, f"{job}/dead", order)
+    why = trainer.run(_proc(case, ctx.index, store, control, job))
+    out = {"why": why, "history": [vars(h) for h in trainer.history],
+           "lost_history": [vars(h) for h in trainer.lost_history],
+           "resizes": [vars(r) for r in trainer.resizes],
+           "reports": [r for r in control.reports if type(r).__name__ == "Resized"],
+           "digest": _digest(trainer)}
+    trainer.close()
+    return out
 
 
 # -- the test's side ----------------------------------------------------------------------

@@ -63,7 +63,9 @@ def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None,
     spec = replace(demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB),
                    order_after_joined=False,
                    prepare_while_training=False)
-    spec = replace(spec, argv=(*spec.argv, "--distributed-optimizer"),
+    # the planted faults (env): the preset worker with its hooks set from them
+    spec = replace(spec, argv=(sys.executable, "-m", "slurm_etc.testing.worker",
+                               *spec.argv[3:], "--distributed-optimizer"),
                    job=replace(spec.job, distributed_optimizer=True),
                    env={**spec.env, **(env or {})}, recovery=recovery)
     seen: list[dict] = []

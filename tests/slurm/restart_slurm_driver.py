@@ -22,6 +22,7 @@ from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
+from slurm_etc.testing.hooks import coordinator_crash_from_env
 
 FAKE = Path(__file__).resolve().parents[2] / "bench" / "fake_worker.py"
 
@@ -59,7 +60,8 @@ def main() -> int:
                         "FAKE_STEP_S": "0.1", "SLURM_ETC_JOB": job})
     result = run_job(spec, backend, backend.topology, backend_name="slurm",
                      db=str(out / "job.db"), state_dir=str(out / "state"),
-                     secret_dir=out / "keys", deadline_s=400)
+                     secret_dir=out / "keys", deadline_s=400,
+                     crash=coordinator_crash_from_env())
     print(json.dumps({"state": result["state"], "generation": result["generation"]}))
     return 0 if result["state"] == "finished" else 1
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.coordinator.loop import COORDINATOR_INJECT
 from slurm_etc.slurm import JobSpec, JobState
 from slurm_etc.slurm.backend import member_job_name
+from slurm_etc.testing.hooks import COORDINATOR_INJECT
 from tests.dist.test_coordinator_restart import _kill_orphans, problems
 
 from .test_client import running, wait_for, wait_free

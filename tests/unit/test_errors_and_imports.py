@@ -2,6 +2,7 @@
 has the one root (slurm_etc.errors) whose kind the CLI turns into an exit code."""
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
@@ -9,6 +10,7 @@ import pkgutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import click
 import pytest
@@ -148,3 +150,33 @@ def test_the_executor_does_not_import_the_fakes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+SWITCHES = ("SLURM_ETC_INJECT", "SLURM_ETC_PLANT", "SLURM_ETC_COORDINATOR_INJECT")
+
+
+def _switches_read(source: str) -> list[str]:
+    """The injection/plant switch names a module's code holds as strings (docstrings
+    aside): what it could read from the environment."""
+    tree = ast.parse(source)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            and n.value.startswith(SWITCHES)]
+
+
+def test_runtime_reads_no_injection_or_plant_switch():
+    """Faults reach the runtime through hooks whose defaults do nothing; only
+    slurm_etc/testing/ reads the switches from the environment (and the checker catches a
+    module that reads one)."""
+    assert _switches_read('import os\nx = os.environ.get("SLURM_ETC_PLANT_X")\n') == \
+        ["SLURM_ETC_PLANT_X"]
+    assert _switches_read('"""SLURM_ETC_INJECT in a docstring"""\n') == []
+    root = Path(slurm_etc.__file__).parent
+    found = {str(p.relative_to(root)): got for p in sorted(root.rglob("*.py"))
+             if p.parent.name != "testing" and (got := _switches_read(p.read_text()))}
+    assert found == {}, found
+    assert _switches_read((root / "testing" / "hooks.py").read_text())  # they live here

@@ -7,9 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.migrate.faults import KILL_PHASES, FaultInjector, KillSpec, kill_spec_from_env
+from slurm_etc.migrate.faults import KILL_PHASES, FaultInjector, KillSpec
 from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.model import PRESETS
+from slurm_etc.testing.hooks import kill_spec_from_env
 
 
 def test_parse_forms():

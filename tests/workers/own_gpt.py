@@ -58,6 +58,7 @@ def main() -> int:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from slurm_etc.testing.hooks import trainer_hooks_from_env
     from slurm_etc.worker.entry import run_worker
     from slurm_etc.worker.trainer import ElasticTrainer, SchedulerConfig
 
@@ -89,6 +90,8 @@ def main() -> int:
             return forward(data, model)
 
         trainer.forward_step = paced
+    # the faults a test asks for in the environment (SLURM_ETC_INJECT); none otherwise
+    trainer.hooks = trainer_hooks_from_env()
     return run_worker(trainer)
 
 
