@@ -36,6 +36,7 @@ from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.lifecycle import JobState, ResizeOutcome
 from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
@@ -316,11 +317,11 @@ class Coordinator:
         ``deadline_s`` passed. Returns ``finished``, ``failed`` or ``timeout``."""
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         self._recover()
-        record.set_job_state(self.store, self.spec.job_id, "running")
+        record.set_job_state(self.store, self.spec.job_id, JobState.RUNNING)
         try:
             while True:
                 if self.cancelled is not None:
-                    return self._end("cancelled", self.cancelled)
+                    return self._end(JobState.CANCELLED, self.cancelled)
                 self.journal.retry()
                 self._beat_workers()
                 # status tells a live coordinator from a lost one by this (at most 1/30 s)
@@ -333,20 +334,21 @@ class Coordinator:
                 if self.layout is not None and self.done >= set(self.layout.devices):
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
-                    return self._end("finished", f"trained to step {self.step}")
+                    return self._end(JobState.FINISHED, f"trained to step {self.step}")
                 dead = self._nothing_left()
                 if dead is not None:
                     logger.error("job %s stops: %s", self.spec.job_id, dead)
-                    return self._end("failed", dead)
+                    return self._end(JobState.FAILED, dead)
                 if self.inflight is not None:
                     self._settle()
                 elif self.dirty or self._request_overdue():
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
-                    return self._end("failed", f"no end within {deadline_s:.0f} s", "timeout")
+                    return self._end(JobState.FAILED, f"no end within {deadline_s:.0f} s",
+                                     "timeout")
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
-            return self._end("failed", str(err))
+            return self._end(JobState.FAILED, str(err))
 
     def _beat_workers(self) -> None:
         """Every HEARTBEAT_S, tell every running worker that this coordinator lives (a
@@ -464,7 +466,7 @@ class Coordinator:
         missing = sorted(set(devices) - alive)
         # a commit recorded past the open generation (killed before it was acted on): the
         # workers left that layout, and the record does not have the one they are in
-        moved_on = any(m.outcome == "committed" and m.to_generation > gen.number
+        moved_on = any(m.outcome == ResizeOutcome.COMMITTED and m.to_generation > gen.number
                        for m in detail.migrations)
         if not devices or missing or moved_on or any(launched[v].generation > gen.number
                                                      for v in devices):
@@ -539,7 +541,7 @@ class Coordinator:
                     f"{cluster} nodes")
         return None
 
-    def _end(self, state: str, reason: str, result: str | None = None) -> str:
+    def _end(self, state: JobState, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
         if self.layout is not None:
             live = set(self.layout.devices) - self.done
@@ -706,7 +708,8 @@ class Coordinator:
         if fl is None or fl.sent_at or not fl.joiners:
             return
         why = "superseded by a preemption notice or a loss during its joiners' warm-up"
-        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id,
+                           outcome=ResizeOutcome.ABORTED,
                            measured_seconds=time.monotonic() - fl.started, error=why)
         logger.warning("resize to generation %d: %s", fl.order.generation, why)
         for v in fl.joiners:
@@ -1228,7 +1231,8 @@ class Coordinator:
             return
         lost_steps, rebuilt_from = _rebuilt(fl)
         data = max((r.data_seconds for r in fl.reports.values()), default=0.0)
-        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="committed",
+        self.journal.write(record.record_migration_finish, fl.migration_id,
+                           outcome=ResizeOutcome.COMMITTED,
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from,
                                        data_seconds=data)
@@ -1275,7 +1279,8 @@ class Coordinator:
 
     def _finished_first(self, fl: _Inflight) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
-        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id,
+                           outcome=ResizeOutcome.ABORTED,
                                        measured_seconds=time.monotonic() - fl.started,
                                        error="training finished before the resize began")
         perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
@@ -1285,7 +1290,8 @@ class Coordinator:
         """The resize aborted everywhere (two-phase: no worker installed anything): record
         it, keep the old layout, and decide again. A resize that aborted with nobody dead
         (a refusal, a failure inside the migration) would abort again: the job stops."""
-        self.journal.write(record.record_migration_finish, fl.migration_id, outcome="aborted",
+        self.journal.write(record.record_migration_finish, fl.migration_id,
+                           outcome=ResizeOutcome.ABORTED,
                                        measured_seconds=wall, error=why[:500])
         logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
         self.inflight = None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.lifecycle import JobState, job_transition_error
 from slurm_etc.protocol.store import StoreServer
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
@@ -35,6 +36,11 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
     one of :data:`~slurm_etc.coordinator.loop.KILL_POINTS`; none by default).
     """
     store = _open_record(spec.job_id, db, state_dir)
+    known = record.job_detail(store, spec.job_id)
+    refused = known and job_transition_error(spec.job_id, known.job.state, JobState.RUNNING)
+    if refused:
+        store.close()
+        raise record.RecordError(f"{refused}; nothing was written")
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,

@@ -1,6 +1,6 @@
 """Slurm adapter: pure command builders (:mod:`.commands`), pure parsers (:mod:`.parsers`),
 one runner (:mod:`.runner`) and the :class:`SlurmClient` protocol with its command-line
-implementation (:mod:`.client`). Slurm states map to :class:`JobState`/:class:`NodeState`
+implementation (:mod:`.client`). Slurm states map to :class:`SlurmJobState`/:class:`NodeState`
 by tables in :mod:`.model`.
 
 Works with Slurm 22.05 (Debian 12) and 24.11 (Debian 13). There is no pyslurm-backed client:
@@ -11,19 +11,20 @@ from .model import (
     Command,
     JobInfo,
     JobSpec,
-    JobState,
     NodeAdminState,
     NodeInfo,
     NodeState,
     PartitionInfo,
     SlurmError,
+    SlurmJobState,
     SlurmSpecError,
     StepSpec,
 )
 from .runner import Result, SlurmRunner
 
 __all__ = [
-    "CliSlurmClient", "Command", "JobInfo", "JobSpec", "JobState", "NodeAdminState", "NodeInfo",
+    "CliSlurmClient", "Command", "JobInfo", "JobSpec", "SlurmJobState", "NodeAdminState",
+    "NodeInfo",
     "NodeState", "PartitionInfo", "Result", "SlurmClient", "SlurmError", "SlurmRunner",
     "SlurmSpecError", "StepSpec",
 ]

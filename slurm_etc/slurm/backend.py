@@ -103,10 +103,11 @@ from slurm_etc.coordinator.backend import (
 )
 from slurm_etc.coordinator.processes import AdoptedProcess, process_start
 
+from ..lifecycle import AllocationState
 from . import commands, parsers
 from .client import CliSlurmClient, SlurmClient
 from .member import NOTICES
-from .model import JobInfo, JobSpec, JobState, NodeState, SlurmError, StepSpec, check_signal
+from .model import JobInfo, JobSpec, NodeState, SlurmError, SlurmJobState, StepSpec, check_signal
 from .runner import SlurmRunner
 from .task import MARK, encode_payload
 
@@ -234,14 +235,18 @@ class _Alloc:
     job_id: str
     key: str | None  # None: the anchor
     nodes: tuple[str, ...] = ()
-    granted: bool = False
-    noticed: bool = False
-    gone: bool = False  # ended, lost or released as a whole: no more events
+    state: AllocationState = AllocationState.REQUESTED
+    noticed: bool = False  # a PreemptNotice was sent for it (true still once it ended)
     released: set[Device] = field(default_factory=set)
 
     @property
     def anchor(self) -> bool:
         return self.key is None
+
+    @property
+    def gone(self) -> bool:
+        """Ended, lost or released as a whole: no more events."""
+        return self.state in (AllocationState.LOST, AllocationState.RELEASED)
 
 
 @dataclass
@@ -346,7 +351,7 @@ class SlurmBackend:
         self._topology: ClusterTopology | None = None
 
         job = self._ask(lambda: self.client.job(self.anchor_job), "read the anchor job")
-        if job is None or job.state is not JobState.RUNNING or not job.nodes:
+        if job is None or job.state is not SlurmJobState.RUNNING or not job.nodes:
             raise BackendError(f"anchor job {self.anchor_job} is not running "
                                f"({job.slurm_state if job else 'unknown to Slurm'})")
         self.gpus_per_node = gpus_per_node or self._gpus_of(job)
@@ -497,7 +502,7 @@ class SlurmBackend:
         stays: its grant is reported as any other); its end comes back as RequestFailed."""
         job_id = self._keys.get(action.key)
         a = self._allocs.get(job_id) if job_id is not None else None
-        if a is None or a.granted or a.gone:
+        if a is None or a.state is not AllocationState.REQUESTED:
             return
         self._act(functools.partial(self.client.cancel, a.job_id),
                   f"withdraw request {action.key}")
@@ -522,7 +527,7 @@ class SlurmBackend:
             a.released.update(devices)
             left = [d for d, j in self._held.items() if j == job_id]
             if not left:
-                a.gone = True
+                a.state = AllocationState.RELEASED
                 self._act(functools.partial(self.client.cancel, job_id),
                           f"release member {job_id}")
                 logger.info("[slurm] released member %s (scancel)%s", job_id,
@@ -682,7 +687,7 @@ class SlurmBackend:
             self._finish_step(s)
         for a in self._allocs.values():
             if not a.anchor and not a.gone:
-                a.gone = True
+                a.state = AllocationState.RELEASED
                 try:
                     self.client.cancel(a.job_id)
                 except SlurmError as e:
@@ -700,7 +705,7 @@ class SlurmBackend:
                            "(submit it with --gres=gpu:N, or pass gpus_per_node)")
 
     def _grant(self, a: _Alloc, nodes: Sequence[str]) -> None:
-        a.granted, a.nodes = True, tuple(nodes)
+        a.state, a.nodes = AllocationState.GRANTED, tuple(nodes)
         devices = devices_of(nodes, self.gpus_per_node)
         for d in devices:
             self._held[d] = a.job_id
@@ -775,33 +780,34 @@ class SlurmBackend:
         if job is not None and job.slurm_state.upper().startswith("SIGNALING"):
             # Transient, while Slurm delivers a signal (e.g. the preemption notice): the job
             # still runs.
-            state = JobState.RUNNING
-        if not a.granted:
-            if job is not None and state is JobState.RUNNING and job.nodes:
+            state = SlurmJobState.RUNNING
+        if a.state is AllocationState.REQUESTED:
+            if job is not None and state is SlurmJobState.RUNNING and job.nodes:
                 self._grant(a, job.nodes)
                 if job.preempt_time is not None:
                     self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
             elif job is None or state is None or state.finished or state in (
-                    JobState.REQUEUED, JobState.ENDING):
-                a.gone = True
+                    SlurmJobState.REQUEUED, SlurmJobState.ENDING):
+                a.state = AllocationState.LOST
                 why = job.slurm_state if job else "gone"
                 logger.warning("[slurm] member %s of request %s ended before it started (%s)",
                                a.job_id, a.key, why)
                 if a.key is not None:
                     self._events.append(RequestFailed(a.key, a.job_id, why))
             return
-        if state is not JobState.RUNNING or job is None:
-            if state in (JobState.NODE_FAIL, JobState.FAILED, JobState.TIMEOUT,
-                         JobState.COMPLETED):
+        if state is not SlurmJobState.RUNNING or job is None:
+            if state in (SlurmJobState.NODE_FAIL, SlurmJobState.FAILED, SlurmJobState.TIMEOUT,
+                         SlurmJobState.COMPLETED):
                 preempted = False  # a SIGTERM notice before it was the failure's
             else:
-                preempted = a.noticed or state in (JobState.PREEMPTED, JobState.REQUEUED) or (
-                    job is not None and job.preempt_time is not None)
+                preempted = (a.noticed
+                             or state in (SlurmJobState.PREEMPTED, SlurmJobState.REQUEUED)
+                             or (job is not None and job.preempt_time is not None))
             self._lose(a, [d for d, j in self._held.items() if j == a.job_id],
                        "preempted" if preempted else "failure",
                        f"job {a.job_id} is {job.slurm_state if job else 'gone'}")
-            a.gone = True
-            if not a.anchor and state is JobState.PENDING:
+            a.state = AllocationState.LOST
+            if not a.anchor and state is SlurmJobState.PENDING:
                 # Requeued although submitted with --no-requeue (the site forces it).
                 try:
                     self.client.cancel(a.job_id)
@@ -809,7 +815,7 @@ class SlurmBackend:
                     logger.warning("[slurm] could not cancel requeued member %s: %s",
                                    a.job_id, e)
             return
-        if job.preempt_time is not None and not a.noticed:
+        if job.preempt_time is not None and a.state is AllocationState.GRANTED:
             self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
         missing = set(a.nodes) - set(job.nodes)
         if missing:  # shrunk by someone else
@@ -819,9 +825,9 @@ class SlurmBackend:
             a.nodes = tuple(n for n in a.nodes if n not in missing)
 
     def _notice(self, a: _Alloc, since: float, source: str) -> None:
-        if a.noticed or a.gone or a.anchor:
+        if a.state is not AllocationState.GRANTED or a.anchor:
             return
-        a.noticed = True
+        a.state, a.noticed = AllocationState.PREEMPTING, True
         devices = tuple(d for d, j in self._held.items() if j == a.job_id)
         deadline = since + max(0.0, self.grace_s - self.notice_margin_s)
         self._events.append(PreemptNotice(a.job_id, devices, deadline))
@@ -856,7 +862,7 @@ class SlurmBackend:
             if a is None or a.gone:
                 self._seen_notices.add(name)
                 continue
-            if not a.granted:
+            if a.state is AllocationState.REQUESTED:
                 continue  # signalled before we saw it running: handled once granted
             self._seen_notices.add(name)
             try:

@@ -18,12 +18,12 @@ from . import commands
 from .model import (
     JobInfo,
     JobSpec,
-    JobState,
     NodeAdminState,
     NodeInfo,
     NodeState,
     PartitionInfo,
     SlurmError,
+    SlurmJobState,
 )
 
 
@@ -50,14 +50,14 @@ class FakeSlurmClient:
         """A job already running (e.g. the anchor)."""
         job_id = self._new_id()
         fields = {"TresPerNode": f"gres:gpu:{gpus_per_node}"} if gpus_per_node else {}
-        self._jobs[job_id] = JobInfo(job_id, JobState.RUNNING, "RUNNING", name=name,
+        self._jobs[job_id] = JobInfo(job_id, SlurmJobState.RUNNING, "RUNNING", name=name,
                                      partition=partition, num_nodes=len(nodes),
                                      nodelist=",".join(nodes), nodes=tuple(nodes),
                                      fields=fields)
         return job_id
 
     def start(self, job_id: str, nodes: Sequence[str]) -> None:
-        self._set(job_id, state=JobState.RUNNING, slurm_state="RUNNING", nodes=tuple(nodes),
+        self._set(job_id, state=SlurmJobState.RUNNING, slurm_state="RUNNING", nodes=tuple(nodes),
                   nodelist=",".join(nodes), num_nodes=len(nodes))
 
     def preempt(self, job_id: str, when: datetime | None = None) -> None:
@@ -81,7 +81,7 @@ class FakeSlurmClient:
         job_id = self._new_id()
         comment = next((a.split("=", 1)[1] for a in spec.extra if a.startswith("--comment=")),
                        "")
-        self._jobs[job_id] = JobInfo(job_id, JobState.PENDING, "PENDING", name=spec.name or "",
+        self._jobs[job_id] = JobInfo(job_id, SlurmJobState.PENDING, "PENDING", name=spec.name or "",
                                      partition=spec.partition or self._partitions[0],
                                      num_nodes=spec.nodes or 1, reason="Resources",
                                      fields={"Comment": comment} if comment else {})
@@ -92,7 +92,7 @@ class FakeSlurmClient:
         self._call("scancel", job_id)
         job = self._jobs.get(job_id)
         if job is not None and not job.state.finished:
-            self._set(job_id, state=JobState.CANCELLED, slurm_state="CANCELLED")
+            self._set(job_id, state=SlurmJobState.CANCELLED, slurm_state="CANCELLED")
 
     def jobs(self, job_ids: Sequence[str] = (), *, user: str | None = None,
              partition: str | None = None, name: str | None = None) -> list[JobInfo]:

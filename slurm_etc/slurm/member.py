@@ -56,7 +56,7 @@ def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
     """True when Slurm says the job is cancelled or ending without a preemption; False when
     it is being preempted, or Slurm cannot be asked (stay: the grace is the safe guess)."""
     from .client import CliSlurmClient
-    from .model import JobState, SlurmError
+    from .model import SlurmError, SlurmJobState
     from .runner import SlurmRunner
 
     try:
@@ -69,7 +69,7 @@ def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
         return True
     if job.preempt_time is not None:
         return False
-    return job.state in (JobState.CANCELLED, JobState.ENDING) or job.state.finished
+    return job.state in (SlurmJobState.CANCELLED, SlurmJobState.ENDING) or job.state.finished
 
 
 def anchor_gone(anchor: str, timeout: float = 10.0) -> bool:

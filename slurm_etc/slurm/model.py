@@ -35,7 +35,7 @@ class SlurmSpecError(InputError, ValueError):
     """A job or step description that cannot become a valid command, with the fix."""
 
 
-class JobState(enum.Enum):
+class SlurmJobState(enum.Enum):
     """Job states as slurm-etc reasons about them (Slurm's names map here by a table)."""
 
     PENDING = "pending"
@@ -55,41 +55,42 @@ class JobState(enum.Enum):
     @property
     def holds_resources(self) -> bool:
         """The job has (or is about to have) nodes allocated."""
-        return self in (JobState.STARTING, JobState.RUNNING, JobState.SUSPENDED, JobState.ENDING)
+        return self in (SlurmJobState.STARTING, SlurmJobState.RUNNING, SlurmJobState.SUSPENDED,
+                        SlurmJobState.ENDING)
 
     @property
     def finished(self) -> bool:
         """The job ended for good (no requeue pending)."""
-        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED,
-                        JobState.TIMEOUT, JobState.PREEMPTED, JobState.NODE_FAIL)
+        return self in (SlurmJobState.COMPLETED, SlurmJobState.FAILED, SlurmJobState.CANCELLED,
+                        SlurmJobState.TIMEOUT, SlurmJobState.PREEMPTED, SlurmJobState.NODE_FAIL)
 
 
 # Slurm's base job states (squeue %T / -O State, scontrol JobState=, sacct State) -> ours.
-SLURM_JOB_STATES: Mapping[str, JobState] = {
-    "PENDING": JobState.PENDING,
-    "RESV_DEL_HOLD": JobState.PENDING,
-    "CONFIGURING": JobState.STARTING,
-    "RUNNING": JobState.RUNNING,
-    "RESIZING": JobState.RUNNING,
-    "SUSPENDED": JobState.SUSPENDED,
-    "STOPPED": JobState.SUSPENDED,
-    "COMPLETING": JobState.ENDING,
-    "SIGNALING": JobState.ENDING,
-    "STAGE_OUT": JobState.ENDING,
-    "COMPLETED": JobState.COMPLETED,
-    "FAILED": JobState.FAILED,
-    "OUT_OF_MEMORY": JobState.FAILED,
-    "SPECIAL_EXIT": JobState.FAILED,
-    "CANCELLED": JobState.CANCELLED,
-    "REVOKED": JobState.CANCELLED,
-    "TIMEOUT": JobState.TIMEOUT,
-    "DEADLINE": JobState.TIMEOUT,
-    "PREEMPTED": JobState.PREEMPTED,
-    "REQUEUED": JobState.REQUEUED,
-    "REQUEUE_FED": JobState.REQUEUED,
-    "REQUEUE_HOLD": JobState.REQUEUED,
-    "NODE_FAIL": JobState.NODE_FAIL,
-    "BOOT_FAIL": JobState.NODE_FAIL,
+SLURM_JOB_STATES: Mapping[str, SlurmJobState] = {
+    "PENDING": SlurmJobState.PENDING,
+    "RESV_DEL_HOLD": SlurmJobState.PENDING,
+    "CONFIGURING": SlurmJobState.STARTING,
+    "RUNNING": SlurmJobState.RUNNING,
+    "RESIZING": SlurmJobState.RUNNING,
+    "SUSPENDED": SlurmJobState.SUSPENDED,
+    "STOPPED": SlurmJobState.SUSPENDED,
+    "COMPLETING": SlurmJobState.ENDING,
+    "SIGNALING": SlurmJobState.ENDING,
+    "STAGE_OUT": SlurmJobState.ENDING,
+    "COMPLETED": SlurmJobState.COMPLETED,
+    "FAILED": SlurmJobState.FAILED,
+    "OUT_OF_MEMORY": SlurmJobState.FAILED,
+    "SPECIAL_EXIT": SlurmJobState.FAILED,
+    "CANCELLED": SlurmJobState.CANCELLED,
+    "REVOKED": SlurmJobState.CANCELLED,
+    "TIMEOUT": SlurmJobState.TIMEOUT,
+    "DEADLINE": SlurmJobState.TIMEOUT,
+    "PREEMPTED": SlurmJobState.PREEMPTED,
+    "REQUEUED": SlurmJobState.REQUEUED,
+    "REQUEUE_FED": SlurmJobState.REQUEUED,
+    "REQUEUE_HOLD": SlurmJobState.REQUEUED,
+    "NODE_FAIL": SlurmJobState.NODE_FAIL,
+    "BOOT_FAIL": SlurmJobState.NODE_FAIL,
 }
 
 # squeue's compact codes (%t) -> Slurm's long names.
@@ -103,11 +104,11 @@ SLURM_JOB_STATE_CODES: Mapping[str, str] = {
 }
 
 
-def job_state(raw: str) -> JobState:
+def job_state(raw: str) -> SlurmJobState:
     """Our state for Slurm's job state text (long name, compact code, ``CANCELLED by 0``)."""
     word = raw.strip().split(" ", 1)[0].split("+", 1)[0].upper()
     word = SLURM_JOB_STATE_CODES.get(word, word)
-    return SLURM_JOB_STATES.get(word, JobState.UNKNOWN)
+    return SLURM_JOB_STATES.get(word, SlurmJobState.UNKNOWN)
 
 
 class NodeState(enum.Enum):
@@ -195,7 +196,7 @@ class JobInfo:
     """One job as Slurm reports it (squeue or scontrol)."""
 
     job_id: str
-    state: JobState
+    state: SlurmJobState
     slurm_state: str
     name: str = ""
     partition: str = ""

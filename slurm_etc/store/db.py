@@ -536,11 +536,23 @@ def _migrate(engine: Engine) -> None:
         if current == head:
             return
         # One writer migrates; a concurrent opener waits on the lock, then finds head.
+        # SQLite: a batch migration rebuilds a table (copy, drop, rename); with foreign keys
+        # on, dropping a parent table would cascade-delete its children, so they are off
+        # while it runs (the pragma cannot change inside a transaction) and checked after.
+        sqlite = engine.dialect.name == "sqlite"
+        driver: Any = conn.connection.driver_connection
         conn.info["write_lock"] = True
         try:
+            if sqlite:
+                driver.execute("PRAGMA foreign_keys=OFF")
             with conn.begin():
                 if MigrationContext.configure(conn).get_current_revision() != head:
                     cfg.attributes["connection"] = conn
                     command.upgrade(cfg, "head")
+                    if sqlite and driver.execute("PRAGMA foreign_key_check").fetchall():
+                        raise StoreError("the schema upgrade broke a foreign key; it was "
+                                         "rolled back and nothing was written")
         finally:
             conn.info.pop("write_lock", None)
+            if sqlite:
+                driver.execute("PRAGMA foreign_keys=ON")

@@ -31,6 +31,17 @@ from sqlalchemy import Table, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from ..lifecycle import (
+    ACTIVE_JOB_STATES,
+    ENDED_JOB_STATES,
+    AllocationRole,
+    AllocationState,
+    Backend,
+    DeviceState,
+    JobState,
+    ResizeOutcome,
+    job_transition_error,
+)
 from . import guard
 from .db import Store, StoreError, guarded, open_store, open_store_readonly, sqlite_path
 from .location import (
@@ -56,17 +67,16 @@ from .snapshot import Publisher, SnapshotError, ensure_state_dir, restore_snapsh
 
 log = logging.getLogger(__name__)
 
-JOB_STATES = ("starting", "running", "resizing", "stopping", "finished", "failed",
-              "cancelled")
-ENDED_STATES = frozenset({"finished", "failed", "cancelled"})
-BACKENDS = ("local", "slurm")
-ALLOCATION_ROLES = ("anchor", "member")
-ALLOCATION_STATES = ("requested", "granted", "preempting", "lost", "released")
-DEVICE_STATES = ("held", "leaving", "lost", "released")
-MIGRATION_OUTCOMES = ("committed", "aborted")
+JOB_STATES = tuple(JobState)
+ENDED_STATES = ENDED_JOB_STATES
+BACKENDS = tuple(Backend)
+ALLOCATION_ROLES = tuple(AllocationRole)
+ALLOCATION_STATES = tuple(AllocationState)
+DEVICE_STATES = tuple(DeviceState)
+MIGRATION_OUTCOMES = tuple(ResizeOutcome)
 # Where the state of devices lost without grace came from when no replica held it.
 REBUILT_FROM = ("peer-copies", "checkpoint")
-ACTIVE_STATES = frozenset({"starting", "running", "resizing", "stopping"})
+ACTIVE_STATES = ACTIVE_JOB_STATES
 # A live coordinator writes its job's record at least this often (``heartbeat``), even when
 # nothing happens; a job in an active state whose record is older than LOST_AFTER_S is shown
 # ``lost`` (its coordinator was killed, its node died, or it hangs).
@@ -75,8 +85,12 @@ LOST_AFTER_S = 4 * HEARTBEAT_S
 # Event kinds the coordinator uses; others are stored as given.
 EVENT_KINDS = ("grant", "preempt-notice", "loss", "release", "resize-request", "stop")
 
-_ALLOCATION_TIMES = {"granted": "granted_at", "lost": "lost_at", "released": "released_at"}
-_DEVICE_ON_ALLOCATION = {"lost": "lost", "released": "released"}
+_ALLOCATION_TIMES: dict[str, str] = {
+    AllocationState.GRANTED: "granted_at", AllocationState.LOST: "lost_at",
+    AllocationState.RELEASED: "released_at"}
+_DEVICE_ON_ALLOCATION: dict[str, str] = {AllocationState.LOST: DeviceState.LOST,
+                                         AllocationState.RELEASED: DeviceState.RELEASED}
+_ON_THE_JOB = (DeviceState.HELD, DeviceState.LEAVING)
 
 
 class RecordError(StoreError):
@@ -466,7 +480,8 @@ def create_job(store: Store, job_id: str, *, name: str, owner_uid: int, owner_na
                 row.updated_at = at
             return
         s.add(JobRow(job_id=job_id, name=name, owner_uid=owner_uid, owner_name=owner_name,
-                     state="starting", backend=backend, model=model, partition_name=partition,
+                     state=JobState.STARTING, backend=backend, model=model,
+                     partition_name=partition,
                      account=account, coordinator=coordinator, created_at=at, updated_at=at))
 
 
@@ -474,7 +489,8 @@ def create_job(store: Store, job_id: str, *, name: str, owner_uid: int, owner_na
 def set_job_state(store: Store, job_id: str, state: str, *, reason: str | None = None,
                   at: datetime | None = None) -> None:
     """Record the job's observed state (``JOB_STATES``) and why; an ended state (finished,
-    failed, cancelled) sets the end time once. Repeating it is a no-op."""
+    failed, cancelled) sets the end time once. Repeating it is a no-op; a move that
+    :data:`slurm_etc.lifecycle.JOB_TRANSITIONS` does not allow is refused (RecordError)."""
     _one_of("state", state, JOB_STATES)
     _text("reason", reason, 255)
     at = _at(at)
@@ -482,9 +498,14 @@ def set_job_state(store: Store, job_id: str, state: str, *, reason: str | None =
         row = _job(s, job_id)
         if row.state == state and row.reason == reason:
             return
+        refused = job_transition_error(job_id, row.state, state)
+        if refused:
+            raise RecordError(f"{refused}; nothing was written")
         row.state, row.reason, row.updated_at = state, reason, at
         if state in ENDED_STATES and row.ended_at is None:
             row.ended_at = at
+        elif state not in ENDED_STATES:
+            row.ended_at = None  # taken up again by a new coordinator
 
 
 def heartbeat(store: Store, job_id: str, *, every_s: float = HEARTBEAT_S,
@@ -688,7 +709,7 @@ def _apply_allocation_changes(s: Session, job_id: str, observed: Sequence[Observ
         ids = sorted(a for a, d in devices.items() if d == state)
         for chunk in _chunks(ids):
             s.execute(update(DeviceRow).where(
-                DeviceRow.allocation_id.in_(chunk), DeviceRow.state.in_(("held", "leaving")))
+                DeviceRow.allocation_id.in_(chunk), DeviceRow.state.in_(_ON_THE_JOB))
                 .values(state=state, updated_at=at)
                 .execution_options(synchronize_session=False))
 
@@ -768,7 +789,7 @@ def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
         aborted = []
         for m in s.scalars(select(MigrationRow).where(MigrationRow.job_id == job_id,
                                                       MigrationRow.outcome.is_(None))):
-            m.outcome, m.error, m.ended_at = "aborted", reason, at
+            m.outcome, m.error, m.ended_at = ResizeOutcome.ABORTED, reason, at
             aborted.append(m.id)
         if aborted:
             _touch(s, job_id, at)
@@ -959,7 +980,7 @@ def open_generation(store: Store, job_id: str, number: int, layout: str,
              "device_id": did} for (vrank, _device), did in zip(pool, ids)])
         in_pool = set(ids)
         _set_devices(s, [i for i in s.scalars(select(DeviceRow.id).where(
-            DeviceRow.job_id == job_id, DeviceRow.state.in_(("held", "leaving"))))
+            DeviceRow.job_id == job_id, DeviceRow.state.in_(_ON_THE_JOB)))
             if i not in in_pool], {"state": "released", "updated_at": at})
         job.generation, job.updated_at = number, at
         s.flush()
@@ -1261,7 +1282,7 @@ def _update_allocation(s: Session, row: AllocationRow, state: str | None,
     device_state = _DEVICE_ON_ALLOCATION.get(state)
     if device_state:
         for dev in s.scalars(select(DeviceRow).where(DeviceRow.allocation_id == row.id,
-                                                     DeviceRow.state.in_(("held", "leaving")))):
+                                                     DeviceRow.state.in_(_ON_THE_JOB))):
             dev.state, dev.updated_at = device_state, at
 
 
@@ -1269,7 +1290,8 @@ def _granted_allocations_by_node(s: Session, job_id: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for a in s.scalars(select(AllocationRow).where(
             AllocationRow.job_id == job_id,
-            AllocationRow.state.in_(("granted", "preempting"))).order_by(AllocationRow.id)):
+            AllocationRow.state.in_((AllocationState.GRANTED, AllocationState.PREEMPTING))
+            ).order_by(AllocationRow.id)):
         for node in _split(a.nodes):
             out[node] = a.id
     return out

@@ -23,6 +23,15 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from ..lifecycle import (
+    AllocationRole,
+    AllocationState,
+    Backend,
+    DeviceState,
+    JobState,
+    sql_in,
+)
+
 
 class Base(DeclarativeBase):
     """Declarative base of every slurm-etc table."""
@@ -101,12 +110,16 @@ class Timestamp(TypeDecorator[datetime]):
 class JobRow(Base):
     """One elastic job: who owns it, what it trains, where its coordinator answers.
 
-    ``state`` is what the coordinator observed last (``jobs.JOB_STATES``); ``generation``
+    ``state`` is what the coordinator observed last (``lifecycle.JobState``); ``generation``
     the number of the generation training now (None before the first).
     """
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_owner_uid", "owner_uid"),)
+    __table_args__ = (
+        Index("ix_jobs_owner_uid", "owner_uid"),
+        CheckConstraint(sql_in("state", JobState), name="ck_jobs_state"),
+        CheckConstraint(sql_in("backend", Backend), name="ck_jobs_backend"),
+    )
 
     job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
@@ -129,7 +142,11 @@ class AllocationRow(Base):
     """One backend allocation of a job (a Slurm job id): the anchor or a member."""
 
     __tablename__ = "allocations"
-    __table_args__ = (UniqueConstraint("job_id", "backend_id", name="uq_allocations_backend"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "backend_id", name="uq_allocations_backend"),
+        CheckConstraint(sql_in("state", AllocationState), name="ck_allocations_state"),
+        CheckConstraint(sql_in("role", AllocationRole), name="ck_allocations_role"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str] = mapped_column(
@@ -150,7 +167,9 @@ class DeviceRow(Base):
 
     __tablename__ = "devices"
     __table_args__ = (
-        UniqueConstraint("job_id", "node", "local_index", name="uq_devices_node_local"),)
+        UniqueConstraint("job_id", "node", "local_index", name="uq_devices_node_local"),
+        CheckConstraint(sql_in("state", DeviceState), name="ck_devices_state"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str] = mapped_column(

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_etc.slurm import CliSlurmClient, JobSpec, JobState, NodeAdminState, commands
+from slurm_etc.slurm import CliSlurmClient, JobSpec, NodeAdminState, SlurmJobState, commands
 from slurm_etc.slurm.model import Command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def main() -> None:
         held = client.submit(JobSpec(script=sleeper, hold=True, output=out,
                                      extra=("--job-name=odd name|with pipe",)))
         jobs += [anchor, member, wide, held]
-        wait(lambda: all(j.state == JobState.RUNNING for j in client.jobs([anchor, member])),
+        wait(lambda: all(j.state == SlurmJobState.RUNNING for j in client.jobs([anchor, member])),
              "anchor and member running")
         time.sleep(2)  # let the member's shell set its trap before it is preempted
         cap("squeue_running", commands.squeue(jobs))

@@ -30,7 +30,7 @@ from slurm_etc.coordinator.backend import (
     WorkerExited,
     WorkerSpec,
 )
-from slurm_etc.slurm import JobSpec, JobState, NodeAdminState
+from slurm_etc.slurm import JobSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import SlurmBackend, member_job_name
 
 from .test_client import partition, running, wait_for, wait_free
@@ -195,7 +195,7 @@ def test_grant_launch_stop_preempt(client, jobs, anchor, tmp_path):
     finally:
         backend.close()
     (job,) = client.jobs([member])
-    assert job.state.finished or job.state in (JobState.ENDING, JobState.PENDING), job
+    assert job.state.finished or job.state in (SlurmJobState.ENDING, SlurmJobState.PENDING), job
 
 
 def test_shrink_node_down_release_recover(client, jobs, anchor, tmp_path):
@@ -247,7 +247,7 @@ def test_shrink_node_down_release_recover(client, jobs, anchor, tmp_path):
             assert len(client.jobs(name=member_job_name(anchor))) == 1
             # Released as a whole: scancel.
             second.release(ReleaseDevices(regrant.devices))
-            wait_for(lambda: all(j.state is not JobState.RUNNING
+            wait_for(lambda: all(j.state is not SlurmJobState.RUNNING
                                  for j in client.jobs([again])), "member cancelled", 30)
         finally:
             second.close()
@@ -259,7 +259,8 @@ def test_shrink_node_down_release_recover(client, jobs, anchor, tmp_path):
             # Back in service (responding, no reason) before the next test uses it.
             wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
                      f"{down} back in service", timeout=60)
-    assert all(j.state is not JobState.RUNNING for j in client.jobs(list(backend.members.values())))
+    members = list(backend.members.values())
+    assert all(j.state is not SlurmJobState.RUNNING for j in client.jobs(members))
 
 
 def test_bad_anchor_and_member_watch(client, tmp_path, monkeypatch):
@@ -318,7 +319,7 @@ def test_elastic_sbatch_end_to_end(client, jobs, tmp_path):
     name = member_job_name(anchor)
     try:
         member = wait_for(lambda: [j for j in client.jobs(name=name)
-                                   if j.state is JobState.RUNNING], "a running member", 60)[0]
+                                   if j.state is SlurmJobState.RUNNING], "a running member", 60)[0]
         jobs.append(member.job_id)
         logs = tmp_path / ".slurm-etc" / anchor / "logs"
         wait_for(lambda: list(logs.glob(f"gen*-*-{member.job_id}.log")),
@@ -340,7 +341,7 @@ def test_member_cancelled_while_pending_fails_its_request(client, jobs, anchor, 
         backend.request(RequestNodes(4, "too-many"))
         member = backend.members["too-many"]
         jobs.append(member)
-        wait_for(lambda: [j for j in client.jobs([member]) if j.state is JobState.PENDING],
+        wait_for(lambda: [j for j in client.jobs([member]) if j.state is SlurmJobState.PENDING],
                  "member PENDING", 30)
         drive.settle(1.0)
         client.cancel(member)

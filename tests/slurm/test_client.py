@@ -13,10 +13,10 @@ import pytest
 
 from slurm_etc.slurm import (
     JobSpec,
-    JobState,
     NodeAdminState,
     NodeState,
     SlurmError,
+    SlurmJobState,
     SlurmRunner,
     StepSpec,
     commands,
@@ -82,7 +82,7 @@ def wait_free(client, names, timeout=60.0):
 def running(client, job_id):
     def check():
         (job,) = client.jobs([job_id]) or (None,)
-        return job if job is not None and job.state is JobState.RUNNING else None
+        return job if job is not None and job.state is SlurmJobState.RUNNING else None
     return check
 
 
@@ -131,7 +131,7 @@ def test_submit_step_signal_cancel(client, jobs, tmp_path):
     assert job.partition == "main" and job.nodes == ("n1", "n2") and job.num_nodes == 2
     assert job.batch_host == "n1"
     detail = client.job(job_id)
-    assert detail.state is JobState.RUNNING and detail.restarts == 0
+    assert detail.state is SlurmJobState.RUNNING and detail.restarts == 0
     assert detail.preempt_time is None and detail.batch_host == "n1"
     wait_for(lambda: any(w.startswith("START") for _, w in events(log)), "batch script up")
 
@@ -158,7 +158,7 @@ def test_submit_step_signal_cancel(client, jobs, tmp_path):
     client.cancel(job_id)
     done = wait_for(lambda: [j for j in client.jobs([job_id]) if j.state.finished],
                     "anchor cancelled", timeout=30)
-    assert done[0].state is JobState.CANCELLED
+    assert done[0].state is SlurmJobState.CANCELLED
     assert "SIGTERM" in [w for _, w in events(log)]
     print(f"submit -> RUNNING {started_s:.2f} s, 2-node srun step {step_s:.2f} s")
 
@@ -185,15 +185,16 @@ def test_preemption_signal_inside_grace(client, jobs, tmp_path):
     signal_s = t_sig - t_submit
     # Inside the grace: still RUNNING, marked for preemption, preemptor waiting.
     job = client.job(member)
-    assert job.state is JobState.RUNNING and job.preempt_time is not None, job
+    assert job.state is SlurmJobState.RUNNING and job.preempt_time is not None, job
     (pre,) = client.jobs([preemptor])
-    assert pre.state is JobState.PENDING, pre
+    assert pre.state is SlurmJobState.PENDING, pre
 
     # Grace over: the member gets SIGTERM, is requeued; the preemptor runs on its node.
     limit = grace + 35 + 30
     requeued = wait_for(lambda: (lambda j: j if j and j.restarts else None)(client.job(member)),
                         "member requeued", timeout=limit, interval=0.5)
-    assert requeued.state in (JobState.PENDING, JobState.REQUEUED, JobState.ENDING), requeued
+    assert requeued.state in (SlurmJobState.PENDING, SlurmJobState.REQUEUED,
+                              SlurmJobState.ENDING), requeued
     t_term = next(t for t, w in events(log) if w == "SIGTERM")
     assert t_term - t_sig >= grace - 1, (t_sig, t_term, grace)
     pre = wait_for(running(client, preemptor), "preemptor RUNNING", timeout=30)
@@ -215,7 +216,8 @@ def test_node_down_requeues_and_resume(client, jobs, tmp_path):
         assert n3.reason == "slurm-etc test: node lost"
         job = wait_for(lambda: (lambda j: j if j and j.restarts else None)(client.job(victim)),
                        "victim requeued", timeout=30)
-        assert job.state in (JobState.PENDING, JobState.REQUEUED, JobState.ENDING), job
+        assert job.state in (SlurmJobState.PENDING, SlurmJobState.REQUEUED,
+                             SlurmJobState.ENDING), job
     finally:
         client.set_node_state(["n3"], NodeAdminState.RESUME)
     t0 = time.monotonic()
@@ -243,7 +245,7 @@ def test_shrink_twice(client, jobs, tmp_path):
     client.resize(job_id, 1)
     job = client.job(job_id)
     assert job.num_nodes == 1 and job.nodes == (job.batch_host,), job
-    assert job.state is JobState.RUNNING
+    assert job.state is SlurmJobState.RUNNING
     released = sorted({"n1", "n2", "n3"} - set(job.nodes))
     wait_free(client, released, timeout=30)
     assert all(n.gpus_used == 0 for n in client.nodes(released))

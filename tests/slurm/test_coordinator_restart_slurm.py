@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import JobSpec, JobState
+from slurm_etc.slurm import JobSpec, SlurmJobState
 from slurm_etc.slurm.backend import member_job_name
 from slurm_etc.testing.hooks import COORDINATOR_INJECT
 from tests.dist.test_coordinator_restart import _kill_orphans, problems
@@ -84,7 +84,7 @@ def test_killed_after_request_while_member_pending(client, jobs, tmp_path: Path)
     assert f"{COORDINATOR_INJECT}=after-request" in log
     members = client.jobs(name=member_job_name(anchor))
     jobs.extend(m.job_id for m in members)
-    assert [m.state for m in members] == [JobState.PENDING], members
+    assert [m.state for m in members] == [SlurmJobState.PENDING], members
     member = members[0].job_id
     _cancel_steps(anchor)
     _kill_orphans(job)
@@ -129,6 +129,6 @@ def test_killed_after_request_while_member_pending(client, jobs, tmp_path: Path)
     finally:
         con.close()
     assert grown == 1 and member_grants == 1  # the job went on: it grew into the member once
-    done = wait_for(lambda: all(j.state is not JobState.RUNNING
+    done = wait_for(lambda: all(j.state is not SlurmJobState.RUNNING
                                 for j in client.jobs([member])), "member ended", 60)
     assert done

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import JobSpec, JobState, NodeAdminState
+from slurm_etc.slurm import JobSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import member_job_name
 
 from .test_client import partition, running, wait_for, wait_free
@@ -118,7 +118,7 @@ def _story(log: Path, client) -> str:
 
 def _running_member(client, anchor: str, exclude: set[str]):
     jobs = [j for j in client.jobs(name=member_job_name(anchor))
-            if j.state is JobState.RUNNING and j.job_id not in exclude and j.nodes]
+            if j.state is SlurmJobState.RUNNING and j.job_id not in exclude and j.nodes]
     return jobs[0] if jobs else None
 
 

@@ -8,11 +8,11 @@ from slurm_etc.slurm import (
     CliSlurmClient,
     Command,
     JobSpec,
-    JobState,
     NodeAdminState,
     NodeState,
     SlurmClient,
     SlurmError,
+    SlurmJobState,
     SlurmRunner,
     SlurmSpecError,
     StepSpec,
@@ -122,15 +122,15 @@ def test_query_commands():
 
 
 def test_job_state_table():
-    assert job_state("RUNNING") is JobState.RUNNING
-    assert job_state("CANCELLED by 0") is JobState.CANCELLED
-    assert job_state("CG") is JobState.ENDING
-    assert job_state("PREEMPTED") is JobState.PREEMPTED
-    assert job_state("BOOT_FAIL") is JobState.NODE_FAIL
-    assert job_state("SOMETHING_NEW") is JobState.UNKNOWN
-    assert all(isinstance(v, JobState) for v in SLURM_JOB_STATES.values())
-    assert JobState.RUNNING.holds_resources and not JobState.PENDING.holds_resources
-    assert JobState.TIMEOUT.finished and not JobState.REQUEUED.finished
+    assert job_state("RUNNING") is SlurmJobState.RUNNING
+    assert job_state("CANCELLED by 0") is SlurmJobState.CANCELLED
+    assert job_state("CG") is SlurmJobState.ENDING
+    assert job_state("PREEMPTED") is SlurmJobState.PREEMPTED
+    assert job_state("BOOT_FAIL") is SlurmJobState.NODE_FAIL
+    assert job_state("SOMETHING_NEW") is SlurmJobState.UNKNOWN
+    assert all(isinstance(v, SlurmJobState) for v in SLURM_JOB_STATES.values())
+    assert SlurmJobState.RUNNING.holds_resources and not SlurmJobState.PENDING.holds_resources
+    assert SlurmJobState.TIMEOUT.finished and not SlurmJobState.REQUEUED.finished
 
 
 @pytest.mark.parametrize("raw,state,responding", [

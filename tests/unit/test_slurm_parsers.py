@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import JobState, NodeState
+from slurm_etc.slurm import NodeState, SlurmJobState
 from slurm_etc.slurm.parsers import (
     count_gpus,
     expand_nodelist,
@@ -47,51 +47,51 @@ def test_squeue_running(out):
     jobs = by_name(parse_squeue(out("squeue_running.out")))
     assert set(jobs) == {"done", "anchor", "member", "wide", "odd name|with pipe"}
     anchor = jobs["anchor"]
-    assert anchor.state is JobState.RUNNING and anchor.slurm_state == "RUNNING"
+    assert anchor.state is SlurmJobState.RUNNING and anchor.slurm_state == "RUNNING"
     assert anchor.partition == "main" and anchor.num_nodes == 2
     assert anchor.nodelist == "n[1-2]" and anchor.nodes == ("n1", "n2")
     assert anchor.batch_host == "n1" and anchor.reason is None and anchor.preempt_time is None
     assert anchor.user == "root"
     assert jobs["member"].partition == "scavenge" and jobs["member"].nodes == ("n4",)
-    assert jobs["done"].state is JobState.COMPLETED
+    assert jobs["done"].state is SlurmJobState.COMPLETED
     wide = jobs["wide"]
-    assert wide.state is JobState.PENDING and wide.nodes == () and wide.batch_host is None
+    assert wide.state is SlurmJobState.PENDING and wide.nodes == () and wide.batch_host is None
     assert wide.num_nodes == 4 and wide.reason
     held = jobs["odd name|with pipe"]  # the separator inside the name survives
-    assert held.state is JobState.PENDING and held.reason == "JobHeldUser"
+    assert held.state is SlurmJobState.PENDING and held.reason == "JobHeldUser"
 
 
 def test_squeue_grace_and_requeue(out):
     grace = by_name(parse_squeue(out("squeue_grace.out")))
     member = grace["member"]
     # Picked for preemption: still RUNNING during GraceTime, with a preempt time.
-    assert member.state is JobState.RUNNING
+    assert member.state is SlurmJobState.RUNNING
     assert isinstance(member.preempt_time, datetime)
-    assert grace["preemptor"].state is JobState.PENDING
+    assert grace["preemptor"].state is SlurmJobState.PENDING
     requeued = by_name(parse_squeue(out("squeue_requeued.out")))
-    assert requeued["member"].state is JobState.PENDING
+    assert requeued["member"].state is SlurmJobState.PENDING
     assert requeued["member"].reason == "BeginTime" and requeued["member"].nodes == ()
-    assert requeued["preemptor"].state is JobState.RUNNING
+    assert requeued["preemptor"].state is SlurmJobState.RUNNING
     assert requeued["preemptor"].nodes == ("n4",)
 
 
 def test_scontrol_jobs(out):
     (running,) = parse_scontrol_jobs(out("scontrol_job_running.out"))
-    assert running.name == "anchor" and running.state is JobState.RUNNING
+    assert running.name == "anchor" and running.state is SlurmJobState.RUNNING
     assert running.nodes == ("n1", "n2") and running.batch_host == "n1"
     assert running.restarts == 0 and running.preempt_time is None
     assert running.fields["TresPerNode"].endswith("gpu:2")
     (pending,) = parse_scontrol_jobs(out("scontrol_job_pending.out"))
-    assert pending.state is JobState.PENDING and pending.nodes == ()
+    assert pending.state is SlurmJobState.PENDING and pending.nodes == ()
     (held,) = parse_scontrol_jobs(out("scontrol_job_held.out"))
     assert held.name == "odd name|with pipe" and held.reason == "JobHeldUser"
     (done,) = parse_scontrol_jobs(out("scontrol_job_completed.out"))
-    assert done.state is JobState.COMPLETED and done.state.finished
+    assert done.state is SlurmJobState.COMPLETED and done.state.finished
     (grace,) = parse_scontrol_jobs(out("scontrol_job_grace.out"))
-    assert grace.state is JobState.RUNNING and grace.preempt_time is not None
+    assert grace.state is SlurmJobState.RUNNING and grace.preempt_time is not None
     assert grace.partition == "scavenge" and grace.batch_host == "n4"
     (requeued,) = parse_scontrol_jobs(out("scontrol_job_requeued.out"))
-    assert requeued.state is JobState.PENDING and requeued.restarts == 1
+    assert requeued.state is SlurmJobState.PENDING and requeued.restarts == 1
     assert requeued.reason == "BeginTime"
     everything = parse_scontrol_jobs(out("scontrol_jobs_all.out"))
     assert {"anchor", "member", "preemptor", "wide", "done"} <= {j.name for j in everything}

@@ -169,7 +169,7 @@ def test_models_match_the_migrations(tmp_path):
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         store.close()
-    assert head_revision() == "0006_preparation_stall"
+    assert head_revision() == "0007_lifecycle_checks"
 
 
 @pytest.mark.parametrize("url,stamp", [
@@ -192,7 +192,7 @@ def test_the_migrations_compile_for_server_databases(url, stamp):
                   "migrations", "policies"):
         assert f"CREATE TABLE {table} " in ddl, table
     assert stamp in ddl and "moved_bytes BIGINT NOT NULL" in ddl
-    assert "'0006_preparation_stall'" in ddl and "request_patience_s INTEGER" in ddl
+    assert "'0007_lifecycle_checks'" in ddl and "request_patience_s INTEGER" in ddl
     assert "stall_seconds" in ddl
 
 
