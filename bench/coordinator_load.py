@@ -48,7 +48,7 @@ from slurm_etc.coordinator.backend import (
     StopWorkers,
     WorkerState,
 )
-from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
+from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 from slurm_etc.store import jobs as record
 
 if TYPE_CHECKING:  # the coordinator (torch) is imported by the bench, not by its readers

@@ -7,8 +7,8 @@ import os
 import sys
 import time
 
-from slurm_etc.coordinator.channel import WorkerChannel
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.channel import WorkerChannel
+from slurm_etc.protocol.messages import (
     LAYOUT,
     Exited,
     Progress,

@@ -108,7 +108,7 @@ def make_trainer(train_steps: int):
 
 def started_by_coordinator(environ=os.environ) -> bool:
     """Whether a slurm-etc backend launched this process as a worker of a job."""
-    from slurm_etc.coordinator.env import JOB, SECRET_FILE
+    from slurm_etc.protocol.env import JOB, SECRET_FILE
 
     return bool(environ.get(JOB)) and bool(environ.get(SECRET_FILE))
 

@@ -108,7 +108,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     root.propagate = False
-    logging.getLogger("slurm_etc.coordinator.channel").setLevel(logging.WARNING)
+    logging.getLogger("slurm_etc.protocol.channel").setLevel(logging.WARNING)
     timeline = Timeline()
     started = time.time()
     backend = LocalBackend(demo_script(steps, settled_steps=True, parts=10),

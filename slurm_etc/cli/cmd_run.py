@@ -17,8 +17,8 @@ from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
-from ..worker.control import DEFAULT_REATTACH_WAIT_S
-from ..worker.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
+from ..protocol.messages import DEFAULT_REATTACH_WAIT_S
+from ..protocol.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
 from .params import Number, SafePath, Text, Unbounded, check_product
 
 _ANY_MODEL = load_model("tiny")  # what --global-batch alone is checked with
@@ -196,8 +196,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         python -m slurm_etc.worker.preset_worker --model tiny --global-batch 8
     """
     from ..alloc.chooser import TrainingJob
-    from ..coordinator.channel import ChannelError, check_addresses
     from ..coordinator.policy_lookup import job_policy
+    from ..protocol.channel import ChannelError, check_addresses
 
     try:
         check_addresses(bind, advertise)

@@ -184,7 +184,7 @@ class LaunchWorkers:
     """Start ``argv`` once per worker for ``generation``.
 
     Every worker's environment is the coordinator's own, plus ``env`` (e.g. the channel's
-    :meth:`~slurm_etc.coordinator.channel.CoordinatorChannel.worker_env`), plus its
+    :meth:`~slurm_etc.protocol.channel.CoordinatorChannel.worker_env`), plus its
     :attr:`WorkerSpec.env`, plus ``SLURM_ETC_VRANK``, ``_GENERATION``, ``_NODE``,
     ``_LOCAL_INDEX`` and ``_DEVICE`` (``node:index``) set by the backend."""
 

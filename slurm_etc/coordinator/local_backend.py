@@ -36,7 +36,7 @@ from typing import IO
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
 
-from . import env as envvars
+from ..protocol import env as envvars
 from .backend import (
     BackendError,
     BackendEvent,

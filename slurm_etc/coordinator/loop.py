@@ -17,7 +17,7 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
 * a loss without grace tells the planner which old devices are dead; where every shard they
   held has a surviving replica the resize proceeds in memory. Where some has none (dp=1,
   distributed-optimizer shards) and the job keeps peer copies or periodic checkpoints
-  (:class:`~slurm_etc.worker.recovery.Recovery`), the resize is ordered anyway, planned
+  (:class:`~slurm_etc.protocol.recovery.Recovery`), the resize is ordered anyway, planned
   as if the lost ranks were there: the workers roll back to the newest peer copies (a
   survivor stands in for each lost rank) or load the last checkpoint, and the steps trained
   since are recorded as lost and trained again. Otherwise the job stops with one line
@@ -43,18 +43,17 @@ from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
+    JobView,
     Notice,
     Pause,
     Release,
     RequestGrow,
-    Snapshot,
+    ResizeDecision,
     WithdrawRequest,
     decide,
 )
-from slurm_etc.policy.decide import Resize as ResizeDecision
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.store import jobs as record
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.messages import (
     BATCH_FIELDS,
     DEFAULT_REATTACH_WAIT_S,
     GPUS_PER_NODE,
@@ -77,7 +76,8 @@ from slurm_etc.worker.control import (
     Stop,
     format_layout,
 )
-from slurm_etc.worker.recovery import RESUME_FROM, Recovery, newest_checkpoint
+from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
+from slurm_etc.store import jobs as record
 
 from ..errors import InternalError
 from .backend import (
@@ -423,7 +423,7 @@ class Coordinator:
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
 
-    def _reattach(self, got: record.Recovery) -> bool:
+    def _reattach(self, got: record.ResumePoint) -> bool:
         """Take up the workers of the killed coordinator: the processes recorded at their
         launch (:meth:`_record_launch`) that the backend finds still running, the same ones
         (pid and start time). Only when every worker of the open generation is alive: the
@@ -872,14 +872,14 @@ class Coordinator:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot(self) -> JobView:
         layout_vranks = ({v: self.vranks[v] for v in self.layout.devices}
                          if self.layout is not None else {})
         by_deadline: dict[tuple[float, str], set[Device]] = {}
         for d, key in self.notices.items():
             if d in self.held:
                 by_deadline.setdefault(key, set()).add(d)
-        return Snapshot(
+        return JobView(
             now=self.clock(), job=self.spec.job, hardware=self.spec.hardware,
             topology=self.topology, held=frozenset(self.held), layout=self.layout,
             vranks=layout_vranks,

@@ -1,6 +1,6 @@
 """A resize's training pause, measured at the step boundaries.
 
-Every process of a new layout reports (:class:`~slurm_etc.worker.control.Resumed`) when its
+Every process of a new layout reports (:class:`~slurm_etc.protocol.messages.Resumed`) when its
 first step in that layout began and when its last step in the old layout ended (a joiner:
 when the old layout's last step ended). The difference is that process's training gap; the
 migration's pause is the largest gap over the new layout's processes, whatever happened in
@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from slurm_etc.worker.control import Resumed
+from slurm_etc.protocol.messages import Resumed
 
 
 @dataclass(frozen=True)

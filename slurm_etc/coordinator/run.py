@@ -15,8 +15,8 @@ from slurm_etc.protocol.store import StoreServer
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
 
+from ..protocol.channel import ChannelError, CoordinatorChannel, create_secret, split_bind
 from .backend import Backend
-from .channel import ChannelError, CoordinatorChannel, create_secret, split_bind
 from .loop import Coordinator, JobSpec, owner
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """Admin resize policies and ``decide``: pure, no I/O."""
 from .decide import (
     Decision,
+    JobView,
     Notice,
     Pause,
     Release,
     RequestGrow,
-    Resize,
-    Snapshot,
+    ResizeDecision,
     decide,
     format_devices,
 )
@@ -21,5 +21,5 @@ from .rules import (
 )
 
 __all__ = ["Decision", "EffectivePolicy", "FIELDS", "Notice", "Pause", "PolicyError",
-    "Release", "RequestGrow", "Resize", "ResizePolicy", "Scope", "Snapshot", "decide",
+    "Release", "RequestGrow", "ResizeDecision", "ResizePolicy", "Scope", "JobView", "decide",
     "effective", "format_devices", "parse_assignments"]

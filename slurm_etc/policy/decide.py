@@ -1,6 +1,6 @@
 """decide(snapshot, policy) -> Decision: what an elastic job does next, and why.
 
-Pure: the coordinator builds a ``Snapshot`` from what Slurm and the store say, calls
+Pure: the coordinator builds a ``JobView`` from what Slurm and the store say, calls
 ``decide``, and carries out the actions. Every action carries a one-line reason.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Notice:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class JobView:
     """Everything ``decide`` knows about one job at one instant.
 
     Attributes:
@@ -73,7 +73,7 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
-class Resize:
+class ResizeDecision:
     """Move to ``config`` on the pool ``allocation`` (the planner places the ranks)."""
 
     config: ParallelConfig
@@ -139,7 +139,7 @@ class WithdrawRequest:
         return f"withdraw the request for {self.nodes} node(s): {self.reason}"
 
 
-Action = Resize | Release | RequestGrow | Pause | WithdrawRequest
+Action = ResizeDecision | Release | RequestGrow | Pause | WithdrawRequest
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def format_devices(devices: Iterable[Device]) -> str:
     return ",".join(parts)
 
 
-def planner_cost(snapshot: Snapshot) -> CostFn:
+def planner_cost(snapshot: JobView) -> CostFn:
     """Bytes the planner moves for a candidate (layout -> config on an allocation's pool)."""
     hw = snapshot.hardware
     topo = Topology(hw.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
@@ -179,7 +179,7 @@ def planner_cost(snapshot: Snapshot) -> CostFn:
     return cost
 
 
-def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
+def decide(snapshot: JobView, policy: EffectivePolicy, *,
            cost: CostFn | None = None) -> Decision:
     """What the job does next under ``policy``.
 
@@ -257,7 +257,7 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
             return Decision(tuple(pause + ([grow] if grow else [])),
                             "below the policy's minimum size")
         deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
-        actions.append(Resize(config, target, forced, why, deadline))
+        actions.append(ResizeDecision(config, target, forced, why, deadline))
     kept = frozenset(target.vranks.values())
     unmeetable = _unmeetable(s, kept)
     withdraw = unmeetable or _withdraw(s, policy, capped)
@@ -279,7 +279,7 @@ def decide(snapshot: Snapshot, policy: EffectivePolicy, *,
     return Decision(tuple(actions), summary)
 
 
-def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+def _growth(s: JobView, policy: EffectivePolicy, kept: frozenset[Device],
             released: tuple[Device, ...], choice: Choice, capped: bool, growing: int,
             smaller_than: int | None) -> tuple[tuple[Device, ...], RequestGrow | None]:
     """What to release and what to ask for: granted nodes that fit no layout now stay
@@ -292,7 +292,7 @@ def _growth(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
                                    smaller_than=smaller_than)
 
 
-def _unmeetable(s: Snapshot, kept: frozenset[Device]) -> WithdrawRequest | None:
+def _unmeetable(s: JobView, kept: frozenset[Device]) -> WithdrawRequest | None:
     """The pending request, when the partition's usable nodes no longer meet it (nodes went
     DOWN or DRAIN after it was sent): it would pend forever, whatever its age. Counted
     beside the nodes the job keeps, as the request was sized: nodes it releases are free
@@ -307,7 +307,7 @@ def _unmeetable(s: Snapshot, kept: frozenset[Device]) -> WithdrawRequest | None:
                                       f"{keeps} this job keeps; asking for fewer")
 
 
-def _withdraw(s: Snapshot, policy: EffectivePolicy, capped: bool) -> WithdrawRequest | None:
+def _withdraw(s: JobView, policy: EffectivePolicy, capped: bool) -> WithdrawRequest | None:
     """The pending request, when it waited past the policy's patience and a smaller one
     exists."""
     patience = policy.patience_s
@@ -318,7 +318,7 @@ def _withdraw(s: Snapshot, policy: EffectivePolicy, capped: bool) -> WithdrawReq
                                       f"{patience} s); asking for fewer")
 
 
-def _spare_worth_keeping(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+def _spare_worth_keeping(s: JobView, policy: EffectivePolicy, kept: frozenset[Device],
                          released: tuple[Device, ...], choice: Choice, growing: int,
                          capped: bool, smaller_than: int | None
                          ) -> tuple[frozenset[Device], RequestGrow | None] | None:
@@ -363,7 +363,7 @@ def _spare_worth_keeping(s: Snapshot, policy: EffectivePolicy, kept: frozenset[D
     return spare, RequestGrow(grow.nodes, grow.partition, grow.qos, grow.signal_grace_s, why)
 
 
-def _best(s: Snapshot, policy: EffectivePolicy, counts: list[int]) -> Choice | None:
+def _best(s: JobView, policy: EffectivePolicy, counts: list[int]) -> Choice | None:
     try:
         return choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
                              allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes)
@@ -371,13 +371,13 @@ def _best(s: Snapshot, policy: EffectivePolicy, counts: list[int]) -> Choice | N
         return None
 
 
-def _allocate(s: Snapshot, usable: frozenset[Device], config: ParallelConfig,
+def _allocate(s: JobView, usable: frozenset[Device], config: ParallelConfig,
               policy: EffectivePolicy) -> Allocation:
     return allocate(usable, config.world, config.tp, s.topology, previous=s.vranks,
                     max_nodes=policy.max_nodes, pinned=s.pinned & usable)
 
 
-def _loss_reason(s: Snapshot, lost: frozenset[Device], policy: EffectivePolicy) -> str:
+def _loss_reason(s: JobView, lost: frozenset[Device], policy: EffectivePolicy) -> str:
     parts = []
     for n in s.notices:
         gone = n.devices & lost
@@ -403,7 +403,7 @@ def _release_reason(config: ParallelConfig, target: Allocation,
             "tensor-parallel groups in a node or a larger valid configuration")
 
 
-def _grow_request(s: Snapshot, policy: EffectivePolicy, kept: frozenset[Device],
+def _grow_request(s: JobView, policy: EffectivePolicy, kept: frozenset[Device],
                   choice: Choice | None, capped: bool, *, growing: int | None = None,
                   smaller_than: int | None = None) -> RequestGrow | None:
     """Ask for the fewest whole nodes that, added to ``kept``, make a configuration

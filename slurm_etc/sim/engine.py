@@ -38,12 +38,12 @@ from ..plan.errors import ConfigError
 from ..policy.decide import (
     HOUR,
     MIN_GAIN,
+    JobView,
     Notice,
     Pause,
     Release,
     RequestGrow,
-    Resize,
-    Snapshot,
+    ResizeDecision,
     decide,
 )
 from ..policy.rules import EffectivePolicy, Scope, effective
@@ -327,7 +327,7 @@ class Simulation:
         held = frozenset(job.held).union(*(n.devices for n in notices))
         pending = sum(r.nodes or 0 for r in self.queue if r.owner == job.spec.name)
         anchor = frozenset(d for d, grant in job.held.items() if grant == 0)
-        snap = Snapshot(now, job.training, self.hardware, self.topology, held, job.layout,
+        snap = JobView(now, job.training, self.hardware, self.topology, held, job.layout,
                         job.vranks, notices, tuple(job.resize_times), growing=pending,
                         pinned=anchor)
         released: list[Device] = []
@@ -336,7 +336,7 @@ class Simulation:
                 if job.asking:
                     self.queue.append(_Request(self._next(), job.spec.name, None, action.nodes,
                                                None, True, now))
-            elif isinstance(action, Resize):
+            elif isinstance(action, ResizeDecision):
                 pool = action.allocation.pool
                 if job.layout is None:
                     layout = identity_layout(action.config, pool)

@@ -8,9 +8,9 @@ no pyslurm release matching these Slurm versions installs from PyPI (see :mod:`.
 """
 from .client import CliSlurmClient, SlurmClient
 from .model import (
+    BatchSpec,
     Command,
     JobInfo,
-    JobSpec,
     NodeAdminState,
     NodeInfo,
     NodeState,
@@ -23,7 +23,7 @@ from .model import (
 from .runner import Result, SlurmRunner
 
 __all__ = [
-    "CliSlurmClient", "Command", "JobInfo", "JobSpec", "SlurmJobState", "NodeAdminState",
+    "CliSlurmClient", "Command", "JobInfo", "BatchSpec", "SlurmJobState", "NodeAdminState",
     "NodeInfo",
     "NodeState", "PartitionInfo", "Result", "SlurmClient", "SlurmError", "SlurmRunner",
     "SlurmSpecError", "StepSpec",

@@ -85,7 +85,6 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
-from slurm_etc.coordinator import env as envvars
 from slurm_etc.coordinator.backend import (
     BackendError,
     BackendEvent,
@@ -102,12 +101,13 @@ from slurm_etc.coordinator.backend import (
     WorkerState,
 )
 from slurm_etc.coordinator.processes import AdoptedProcess, process_start
+from slurm_etc.protocol import env as envvars
 
 from ..lifecycle import AllocationState
 from . import commands, parsers
 from .client import CliSlurmClient, SlurmClient
 from .member import NOTICES
-from .model import JobInfo, JobSpec, NodeState, SlurmError, SlurmJobState, StepSpec, check_signal
+from .model import BatchSpec, JobInfo, NodeState, SlurmError, SlurmJobState, StepSpec, check_signal
 from .runner import SlurmRunner
 from .task import MARK, encode_payload
 
@@ -166,9 +166,9 @@ def member_job_spec(*, anchor_job: str, key: str, nodes: int, gpus_per_node: int
                     qos: str | None = None, account: str | None = None,
                     time_limit: str | None = None, notice_signal: str = "USR2",
                     signal_lead_s: int = 120, output: str | None = None,
-                    extra: Sequence[str] = ()) -> JobSpec:
+                    extra: Sequence[str] = ()) -> BatchSpec:
     """The sbatch description of a member allocation for request ``key``."""
-    return JobSpec(
+    return BatchSpec(
         script=member_script(python, run_dir, notice_signal, anchor_job),
         name=member_job_name(anchor_job),
         partition=partition,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from . import commands, parsers
-from .model import JobInfo, JobSpec, NodeAdminState, NodeInfo, PartitionInfo, SlurmError
+from .model import BatchSpec, JobInfo, NodeAdminState, NodeInfo, PartitionInfo, SlurmError
 from .runner import SlurmRunner
 
 
@@ -24,7 +24,7 @@ from .runner import SlurmRunner
 class SlurmClient(Protocol):
     """What slurm-etc asks of Slurm. Job ids are strings (``12``, ``12_3`` for arrays)."""
 
-    def submit(self, spec: JobSpec) -> str:
+    def submit(self, spec: BatchSpec) -> str:
         """Submit a batch job; returns its id."""
         ...
 
@@ -78,7 +78,7 @@ class CliSlurmClient:
         self.runner = runner or SlurmRunner()
         self.workdir = workdir
 
-    def submit(self, spec: JobSpec) -> str:
+    def submit(self, spec: BatchSpec) -> str:
         return parsers.parse_sbatch(self.runner.run(commands.sbatch(spec)).stdout)
 
     def cancel(self, job_id: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .model import Command, JobSpec, NodeAdminState, SlurmSpecError, StepSpec, check_signal
+from .model import BatchSpec, Command, NodeAdminState, SlurmSpecError, StepSpec, check_signal
 
 SEP = "|"
 
@@ -27,7 +27,7 @@ def _fields(names: Sequence[str]) -> str:
     return ",".join(f"{name}:{SEP}" for name in names)
 
 
-def sbatch(spec: JobSpec) -> Command:
+def sbatch(spec: BatchSpec) -> Command:
     """``sbatch --parsable [options]`` with the script on stdin; prints ``jobid[;cluster]``."""
     argv = ["sbatch", "--parsable"]
     if spec.name:

@@ -16,8 +16,8 @@ from datetime import datetime
 
 from . import commands
 from .model import (
+    BatchSpec,
     JobInfo,
-    JobSpec,
     NodeAdminState,
     NodeInfo,
     NodeState,
@@ -40,7 +40,7 @@ class FakeSlurmClient:
                                    gpus=gpus, partitions=self._partitions) for n in nodes}
         self._jobs: dict[str, JobInfo] = {}
         self._next = 100
-        self.specs: dict[str, JobSpec] = {}
+        self.specs: dict[str, BatchSpec] = {}
         self.calls: list[tuple[str, ...]] = []
         self.fail: str | None = None
 
@@ -75,7 +75,7 @@ class FakeSlurmClient:
                                     reason=reason)
 
     # -- SlurmClient ------------------------------------------------------------------------
-    def submit(self, spec: JobSpec) -> str:
+    def submit(self, spec: BatchSpec) -> str:
         cmd = commands.sbatch(spec)  # the real builder validates as sbatch would
         self._call("sbatch", *cmd.argv[2:])
         job_id = self._new_id()

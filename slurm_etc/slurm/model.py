@@ -259,7 +259,7 @@ def check_signal(sig: str) -> str:
 
 
 @dataclass(frozen=True)
-class JobSpec:
+class BatchSpec:
     """A batch job to submit with sbatch.
 
     Args:

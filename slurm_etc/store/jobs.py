@@ -756,7 +756,7 @@ class OpenRequest:
 
 
 @dataclass(frozen=True)
-class Recovery:
+class ResumePoint:
     """What a restarted coordinator resumes with (:func:`recover`).
 
     Attributes:
@@ -776,7 +776,7 @@ class Recovery:
 
 @_guarded
 def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
-            at: datetime | None = None) -> Recovery:
+            at: datetime | None = None) -> ResumePoint:
     """At a coordinator's start: close every migration still in flight as aborted with
     ``reason`` (its workers died with the coordinator or are restarted: nothing was
     committed), once; and return what the loop resumes with. Repeating it changes nothing."""
@@ -800,7 +800,7 @@ def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
         requests = s.scalar(select(func.count()).select_from(EventRow).where(
             EventRow.job_id == job_id, EventRow.kind == "request")) or 0
         last = max(-1 if gens is None else gens, -1 if ordered is None else ordered)
-        return Recovery(pending, last, int(requests), tuple(aborted), _open_request(s, job_id))
+        return ResumePoint(pending, last, int(requests), tuple(aborted), _open_request(s, job_id))
 
 
 def _open_request(s: Session, job_id: str) -> OpenRequest | None:

@@ -3,7 +3,7 @@
 The user's training script ends with ``sys.exit(run_worker(make_trainer(...)))``. The
 backend's environment says who the process is (``SLURM_ETC_JOB``, ``_VRANK``,
 ``_GENERATION``, the channel's address and the path of the job's secret file, and the
-run's peer-copy and checkpoint settings: ``worker.recovery.Recovery``); the worker
+run's peer-copy and checkpoint settings: ``protocol.recovery.Recovery``); the worker
 joins the control channel, is welcomed with the address of the job's rendezvous store
 (:class:`~slurm_etc.protocol.store.StoreClient`, authenticated with the same secret), and
 trains: from the start in ``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it
@@ -19,7 +19,7 @@ from typing import Any
 
 from slurm_etc.plan import Topology
 
-from .control import (
+from ..protocol.messages import (
     DEFAULT_REATTACH_WAIT_S,
     GPUS_PER_NODE,
     LAYOUT,
@@ -27,7 +27,7 @@ from .control import (
     TIMEOUT,
     parse_layout,
 )
-from .recovery import Recovery
+from ..protocol.recovery import Recovery
 from .trainer import ElasticTrainer, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     The preemption signal of a member allocation goes to the coordinator, which orders the
     resize: a worker ignores SIGUSR2 so that it trains on until the migration committed.
     """
-    from slurm_etc.coordinator.channel import WorkerChannel, load_secret
-    from slurm_etc.coordinator.env import SECRET_FILE
+    from slurm_etc.protocol.channel import WorkerChannel, load_secret
+    from slurm_etc.protocol.env import SECRET_FILE
     from slurm_etc.protocol.store import StoreClient
 
     env = os.environ if environ is None else environ

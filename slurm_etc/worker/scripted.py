@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .control import Order, Report
+from ..protocol.messages import Order, Report
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def _trainer(seq: ResizeSequence) -> Any:
 
 
 def _script(seq: ResizeSequence, job: str, layouts: list[Layout], digests: list[str]) -> list:
-    from .control import LayoutSpec, Resize
+    from ..protocol.messages import LayoutSpec, Resize
     from .scripted import ScriptEntry
 
     out = []
@@ -187,7 +187,7 @@ def w_elastic(ctx: WorkerContext, seq: ResizeSequence, layouts: list[Layout],
 def w_checkpoint_segment(ctx: WorkerContext, seq: ResizeSequence, generation: int,
                          load_from: str | None, save_to: str | None, job: str) -> dict | None:
     """Fresh processes of one layout: build or load, train ``steps`` steps, save."""
-    from .control import Stop
+    from ..protocol.messages import Stop
     from .scripted import ScriptedControl, ScriptEntry
     from .trainer import WorkerProcess
 

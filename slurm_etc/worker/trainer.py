@@ -16,9 +16,9 @@ and trains through megatron-core's own pipeline schedule (``get_forward_backward
 optimizer (``get_megatron_optimizer``, distributed or not) and LR/weight-decay scheduler
 (``OptimizerParamScheduler``). At every step boundary the ranks agree on whether an order
 came (one rank being told is enough: the order travels from the lowest rank that has it);
-a :class:`~slurm_etc.worker.control.Resize` moves the state in place
+a :class:`~slurm_etc.protocol.messages.Resize` moves the state in place
 (:mod:`slurm_etc.megatron.resize`) and training goes on in the new layout; a
-:class:`~slurm_etc.worker.control.Stop` ends it.
+:class:`~slurm_etc.protocol.messages.Stop` ends it.
 
 What moves or is re-derived exactly: parameters, fp32 main parameters and Adam moments (the
 executor); the Adam step and each rank's torch RNG (the migration group's control exchange);
@@ -65,7 +65,7 @@ from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from ..errors import InternalError
-from .control import (
+from ..protocol.messages import (
     ENCODER,
     HOLD_AFTER_S,
     ORDER_DECODER,
@@ -82,15 +82,15 @@ from .control import (
     Resumed,
     Stop,
 )
-from .data import check_batch, microbatch_samples
-from .lifeline import children_die_with_me
-from .recovery import (
+from ..protocol.recovery import (
     DEFAULT_KEEP_CHECKPOINTS,
     Recovery,
     checkpoint_steps,
     checkpoints_to_delete,
     newest_checkpoint,
 )
+from .data import check_batch, microbatch_samples
+from .lifeline import children_die_with_me
 from .redundancy import PeerCopies
 
 logger = logging.getLogger(__name__)

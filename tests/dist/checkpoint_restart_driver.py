@@ -23,7 +23,7 @@ from slurm_etc.coordinator.events import script_from_options
 from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
-from slurm_etc.worker.recovery import Recovery
+from slurm_etc.protocol.recovery import Recovery
 
 ORPHAN_WAIT_S = 8.0
 

@@ -74,7 +74,7 @@ def attack_store(port: int, job: str, marker: str, report: Report) -> None:
 
     import torch.distributed as dist
 
-    from slurm_etc.worker.control import ENCODER, Stop
+    from slurm_etc.protocol.messages import ENCODER, Stop
 
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False,

@@ -153,7 +153,7 @@ def dying_main(case: Case, vrank: int, port: int, job: str, ckpt_dir: str | None
 
 
 def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> dict | None:
-    from slurm_etc.worker.control import LayoutSpec, Resize
+    from slurm_etc.protocol.messages import LayoutSpec, Resize
     from slurm_etc.worker.sequence import _digest
     from slurm_etc.worker.trainer import TrainerHooks
 

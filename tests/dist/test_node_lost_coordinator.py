@@ -39,7 +39,7 @@ from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
-from slurm_etc.worker.recovery import Recovery
+from slurm_etc.protocol.recovery import Recovery
 from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_etc.slurm import CliSlurmClient, JobSpec, NodeAdminState, SlurmJobState, commands
+from slurm_etc.slurm import BatchSpec, CliSlurmClient, NodeAdminState, SlurmJobState, commands
 from slurm_etc.slurm.model import Command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,19 +68,19 @@ def main() -> None:
     out = "/tmp/slurm-etc-fixtures-%j.out"
     jobs = []
     try:
-        done = cap("sbatch_parsable", commands.sbatch(JobSpec(
+        done = cap("sbatch_parsable", commands.sbatch(BatchSpec(
             script="#!/bin/sh\ntrue\n", name="done", output=out))).strip()
         jobs.append(done)
-        anchor = client.submit(JobSpec(script=sleeper, name="anchor", nodes=2, gpus_per_node=2,
+        anchor = client.submit(BatchSpec(script=sleeper, name="anchor", nodes=2, gpus_per_node=2,
                                        signal="USR2@60", output=out, nodelist=("n1", "n2")))
         # The member's batch shell must survive its USR2 (sh dies of an untrapped USR2).
-        member = client.submit(JobSpec(script="#!/bin/sh\ntrap '' USR2\nsleep 600\n",
+        member = client.submit(BatchSpec(script="#!/bin/sh\ntrap '' USR2\nsleep 600\n",
                                        name="member", partition="scavenge", nodes=1,
                                        exclusive=True, nodelist=("n4",),
                                        signal="USR2@60", signal_batch_only=True, output=out))
-        wide = client.submit(JobSpec(script=sleeper, name="wide", nodes=4, exclusive=True,
+        wide = client.submit(BatchSpec(script=sleeper, name="wide", nodes=4, exclusive=True,
                                      output=out))
-        held = client.submit(JobSpec(script=sleeper, hold=True, output=out,
+        held = client.submit(BatchSpec(script=sleeper, hold=True, output=out,
                                      extra=("--job-name=odd name|with pipe",)))
         jobs += [anchor, member, wide, held]
         wait(lambda: all(j.state == SlurmJobState.RUNNING for j in client.jobs([anchor, member])),
@@ -94,7 +94,7 @@ def main() -> None:
         cap("squeue_unknown", commands.squeue(["999999"]), check=False)
         cap("scontrol_job_unknown", commands.scontrol_show_job("999999"), check=False)
 
-        high = client.submit(JobSpec(script=sleeper, name="preemptor", partition="high",
+        high = client.submit(BatchSpec(script=sleeper, name="preemptor", partition="high",
                                      nodes=1, exclusive=True, nodelist=("n4",), output=out))
         jobs.append(high)
         wait(lambda: client.job(member).preempt_time, "member picked for preemption")

@@ -30,7 +30,7 @@ from slurm_etc.coordinator.backend import (
     WorkerExited,
     WorkerSpec,
 )
-from slurm_etc.slurm import JobSpec, NodeAdminState, SlurmJobState
+from slurm_etc.slurm import BatchSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import SlurmBackend, member_job_name
 
 from .test_client import partition, running, wait_for, wait_free
@@ -95,7 +95,7 @@ def inside_anchor(anchor: str) -> Iterator[None]:
 @pytest.fixture
 def anchor(client, jobs, tmp_path) -> str:
     wait_free(client, ["n1"])
-    job = client.submit(JobSpec(script="#!/bin/sh\nsleep 600\n", name="anchor",
+    job = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="anchor",
                                 partition="main", nodes=1, gpus_per_node=2, exclusive=True,
                                 nodelist=("n1",), output=str(tmp_path / "anchor-%j.out")))
     jobs.append(job)
@@ -172,7 +172,7 @@ def test_grant_launch_stop_preempt(client, jobs, anchor, tmp_path):
         # grace; the worker survives the notice.
         grace = int(partition("scavenge")["GraceTime"])
         t_submit = time.time()
-        pre = client.submit(JobSpec(script="#!/bin/sh\nsleep 600\n", name="preemptor",
+        pre = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="preemptor",
                                     partition="high", nodes=1, exclusive=True,
                                     nodelist=(node,), output=str(tmp_path / "pre-%j.out")))
         jobs.append(pre)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slurm_etc.slurm import (
-    JobSpec,
+    BatchSpec,
     NodeAdminState,
     NodeState,
     SlurmError,
@@ -121,7 +121,7 @@ def test_submit_step_signal_cancel(client, jobs, tmp_path):
     wait_free(client, ["n1", "n2"])
     log = tmp_path / "anchor.log"
     t0 = time.monotonic()
-    job_id = client.submit(JobSpec(script=recorder(log), name="anchor", partition="main",
+    job_id = client.submit(BatchSpec(script=recorder(log), name="anchor", partition="main",
                                    nodes=2, ntasks_per_node=2, gpus_per_node=2,
                                    nodelist=("n1", "n2"),
                                    output=str(tmp_path / "%j.out")))
@@ -167,7 +167,7 @@ def test_preemption_signal_inside_grace(client, jobs, tmp_path):
     wait_free(client, ["n4"])
     grace = int(partition("scavenge")["GraceTime"])
     log = tmp_path / "member.log"
-    member = client.submit(JobSpec(script=recorder(log), name="member", partition="scavenge",
+    member = client.submit(BatchSpec(script=recorder(log), name="member", partition="scavenge",
                                    nodes=1, exclusive=True, nodelist=("n4",),
                                    signal="USR2@600", signal_batch_only=True,
                                    output=str(tmp_path / "%j.out")))
@@ -176,7 +176,7 @@ def test_preemption_signal_inside_grace(client, jobs, tmp_path):
     wait_for(lambda: any(w.startswith("START") for _, w in events(log)), "member script up")
 
     t_submit = time.time()
-    preemptor = client.submit(JobSpec(script="#!/bin/sh\nsleep 600\n", name="preemptor",
+    preemptor = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="preemptor",
                                       partition="high", nodes=1, exclusive=True,
                                       nodelist=("n4",), output=str(tmp_path / "%j.out")))
     jobs.append(preemptor)
@@ -205,7 +205,7 @@ def test_preemption_signal_inside_grace(client, jobs, tmp_path):
 
 def test_node_down_requeues_and_resume(client, jobs, tmp_path):
     wait_free(client, ["n3"])
-    victim = client.submit(JobSpec(script="#!/bin/sh\nsleep 600\n", name="victim", nodes=1,
+    victim = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="victim", nodes=1,
                                    nodelist=("n3",), output=str(tmp_path / "%j.out")))
     jobs.append(victim)
     wait_for(running(client, victim), "victim RUNNING")
@@ -231,7 +231,7 @@ def test_node_down_requeues_and_resume(client, jobs, tmp_path):
 
 def test_shrink_twice(client, jobs, tmp_path):
     wait_free(client, ["n1", "n2", "n3"])
-    job_id = client.submit(JobSpec(script="#!/bin/sh\nsleep 600\n", name="shrink", nodes=3,
+    job_id = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="shrink", nodes=3,
                                    gpus_per_node=2, nodelist=("n1", "n2", "n3"),
                                    output=str(tmp_path / "%j.out")))
     jobs.append(job_id)

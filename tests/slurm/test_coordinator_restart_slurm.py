@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import JobSpec, SlurmJobState
+from slurm_etc.slurm import BatchSpec, SlurmJobState
 from slurm_etc.slurm.backend import member_job_name
 from slurm_etc.testing.hooks import COORDINATOR_INJECT
 from tests.dist.test_coordinator_restart import _kill_orphans, problems
@@ -60,11 +60,11 @@ def _cancel_steps(anchor: str) -> None:
 
 def test_killed_after_request_while_member_pending(client, jobs, tmp_path: Path) -> None:
     wait_free(client, ["n1", "n2", "n3", "n4"])
-    anchor = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="anchor",
+    anchor = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="anchor",
                                    partition="main", nodes=1, gpus_per_node=2, exclusive=True,
                                    nodelist=("n1",), output=str(tmp_path / "anchor-%j.out")))
     jobs.append(anchor)
-    blocker = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
+    blocker = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
                                     partition="main", nodes=3, exclusive=True,
                                     nodelist=("n2", "n3", "n4"),
                                     output=str(tmp_path / "blocker-%j.out")))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import JobSpec, NodeAdminState, SlurmJobState
+from slurm_etc.slurm import BatchSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import member_job_name
 
 from .test_client import partition, running, wait_for, wait_free
@@ -144,7 +144,7 @@ def test_grow_preempt_and_node_down_train_exactly(client, jobs, tmp_path, store)
     down: list[str] = []
     t: dict[str, float] = {}
     # n4 is taken for the whole test: members go to n2, then n3, then none is free.
-    blocker = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
+    blocker = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
                                     partition="main", nodes=1, exclusive=True,
                                     nodelist=("n4",), output=str(tmp_path / "blocker.out")))
     jobs.append(blocker)
@@ -191,7 +191,7 @@ def test_grow_preempt_and_node_down_train_exactly(client, jobs, tmp_path, store)
         # 2. preemption: a high-priority job takes the member's node
         (node1,) = member1.nodes
         t["preempt_submit"] = time.time()
-        pre = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
+        pre = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
                                     partition="high", nodes=1, exclusive=True,
                                     nodelist=(node1,), output=str(tmp_path / "pre.out")))
         jobs.append(pre)
@@ -327,7 +327,7 @@ def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_no
     progress, pace = tmp_path / "progress.jsonl", tmp_path / "pace"
     pace.touch()
     down: list[str] = []
-    blocker = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
+    blocker = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="blocker",
                                     partition="main", nodes=1, exclusive=True,
                                     nodelist=("n4",), output=str(tmp_path / "blocker.out")))
     jobs.append(blocker)
@@ -391,7 +391,7 @@ def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_no
         jobs.append(member1.job_id)
         (node1,) = member1.nodes
         t_pre = time.time()
-        pre = client.submit(JobSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
+        pre = client.submit(BatchSpec(script="#!/bin/sh\nsleep 900\n", name="preemptor",
                                     partition="high", nodes=1, exclusive=True,
                                     nodelist=(node1,), output=str(tmp_path / "pre.out")))
         jobs.append(pre)

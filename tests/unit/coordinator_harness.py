@@ -11,9 +11,9 @@ from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
-from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
 from slurm_etc.coordinator.loop import Coordinator, JobSpec
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 from slurm_etc.store import jobs as record
 
 

@@ -19,8 +19,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_etc.coordinator import env as envvars
-from slurm_etc.coordinator.channel import (
+from slurm_etc.protocol import env as envvars
+from slurm_etc.protocol.channel import (
     COORDINATOR,
     MAC_BYTES,
     ChannelError,
@@ -39,7 +39,7 @@ from slurm_etc.coordinator.channel import (
     load_secret,
 )
 from slurm_etc.protocol.keys import ZapGuard, curve_keys, make_client, make_server
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.messages import (
     ENCODER,
     Abort,
     Control,
@@ -255,7 +255,7 @@ def test_a_gone_vrank_is_said_unreachable_once_until_it_says_hello_again(
     sent meanwhile say so once (they filled the Slurm tier's log every 2 s per vrank)."""
     with worker(coordinator, key, vrank=3) as w:
         join(coordinator, w)
-    caplog.set_level(logging.INFO, logger="slurm_etc.coordinator.channel")
+    caplog.set_level(logging.INFO, logger="slurm_etc.protocol.channel")
     deadline = time.monotonic() + 5
     while coordinator.send(3, Stop(JOB, 0)) and time.monotonic() < deadline:
         time.sleep(0.05)  # the disconnect reaches the router a moment later
@@ -667,7 +667,7 @@ def test_no_secret_in_logs_or_reprs(tmp_path, caplog: pytest.LogCaptureFixture) 
 def test_rejections_are_counted_but_logged_rate_limited(
         coordinator: CoordinatorChannel, key: bytes,
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="slurm_etc.coordinator.channel")
+    caplog.set_level(logging.DEBUG, logger="slurm_etc.protocol.channel")
     s = raw_dealer(coordinator, key)
     for _ in range(50):
         s.send_multipart([os.urandom(64), os.urandom(32)])

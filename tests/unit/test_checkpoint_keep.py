@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from slurm_etc.cli.main import cli
 from slurm_etc.coordinator import run as run_module
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.worker.recovery import (
+from slurm_etc.protocol.recovery import (
     KEEP_CHECKPOINTS,
     RESUME_FROM,
     Recovery,

@@ -113,9 +113,9 @@ def test_every_error_of_the_package_has_the_root_and_one_kind() -> None:
 
 @pytest.mark.parametrize("error, code", [
     ("slurm_etc.plan.errors:ConfigError", 2), ("slurm_etc.store.db:StoreError", 2),
-    ("slurm_etc.coordinator.channel:SecretError", 2),  # a ChannelError the user fixes
+    ("slurm_etc.protocol.channel:SecretError", 2),  # a ChannelError the user fixes
     ("slurm_etc.plan.errors:PlanError", 3), ("slurm_etc.slurm.model:SlurmError", 3),
-    ("slurm_etc.coordinator.channel:ChannelError", 3)])
+    ("slurm_etc.protocol.channel:ChannelError", 3)])
 def test_the_cli_maps_the_root_to_one_line_and_the_kinds_exit_code(error: str,
                                                                     code: int) -> None:
     from slurm_etc.cli.main import EtcGroup
@@ -180,3 +180,49 @@ def test_runtime_reads_no_injection_or_plant_switch():
              if p.parent.name != "testing" and (got := _switches_read(p.read_text()))}
     assert found == {}, found
     assert _switches_read((root / "testing" / "hooks.py").read_text())  # they live here
+
+
+# package -> packages of slurm_etc it must not import (module level or inside functions)
+LAYERS = {
+    "coordinator": {"worker", "megatron", "pool"},
+    "worker": {"coordinator"},
+    "protocol": {"coordinator", "worker", "megatron", "pool", "migrate", "cli"},
+    "plan": {"coordinator", "worker", "protocol", "store", "megatron", "migrate", "slurm"},
+}
+
+
+def _imported_packages(source: str, package: str) -> set[str]:
+    """The slurm_etc subpackages a module of ``package`` imports, absolute or relative."""
+    out: set[str] = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            if n.level == 0:
+                names = [n.module or ""]
+            elif n.level == 1:
+                names = [f"slurm_etc.{package}"]
+            else:  # ``..x.y`` from slurm_etc/<package>/
+                names = [f"slurm_etc.{n.module}" if n.module else "slurm_etc"]
+                if not n.module:
+                    names += [f"slurm_etc.{a.name}" for a in n.names]
+        else:
+            continue
+        out |= {m.split(".")[1] for m in names if m.startswith("slurm_etc.")}
+    return out
+
+
+def test_the_layers_import_along_the_architecture():
+    """The coordinator does not import the worker (nor megatron, nor the pool), the worker not the
+    coordinator; both share slurm_etc/protocol, which imports neither. Planted: a relative
+    import of the worker from the coordinator is caught."""
+    assert _imported_packages("from ..worker.trainer import x\n", "coordinator") == {"worker"}
+    assert _imported_packages("from .loop import x\n", "coordinator") == {"coordinator"}
+    root = Path(slurm_etc.__file__).parent
+    crossed = {}
+    for package, banned in LAYERS.items():
+        for p in sorted((root / package).rglob("*.py")):
+            bad = _imported_packages(p.read_text(), package) & banned
+            if bad:
+                crossed[str(p.relative_to(root))] = sorted(bad)
+    assert crossed == {}, crossed

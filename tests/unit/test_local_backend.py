@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slurm_etc.alloc.topology import Device
-from slurm_etc.coordinator import env as envvars
 from slurm_etc.coordinator.backend import (
     Backend,
     BackendError,
@@ -41,6 +40,7 @@ from slurm_etc.coordinator.events import (
     script_from_options,
 )
 from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.protocol import env as envvars
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -496,8 +496,8 @@ def test_relaunch_after_an_unreported_exit(backend: LocalBackend) -> None:
 
 
 WORKER = """
-from slurm_etc.coordinator.channel import WorkerChannel
-from slurm_etc.worker.control import Exited
+from slurm_etc.protocol.channel import WorkerChannel
+from slurm_etc.protocol.messages import Exited
 with WorkerChannel.from_env() as w:
     welcome = w.join(timeout_s=60)
     order = w.wait(60)
@@ -508,8 +508,8 @@ with WorkerChannel.from_env() as w:
 def test_launched_workers_join_the_channel(tmp_path: Path) -> None:
     """The seams fit: the backend launches workers that find the channel from their
     environment, are welcomed with the rendezvous store, take an order and report."""
-    from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
-    from slurm_etc.worker.control import Exited, Hello, Stop
+    from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
+    from slurm_etc.protocol.messages import Exited, Hello, Stop
 
     secret = create_secret("demo", tmp_path / "secrets")
     with CoordinatorChannel("demo", secret, rendezvous=("127.0.0.1", 29400)) as channel, \

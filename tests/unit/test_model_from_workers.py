@@ -19,7 +19,7 @@ from slurm_etc.coordinator.loop import PROVISIONAL_MODEL, provisional_job
 from slurm_etc.plan import PRESETS, load_model
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.messages import (
     BATCH_FIELDS,
     ENCODER,
     MODEL_FIELDS,

@@ -14,7 +14,7 @@ import pytest
 from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator import loop as coordinator_loop
 from slurm_etc.coordinator.backend import Loss
-from slurm_etc.policy import RequestGrow, Snapshot, decide
+from slurm_etc.policy import JobView, RequestGrow, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
@@ -60,9 +60,9 @@ def test_slurm_backend_counts_the_nodes_a_request_can_still_get(tmp_path: Path) 
 
 # ---- the decision (pure): fed the count -----------------------------------------------
 
-def _pending(partition_nodes: int, growing: int, age_s: float = 10.0) -> Snapshot:
+def _pending(partition_nodes: int, growing: int, age_s: float = 10.0) -> JobView:
     vranks, layout = on(node("n1"))
-    return Snapshot(now=500.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1"),
+    return JobView(now=500.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1"),
                     layout=layout, vranks=vranks, pinned=node("n1"),
                     partition_nodes=partition_nodes, growing=growing, request_age_s=age_s)
 
@@ -169,7 +169,7 @@ def test_nodes_being_released_do_not_make_a_pending_request_unmeetable() -> None
     a request sized on what the job keeps must not look unmeetable meanwhile (withdrawn and
     asked again: churn)."""
     vranks, layout = on(node("n1", "n2"))
-    snap = Snapshot(now=500.0, job=JOB, hardware=HW, topology=TOPO,
+    snap = JobView(now=500.0, job=JOB, hardware=HW, topology=TOPO,
                     held=node("n1", "n2", "n3"), layout=layout, vranks=vranks,
                     pinned=node("n1"), partition_nodes=4, growing=2, request_age_s=10.0)
     d = decide(snap, EffectivePolicy(max_nodes=3), cost=fake_cost)

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from slurm_etc.coordinator.pause import PauseTracker, ProcessGap, measured_pause
+from slurm_etc.protocol.messages import ENCODER, REPORT_DECODER, Resumed
 from slurm_etc.store import (
     RecordError,
     create_job,
@@ -18,7 +19,6 @@ from slurm_etc.store import (
     record_migration_pause,
     record_migration_start,
 )
-from slurm_etc.worker.control import ENCODER, REPORT_DECODER, Resumed
 
 pytestmark = pytest.mark.unit
 

@@ -4,15 +4,15 @@ import pytest
 from slurm_etc.alloc import ClusterTopology, Device, Hardware, TrainingJob, identity_layout
 from slurm_etc.plan import PRESETS
 from slurm_etc.policy import (
+    JobView,
     Notice,
     Pause,
     PolicyError,
     Release,
     RequestGrow,
-    Resize,
+    ResizeDecision,
     ResizePolicy,
     Scope,
-    Snapshot,
     decide,
     effective,
     format_devices,
@@ -149,16 +149,16 @@ def fake_cost(layout, config, allocation):
 
 
 def started(held, policy=EffectivePolicy()):
-    d = decide(Snapshot(0.0, JOB, HW, TOPO, held), policy, cost=fake_cost)
-    resize = next(a for a in d.actions if isinstance(a, Resize))
+    d = decide(JobView(0.0, JOB, HW, TOPO, held), policy, cost=fake_cost)
+    resize = next(a for a in d.actions if isinstance(a, ResizeDecision))
     return resize, identity_layout(resize.config, resize.allocation.pool)
 
 
 def test_start_uses_a_valid_configuration_and_releases_the_rest():
     held = whole(0, 1, 2, 3, 4) | {Device(TOPO.nodes[5], i) for i in range(3)}
-    d = decide(Snapshot(0.0, JOB, HW, TOPO, held), EffectivePolicy(), cost=fake_cost)
+    d = decide(JobView(0.0, JOB, HW, TOPO, held), EffectivePolicy(), cost=fake_cost)
     resize, release = d.actions[0], d.actions[1]
-    assert isinstance(resize, Resize) and not resize.forced
+    assert isinstance(resize, ResizeDecision) and not resize.forced
     assert resize.config.world == 32 and "start:" in resize.reason
     assert isinstance(release, Release) and len(release.devices) == 11
     assert "cannot join whole tensor-parallel groups" in release.reason
@@ -169,11 +169,11 @@ def test_a_loss_forces_a_resize_even_at_the_resize_cap():
     resize, layout = started(whole(0, 1, 2, 3))
     policy = EffectivePolicy(max_resizes_per_hour=1, preempt_grace_s=120)
     lost = whole(3)
-    snap = Snapshot(100.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout,
+    snap = JobView(100.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout,
                     resize.allocation.vranks, (Notice(lost, 130.0),), resizes=(50.0,))
     d = decide(snap, policy, cost=fake_cost)
     r = d.actions[0]
-    assert isinstance(r, Resize) and r.forced and r.deadline == 130.0
+    assert isinstance(r, ResizeDecision) and r.forced and r.deadline == 130.0
     assert not lost & r.allocation.devices
     assert "8 device(s) lost to preemption (n0003:0-7), 30 s of notice (policy asks for " \
            "120 s)" in r.reason
@@ -185,7 +185,7 @@ def test_a_loss_forces_a_resize_even_at_the_resize_cap():
 def test_small_gains_do_not_resize_and_unused_grants_are_released():
     resize, layout = started(whole(0, 1, 2, 3))
     grant = {Device(TOPO.nodes[9], i) for i in range(4)}
-    snap = Snapshot(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3) | grant, layout,
+    snap = JobView(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3) | grant, layout,
                     resize.allocation.vranks)
     d = decide(snap, EffectivePolicy(grow=False), cost=fake_cost)
     assert d.reason.startswith(f"keep {layout.config}")
@@ -197,22 +197,22 @@ def test_a_worthwhile_grow_waits_for_the_resize_cap():
     resize, layout = started(whole(0, 1, 2, 3))
     held = whole(0, 1, 2, 3, 4, 5, 6, 7)
     vranks = resize.allocation.vranks
-    capped = decide(Snapshot(3000.0, JOB, HW, TOPO, held, layout, vranks,
+    capped = decide(JobView(3000.0, JOB, HW, TOPO, held, layout, vranks,
                              resizes=(1000.0, 2000.0)),
                     EffectivePolicy(max_resizes_per_hour=2), cost=fake_cost)
     assert "reach the policy cap (2)" in capped.reason
-    assert not any(isinstance(a, Resize) for a in capped.actions)
-    later = decide(Snapshot(5000.0, JOB, HW, TOPO, held, layout, vranks,
+    assert not any(isinstance(a, ResizeDecision) for a in capped.actions)
+    later = decide(JobView(5000.0, JOB, HW, TOPO, held, layout, vranks,
                             resizes=(1000.0, 2000.0)),
                    EffectivePolicy(max_resizes_per_hour=2), cost=fake_cost)
     grow = later.actions[0]
-    assert isinstance(grow, Resize) and grow.config.world == 64 and not grow.forced
+    assert isinstance(grow, ResizeDecision) and grow.config.world == 64 and not grow.forced
     assert grow.reason.startswith("+")
 
 
 def test_grow_requests_follow_the_policy():
     resize, layout = started(whole(0, 1, 2, 3))
-    snap = Snapshot(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout, resize.allocation.vranks)
+    snap = JobView(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout, resize.allocation.vranks)
     policy = EffectivePolicy(grow_partition="preempt", grow_qos="scavenger",
                              preempt_grace_s=90)
     d = decide(snap, policy, cost=fake_cost)
@@ -224,7 +224,7 @@ def test_grow_requests_follow_the_policy():
         snap, EffectivePolicy(grow=False), cost=fake_cost).actions)
     assert not any(isinstance(a, RequestGrow) for a in decide(
         snap, EffectivePolicy(max_nodes=4), cost=fake_cost).actions)
-    pending = Snapshot(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout,
+    pending = JobView(10.0, JOB, HW, TOPO, whole(0, 1, 2, 3), layout,
                        resize.allocation.vranks, growing=4)
     assert not any(isinstance(a, RequestGrow) for a in decide(
         pending, policy, cost=fake_cost).actions)
@@ -238,10 +238,10 @@ def test_max_nodes_and_allowed_degrees_bound_the_configuration():
 
 
 def test_below_min_nodes_the_job_pauses():
-    d = decide(Snapshot(0.0, JOB, HW, TOPO, whole(0)), EffectivePolicy(min_nodes=2),
+    d = decide(JobView(0.0, JOB, HW, TOPO, whole(0)), EffectivePolicy(min_nodes=2),
                cost=fake_cost)
     assert isinstance(d.actions[0], Pause) and "min_nodes (2)" in str(d.actions[0])
-    none = decide(Snapshot(0.0, JOB, HW, TOPO, frozenset()), EffectivePolicy(),
+    none = decide(JobView(0.0, JOB, HW, TOPO, frozenset()), EffectivePolicy(),
                   cost=fake_cost)
     assert isinstance(none.actions[0], Pause) and "no parallel configuration" in \
         none.actions[0].reason
@@ -250,7 +250,7 @@ def test_below_min_nodes_the_job_pauses():
 
 def test_anchor_devices_are_never_released():
     anchor = whole(5)
-    d = decide(Snapshot(0.0, JOB, HW, TOPO, whole(0, 1, 2, 3, 4, 5), pinned=anchor),
+    d = decide(JobView(0.0, JOB, HW, TOPO, whole(0, 1, 2, 3, 4, 5), pinned=anchor),
                EffectivePolicy(), cost=fake_cost)
     resize = d.actions[0]
     assert anchor <= resize.allocation.devices
@@ -259,9 +259,9 @@ def test_anchor_devices_are_never_released():
 
 def test_decide_asks_the_planner_by_default():
     tiny = TrainingJob(PRESETS["tiny"], global_batch=64)
-    start = decide(Snapshot(0.0, tiny, HW, TOPO, whole(0, 1)), EffectivePolicy()).actions[0]
+    start = decide(JobView(0.0, tiny, HW, TOPO, whole(0, 1)), EffectivePolicy()).actions[0]
     layout = identity_layout(start.config, start.allocation.pool)
-    snap = Snapshot(5.0, tiny, HW, TOPO, whole(0, 1), layout, start.allocation.vranks,
+    snap = JobView(5.0, tiny, HW, TOPO, whole(0, 1), layout, start.allocation.vranks,
                     (Notice(whole(1), 5.0, "failure"),))
     resize = decide(snap, EffectivePolicy()).actions[0]
     assert resize.forced and resize.allocation.devices <= whole(0)

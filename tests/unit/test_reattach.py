@@ -23,7 +23,6 @@ import pytest
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator.backend import UNKNOWN_EXIT, StopWorkers, WorkerExited, WorkerState
-from slurm_etc.coordinator.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.coordinator.demo import DEMO_HARDWARE
 from slurm_etc.coordinator.events import script_from_options
 from slurm_etc.coordinator.local_backend import LocalBackend
@@ -31,9 +30,10 @@ from slurm_etc.coordinator.loop import Coordinator
 from slurm_etc.coordinator.processes import process_start
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
+from slurm_etc.protocol.messages import Hello, Stop
 from slurm_etc.protocol.store import StoreClient, StoreServer
 from slurm_etc.store import jobs as record
-from slurm_etc.worker.control import Hello, Stop
 
 from .coordinator_harness import HandDrivenBackend, coordinator_over
 

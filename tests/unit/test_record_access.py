@@ -150,10 +150,10 @@ def test_the_real_coordinator_sends_nothing_in_a_planted_records_name(attacker, 
     from slurm_etc.alloc.chooser import TrainingJob
     from slurm_etc.alloc.hardware import PROFILES
     from slurm_etc.alloc.topology import ClusterTopology
-    from slurm_etc.coordinator.channel import CoordinatorChannel, create_secret
     from slurm_etc.coordinator.loop import Coordinator, JobSpec
     from slurm_etc.plan import load_model
     from slurm_etc.policy.rules import EffectivePolicy
+    from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 
     state = shared / "state"
     as_user(attacker, lambda: _plant(state, JOB, 0))

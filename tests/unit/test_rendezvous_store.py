@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from slurm_etc.coordinator.channel import CoordinatorChannel, WorkerChannel
+from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.protocol.keys import curve_keys, make_client
+from slurm_etc.protocol.messages import Hello
 from slurm_etc.protocol.store import (
     Request,
     StoreClient,
@@ -33,7 +34,6 @@ from slurm_etc.protocol.store import (
     wait_for_keys,
 )
 from slurm_etc.protocol.values import BadValue, decode_value, encode_value
-from slurm_etc.worker.control import Hello
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -294,7 +294,7 @@ def test_agreement_in_one_round_trip(client: StoreClient, server: StoreServer) -
 def test_a_committed_resize_retires_the_generations_before_it(key: bytes) -> None:
     """The coordinator's wiring (coordinator/run.py): a worker's authenticated Resized
     "committed" of generation g makes the store drop every key of generations < g."""
-    from slurm_etc.worker.control import Resized
+    from slurm_etc.protocol.messages import Resized
 
     with StoreServer(key, "127.0.0.1", job="j") as store, \
             CoordinatorChannel("j", key, "127.0.0.1", rendezvous=("127.0.0.1", store.port),

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from slurm_etc.cli.main import cli
 from slurm_etc.policy import PolicyError, ResizePolicy, Scope, decide, effective
 from slurm_etc.policy.admin import AdminVerdict, stricter
-from slurm_etc.policy.decide import Snapshot, WithdrawRequest
+from slurm_etc.policy.decide import JobView, WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy, parse_assignments
 from slurm_etc.store import get_policy, open_store
 from tests.unit.test_requests_met import (
@@ -57,9 +57,9 @@ def test_the_shorter_patience_wins_when_policies_merge() -> None:
     assert stricter(site, EffectivePolicy()).patience_s == 600
 
 
-def _pending(age_s: float) -> Snapshot:
+def _pending(age_s: float) -> JobView:
     vranks, layout = on(node("n1"))
-    return Snapshot(now=500.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1"),
+    return JobView(now=500.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1"),
                     layout=layout, vranks=vranks, pinned=node("n1"), partition_nodes=4,
                     growing=3, request_age_s=age_s)
 

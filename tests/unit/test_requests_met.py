@@ -9,7 +9,7 @@ import pytest
 
 from slurm_etc.alloc import ClusterTopology, Device, Hardware, TrainingJob, identity_layout
 from slurm_etc.plan import PRESETS
-from slurm_etc.policy import Release, RequestGrow, Resize, Snapshot, decide
+from slurm_etc.policy import JobView, Release, RequestGrow, ResizeDecision, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
 
@@ -35,9 +35,9 @@ ANCHOR = node("n1")
 
 
 def on(held, pinned=ANCHOR):
-    d = decide(Snapshot(0.0, JOB, HW, TOPO, held, pinned=pinned), EffectivePolicy(grow=False),
+    d = decide(JobView(0.0, JOB, HW, TOPO, held, pinned=pinned), EffectivePolicy(grow=False),
                cost=fake_cost)
-    resize = next(a for a in d.actions if isinstance(a, Resize))
+    resize = next(a for a in d.actions if isinstance(a, ResizeDecision))
     return resize.allocation.vranks, identity_layout(resize.config, resize.allocation.pool)
 
 
@@ -49,16 +49,16 @@ def test_no_request_beyond_the_partition_nodes_minus_what_is_kept():
     vranks, layout = on(node("n1", "n2"))
     snap = dict(now=10.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1", "n2"),
                 layout=layout, vranks=vranks, pinned=node("n1"))
-    unbounded = of(decide(Snapshot(**snap), EffectivePolicy(max_nodes=8),
+    unbounded = of(decide(JobView(**snap), EffectivePolicy(max_nodes=8),
                           cost=fake_cost), RequestGrow)
     assert unbounded and unbounded[0].nodes == 2  # 2 + 2 nodes: pp=4
-    full = decide(Snapshot(**snap, partition_nodes=2), EffectivePolicy(max_nodes=8),
+    full = decide(JobView(**snap, partition_nodes=2), EffectivePolicy(max_nodes=8),
                   cost=fake_cost)
     assert not of(full, RequestGrow)  # the partition has no node more: nothing pends forever
-    three = decide(Snapshot(**snap, partition_nodes=3), EffectivePolicy(max_nodes=8),
+    three = decide(JobView(**snap, partition_nodes=3), EffectivePolicy(max_nodes=8),
                    cost=fake_cost)
     assert not of(three, RequestGrow)  # one node more fits no valid layout: not asked
-    capped = decide(Snapshot(**snap, partition_nodes=4), EffectivePolicy(max_nodes=3),
+    capped = decide(JobView(**snap, partition_nodes=4), EffectivePolicy(max_nodes=3),
                     cost=fake_cost)
     assert not of(capped, RequestGrow)
 
@@ -66,7 +66,7 @@ def test_no_request_beyond_the_partition_nodes_minus_what_is_kept():
 def test_a_granted_node_that_fits_no_layout_is_kept_while_a_request_makes_it_useful():
     vranks, layout = on(node("n1", "n2"))
     held = node("n1", "n2", "n3")  # a grant of n3: 6 devices fit no valid layout
-    snap = Snapshot(10.0, JOB, HW, TOPO, held, layout, vranks, pinned=node("n1"),
+    snap = JobView(10.0, JOB, HW, TOPO, held, layout, vranks, pinned=node("n1"),
                     partition_nodes=4)
     d = decide(snap, EffectivePolicy(max_nodes=4), cost=fake_cost)
     assert not of(d, Release), d.lines()  # before: n3 released ...
@@ -74,7 +74,7 @@ def test_a_granted_node_that_fits_no_layout_is_kept_while_a_request_makes_it_use
     assert grow.nodes == 1, d.lines()  # ... and 2 more asked for: churn, never growing
     assert "with the 1 granted node(s) kept (n3) that fit no valid layout now" in grow.reason
     # while that request pends, n3 stays
-    pending = Snapshot(20.0, JOB, HW, TOPO, held, layout, vranks, pinned=node("n1"),
+    pending = JobView(20.0, JOB, HW, TOPO, held, layout, vranks, pinned=node("n1"),
                        partition_nodes=4, growing=1, request_age_s=10.0)
     d = decide(pending, EffectivePolicy(max_nodes=4), cost=fake_cost)
     assert not of(d, Release) and not of(d, RequestGrow), d.lines()
@@ -89,17 +89,17 @@ def test_a_request_pending_past_its_patience_is_withdrawn_and_asked_again_smalle
     base = dict(now=500.0, job=JOB, hardware=HW, topology=TOPO, held=node("n1"),
                 layout=layout, vranks=vranks, pinned=node("n1"), partition_nodes=4,
                 growing=3)
-    young = decide(Snapshot(**base, request_age_s=100.0), EffectivePolicy(max_nodes=4),
+    young = decide(JobView(**base, request_age_s=100.0), EffectivePolicy(max_nodes=4),
                    cost=fake_cost)
     assert not of(young, WithdrawRequest) and not of(young, RequestGrow)
-    old = decide(Snapshot(**base, request_age_s=400.0), EffectivePolicy(max_nodes=4),
+    old = decide(JobView(**base, request_age_s=400.0), EffectivePolicy(max_nodes=4),
                  cost=fake_cost)
     (withdraw,) = of(old, WithdrawRequest)
     (grow,) = of(old, RequestGrow)
     assert withdraw.nodes == 3 and grow.nodes < 3, old.lines()
     assert "pending for 400 s (more than 300 s); asking for fewer" in str(withdraw)
     # a one-node request has nothing smaller: it stays
-    one = decide(Snapshot(**{**base, "growing": 1}, request_age_s=400.0),
+    one = decide(JobView(**{**base, "growing": 1}, request_age_s=400.0),
                  EffectivePolicy(max_nodes=4), cost=fake_cost)
     assert not of(one, WithdrawRequest)
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from slurm_etc.cli.main import cli
 from slurm_etc.coordinator import run as run_module
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.worker.recovery import (
+from slurm_etc.protocol.recovery import (
     CHECKPOINT_DIR,
     CHECKPOINT_EVERY,
     PEER_COPY_EVERY,
@@ -95,7 +95,7 @@ def test_a_bad_worker_environment_is_named(env, says):
 def test_run_worker_applies_the_environment_before_joining(monkeypatch):
     """entry.run_worker sets the trainer's settings from the environment first (the
     channel is never reached here: its absence stops the worker after that)."""
-    from slurm_etc.coordinator.channel import ChannelError
+    from slurm_etc.protocol.channel import ChannelError
     from slurm_etc.worker import entry
 
     class Trainer:
@@ -116,7 +116,7 @@ def test_the_coordinator_records_what_the_new_layout_reported():
     """loop._rebuilt: only a rebuild records lost steps; from committed reports (a departed
     or aborted one says nothing); workers that disagree give the widest span, logged."""
     from slurm_etc.coordinator.loop import _Inflight, _rebuilt
-    from slurm_etc.worker.control import Resized
+    from slurm_etc.protocol.messages import Resized
 
     def fl(rebuild, *reports):
         f = _Inflight(order=None, plan=None, migration_id=1, participants=set(), joiners=set(),

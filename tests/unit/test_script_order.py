@@ -11,7 +11,7 @@ from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import Grant
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.worker.control import Progress
+from slurm_etc.protocol.messages import Progress
 from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
 
 JOB = "order"

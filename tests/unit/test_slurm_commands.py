@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from slurm_etc.slurm import (
+    BatchSpec,
     CliSlurmClient,
     Command,
-    JobSpec,
     NodeAdminState,
     NodeState,
     SlurmClient,
@@ -22,7 +22,7 @@ from slurm_etc.slurm.model import SLURM_JOB_STATES, job_state, node_state
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "slurm" / "golden"
 
-FULL_SPEC = JobSpec(
+FULL_SPEC = BatchSpec(
     script="#!/bin/bash\nexec python -m slurm_etc.worker\n",
     name="etc-member", partition="scavenge", account="proj", qos="low", nodes=2,
     ntasks_per_node=2, cpus_per_task=1, gpus_per_node=2, exclusive=True,
@@ -42,9 +42,9 @@ def test_sbatch_golden():
 
 
 def test_sbatch_minimal():
-    cmd = commands.sbatch(JobSpec(script="#!/bin/sh\ntrue\n"))
+    cmd = commands.sbatch(BatchSpec(script="#!/bin/sh\ntrue\n"))
     assert cmd.argv == ("sbatch", "--parsable") and cmd.stdin == "#!/bin/sh\ntrue\n"
-    cmd = commands.sbatch(JobSpec(script="#!/bin/sh\n", signal="USR2@60", requeue=False))
+    cmd = commands.sbatch(BatchSpec(script="#!/bin/sh\n", signal="USR2@60", requeue=False))
     assert cmd.argv[2:] == ("--signal=USR2@60", "--no-requeue")
 
 
@@ -61,7 +61,7 @@ def test_sbatch_minimal():
 def test_job_spec_errors(kwargs, message):
     spec = {"script": "#!/bin/sh\n", **kwargs}
     with pytest.raises(SlurmSpecError, match=message):
-        JobSpec(**spec)
+        BatchSpec(**spec)
 
 
 def test_srun():

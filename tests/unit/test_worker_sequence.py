@@ -8,7 +8,7 @@ import pytest
 from slurm_etc.plan import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import PRESETS
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.messages import (
     ENCODER,
     ORDER_DECODER,
     REPORT_DECODER,

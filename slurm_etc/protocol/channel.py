@@ -16,8 +16,8 @@ Wire format: every message is two zmq frames, ``[envelope, mac]``:
 * ``envelope`` is a msgpack map (:class:`Envelope`): protocol version, job, generation,
   sender (a vrank or ``"coordinator"``), recipient, the sender's session (random per channel
   instance), its sequence number (1, 2, ... per session), the send time (unix seconds) and
-  ``body``, the msgpack bytes of one message: an :data:`~slurm_etc.worker.control.Order` or a
-  :class:`Welcome` to a worker, a :data:`~slurm_etc.worker.control.Report` to the coordinator;
+  ``body``, the msgpack bytes of one message: an :data:`~slurm_etc.protocol.messages.Order` or a
+  :class:`Welcome` to a worker, a :data:`~slurm_etc.protocol.messages.Report` to the coordinator;
 * ``mac`` is HMAC-SHA256 over the exact envelope bytes with the job's 32-byte secret.
 
 A receiver checks, in this order, and drops the message with a counted, rate-limited log line
@@ -84,7 +84,7 @@ from slurm_etc.protocol.keys import (
     make_client,
     make_server,
 )
-from slurm_etc.worker.control import (
+from slurm_etc.protocol.messages import (
     ENCODER,
     REPORT_DECODER,
     Abort,
@@ -755,7 +755,7 @@ class CoordinatorChannel:
 
 
 class WorkerChannel:
-    """A worker's end of the channel; implements :class:`~slurm_etc.worker.control.Control`.
+    """A worker's end of the channel; implements :class:`~slurm_etc.protocol.messages.Control`.
 
     ``poll`` never blocks, ``report`` never blocks (a bounded outbox in front of a bounded
     zmq queue; when both are full the report is dropped and counted in :attr:`dropped`),
