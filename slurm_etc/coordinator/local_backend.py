@@ -29,7 +29,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -45,6 +45,7 @@ from .backend import (
     Loss,
     ReleaseDevices,
     RequestNodes,
+    StopEscalation,
     StopWorkers,
     WorkerExited,
     WorkerState,
@@ -65,7 +66,7 @@ class _Worker:
     state: WorkerState
     proc: subprocess.Popen[bytes] | AdoptedProcess
     log: IO[bytes] | None
-    kill_at: float | None = None
+    escalation: StopEscalation = field(default_factory=StopEscalation)
     reported: bool = False
 
 
@@ -221,11 +222,9 @@ class LocalBackend:
             w = self._workers.get(vrank)
             if w is None or w.reported or self._exit_code(w) is not None:
                 continue
-            kill_at = now + action.grace_s
-            if w.state.stopping and w.kill_at is not None and w.kill_at <= kill_at:
+            if not w.escalation.stop(now, action.grace_s):
                 continue
             w.state = replace(w.state, stopping=True)
-            w.kill_at = kill_at
             self._signal(w, signal.SIGTERM)
             logger.info("[local] stopping vrank %d (pid %d)%s", vrank, w.proc.pid,
                         f": {action.reason}" if action.reason else "")
@@ -315,11 +314,11 @@ class LocalBackend:
                 continue
             code = self._exit_code(w)
             if code is None:
-                if w.kill_at is not None and now >= w.kill_at:
+                if w.escalation.due(now) == "kill":
                     logger.warning("[local] vrank %d (pid %d) ignored SIGTERM for its grace; "
                                    "killing it", vrank, w.proc.pid)
                     self._signal(w, signal.SIGKILL)
-                    w.kill_at = None
+                    w.escalation.killed(now)
                 continue
             w.reported = True
             w.state = replace(w.state, returncode=code)
@@ -346,7 +345,7 @@ class LocalBackend:
 
     def _kill(self, w: _Worker) -> None:
         w.state = replace(w.state, stopping=True)
-        w.kill_at = None
+        w.escalation.killed(self._clock())
         self._signal(w, signal.SIGKILL)
 
     @staticmethod

@@ -96,6 +96,7 @@ from slurm_etc.coordinator.backend import (
     ReleaseDevices,
     RequestFailed,
     RequestNodes,
+    StopEscalation,
     StopWorkers,
     WorkerExited,
     WorkerState,
@@ -268,8 +269,7 @@ class _Step:
 class _Worker:
     state: WorkerState
     step: _Step
-    kill_at: float | None = None
-    backstop_at: float | None = None
+    escalation: StopEscalation = field(default_factory=StopEscalation)
     hold_until: float | None = None  # an unexplained kill waits this long for its Loss
     code: int | None = None  # from the wrapper's exit line
     reported: bool = False
@@ -606,11 +606,9 @@ class SlurmBackend:
             w = self._workers.get(vrank)
             if w is None or w.reported or w.code is not None or w.step.done:
                 continue
-            kill_at = now + action.grace_s
-            if w.state.stopping and w.kill_at is not None and w.kill_at <= kill_at:
+            if not w.escalation.stop(now, action.grace_s):
                 continue
             w.state = replace(w.state, stopping=True)
-            w.kill_at = kill_at
             self._tell(w.step, f"stop {vrank}")
             logger.info("[slurm] stopping vrank %d (step %s.%s on %s)%s", vrank,
                         w.step.allocation, w.step.step_id or "?", w.step.node,
@@ -977,14 +975,13 @@ class SlurmBackend:
                 self._events.append(WorkerExited(vrank, w.state.generation, w.state.device,
                                                  code, w.state.stopping))
                 continue
-            if w.kill_at is not None and now >= w.kill_at:
+            due = w.escalation.due(now)
+            if due == "kill":
                 logger.warning("[slurm] vrank %d ignored its stop for the grace; killing it",
                                vrank)
                 self._tell(w.step, f"kill {vrank}")
-                w.kill_at = None
-                w.backstop_at = now + KILL_BACKSTOP_S
-            elif w.backstop_at is not None and now >= w.backstop_at:
-                w.backstop_at = None
+                w.escalation.killed(now, KILL_BACKSTOP_S)
+            elif due == "backstop":
                 self._cancel_step(w.step)
 
     def _read_output(self, step: _Step) -> None:
@@ -1060,8 +1057,7 @@ class SlurmBackend:
             if w.step.done or w.code is not None:
                 continue
             logger.info("[slurm] %s: killing vrank %d on %s", why, vrank, w.state.device)
-            w.kill_at = None
-            w.backstop_at = self._clock() + KILL_BACKSTOP_S
+            w.escalation.killed(self._clock(), KILL_BACKSTOP_S)
             self._tell(w.step, f"kill {vrank}")
 
     # -- Slurm calls ------------------------------------------------------------------
