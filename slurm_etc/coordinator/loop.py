@@ -1070,13 +1070,13 @@ class Coordinator:
                 plan = plan_migration(self.spec.job.model, old, action.config,
                                       sorted(pool_map), topo, keep_tp_in_node=True)
             except (PlanError, ConfigError) as again:
-                raise JobStopped(f"devices {devices_of(self.vranks[v] for v in lost)} failed "
+                raise JobStopped(f"devices {format_devices(self.vranks[v] for v in lost)} failed "
                                  f"and the rebuild from peer copies or a checkpoint cannot "
                                  f"be planned: {again}") from None
             rebuild = True
             logger.warning("devices %s failed holding state no replica holds: rebuilding it "
                            "from peer copies or the last checkpoint (the steps since are "
-                           "lost and trained again)", devices_of(self.vranks[v] for v in lost))
+                           "lost and trained again)", format_devices(self.vranks[v] for v in lost))
         except (PlanError, ConfigError) as err:
             if lost:
                 raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
@@ -1244,7 +1244,7 @@ class Coordinator:
             self.step, self.loss = lost_steps[0] - 1, None
             logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "
                            "training them again", lost_steps[0], lost_steps[1],
-                           devices_of(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
+                           format_devices(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
                            lost_steps[0] - 1)
         new = fl.order.new.layout()
         self.first_layout = False
@@ -1384,5 +1384,5 @@ def owner() -> tuple[int, str]:
         return uid, str(uid)
 
 
-def devices_of(held: Iterable[Device]) -> str:
+def format_devices(held: Iterable[Device]) -> str:
     return ", ".join(str(d) for d in sorted(held))
