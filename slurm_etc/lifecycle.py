@@ -30,12 +30,11 @@ class JobState(enum.StrEnum):
 ENDED_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE_JOB_STATES = frozenset(set(JobState) - ENDED_JOB_STATES)
 
-_TO_AN_END = {JobState.FINISHED, JobState.FAILED, JobState.CANCELLED}
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING, *_TO_AN_END}),
-    JobState.RUNNING: frozenset({JobState.RESIZING, JobState.STOPPING, *_TO_AN_END}),
-    JobState.RESIZING: frozenset({JobState.RUNNING, JobState.STOPPING, *_TO_AN_END}),
-    JobState.STOPPING: frozenset(_TO_AN_END),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING, *ENDED_JOB_STATES}),
+    JobState.RUNNING: frozenset({JobState.RESIZING, JobState.STOPPING, *ENDED_JOB_STATES}),
+    JobState.RESIZING: frozenset({JobState.RUNNING, JobState.STOPPING, *ENDED_JOB_STATES}),
+    JobState.STOPPING: ENDED_JOB_STATES,
     JobState.FAILED: frozenset({JobState.RUNNING}),  # a new coordinator resumes it
     JobState.CANCELLED: frozenset({JobState.RUNNING}),
     JobState.FINISHED: frozenset(),
