@@ -662,11 +662,14 @@ class SlurmBackend:
         return sorted(out)
 
     def close(self) -> None:
-        """Stops every worker (stop, then kill after CLOSE_GRACE_S, then the steps) and
-        cancels every member; the anchor is left alone (the coordinator runs in it)."""
+        """Cancels the members still pending, stops every worker (stop, then kill after
+        CLOSE_GRACE_S, then the steps) and cancels the other members; the anchor is left
+        alone (the coordinator runs in it)."""
         if self._closed:
             return
         self._closed = True
+        # Pending members hold no worker: cancelled first, before the workers' grace.
+        self._cancel_members(AllocationState.REQUESTED)
         live = [v for v, w in self._workers.items() if not w.reported and not w.step.done]
         if live:
             self.stop(StopWorkers(tuple(live), grace_s=CLOSE_GRACE_S, reason="closing"))
@@ -683,13 +686,19 @@ class SlurmBackend:
                     s.proc.kill()
                     s.proc.wait()
             self._finish_step(s)
+        self._cancel_members()
+
+    def _cancel_members(self, only: AllocationState | None = None) -> None:
         for a in self._allocs.values():
-            if not a.anchor and not a.gone:
-                a.state = AllocationState.RELEASED
-                try:
-                    self.client.cancel(a.job_id)
-                except SlurmError as e:
-                    logger.error("[slurm] could not cancel member %s: %s", a.job_id, e)
+            if a.anchor or a.gone or (only is not None and a.state is not only):
+                continue
+            was, a.state = a.state, AllocationState.RELEASED
+            try:
+                self.client.cancel(a.job_id)
+            except SlurmError as e:
+                logger.error("[slurm] could not cancel member %s: %s", a.job_id, e)
+            else:
+                logger.info("[slurm] closing: cancelled member %s (%s)", a.job_id, was)
 
     # -- allocations ------------------------------------------------------------------
     def _gpus_of(self, job: JobInfo) -> int:

@@ -14,9 +14,9 @@ to the coordinator, at once:
 - every 30 s it asks Slurm whether the anchor job still runs, and ends when it does not: a
   coordinator killed before it could cancel its members leaves no allocation behind;
 - a SIGTERM after the notice is the end of the grace: it exits (the node is freed at once,
-  not KillWait later). A SIGTERM with no notice before it: it asks Slurm whether the job is
-  being cancelled (the coordinator released
-  it, or a user ran scancel) and then exits; a job being preempted keeps its batch shell
+  not KillWait later). A SIGTERM with no notice before it: it asks Slurm (every second until
+  Slurm can say) whether the job is being cancelled (the coordinator released it, or a user
+  ran scancel) and then exits; a job being preempted keeps its batch shell
   alive to the end of the grace, since the allocation (and the workers in it) ends when the
   batch shell ends.
 
@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 NOTICES = "notices"
+# How long an unexplained SIGTERM (Slurm neither shows a cancel nor a preemption) is asked about.
+UNEXPLAINED_TERM_S = 60.0
 
 
 def notice_path(run_dir: Path, job_id: str, restart: str, signame: str) -> Path:
@@ -52,9 +54,10 @@ def write_notice(run_dir: Path, job_id: str, restart: str, signame: str,
     return path
 
 
-def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
-    """True when Slurm says the job is cancelled or ending without a preemption; False when
-    it is being preempted, or Slurm cannot be asked (stay: the grace is the safe guess)."""
+def why_terminated(job_id: str, timeout: float = 5.0) -> str | None:
+    """Why Slurm sent this job SIGTERM: ``"cancelled"`` (cancelled, ending or forgotten without
+    a preemption), ``"preempted"`` (the grace started), or None while it cannot tell (Slurm
+    cannot be asked, or still shows the job running): ask again."""
     from .client import CliSlurmClient
     from .model import SlurmError, SlurmJobState
     from .runner import SlurmRunner
@@ -64,12 +67,14 @@ def being_cancelled(job_id: str, timeout: float = 5.0) -> bool:
     except SlurmError as e:
         print(f"slurm-etc member: cannot ask Slurm about job {job_id}: {e}", file=sys.stderr,
               flush=True)
-        return False
+        return None
     if job is None:
-        return True
+        return "cancelled"
     if job.preempt_time is not None:
-        return False
-    return job.state in (SlurmJobState.CANCELLED, SlurmJobState.ENDING) or job.state.finished
+        return "preempted"
+    if job.state in (SlurmJobState.CANCELLED, SlurmJobState.ENDING) or job.state.finished:
+        return "cancelled"
+    return None
 
 
 def anchor_gone(anchor: str, timeout: float = 10.0) -> bool:
@@ -112,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"slurm-etc member {job_id}: holding {os.environ.get('SLURM_JOB_NODELIST', '?')} "
           f"for the coordinator; notices go to {args.run_dir / NOTICES}", flush=True)
     next_check = time.monotonic() + args.anchor_check_s
+    unexplained: float | None = None  # when a SIGTERM came that Slurm has not explained yet
+    next_ask = 0.0
     while True:
         time.sleep(0.5)
-        if args.anchor and time.monotonic() >= next_check:
-            next_check = time.monotonic() + args.anchor_check_s
+        now = time.monotonic()
+        if args.anchor and now >= next_check:
+            next_check = now + args.anchor_check_s
             if anchor_gone(args.anchor):
                 print(f"slurm-etc member {job_id}: anchor job {args.anchor} ended; exiting",
                       flush=True)
@@ -128,10 +136,17 @@ def main(argv: list[str] | None = None) -> int:
                 # left to protect; ending now frees the node KillWait sooner.
                 print(f"slurm-etc member {job_id}: grace over; exiting", flush=True)
                 return 0
-            if being_cancelled(job_id):
+            unexplained, next_ask = now, now
+        if unexplained is not None and now >= next_ask:
+            # Asked until Slurm says why: one failed or early answer must not keep a
+            # cancelled member (and its nodes) to KillWait.
+            why = why_terminated(job_id)
+            if why == "cancelled":
                 print(f"slurm-etc member {job_id}: cancelled; exiting", flush=True)
                 return 0
-
+            if why == "preempted" or now - unexplained > UNEXPLAINED_TERM_S:
+                unexplained = None
+            next_ask = now + 1.0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -326,10 +326,23 @@ def test_elastic_sbatch_end_to_end(client, jobs, tmp_path):
                  "workers launched into the member", 60)
     finally:
         client.cancel(anchor)
-    # The anchor's shell cancels every member, running or pending.
-    wait_for(lambda: not client.jobs(name=name), "no member left", 30)
-    out = (tmp_path / f"slurm-etc-{anchor}.out").read_text()
+    # The coordinator (and after it the anchor's shell) cancels every member, running or
+    # pending; a member asked until Slurm says it is cancelled ends at once.
+    out_file = tmp_path / f"slurm-etc-{anchor}.out"
+
+    def members_left():
+        left = client.jobs(name=name)
+        outs = {p.name: p.read_text()[-1500:] for p in (tmp_path / ".slurm-etc" / anchor)
+                .glob("member-*.out")}
+        return [(j.job_id, j.slurm_state) for j in left], out_file.read_text()[-3000:], outs
+
+    deadline = time.monotonic() + 60
+    while client.jobs(name=name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.jobs(name=name), members_left()
+    out = out_file.read_text()
     assert f"[slurm] request grow-1: member job {member.job_id}" in out, out[-2000:]
+    assert f"[slurm] closing: cancelled member {member.job_id}" in out, out[-2000:]
 
 
 def test_member_cancelled_while_pending_fails_its_request(client, jobs, anchor, tmp_path):

@@ -181,3 +181,33 @@ def test_member_term_is_a_notice_too(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_member_cancel_is_asked_again_until_slurm_answers(tmp_path):
+    """A SIGTERM with no notice before it: Slurm is asked why until it can say. Here its
+    first two answers fail (slurmctld busy); the third says CANCELLED and the member exits,
+    instead of holding its nodes to KillWait."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {calls}\n"
+        f"if [ $(wc -l < {calls}) -le 2 ]; then echo 'Socket timed out on send/recv' >&2; "
+        "exit 1; fi\n"
+        "echo 'JobId=4242 JobName=etc-1-member JobState=CANCELLED Reason=None NumNodes=1'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_etc.slurm.member", "--run-dir",
+                             str(tmp_path), "--signal", "USR2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "holding" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert "cancelled; exiting" in proc.stdout.read()
+        assert calls.read_text().count("x") == 3
+    finally:
+        proc.kill()
+        proc.wait()
