@@ -23,6 +23,7 @@ import torch
 from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
+from slurm_etc.protocol.rendezvous import installing, migration_group_prefix
 
 from ..errors import InternalError
 from .build import TrainingState
@@ -154,7 +155,8 @@ def _connect(plan: Any, device: int, store: Any, tag: str, options: Any,
     if options.measure_memory:
         memory.start()
     t = time.perf_counter()
-    group = connect_migration_group(plan, device, dist.PrefixStore(f"{tag}/migrate", store),
+    group = connect_migration_group(plan, device,
+                                    dist.PrefixStore(migration_group_prefix(tag), store),
                                     timeout_s=group_timeout_s)
     seconds["group"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -495,7 +497,7 @@ def _wait_for_new_ranks(prepared: PreparedResize, result: Any, resume: ResumeSta
     """Every new rank checks in under the resize's tag before the new training group starts
     (a gloo group's start would wait for a dead rank until its timeout)."""
     store, tag, world = prepared.store, prepared.tag, prepared.plan.new.config.world
-    keys = [f"{tag}/installing/{r}" for r in range(world)]
+    keys = [installing(tag, r) for r in range(world)]
     store.set(keys[result.new_rank], b"1")
     t0 = time.monotonic()
     while not store.check(keys):

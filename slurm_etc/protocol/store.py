@@ -26,7 +26,6 @@ Wire: a request is one frame, the msgpack array of :class:`Request`; a reply one
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import InternalError
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
+from .rendezvous import generation_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class StoreServer:
         """Delete every key of this job's generations ``< below`` (``<job>/g<N>/...`` and
         ``<job>/g<N>.``...): a committed generation ``below`` made them dead. Returns how
         many keys went."""
-        pattern = re.compile(rf"{re.escape(self.job)}/g(\d+)[/.]")
+        pattern = generation_pattern(self.job)
         with self._lock:
             dead = [k for k in self._data
                     if (m := pattern.match(k)) is not None and int(m.group(1)) < below]

@@ -61,6 +61,7 @@ from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
+from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
@@ -332,7 +333,7 @@ class ElasticTrainer:
         resume_from = resume_from or self.resume_from
         if proc.layout is not None and proc.vrank in proc.layout.devices:
             self.layout, self.generation = proc.layout, proc.generation
-            self._start_group(f"{proc.job}/g{proc.generation}/train",
+            self._start_group(GenerationKeys(proc.job, proc.generation).train_group,
                               proc.layout.devices.index(proc.vrank), proc.layout.config.world)
             torch.manual_seed(self.seed)
             self.state = self._build(proc.layout.config, empty=resume_from is not None)
@@ -497,7 +498,7 @@ class ElasticTrainer:
         proc = self._proc()
         last: float | None = self._ended_in[1] if self._ended_in is not None else None
         if last is None:
-            key = f"{proc.job}/g{self.generation}/last-ended"
+            key = GenerationKeys(proc.job, self.generation).last_ended
             if proc.store.check([key]):
                 last = float(proc.store.get(key).decode())
         proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
@@ -616,12 +617,12 @@ class ElasticTrainer:
             raise RuntimeError("agreement without a layout")
         self._take_orders()
         rank = layout.devices.index(proc.vrank)
-        base = f"{proc.job}/g{self.generation}/agree" + (f".{self._attempt}"
-                                                         if self._attempt else "")
-        keys = [f"{base}/{self.step}/{r}" for r in range(layout.config.world)]
+        names = GenerationKeys(proc.job, self.generation)
+        keys = [names.agreement(self._attempt, self.step, r)
+                for r in range(layout.config.world)]
         mine = ENCODER.encode(self._pending) if self._pending else b"-"
         # every peer read the key of step - 2 before the step after it could start
-        stale = f"{base}/{self.step - 2}/{rank}" if self.step >= 2 else ""
+        stale = names.agreement(self._attempt, self.step - 2, rank) if self.step >= 2 else ""
         deadline = time.monotonic() + proc.timeout_s
         # the store answers when the keys are there (one round trip); each slice, orders
         # are looked at
@@ -717,15 +718,15 @@ class ElasticTrainer:
         old, new = order.old.layout(), order.new.layout()
         gen = order.generation
         self._lost = frozenset(order.lost)
-        tag = f"{proc.job}/g{gen}"
+        keys = GenerationKeys(proc.job, gen)
         if self.layout is not None and old != self.layout:
             return self._refuse(order, f"order's old layout {old.config} on {old.devices} is "
                                        f"not the current {self.layout.config}")
         try:
             check_batch(self.global_batch, self.micro_batch, new.config.dp)
-            plan = self._plan(order, tag, old, new)
+            plan = self._plan(order, keys, old, new)
         except StateLostError as err:
-            rebuilt = self._rebuild_lost(order, tag, old, new, err)
+            rebuilt = self._rebuild_lost(order, keys, old, new, err)
             if isinstance(rebuilt, str):
                 return rebuilt
             plan = rebuilt
@@ -747,8 +748,8 @@ class ElasticTrainer:
         build_new = ((lambda cfg: self._build(cfg, empty=True))
                      if proc.vrank in new.devices else None)
         try:
-            prepared = prepare_resize(plan, proc.vrank, proc.store, tag=tag, options=options,
-                                      group_timeout_s=proc.timeout_s, world=True,
+            prepared = prepare_resize(plan, proc.vrank, proc.store, tag=keys.prefix,
+                                      options=options, group_timeout_s=proc.timeout_s, world=True,
                                       build_new=build_new, state=self.state)
         except BaseException:
             self.catalog = catalog
@@ -765,8 +766,8 @@ class ElasticTrainer:
         proc = self._proc()
         old, new = order.old.layout(), order.new.layout()
         gen = order.generation
-        tag = f"{proc.job}/g{gen}"
-        self._publish_extras(tag, old)
+        keys = GenerationKeys(proc.job, gen)
+        self._publish_extras(keys, old)
         faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
         early = _EarlyReport()
         held, self._held = self._held, None
@@ -795,7 +796,7 @@ class ElasticTrainer:
                          out.stats.get("data_seconds", 0.0), "", out.stats)
             return "left"
         self.layout = new
-        self._adopt_extras(tag, old, new, plan)
+        self._adopt_extras(keys, old, new, plan)
         if not early.sent:
             self._record(order, "committed", plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
@@ -829,8 +830,8 @@ class ElasticTrainer:
 
         def transfer() -> None:
             try:
-                prep.prepared = prepare_transfer(plan, proc.vrank, proc.store,
-                                                 tag=f"{proc.job}/g{order.generation}",
+                tag = GenerationKeys(proc.job, order.generation).prefix
+                prep.prepared = prepare_transfer(plan, proc.vrank, proc.store, tag=tag,
                                                  options=options,
                                                  group_timeout_s=proc.timeout_s)
             except BaseException as err:  # reported at the next step boundary
@@ -863,9 +864,9 @@ class ElasticTrainer:
         done = prep.thread is not None and not prep.thread.is_alive()
         mine = b"E" if prep.error is not None else b"1" if done else b"0"
         rank = layout.devices.index(proc.vrank)
-        base = f"{proc.job}/g{prep.order.generation}/prepared.{self.step}.{prep.polls}"
+        names = GenerationKeys(proc.job, prep.order.generation)
+        keys = [names.prepared(self.step, prep.polls, r) for r in range(layout.config.world)]
         prep.polls += 1
-        keys = [f"{base}/{r}" for r in range(layout.config.world)]
         deadline = time.monotonic() + proc.timeout_s
         while (values := agree_step(proc.store, keys[rank], mine, "", keys,
                                     AGREE_SLICE_S)) is None:
@@ -996,20 +997,20 @@ class ElasticTrainer:
         """The migration committed but a new rank died before installing: keep this rank's
         committed shards for the resize that names the dead (no training meanwhile)."""
         proc = self._proc()
-        tag = f"{proc.job}/g{order.generation}"
+        keys = GenerationKeys(proc.job, order.generation)
         self._log("resize to generation %d committed, not installed: %s", order.generation,
                   err)
-        trainer = decode_value(proc.store.get(f"{tag}/trainer"))
+        trainer = decode_value(proc.store.get(keys.trainer))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
-        rng = decode_value(proc.store.get(f"{tag}/rng/{src}"))
+        rng = decode_value(proc.store.get(keys.rng(src)))
         self._held = (err.shards, err.resume)
         self._held_extras = (trainer, rng)
         self.state = None  # its training groups are gone since the commit
         self.layout, self.generation, self._attempt = new, order.generation, 0
         self.catalog = build_catalog(plan.catalog.model, new.config)
 
-    def _plan(self, order: Resize, tag: str, old: Layout, new: Layout) -> Any:
-        catalog = self._catalog_for(tag, old)
+    def _plan(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout) -> Any:
+        catalog = self._catalog_for(keys, old)
         proc = self._proc()
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
                     if order.gpus_per_node else proc.topology)
@@ -1023,16 +1024,16 @@ class ElasticTrainer:
                               f"({plan_digest(plan)[:12]} != {order.plan_digest[:12]})")
         return plan
 
-    def _catalog_for(self, tag: str, old: Layout) -> Catalog:
+    def _catalog_for(self, keys: GenerationKeys, old: Layout) -> Catalog:
         """The live model's catalog. Old rank 0 publishes its ModelDesc under the resize's
-        tag; a joining process, which has built nothing yet, plans from it (and checks it
+        keys; a joining process, which has built nothing yet, plans from it (and checks it
         against its own model once built)."""
         proc = self._proc()
         if self.catalog is not None:
             if proc.vrank == self._publisher(old):
-                proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
+                proc.store.set(keys.model, json.dumps(self.catalog.model.to_json()))
             return self.catalog
-        desc = ModelDesc.from_json(json.loads(proc.store.get(f"{tag}/model")), self.name)
+        desc = ModelDesc.from_json(json.loads(proc.store.get(keys.model)), self.name)
         return build_catalog(desc, old.config)
 
     def _publisher(self, old: Layout) -> int:
@@ -1049,7 +1050,7 @@ class ElasticTrainer:
             raise ConfigError(why)
         return "stay"
 
-    def _publish_extras(self, tag: str, old: Layout) -> None:
+    def _publish_extras(self, keys: GenerationKeys, old: Layout) -> None:
         """Old ranks: trainer state (rank 0) and per-rank RNG extras into the store."""
         proc = self._proc()
         if self.layout is None or proc.vrank not in old.devices:
@@ -1058,10 +1059,10 @@ class ElasticTrainer:
         trainer, rng = (self._held_extras if self._held is not None
                         else (self._trainer_state(), _rng_extras()))
         if proc.vrank == self._publisher(old):
-            proc.store.set(f"{tag}/trainer", encode_value(trainer))
+            proc.store.set(keys.trainer, encode_value(trainer))
             if self._ended_in is not None:  # where the joiners' training gap begins
-                proc.store.set(f"{tag}/last-ended", repr(self._ended_in[1]))
-        proc.store.set(f"{tag}/rng/{rank}", encode_value(rng))
+                proc.store.set(keys.last_ended, repr(self._ended_in[1]))
+        proc.store.set(keys.rng(rank), encode_value(rng))
 
     def _trainer_state(self) -> dict:
         state, _cfg = self._live()
@@ -1071,11 +1072,11 @@ class ElasticTrainer:
                                  sub.grad_scaler.state_dict()
                                  for sub in sub_optimizers(state.optimizer)]}
 
-    def _adopt_extras(self, tag: str, old: Layout, new: Layout, plan: Any) -> None:
+    def _adopt_extras(self, keys: GenerationKeys, old: Layout, new: Layout, plan: Any) -> None:
         proc = self._proc()
-        self._restore_trainer_state(decode_value(proc.store.get(f"{tag}/trainer")))
+        self._restore_trainer_state(decode_value(proc.store.get(keys.trainer)))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
-        _set_rng_extras(decode_value(proc.store.get(f"{tag}/rng/{src}")))
+        _set_rng_extras(decode_value(proc.store.get(keys.rng(src))))
         self._held_extras = ({}, {})
 
     def _restore_trainer_state(self, saved: dict) -> None:
@@ -1214,7 +1215,7 @@ class ElasticTrainer:
             return None
         return newest_checkpoint(str(self.checkpoint_dir))
 
-    def _rebuild_lost(self, order: Resize, tag: str, old: Layout, new: Layout,
+    def _rebuild_lost(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout,
                       err: StateLostError) -> Any:
         """No survivor replicates what the lost devices held. Survivors agree on what they
         can roll back to: peer copies (returns the plan, every survivor rolled back, stand-ins
@@ -1227,13 +1228,13 @@ class ElasticTrainer:
             return self._refuse(order, str(err))  # nothing to rebuild from
         lost = set(order.lost)
         lost_ranks = [r for r, d in enumerate(old.devices) if d in lost]
-        held = self._holdings(tag, old, lost)
+        held = self._holdings(keys, old, lost)
         own = {r: h["own"] for r, h in held.items()}
         copies = {r: h["copies"] for r, h in held.items()}
         last = max(h["step"] for h in held.values())
         back = rollback_step(lost_ranks, own, copies) if self.peer_copy_every else None
         if back is not None:
-            return self._roll_back_to_copies(order, tag, old, new, back, last, lost_ranks,
+            return self._roll_back_to_copies(order, keys, old, new, back, last, lost_ranks,
                                              copies)
         ckpts = [h["checkpoint"] for h in held.values()]
         if any(c is None for c in ckpts):
@@ -1242,22 +1243,22 @@ class ElasticTrainer:
                                        f"and no periodic checkpoint: {err}")
         return self._load_lost_from_checkpoint(order, old, new, min(ckpts), last)
 
-    def _holdings(self, tag: str, old: Layout, lost: set[int]) -> dict[int, dict]:
+    def _holdings(self, keys: GenerationKeys, old: Layout, lost: set[int]) -> dict[int, dict]:
         """Every survivor's step, snapshots, peer copies and last checkpoint (the store)."""
         proc = self._proc()
         mine = {"step": self.step, "checkpoint": self._latest_checkpoint(),
                 **(self.peers.holdings() if self.peers and self._peers_gen == self.generation
                    else {"own": [], "copies": {}})}
-        proc.store.set(f"{tag}/holdings/{proc.vrank}", encode_value(mine))
+        proc.store.set(keys.holdings(proc.vrank), encode_value(mine))
         survivors = [(r, d) for r, d in enumerate(old.devices) if d not in lost]
-        keys = [f"{tag}/holdings/{d}" for _r, d in survivors]
-        if not wait_for_keys(proc.store, keys, proc.timeout_s):
+        theirs = [keys.holdings(d) for _r, d in survivors]
+        if not wait_for_keys(proc.store, theirs, proc.timeout_s):
             raise RuntimeError(f"survivors of {old.config} did not publish what they hold "
                                f"within {proc.timeout_s:.0f} s")
         return {r: decode_value(v) for (r, _d), v in zip(
-            survivors, proc.store.multi_get(keys), strict=True)}
+            survivors, proc.store.multi_get(theirs), strict=True)}
 
-    def _roll_back_to_copies(self, order: Resize, tag: str, old: Layout, new: Layout,
+    def _roll_back_to_copies(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout,
                              back: int, last: int, lost_ranks: list[int],
                              copies: dict[int, dict]) -> Any:
         """Restore this rank's snapshot of step ``back`` (state, RNG, data position), plan
@@ -1284,7 +1285,7 @@ class ElasticTrainer:
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
                     if order.gpus_per_node else proc.topology)
         pool = tuple(d for d in sorted(order.pool or new.devices) if d not in set(order.lost))
-        catalog = self._catalog_for(tag, old)
+        catalog = self._catalog_for(keys, old)
         plan = _plan(catalog, old, new.config, pool, topology, proc.keep_tp_in_node, ())
         if tuple(plan.new.devices) != tuple(new.devices):
             raise ConfigError(f"rebuilt from peer copies, the plan places the new ranks on "
@@ -1300,20 +1301,20 @@ class ElasticTrainer:
             holders = sorted(r for r, c in copies.items() if back in c.get(ward, ()))
             if holders and holders[0] == me:
                 peers.start_stand_in(
-                    ward, back, plan=plan, device=old.devices[ward], store=proc.store, tag=tag,
-                    options=MigrationOptions(timeout_s=proc.timeout_s),
+                    ward, back, plan=plan, device=old.devices[ward], store=proc.store,
+                    tag=keys.prefix, options=MigrationOptions(timeout_s=proc.timeout_s),
                     timeout_s=proc.timeout_s,
-                    publish=lambda m, w=ward: self._publish_for(tag, old, w, m))
+                    publish=lambda m, w=ward: self._publish_for(keys, old, w, m))
         return plan
 
-    def _publish_for(self, tag: str, old: Layout, ward: int, meta: dict) -> None:
+    def _publish_for(self, keys: GenerationKeys, old: Layout, ward: int, meta: dict) -> None:
         """What old rank ``ward`` would publish in a resize, from its peer copy."""
         proc = self._proc()
         if ward == 0:  # the publisher when no device counts as lost
-            proc.store.set(f"{tag}/trainer", encode_value(meta["trainer"]))
+            proc.store.set(keys.trainer, encode_value(meta["trainer"]))
             if self.catalog is not None:
-                proc.store.set(f"{tag}/model", json.dumps(self.catalog.model.to_json()))
-        proc.store.set(f"{tag}/rng/{ward}", encode_value(meta["extras"]))
+                proc.store.set(keys.model, json.dumps(self.catalog.model.to_json()))
+        proc.store.set(keys.rng(ward), encode_value(meta["extras"]))
 
     def _forget_steps_after(self, back: int, generation: int, last: int) -> None:
         """Steps after ``back`` are lost: out of the history, reported, replayed."""
@@ -1345,7 +1346,7 @@ class ElasticTrainer:
             self._record(order, "left", 0, 0.0, 0.0, "")
             return "left"
         self.layout = new
-        self._start_group(f"{proc.job}/g{order.generation}/train",
+        self._start_group(GenerationKeys(proc.job, order.generation).train_group,
                           new.devices.index(proc.vrank), new.config.world)
         self.state = self._build(new.config, empty=True)
         self._load_checkpoint(os.path.join(str(self.checkpoint_dir), f"step-{step}"))

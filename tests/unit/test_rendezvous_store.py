@@ -23,6 +23,7 @@ import zmq
 from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.protocol.keys import curve_keys, make_client
 from slurm_etc.protocol.messages import Hello
+from slurm_etc.protocol.rendezvous import GenerationKeys, installing, migration_group_prefix
 from slurm_etc.protocol.store import (
     Request,
     StoreClient,
@@ -129,6 +130,27 @@ def test_past_generations_are_retired(client: StoreClient, server: StoreServer) 
     assert not client.check(["j/g0/agree/3/0"]) and not client.check(["j/g1/train/0"])
     assert not client.check(["j/g0.1/x"])
     assert client.check(["j/g2/commit", "j/g10/x", "jj/g0/x", "other"])
+
+
+def _every_key(g: GenerationKeys) -> list[str]:
+    return [g.train_group + "/0", g.agreement(0, 5, 1), g.agreement(2, 5, 1),
+            g.prepared(5, 0, 1), g.trainer, g.model, g.last_ended, g.rng(3), g.holdings(7),
+            migration_group_prefix(g.prefix) + "/rank_0", installing(g.prefix, 2)]
+
+
+def test_every_key_workers_name_is_retired_with_its_generation(
+        client: StoreClient, server: StoreServer) -> None:
+    """The names of protocol/rendezvous.py all fall under their generation: a committed
+    generation 2 deletes every key of generation 1 and none of its own."""
+    old, new = _every_key(GenerationKeys("j", 1)), _every_key(GenerationKeys("j", 2))
+    assert len(set(old)) == len(old)
+    kept = new[:20 - len(old)]  # the fixture's store holds at most 20 keys
+    client.multi_set(old + kept, [b"1"] * (len(old) + len(kept)))
+    assert server.retire_generations(2) == len(old)
+    assert not any(client.check([k]) for k in old)
+    assert client.check(kept)
+    client.multi_set(new[len(kept):], [b"1"] * (len(new) - len(kept)))
+    assert server.retire_generations(2) == 0 and client.check(new)
 
 
 def test_wait_and_get_block_on_the_server_and_time_out(client: StoreClient) -> None:
