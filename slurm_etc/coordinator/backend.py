@@ -9,17 +9,18 @@ I/O. A :class:`Backend` turns actions into processes and allocations: the local 
 (:mod:`slurm_etc.coordinator.local_backend`, processes on this machine and scripted events)
 and the Slurm backend (member allocations, ``srun``) implement the same protocol.
 
-How the reconcile loop uses a backend (the loop stays in control; nothing here calls back)::
+How the reconcile loop (:mod:`.loop`) uses a backend (the loop stays in control; nothing
+here calls back)::
 
     while running:
         for event in backend.poll():          # never blocks
-            store.record(event); observed.apply(event)
-        ...                                  # channel.recv(...) -> Progress(step=s)
-        backend.on_step(s)                   # when settled: a scripted backend fires
-                                             # the next group of events due by s
-        for action in reconcile(desired, observed):
-            store.record(action)             # written before it is acted on
+            record(event); apply(event)       # the job's SQLite record first
+        ...                                   # channel.recv(...) -> Progress(step=s)
+        backend.on_step(s)                    # a scripted backend fires the events due by s
+        decide (policy/), plan and settle resizes (reconcile.py, pure), then for each action:
+            record what it needs known         # a request's key, a migration's generation
             perform(backend, action)
+            record what it made                # a launched worker's pid and start time
 
 Every action is idempotent, so a restarted coordinator may replay the actions it recorded:
 a request with a key seen before, a release of devices no longer held, a launch of a vrank

@@ -37,9 +37,9 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.lifecycle import JobState, ResizeOutcome
-from slurm_etc.plan import Layout, PlanError, Topology, plan_migration
+from slurm_etc.plan import Layout, Topology
 from slurm_etc.plan.config import ParallelConfig
-from slurm_etc.plan.errors import ConfigError, StateLostError
+from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
@@ -79,7 +79,7 @@ from slurm_etc.protocol.messages import (
 from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.store import jobs as record
 
-from ..errors import InternalError
+from . import reconcile
 from .backend import (
     Backend,
     BackendError,
@@ -99,13 +99,11 @@ from .backend import (
 )
 from .journal import Journal
 from .pause import MeasuredPause, PauseTracker
+from .reconcile import InflightResize, JobStopped
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02
-# An order not yet answered is sent again (a worker drops messages older than its replay
-# window, e.g. one that sat unread while the worker was blocked; duplicates are dropped).
-RESEND_S = 5.0
 # At the end, how long a record that fell behind (a full disk) is given to catch up.
 END_CATCH_UP_S = 10.0
 # Every worker of the layout gone and nothing pending for this long: the job has failed.
@@ -206,35 +204,6 @@ class JobSpec:
     model_label: str = "--model"
 
 
-@dataclass
-class _Inflight:
-    """A resize ordered and not yet settled."""
-
-    order: Resize
-    plan: Any
-    migration_id: int
-    participants: set[int]
-    joiners: set[int]
-    vranks: dict[int, Device]
-    release: set[Device]
-    started: float
-    reports: dict[int, Resized] = field(default_factory=dict)
-    told: set[int] = field(default_factory=set)
-    stayers: set[int] = field(default_factory=set)
-    sent_at: float = 0.0
-    dead: set[int] = field(default_factory=set)  # participants whose process died
-    rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
-    early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
-    never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
-    decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
-    ready: set[int] = field(default_factory=set)  # joiners that said Ready
-    step_at_launch: int = 0  # the job's step when the joiners were launched
-
-
-class JobStopped(InternalError, RuntimeError):
-    """The job cannot go on (one line: why)."""
-
-
 class Coordinator:
     """One job's reconcile loop (see the module doc). ``run`` returns the job's end state."""
 
@@ -263,7 +232,7 @@ class Coordinator:
         self.leaving: set[int] = set()
         self.step = 0
         self.loss: float | None = None
-        self.inflight: _Inflight | None = None
+        self.inflight: InflightResize | None = None
         self.release_later: set[Device] = set()
         self.resize_times: list[float] = []
         self.growing = 0
@@ -1053,36 +1022,13 @@ class Coordinator:
         vranks = {**{v: self.vranks[v] for v in old.devices}, **pool_map}
         topo = Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
                         self.spec.hardware.inter_node_gbps)
-        rebuild = False
-        try:
-            plan = plan_migration(self.spec.job.model, old, action.config,
-                                  sorted(pool_map), topo, keep_tp_in_node=True,
-                                  lost=tuple(lost))
-        except StateLostError as err:
-            if not self.spec.recovery.enabled:
-                raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
-                                 "failed and their state cannot be rebuilt in memory (no peer "
-                                 "copies or checkpoints: slurm-etc run --peer-copy-every N / "
-                                 f"--checkpoint-every M): {err}") from None
-            # the workers roll back to peer copies (a survivor stands in for each lost
-            # rank: the plan is the one with every old rank there) or load the checkpoint
-            try:
-                plan = plan_migration(self.spec.job.model, old, action.config,
-                                      sorted(pool_map), topo, keep_tp_in_node=True)
-            except (PlanError, ConfigError) as again:
-                raise JobStopped(f"devices {format_devices(self.vranks[v] for v in lost)} failed "
-                                 f"and the rebuild from peer copies or a checkpoint cannot "
-                                 f"be planned: {again}") from None
-            rebuild = True
+        plan, rebuild = reconcile.plan_resize(
+            self.spec.job.model, old, action.config, sorted(pool_map), topo, lost,
+            format_devices(self.vranks[v] for v in lost), self.spec.recovery.enabled)
+        if rebuild:
             logger.warning("devices %s failed holding state no replica holds: rebuilding it "
                            "from peer copies or the last checkpoint (the steps since are "
                            "lost and trained again)", format_devices(self.vranks[v] for v in lost))
-        except (PlanError, ConfigError) as err:
-            if lost:
-                raise JobStopped(f"devices {', '.join(str(self.vranks[v]) for v in lost)} "
-                                 f"failed and their state cannot be rebuilt in memory: "
-                                 f"{err}") from None
-            raise
         gen = max(self.generation, self.last_generation) + 1
         self.last_generation = gen
         new = plan.new
@@ -1111,7 +1057,7 @@ class Coordinator:
             messages=len(plan.messages), rounds=plan.rounds,
             estimated_seconds=plan.est_seconds)
         participants = (set(old.devices) | set(new.devices)) - set(lost)
-        self.inflight = _Inflight(order, plan, mid, participants, joiners, vranks,
+        self.inflight = InflightResize(order, plan, mid, participants, joiners, vranks,
                                   set(self.release_later), time.monotonic(), rebuild=rebuild,
                                   decided_at=decided_at,
                                   step_at_launch=self.step)
@@ -1205,37 +1151,24 @@ class Coordinator:
     def _settle(self) -> None:
         fl = self.inflight
         assert fl is not None
-        outcomes = {v: r.outcome for v, r in fl.reports.items()}
-        if fl.sent_at and time.monotonic() - fl.sent_at > RESEND_S:
-            self.channel.broadcast(fl.order, fl.told - set(outcomes) - fl.dead)
-            fl.sent_at = time.monotonic()
-        dead_joiners = fl.joiners & fl.dead
-        if dead_joiners and not fl.sent_at and fl.stayers:
-            # a joiner died before every joiner said Ready: the old layout was never
-            # ordered, nobody paused; retried without its device
-            why = (fl.never_joined[min(fl.never_joined)] if fl.never_joined else
-                   f"vrank(s) {', '.join(map(str, sorted(dead_joiners)))} died before the "
-                   "old layout was ordered")
-            self._aborted(fl, time.monotonic() - fl.started, why)
+        now = time.monotonic()
+        settled = reconcile.settle(fl, now, self.spec.worker_timeout_s)
+        if settled.resend:
+            self.channel.broadcast(fl.order, set(settled.resend))
+            fl.sent_at = now
+        outcome = settled.outcome
+        if isinstance(outcome, reconcile.Wait):
             return
-        timed_out = time.monotonic() - fl.started > 2 * self.spec.worker_timeout_s
-        if not timed_out and not fl.participants - fl.dead <= set(outcomes):
+        wall = now - fl.started
+        if isinstance(outcome, reconcile.Abort):
+            self._aborted(fl, wall, outcome)
             return
-        aborted = [r for r in fl.reports.values() if r.outcome == "aborted"]
-        pause = max((r.pause_seconds for r in fl.reports.values()), default=0.0)
-        wall = time.monotonic() - fl.started
-        if aborted or timed_out or not outcomes:
-            why = aborted[0].error if aborted else "no answer from " + ", ".join(
-                str(v) for v in sorted(fl.participants - set(outcomes)))
-            self._aborted(fl, wall, why)
-            return
-        lost_steps, rebuilt_from = _rebuilt(fl)
-        data = max((r.data_seconds for r in fl.reports.values()), default=0.0)
+        pause, lost_steps, rebuilt_from = outcome.pause_s, outcome.lost_steps, outcome.rebuilt_from
         self.journal.write(record.record_migration_finish, fl.migration_id,
                            outcome=ResizeOutcome.COMMITTED,
                                        measured_seconds=wall, pause_seconds=pause,
                                        lost_steps=lost_steps, rebuilt_from=rebuilt_from,
-                                       data_seconds=data)
+                                       data_seconds=outcome.data_s)
         self.crash("after-commit-record")
         self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                 reason=fl.order.reason[:200] or "resized",
@@ -1277,7 +1210,7 @@ class Coordinator:
                     self.generation, new.config, list(new.devices), pause, wall)
 
 
-    def _finished_first(self, fl: _Inflight) -> None:
+    def _finished_first(self, fl: InflightResize) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
         self.journal.write(record.record_migration_finish, fl.migration_id,
                            outcome=ResizeOutcome.ABORTED,
@@ -1286,19 +1219,18 @@ class Coordinator:
         perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
         self.inflight = None
 
-    def _aborted(self, fl: _Inflight, wall: float, why: str) -> None:
-        """The resize aborted everywhere (two-phase: no worker installed anything): record
-        it, keep the old layout, and decide again. A resize that aborted with nobody dead
-        (a refusal, a failure inside the migration) would abort again: the job stops."""
+    def _aborted(self, fl: InflightResize, wall: float, abort: reconcile.Abort) -> None:
+        """Record the abort, keep the old layout, and decide again (``abort.retry``) or
+        stop the job (reconcile.settle's rules)."""
         self.journal.write(record.record_migration_finish, fl.migration_id,
                            outcome=ResizeOutcome.ABORTED,
-                                       measured_seconds=wall, error=why[:500])
-        logger.error("resize to generation %d aborted: %s", fl.order.generation, why)
+                                       measured_seconds=wall, error=abort.why[:500])
+        logger.error("resize to generation %d aborted: %s", fl.order.generation, abort.why)
         self.inflight = None
         self.idle = {v for v in fl.joiners - fl.dead}
-        if not fl.dead:
+        if not abort.retry:
             self._stop_idle("resize aborted")
-            raise JobStopped(f"resize to generation {fl.order.generation} aborted: {why}")
+            raise JobStopped(f"resize to generation {fl.order.generation} aborted: {abort.why}")
         logger.info("retrying without the dead: vrank(s) %s",
                     ", ".join(str(v) for v in sorted(fl.dead)))
         self.dirty = True
@@ -1307,22 +1239,6 @@ class Coordinator:
         if self.idle:
             perform(self.backend, StopWorkers(tuple(sorted(self.idle)), 5.0, why))
         self.idle = set()
-
-
-def _rebuilt(fl: _Inflight) -> tuple[tuple[int, int] | None, str | None]:
-    """The steps a committed rebuild lost and where the lost state came from, as the
-    workers reported them (every rank of the new layout reports the same)."""
-    if not fl.rebuild:
-        return None, None
-    committed = [r for r in fl.reports.values() if r.outcome == "committed"]
-    spans = {r.lost_steps for r in committed if r.lost_steps is not None}
-    sources = {r.rebuilt_from for r in committed if r.rebuilt_from}
-    if len(spans) > 1 or len(sources) > 1:
-        logger.error("workers disagree on the rebuild: lost steps %s, from %s", sorted(spans),
-                     sorted(sources))
-    span = max(spans, key=lambda s: (s[1] - s[0], s)) if spans else None
-    return ((int(span[0]), int(span[1])) if span else None,
-            min(sources) if sources else None)
 
 
 def describe_job(job: TrainingJob) -> str:

@@ -110,26 +110,3 @@ def test_run_worker_applies_the_environment_before_joining(monkeypatch):
     finally:
         signal.signal(signal.SIGUSR2, before)
     assert trainer.recovery == Recovery(4, 8, os.sep + "ck")
-
-
-def test_the_coordinator_records_what_the_new_layout_reported():
-    """loop._rebuilt: only a rebuild records lost steps; from committed reports (a departed
-    or aborted one says nothing); workers that disagree give the widest span, logged."""
-    from slurm_etc.coordinator.loop import _Inflight, _rebuilt
-    from slurm_etc.protocol.messages import Resized
-
-    def fl(rebuild, *reports):
-        f = _Inflight(order=None, plan=None, migration_id=1, participants=set(), joiners=set(),
-                      vranks={}, release=set(), started=0.0, rebuild=rebuild)
-        f.reports = {i: r for i, r in enumerate(reports)}
-        return f
-
-    def said(outcome, lost=None, src=""):
-        return Resized("j", 2, 0, outcome, 9, lost_steps=lost, rebuilt_from=src)
-
-    assert _rebuilt(fl(False, said("committed", (9, 9), "peer-copies"))) == (None, None)
-    assert _rebuilt(fl(True, said("committed", (9, 9), "peer-copies"), said("left"),
-                       said("aborted", (1, 2), "checkpoint"))) == ((9, 9), "peer-copies")
-    assert _rebuilt(fl(True, said("committed", None, "checkpoint"))) == (None, "checkpoint")
-    assert _rebuilt(fl(True, said("committed", (9, 9), "peer-copies"),
-                       said("committed", (7, 9), "peer-copies"))) == ((7, 9), "peer-copies")

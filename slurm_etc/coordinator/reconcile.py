@@ -1,0 +1,182 @@
+"""The reconcile loop's decisions on a resize in flight, as pure functions.
+
+``settle(resize, now, worker_timeout_s)`` reads what the workers said about an ordered
+resize and says what happens next; :class:`~.loop.Coordinator` only carries it out (records
+it, tells the workers, stops the idle). No I/O here, no clock: the caller passes ``now``
+(``time.monotonic()`` seconds, the clock of ``started`` and ``sent_at``). Unit tests call
+these directly (tests/unit/test_reconcile.py).
+
+``plan_resize(...)`` plans the next resize, with the fallback for state lost with a device:
+a plan that cannot be kept from surviving replicas (``StateLostError``) is planned again as a
+rebuild from peer copies or a checkpoint when the job has either, else the job stops.
+
+The settlement's rules:
+
+- **resend**: an order sent more than :data:`RESEND_S` ago goes again to every vrank told
+  that has neither answered nor died (a message lost to a reconnect is not a lost resize);
+- **a joiner died before the old layout was ordered**: nobody paused; the resize aborts and is
+  decided again without its device;
+- **wait** until every live participant answered, or ``2 x worker_timeout_s`` passed (the
+  workers' own timeouts fire first: a worker that is silent past twice its timeout is gone);
+- **abort** when one participant aborted, the time ran out, or nobody answered; with a dead
+  participant the job decides again without it (``retry``); with nobody dead it would abort
+  the same way again, so the job stops;
+- **commit** otherwise, with the longest pause and data phase any worker measured and, for a
+  rebuild, the steps lost and where the lost state came from.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slurm_etc.alloc.topology import Device
+from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
+from slurm_etc.plan.config import ParallelConfig
+from slurm_etc.plan.errors import ConfigError, StateLostError
+from slurm_etc.plan.model import ModelDesc
+from slurm_etc.protocol.messages import Progress, Resize, Resized
+
+from ..errors import InternalError
+
+logger = logging.getLogger(__name__)
+
+# An order not yet answered is sent again after this long (a worker drops messages older
+# than its replay window, e.g. one that sat unread while the worker was blocked; duplicates
+# are dropped).
+RESEND_S = 5.0
+
+
+class JobStopped(InternalError, RuntimeError):
+    """The job cannot go on (one line: why)."""
+
+
+def plan_resize(model: ModelDesc, old: Layout, config: ParallelConfig, pool: Sequence[int],
+                topology: Topology, lost: Sequence[int], lost_devices: str,
+                can_rebuild: bool) -> tuple[MigrationPlan, bool]:
+    """The plan from ``old`` to ``config`` on ``pool`` with old vranks ``lost`` (whose devices
+    ``lost_devices`` names) gone, and whether it is a rebuild: the workers roll back to peer
+    copies (a survivor stands in for each lost rank, so the plan is the one with every old
+    rank there) or load the last checkpoint. ``can_rebuild``: the job keeps peer copies or
+    checkpoints. Raises JobStopped (one line) when neither plan can be made."""
+    try:
+        return plan_migration(model, old, config, sorted(pool), topology,
+                              keep_tp_in_node=True, lost=tuple(lost)), False
+    except StateLostError as err:
+        if not can_rebuild:
+            raise JobStopped(f"devices {lost_devices} failed and their state cannot be "
+                             "rebuilt in memory (no peer copies or checkpoints: slurm-etc run "
+                             f"--peer-copy-every N / --checkpoint-every M): {err}") from None
+        try:
+            plan = plan_migration(model, old, config, sorted(pool), topology,
+                                  keep_tp_in_node=True)
+        except (PlanError, ConfigError) as again:
+            raise JobStopped(f"devices {lost_devices} failed and the rebuild from peer copies "
+                             f"or a checkpoint cannot be planned: {again}") from None
+        return plan, True
+    except (PlanError, ConfigError) as err:
+        if lost:
+            raise JobStopped(f"devices {lost_devices} failed and their state cannot be "
+                             f"rebuilt in memory: {err}") from None
+        raise
+
+
+@dataclass
+class InflightResize:
+    """A resize ordered and not yet settled."""
+
+    order: Resize
+    plan: Any
+    migration_id: int
+    participants: set[int]
+    joiners: set[int]
+    vranks: dict[int, Device]
+    release: set[Device]
+    started: float
+    reports: dict[int, Resized] = field(default_factory=dict)
+    told: set[int] = field(default_factory=set)
+    stayers: set[int] = field(default_factory=set)
+    sent_at: float = 0.0
+    dead: set[int] = field(default_factory=set)  # participants whose process died
+    rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
+    early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
+    never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
+    decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
+    ready: set[int] = field(default_factory=set)  # joiners that said Ready
+    step_at_launch: int = 0  # the job's step when the joiners were launched
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not settled yet: ask again at the loop's next turn."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The resize aborted everywhere (two-phase: nobody installed anything)."""
+
+    why: str
+    retry: bool  # somebody died: decide again without them; else the job stops
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Every live participant committed."""
+
+    pause_s: float
+    data_s: float
+    lost_steps: tuple[int, int] | None  # a rebuild rolled these steps back
+    rebuilt_from: str | None  # where a rebuild took the lost state from
+
+
+Outcome = Wait | Abort | Commit
+
+
+@dataclass(frozen=True)
+class Settlement:
+    resend: frozenset[int]  # send the order again to these vranks (empty: nobody)
+    outcome: Outcome
+
+
+def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settlement:
+    """What happens next to ``resize`` (the rules in the module doc)."""
+    outcomes = {v: r.outcome for v, r in resize.reports.items()}
+    resend: frozenset[int] = frozenset()
+    if resize.sent_at and now - resize.sent_at > RESEND_S:
+        resend = frozenset(resize.told - set(outcomes) - resize.dead)
+    dead_joiners = resize.joiners & resize.dead
+    if dead_joiners and not resize.sent_at and resize.stayers:
+        why = (resize.never_joined[min(resize.never_joined)] if resize.never_joined else
+               f"vrank(s) {', '.join(map(str, sorted(dead_joiners)))} died before the "
+               "old layout was ordered")
+        return Settlement(resend, Abort(why, retry=True))
+    timed_out = now - resize.started > 2 * worker_timeout_s
+    if not timed_out and not resize.participants - resize.dead <= set(outcomes):
+        return Settlement(resend, Wait())
+    aborted = [r for r in resize.reports.values() if r.outcome == "aborted"]
+    if aborted or timed_out or not outcomes:
+        why = aborted[0].error if aborted else "no answer from " + ", ".join(
+            str(v) for v in sorted(resize.participants - set(outcomes)))
+        return Settlement(resend, Abort(why, retry=bool(resize.dead)))
+    lost_steps, rebuilt_from = rebuilt(resize)
+    return Settlement(resend, Commit(
+        pause_s=max((r.pause_seconds for r in resize.reports.values()), default=0.0),
+        data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
+        lost_steps=lost_steps, rebuilt_from=rebuilt_from))
+
+
+def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]:
+    """The steps a committed rebuild lost and where the lost state came from, as the
+    workers reported them (every rank of the new layout reports the same)."""
+    if not resize.rebuild:
+        return None, None
+    committed = [r for r in resize.reports.values() if r.outcome == "committed"]
+    spans = {r.lost_steps for r in committed if r.lost_steps is not None}
+    sources = {r.rebuilt_from for r in committed if r.rebuilt_from}
+    if len(spans) > 1 or len(sources) > 1:
+        logger.error("workers disagree on the rebuild: lost steps %s, from %s", sorted(spans),
+                     sorted(sources))
+    span = max(spans, key=lambda s: (s[1] - s[0], s)) if spans else None
+    return ((int(span[0]), int(span[1])) if span else None,
+            min(sources) if sources else None)

@@ -1,0 +1,137 @@
+"""coordinator/reconcile.py: the planning and the settlement of a resize, called directly (no
+SQLite, no zmq, no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from slurm_etc.coordinator.reconcile import (
+    RESEND_S,
+    Abort,
+    Commit,
+    InflightResize,
+    JobStopped,
+    Wait,
+    plan_resize,
+    rebuilt,
+    settle,
+)
+from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
+from slurm_etc.protocol.messages import LayoutSpec, Resize, Resized
+
+TIMEOUT = 60.0
+ORDER = Resize("j", 2, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
+               LayoutSpec("dp=3,tp=1,pp=1", (0, 1, 2)))
+
+
+def resize(*, joiners=(2,), started=100.0, sent_at=101.0, **kw) -> InflightResize:
+    """A grow dp 2 -> 3: vranks 0, 1 stay, 2 joins; the order went out at ``sent_at``."""
+    fl = InflightResize(order=ORDER, plan=None, migration_id=7, participants={0, 1, 2},
+                        joiners=set(joiners), vranks={}, release=set(), started=started,
+                        told={0, 1, 2}, stayers={0, 1}, sent_at=sent_at)
+    for k, v in kw.items():
+        setattr(fl, k, v)
+    return fl
+
+
+def said(vrank: int, outcome: str = "committed", **kw) -> Resized:
+    return Resized("j", 2, vrank, outcome, 9, **kw)  # type: ignore[arg-type]
+
+
+def answers(fl: InflightResize, *reports: Resized) -> InflightResize:
+    fl.reports = {r.vrank: r for r in reports}
+    return fl
+
+
+def test_waits_until_every_live_participant_answered():
+    fl = answers(resize(), said(0), said(1))
+    assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
+    fl.dead = {2}  # the silent one died: the others' answers settle it
+    assert isinstance(settle(fl, 102.0, TIMEOUT).outcome, Commit)
+
+
+def test_commit_takes_the_longest_pause_and_data_phase():
+    fl = answers(resize(), said(0, pause_seconds=0.1, data_seconds=0.02),
+                 said(1, pause_seconds=0.3, data_seconds=0.01), said(2, pause_seconds=0.2))
+    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
+
+
+def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
+    fl = answers(resize(dead={1}), said(0))
+    assert settle(fl, 101.0 + RESEND_S - 0.1, TIMEOUT).resend == frozenset()
+    got = settle(fl, 101.0 + RESEND_S + 0.1, TIMEOUT)
+    assert got.resend == {2} and got.outcome == Wait()
+    # never sent (joiners still warming up): nothing to send again
+    assert settle(resize(sent_at=0.0), 500.0, 1000.0).resend == frozenset()
+
+
+def test_an_abort_with_somebody_dead_is_retried_and_without_stops_the_job():
+    fl = answers(resize(), said(0, "aborted", error="peer 2 died"), said(1))
+    fl.dead = {2}
+    assert settle(fl, 102.0, TIMEOUT).outcome == Abort("peer 2 died", retry=True)
+    fl = answers(resize(), said(0, "aborted", error="refused: bad plan"), said(1), said(2))
+    assert settle(fl, 102.0, TIMEOUT).outcome == Abort("refused: bad plan", retry=False)
+
+
+def test_silence_past_twice_the_worker_timeout_aborts_naming_the_silent():
+    fl = answers(resize(), said(0))
+    assert settle(fl, 100.0 + 2 * TIMEOUT - 1, TIMEOUT).outcome == Wait()
+    assert settle(fl, 100.0 + 2 * TIMEOUT + 1, TIMEOUT).outcome == Abort(
+        "no answer from 1, 2", retry=False)
+
+
+def test_a_joiner_dead_before_the_old_layout_was_ordered_retries_at_once():
+    fl = resize(sent_at=0.0, dead={2}, never_joined={2: "vrank 2 exited with 1 before Ready"})
+    assert settle(fl, 102.0, TIMEOUT).outcome == Abort("vrank 2 exited with 1 before Ready",
+                                                       retry=True)
+    fl.never_joined = {}
+    assert settle(fl, 102.0, TIMEOUT).outcome == Abort(
+        "vrank(s) 2 died before the old layout was ordered", retry=True)
+    # once the old layout was ordered, the others' answers settle it
+    fl.sent_at = 101.0
+    assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
+
+
+def test_the_coordinator_records_what_the_new_layout_reported():
+    """Only a rebuild records lost steps; from committed reports (a departed or aborted one
+    says nothing); workers that disagree give the widest span, logged."""
+    def fl(rebuild, *reports):
+        return answers(resize(rebuild=rebuild), *reports)
+
+    assert rebuilt(fl(False, said(0, lost_steps=(9, 9), rebuilt_from="peer-copies"))) == (
+        None, None)
+    assert rebuilt(fl(True, said(0, lost_steps=(9, 9), rebuilt_from="peer-copies"),
+                      said(1, "left"),
+                      said(2, "aborted", lost_steps=(1, 2), rebuilt_from="checkpoint"))) == (
+        (9, 9), "peer-copies")
+    assert rebuilt(fl(True, said(0, rebuilt_from="checkpoint"))) == (None, "checkpoint")
+    assert rebuilt(fl(True, said(0, lost_steps=(9, 9), rebuilt_from="peer-copies"),
+                      said(1, lost_steps=(7, 9), rebuilt_from="peer-copies"))) == (
+        (7, 9), "peer-copies")
+    got = settle(fl(True, said(0, lost_steps=(7, 9), rebuilt_from="checkpoint"), said(1),
+                    said(2)), 102.0, TIMEOUT).outcome
+    assert got == Commit(0.0, 0.0, (7, 9), "checkpoint")
+
+
+TOPO = Topology(gpus_per_node=4)
+
+
+def test_a_loss_with_a_surviving_replica_plans_around_it():
+    old = Layout(ParallelConfig(2, 1, 2), (0, 1, 2, 3))
+    plan, rebuild = plan_resize(PRESETS["tiny"], old, ParallelConfig(1, 1, 2), [0, 1], TOPO,
+                                lost=[3], lost_devices="n0:3", can_rebuild=False)
+    assert not rebuild and plan.new.config == ParallelConfig(1, 1, 2)
+    assert 3 not in set(plan.messages.src.tolist())
+
+
+def test_state_only_the_lost_held_is_rebuilt_or_stops_the_job():
+    """dp=1: the lost device's layers have no replica. With peer copies or checkpoints the
+    plan is the full one (a survivor stands in for the lost rank); without, the job stops
+    naming the devices and the flags that would have kept it."""
+    old = Layout(ParallelConfig(1, 1, 2), (0, 1))
+    plan, rebuild = plan_resize(PRESETS["tiny"], old, ParallelConfig(1, 1, 1), [0], TOPO,
+                                lost=[1], lost_devices="n0:1", can_rebuild=True)
+    assert rebuild and plan.new.devices == (0,)
+    assert 1 in set(plan.messages.src.tolist())  # planned as if rank 1 were there
+    with pytest.raises(JobStopped, match=r"devices n0:1 failed .* --peer-copy-every N"):
+        plan_resize(PRESETS["tiny"], old, ParallelConfig(1, 1, 1), [0], TOPO, lost=[1],
+                    lost_devices="n0:1", can_rebuild=False)
