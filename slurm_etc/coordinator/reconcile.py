@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from slurm_etc.alloc.topology import Device
 from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
@@ -87,7 +86,7 @@ class InflightResize:
     """A resize ordered and not yet settled."""
 
     order: Resize
-    plan: Any
+    plan: MigrationPlan
     migration_id: int
     participants: set[int]
     joiners: set[int]

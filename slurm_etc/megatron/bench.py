@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
@@ -93,8 +94,9 @@ def bench_migrate(tr: Transition, *, repeat: int = 1, seed: int = 1234, steps: i
     return summary
 
 
-def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: int, gb: int,
-                    staging_bytes: int | None, p2p_bytes: int, progress: Progress, tag: str,
+def _bench_in_place(tr: Transition, plan: MigrationPlan, *, seed: int, steps: int, seq: int,
+                    gb: int, staging_bytes: int | None, p2p_bytes: int, progress: Progress,
+                    tag: str,
                     log_level: int) -> tuple[dict, Sequence[dict | None] | None]:
     """One run of the in-place path; returns its numbers and the new state's digests."""
     tag = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
@@ -136,8 +138,8 @@ def _bench_in_place(tr: Transition, plan: Any, *, seed: int, steps: int, seq: in
 COLD_STARTS = ("all_at_once", "per_process_core")
 
 
-def _bench_checkpoint(tr: Transition, plan: Any, *, seed: int, steps: int, seq: int, gb: int,
-                      progress: Progress, workdir: str | None, digests: Any, tag: str,
+def _bench_checkpoint(tr: Transition, plan: MigrationPlan, *, seed: int, steps: int, seq: int,
+                      gb: int, progress: Progress, workdir: str | None, digests: Any, tag: str,
                       log_level: int) -> dict:
     """One run of the checkpoint path: save, stop, fresh processes, build, load.
 
@@ -238,7 +240,8 @@ def checkpoint_spans(save: dict, all_at_once: dict, per_process_core: dict) -> d
     }
 
 
-def _same_digests(plan: Any, etc: Sequence[dict | None], fresh: Sequence[dict | None]) -> bool:
+def _same_digests(plan: MigrationPlan, etc: Sequence[dict | None],
+                  fresh: Sequence[dict | None]) -> bool:
     """The in-place state of new rank r (on its device) equals the checkpoint-loaded one of
     new rank r (fresh worker r)."""
     for new_rank, device in enumerate(plan.new.devices):
@@ -261,7 +264,7 @@ def pause_phases(seconds: Sequence[dict]) -> list[str]:
     return names
 
 
-def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
+def _etc_numbers(plan: MigrationPlan, resized: Sequence[dict | None]) -> dict:
     parts = [r for r in resized if r]
     stats = [r["stats"] for r in parts]
     names = pause_phases([r["seconds"] for r in parts])
@@ -298,7 +301,7 @@ def _etc_numbers(plan: Any, resized: Sequence[dict | None]) -> dict:
             "per_rank": per_rank}
 
 
-def _bench_summary(tr: Transition, plan: Any, runs: list[dict]) -> dict:
+def _bench_summary(tr: Transition, plan: MigrationPlan, runs: list[dict]) -> dict:
     def med(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None

@@ -23,6 +23,7 @@ import torch
 from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
+from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.protocol.rendezvous import installing, migration_group_prefix
 
 from ..errors import InternalError
@@ -69,7 +70,7 @@ class PreparedResize:
             (:mod:`.placement`; given back if the resize aborts).
     """
 
-    plan: Any
+    plan: MigrationPlan
     device: int
     store: Any
     tag: str
@@ -86,7 +87,7 @@ class PreparedResize:
     placed: Placed | None = None
 
 
-def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
+def prepare_resize(plan: MigrationPlan, device: int, store: Any, *, tag: str, options: Any = None,
                    group_timeout_s: float = 300.0, prefault: bool = True, world: bool = False,
                    build_new: Callable[[ParallelConfig], TrainingState] | None = None,
                    state: TrainingState | None = None) -> PreparedResize:
@@ -132,7 +133,7 @@ def prepare_resize(plan: Any, device: int, store: Any, *, tag: str, options: Any
     return prepared
 
 
-def _connect(plan: Any, device: int, store: Any, tag: str, options: Any,
+def _connect(plan: MigrationPlan, device: int, store: Any, tag: str, options: Any,
              group_timeout_s: float, prefault: bool) -> PreparedResize:
     """The migration group, the program, the staging buffers (no destinations yet)."""
     import torch.distributed as dist
@@ -188,7 +189,7 @@ def _allocate(prepared: PreparedResize, prefault: bool) -> None:
     prepared.seconds["allocate"] += time.perf_counter() - t
 
 
-def prepare_transfer(plan: Any, device: int, store: Any, *, tag: str, options: Any = None,
+def prepare_transfer(plan: MigrationPlan, device: int, store: Any, *, tag: str, options: Any = None,
                      group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
     """The part of :func:`prepare_resize` that touches no global state (the migration
     group's own gloo backends, the program, the staging buffers; on a process outside the
@@ -274,7 +275,7 @@ def finish_new_world(prepared: PreparedResize, *, build_new: Callable[[ParallelC
         seconds["place"] = time.perf_counter() - t
 
 
-def _place(state: TrainingState, plan: Any, program: Any, receive: Destinations,
+def _place(state: TrainingState, plan: MigrationPlan, program: Any, receive: Destinations,
            new_world: Any, group: Any) -> Placed:
     """The old state that stays here, moved into the prepared world (all of it given back,
     the world and the group dropped, if that fails)."""

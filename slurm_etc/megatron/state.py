@@ -41,6 +41,7 @@ from slurm_etc.migrate.shards import LocalShard, shard_specs
 from slurm_etc.plan.catalog import TIED_SUFFIX, Catalog
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import ModelDesc
+from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.plan.regions import region_table
 
 from ..errors import InternalError
@@ -681,14 +682,15 @@ def rng_source(old: ParallelConfig, new: ParallelConfig, new_rank: int,
                      f"lost (old ranks {sorted(lost_ranks)}): no generator to continue")
 
 
-def plan_rng_source(plan: Any, new_rank: int) -> int:
+def plan_rng_source(plan: MigrationPlan, new_rank: int) -> int:
     """:func:`rng_source` of a new rank of ``plan``, around the plan's lost devices."""
     return rng_source(plan.old.config, plan.new.config, new_rank,
                       plan.catalog.model.num_layers,
                       lost_ranks=frozenset(getattr(plan, "lost_old_ranks", ())))
 
 
-def exchange_resume_state(plan: Any, transport: Any, device: int, local: ResumeState | None,
+def exchange_resume_state(plan: MigrationPlan, transport: Any, device: int,
+                          local: ResumeState | None,
                           timeout_s: float = 120.0) -> ResumeState | None:
     """Share step and RNG over the migration group; returns this process's new ResumeState.
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_etc.migrate.shards import LocalShard, box3
+from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.protocol.values import decode_value, encode_value
 
 logger = logging.getLogger(__name__)
@@ -266,8 +267,8 @@ def own_client(store: Any, timeout_s: float) -> Any:
     return store
 
 
-def stand_in(snap: Snapshot, *, plan: Any, device: int, store: Any, tag: str, options: Any,
-             timeout_s: float) -> None:
+def stand_in(snap: Snapshot, *, plan: MigrationPlan, device: int, store: Any, tag: str,
+             options: Any, timeout_s: float) -> None:
     """Take part in ``plan``'s migration as the lost old rank on ``device``, from its peer
     copy: connect the migration group, exchange step and RNG, send its shards, vote, leave.
     """

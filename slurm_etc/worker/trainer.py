@@ -56,7 +56,7 @@ from slurm_etc.megatron.live import check_catalog, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
 from slurm_etc.megatron.state import sub_optimizers
 from slurm_etc.migrate.faults import KillSpec
-from slurm_etc.plan import Layout, ParallelConfig, Topology, plan_migration
+from slurm_etc.plan import Layout, MigrationPlan, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
@@ -756,7 +756,7 @@ class ElasticTrainer:
             raise
         return self._pause(order, plan, prepared, catalog, t0, began)
 
-    def _pause(self, order: Resize, plan: Any, prepared: Any, catalog: Catalog | None,
+    def _pause(self, order: Resize, plan: MigrationPlan, prepared: Any, catalog: Catalog | None,
                t0: float, began: float) -> str:
         """The resize's pause on this process, its preparation done: the data phase, the
         commit vote, the switch; "left" if this process is not in the new layout."""
@@ -815,7 +815,7 @@ class ElasticTrainer:
                 and self.state is not None and not order.lost and self._held is None
                 and proc.vrank in order.old.devices)
 
-    def _start_preparation(self, order: Resize, plan: Any, options: Any) -> None:
+    def _start_preparation(self, order: Resize, plan: MigrationPlan, options: Any) -> None:
         """Start preparing the resize beside training: the migration group, the program
         and the staging buffers in a thread (collectives on the migration group's own gloo
         backends only: none on a group the training thread uses); the new world is built
@@ -993,7 +993,7 @@ class ElasticTrainer:
         p = self._pending
         return isinstance(p, Resize) and bool(p.lost) and p.old.layout() == new
 
-    def _hold(self, err: Any, order: Resize, old: Layout, new: Layout, plan: Any) -> None:
+    def _hold(self, err: Any, order: Resize, old: Layout, new: Layout, plan: MigrationPlan) -> None:
         """The migration committed but a new rank died before installing: keep this rank's
         committed shards for the resize that names the dead (no training meanwhile)."""
         proc = self._proc()
@@ -1009,7 +1009,8 @@ class ElasticTrainer:
         self.layout, self.generation, self._attempt = new, order.generation, 0
         self.catalog = build_catalog(plan.catalog.model, new.config)
 
-    def _plan(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout) -> Any:
+    def _plan(self, order: Resize, keys: GenerationKeys, old: Layout,
+              new: Layout) -> MigrationPlan:
         catalog = self._catalog_for(keys, old)
         proc = self._proc()
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
@@ -1072,7 +1073,8 @@ class ElasticTrainer:
                                  sub.grad_scaler.state_dict()
                                  for sub in sub_optimizers(state.optimizer)]}
 
-    def _adopt_extras(self, keys: GenerationKeys, old: Layout, new: Layout, plan: Any) -> None:
+    def _adopt_extras(self, keys: GenerationKeys, old: Layout, new: Layout,
+                      plan: MigrationPlan) -> None:
         proc = self._proc()
         self._restore_trainer_state(decode_value(proc.store.get(keys.trainer)))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
@@ -1216,7 +1218,7 @@ class ElasticTrainer:
         return newest_checkpoint(str(self.checkpoint_dir))
 
     def _rebuild_lost(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout,
-                      err: StateLostError) -> Any:
+                      err: StateLostError) -> MigrationPlan | str:
         """No survivor replicates what the lost devices held. Survivors agree on what they
         can roll back to: peer copies (returns the plan, every survivor rolled back, stand-ins
         started) or the last periodic checkpoint (loaded here: returns "stay" / "left").
@@ -1260,7 +1262,7 @@ class ElasticTrainer:
 
     def _roll_back_to_copies(self, order: Resize, keys: GenerationKeys, old: Layout, new: Layout,
                              back: int, last: int, lost_ranks: list[int],
-                             copies: dict[int, dict]) -> Any:
+                             copies: dict[int, dict]) -> MigrationPlan:
         """Restore this rank's snapshot of step ``back`` (state, RNG, data position), plan
         the resize as if the lost ranks were there, and start a stand-in for each lost rank
         whose copy this rank keeps (the lowest surviving holder stands in)."""
@@ -1443,7 +1445,8 @@ class ElasticTrainer:
 
 @lru_cache(maxsize=16)
 def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple[int, ...],
-          topology: Topology, keep_tp_in_node: bool, lost: tuple[int, ...] = ()) -> Any:
+          topology: Topology, keep_tp_in_node: bool, lost: tuple[int, ...] = ()
+          ) -> MigrationPlan:
     return plan_migration(catalog.model, old, new_config, pool, topology,
                           keep_tp_in_node=keep_tp_in_node, catalog=catalog,
                           **({"lost": lost} if lost else {}))
@@ -1461,7 +1464,7 @@ class _Preparation:
     boundaries, then the pause."""
 
     order: Resize
-    plan: Any
+    plan: MigrationPlan
     started: float
     thread: Any = None
     prepared: Any = None
@@ -1473,7 +1476,7 @@ class _Preparation:
     world_s: float = 0.0
 
 
-def _rng_source(old: Layout, new: Layout, new_rank: int, plan: Any, lost: frozenset[int]
+def _rng_source(old: Layout, new: Layout, new_rank: int, plan: MigrationPlan, lost: frozenset[int]
                 ) -> int:
     """The old rank whose RNG extras ``new_rank`` continues (a survivor's)."""
     from slurm_etc.megatron.state import rng_source
