@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.coordinator.events import script_from_dict
-from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import script_from_dict
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
 

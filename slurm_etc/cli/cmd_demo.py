@@ -1,4 +1,4 @@
-"""`slurm-etc demo`: the README's first command (see slurm_etc/coordinator/demo.py)."""
+"""`slurm-etc demo`: the README's first command (see slurm_etc/local/demo.py)."""
 from __future__ import annotations
 
 import logging
@@ -81,9 +81,9 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
             KillSpec.parse(inject)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--inject") from None
-    from ..coordinator.demo import Timeline, demo_script, demo_spec, timeline_png
-    from ..coordinator.local_backend import LocalBackend
     from ..coordinator.run import run_job
+    from ..local.backend import LocalBackend
+    from ..local.demo import Timeline, demo_script, demo_spec, timeline_png
     from ..store import jobs as record
     from ..store.db import open_store_readonly
     from .cmd_status import job_view, output_console

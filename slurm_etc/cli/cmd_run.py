@@ -212,7 +212,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                     distributed_optimizer)  # checks the batch
     script = None
     if backend == "local":  # every input checked before anything is created or opened
-        from ..coordinator.events import ScriptError, load_script, script_from_options
+        from ..local.script import ScriptError, load_script, script_from_options
 
         if not events_file:
             # the local backend runs a process per device it holds, all on this host
@@ -228,7 +228,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                                 keep_checkpoints)
     policy = job_policy(policy_partition, account, policy_db)
     if script is not None:
-        from ..coordinator.local_backend import LocalBackend
+        from ..local.backend import LocalBackend
 
         be = LocalBackend(script)
         topology = be.topology

@@ -1,11 +1,15 @@
 """The coordinator of one elastic job and the pieces its reconcile loop is built from.
 
-* :mod:`.channel`: the authenticated control channel to the workers (orders, rendezvous,
-  reports) and the job's secret file;
-* :mod:`.backend`: the backend seam (events in, actions out, the ``Backend`` protocol);
-* :mod:`.events`: the local backend's events script (schema, validation, pure state);
-* :mod:`.local_backend`: workers as local processes on simulated nodes;
-* :mod:`.env`: the environment variables a launched worker is given.
+* :mod:`.loop`: the reconcile loop (observe the backend and the workers, decide, act);
+* :mod:`.reconcile`: its decisions on a resize (planning, settlement) as pure functions;
+* :mod:`.journal`: the job's record written in order, off the loop's thread;
+* :mod:`.pause`: the pause each resize cost, measured from the workers' step times;
+* :mod:`.backend`: the backend seam (events in, actions out, the ``Backend`` protocol, the
+  stop -> grace -> kill escalation both backends share); :mod:`.processes`: the worker
+  processes a backend started or adopted after a restart;
+* :mod:`.run`: one job's coordinator around a backend (record, secret, channel, store).
 
-Nothing is imported here, so that a worker importing the channel does not pay for the rest.
+The backends are beside it: :mod:`slurm_etc.local` (processes on this machine, scripted
+resource events, the demo) and :mod:`slurm_etc.slurm` (member allocations, ``srun``).
+Nothing is imported here, so that importing one piece does not pay for the rest.
 """

@@ -6,7 +6,7 @@ without a grant); actions go out (:class:`RequestNodes`,
 :class:`ReleaseDevices`, :class:`LaunchWorkers`, :class:`StopWorkers`). All are plain frozen
 dataclasses: the reconcile loop, the store and the tests build and compare them without any
 I/O. A :class:`Backend` turns actions into processes and allocations: the local backend
-(:mod:`slurm_etc.coordinator.local_backend`, processes on this machine and scripted events)
+(:mod:`slurm_etc.local.backend`, processes on this machine and scripted events)
 and the Slurm backend (member allocations, ``srun``) implement the same protocol.
 
 How the reconcile loop (:mod:`.loop`) uses a backend (the loop stays in control; nothing

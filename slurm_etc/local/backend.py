@@ -1,5 +1,5 @@
 """The local backend: workers as processes on this machine, grouped into simulated nodes,
-with resource events from a script (:mod:`slurm_etc.coordinator.events`).
+with resource events from a script (:mod:`slurm_etc.local.script`).
 
 It implements :class:`~slurm_etc.coordinator.backend.Backend`. ``launch`` starts one process
 per worker (``subprocess.Popen`` of the launch's argv, in a session of its own, with the
@@ -36,8 +36,7 @@ from typing import IO
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
 
-from ..protocol import env as envvars
-from .backend import (
+from ..coordinator.backend import (
     BackendError,
     BackendEvent,
     CancelRequest,
@@ -50,8 +49,9 @@ from .backend import (
     WorkerExited,
     WorkerState,
 )
-from .events import EventsScript, ScriptedResources, load_script
-from .processes import AdoptedProcess, process_start
+from ..coordinator.processes import AdoptedProcess, process_start
+from ..protocol import env as envvars
+from .script import EventsScript, ScriptedResources, load_script
 
 logger = logging.getLogger(__name__)
 

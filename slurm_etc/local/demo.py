@@ -20,8 +20,8 @@ from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.testing.hooks import INJECT_ENV
 
-from .events import EventsScript, script_from_dict
-from .loop import JobSpec
+from ..coordinator.loop import JobSpec
+from .script import EventsScript, script_from_dict
 
 # CPU "devices": compute dominates, so more devices train faster (the chooser grows).
 DEMO_HARDWARE = Hardware(gpus_per_node=2, memory_gib=2.0, tflops=0.01, intra_node_gbps=10.0,
@@ -60,7 +60,7 @@ def demo_script(steps: int, grace_s: float = 60.0, *, settled_steps: bool = Fals
                 parts: int = 6) -> EventsScript:
     """The scripted cluster of the demo: four events at 1, 2, 3 and 4 ``parts`` of ``steps``
     (``settled_steps``: counted in steps trained while settled, so the steps trained through
-    a grow's warm-up move the later events back; see :mod:`~slurm_etc.coordinator.events`)."""
+    a grow's warm-up move the later events back; see :mod:`~slurm_etc.local.script`)."""
     q = max(steps // parts, 2)
     return script_from_dict({
         "nodes": 3, "gpus_per_node": 2, "initial_nodes": 1, "grace_s": grace_s,

@@ -63,8 +63,8 @@ import msgspec
 from slurm_etc import bounds
 from slurm_etc.alloc.topology import ClusterTopology, Device
 
+from ..coordinator.backend import BackendEvent, Grant, Loss, PreemptNotice
 from ..errors import InputError
-from .backend import BackendEvent, Grant, Loss, PreemptNotice
 
 logger = logging.getLogger(__name__)
 

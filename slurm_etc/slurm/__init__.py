@@ -1,4 +1,6 @@
-"""Slurm adapter: pure command builders (:mod:`.commands`), pure parsers (:mod:`.parsers`),
+"""Slurm adapter and the Slurm backend (:mod:`.backend`, beside the local one in
+:mod:`slurm_etc.local`; :mod:`.member` and :mod:`.task` are the scripts it submits and runs).
+Pure command builders (:mod:`.commands`), pure parsers (:mod:`.parsers`),
 one runner (:mod:`.runner`) and the :class:`SlurmClient` protocol with its command-line
 implementation (:mod:`.client`). Slurm states map to :class:`SlurmJobState`/:class:`NodeState`
 by tables in :mod:`.model`.

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import pytest
 
-from slurm_etc.coordinator.demo import demo_script, demo_spec
-from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.local.demo import demo_script, demo_spec
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS

@@ -1,4 +1,4 @@
-"""The demo's job (``slurm_etc.coordinator.demo.demo_spec``: the preset worker, the local
+"""The demo's job (``slurm_etc.local.demo.demo_spec``: the preset worker, the local
 backend, the coordinator, its SQLite record, ``SLURM_ETC_INJECT``) with a worker killed
 before it sends, where the retried resize lands on the two new devices only and the next
 resize brings the anchor's vrank 0 back while its old process, which left the job at the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.coordinator.demo import demo_spec
-from slurm_etc.coordinator.events import script_from_dict
-from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.local.demo import demo_spec
+from slurm_etc.local.script import script_from_dict
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS

@@ -31,9 +31,9 @@ from dataclasses import replace
 
 import pytest
 
-from slurm_etc.coordinator.demo import demo_spec
-from slurm_etc.coordinator.events import script_from_dict
-from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.local.demo import demo_spec
+from slurm_etc.local.script import script_from_dict
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS

@@ -34,8 +34,8 @@ from click.testing import CliRunner
 from slurm_etc.alloc.topology import Device
 from slurm_etc.cli.main import cli
 from slurm_etc.coordinator.backend import LaunchWorkers, WorkerExited, WorkerSpec
-from slurm_etc.coordinator.events import parse_script
-from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import parse_script
 from slurm_etc.protocol.channel import create_secret
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store

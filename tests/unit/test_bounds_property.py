@@ -35,7 +35,7 @@ from click.testing import CliRunner
 from slurm_etc import bounds
 from slurm_etc.cli import params
 from slurm_etc.cli.main import cli
-from slurm_etc.coordinator.events import EVENT_BOUNDS, SCRIPT_BOUNDS, EventSpec, ScriptSpec
+from slurm_etc.local.script import EVENT_BOUNDS, SCRIPT_BOUNDS, EventSpec, ScriptSpec
 from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
 from slurm_etc.policy.admin import AdminVerdict
 from slurm_etc.policy.rules import FIELDS, POLICY_BOUNDS

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from slurm_etc.alloc.chooser import TrainingJob
-from slurm_etc.coordinator.demo import DEMO_HARDWARE
-from slurm_etc.coordinator.events import script_from_options
-from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.demo import DEMO_HARDWARE
+from slurm_etc.local.script import script_from_options
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record

@@ -184,8 +184,10 @@ def test_runtime_reads_no_injection_or_plant_switch():
 
 # package -> packages of slurm_etc it must not import (module level or inside functions)
 LAYERS = {
-    "coordinator": {"worker", "megatron", "pool"},
-    "worker": {"coordinator"},
+    "coordinator": {"worker", "megatron", "pool", "local", "slurm"},
+    "local": {"worker", "megatron", "pool", "slurm"},
+    "slurm": {"worker", "megatron", "pool", "local"},
+    "worker": {"coordinator", "local", "slurm"},
     "protocol": {"coordinator", "worker", "megatron", "pool", "migrate", "cli"},
     "plan": {"coordinator", "worker", "protocol", "store", "megatron", "migrate", "slurm"},
 }
@@ -213,9 +215,10 @@ def _imported_packages(source: str, package: str) -> set[str]:
 
 
 def test_the_layers_import_along_the_architecture():
-    """The coordinator does not import the worker (nor megatron, nor the pool), the worker not the
-    coordinator; both share slurm_etc/protocol, which imports neither. Planted: a relative
-    import of the worker from the coordinator is caught."""
+    """The coordinator does not import the worker (nor megatron, nor the pool) nor a backend,
+    the worker not the coordinator; both share slurm_etc/protocol, which imports neither; the
+    local and Slurm backends import the coordinator's seam, not each other. Planted: a
+    relative import of the worker from the coordinator is caught."""
     assert _imported_packages("from ..worker.trainer import x\n", "coordinator") == {"worker"}
     assert _imported_packages("from .loop import x\n", "coordinator") == {"coordinator"}
     root = Path(slurm_etc.__file__).parent

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from slurm_etc import bounds
 from slurm_etc.cli.cmd_plan import MAX_NODES, _node_list
-from slurm_etc.coordinator.events import ScriptError, parse_script
+from slurm_etc.local.script import ScriptError, parse_script
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc

@@ -32,14 +32,14 @@ from slurm_etc.coordinator.backend import (
     WorkerSpec,
     perform,
 )
-from slurm_etc.coordinator.events import (
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import (
     ScriptedResources,
     ScriptError,
     load_script,
     parse_script,
     script_from_options,
 )
-from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.protocol import env as envvars
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

@@ -23,11 +23,11 @@ import pytest
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator.backend import UNKNOWN_EXIT, StopWorkers, WorkerExited, WorkerState
-from slurm_etc.coordinator.demo import DEMO_HARDWARE
-from slurm_etc.coordinator.events import script_from_options
-from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.loop import Coordinator
 from slurm_etc.coordinator.processes import process_start
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.demo import DEMO_HARDWARE
+from slurm_etc.local.script import script_from_options
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel

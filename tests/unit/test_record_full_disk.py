@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.coordinator.events import script_from_options
-from slurm_etc.coordinator.local_backend import LocalBackend
 from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import script_from_options
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store.location import snapshot_path

@@ -15,8 +15,8 @@ import pytest
 
 from slurm_etc.alloc.topology import Device
 from slurm_etc.coordinator.backend import LaunchWorkers, WorkerSpec
-from slurm_etc.coordinator.events import script_from_options
-from slurm_etc.coordinator.local_backend import LocalBackend
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import script_from_options
 from slurm_etc.protocol import env as envvars
 from slurm_etc.slurm import backend as slurm_backend
 from slurm_etc.slurm.backend import SlurmBackend
