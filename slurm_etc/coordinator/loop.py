@@ -632,8 +632,7 @@ class Coordinator:
         it is stopped and handled as one that exited before joining."""
         now = time.monotonic()
         self._ready_deadline(now)
-        late = sorted(v for v, (_g, at) in self.unjoined.items()
-                      if now - at > self.spec.join_timeout_s)
+        late = reconcile.late_to_join(self.unjoined, now, self.spec.join_timeout_s)
         if not late:
             return
         workers = self.backend.workers()
@@ -653,11 +652,9 @@ class Coordinator:
         timeout of their launch: stopped, their devices counted as failed, and the resize
         (its old layout never ordered) is replanned without them (see _settle)."""
         fl = self.inflight
-        if fl is None or fl.sent_at or not self.spec.order_after_joined or \
-                now - fl.started <= self.spec.join_timeout_s:
-            return
-        late = sorted(fl.joiners - fl.ready - fl.dead - set(self.unjoined))
-        if not late:
+        late = reconcile.late_to_be_ready(fl, self.unjoined, now, self.spec.join_timeout_s,
+                                          self.spec.order_after_joined)
+        if fl is None or not late:
             return
         perform(self.backend, StopWorkers(tuple(late), 5.0, "it was never ready"))
         for v in late:
@@ -674,7 +671,7 @@ class Coordinator:
         ordered yet, nobody paused): the grow is given up at once, its joiners stopped, and
         the next decision plans from what the job holds now (a shrink needs no joiner)."""
         fl = self.inflight
-        if fl is None or fl.sent_at or not fl.joiners:
+        if fl is None or not reconcile.warming_up(fl):
             return
         why = "superseded by a preemption notice or a loss during its joiners' warm-up"
         self.journal.write(record.record_migration_finish, fl.migration_id,

@@ -6,6 +6,10 @@ it, tells the workers, stops the idle). No I/O here, no clock: the caller passes
 (``time.monotonic()`` seconds, the clock of ``started`` and ``sent_at``). Unit tests call
 these directly (tests/unit/test_reconcile.py).
 
+``late_to_join(...)`` and ``late_to_be_ready(...)`` name the joiners given up (no Hello, or
+no Ready, within the join timeout of their launch); ``warming_up(resize)`` says whether a
+grow's joiners still warm up with nobody paused (a notice or a loss then supersedes it).
+
 ``plan_resize(...)`` plans the next resize, with the fallback for state lost with a device:
 a plan that cannot be kept from surviving replicas (``StateLostError``) is planned again as a
 rebuild from peer copies or a checkpoint when the job has either, else the job stops.
@@ -27,7 +31,7 @@ The settlement's rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slurm_etc.alloc.topology import Device
@@ -163,6 +167,28 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
         pause_s=max((r.pause_seconds for r in resize.reports.values()), default=0.0),
         data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
         lost_steps=lost_steps, rebuilt_from=rebuilt_from))
+
+
+def late_to_join(unjoined: Mapping[int, tuple[int, float]], now: float,
+                 join_timeout_s: float) -> list[int]:
+    """Launched workers (vrank -> (generation, launched at)) that have not said Hello within
+    the join timeout: they never join."""
+    return sorted(v for v, (_g, at) in unjoined.items() if now - at > join_timeout_s)
+
+
+def warming_up(resize: InflightResize | None) -> bool:
+    """A grow whose joiners warm up while the old layout trains: not ordered, nobody paused."""
+    return resize is not None and not resize.sent_at and bool(resize.joiners)
+
+
+def late_to_be_ready(resize: InflightResize | None, unjoined: Collection[int], now: float,
+                     join_timeout_s: float, order_after_joined: bool) -> list[int]:
+    """Joiners of the grow in flight that said Hello but not Ready within the join timeout
+    of their launch (its old layout not ordered yet): given up, the grow replanned."""
+    if resize is None or resize.sent_at or not order_after_joined or \
+            now - resize.started <= join_timeout_s:
+        return []
+    return sorted(resize.joiners - resize.ready - resize.dead - set(unjoined))
 
 
 def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]:

@@ -11,9 +11,12 @@ from slurm_etc.coordinator.reconcile import (
     InflightResize,
     JobStopped,
     Wait,
+    late_to_be_ready,
+    late_to_join,
     plan_resize,
     rebuilt,
     settle,
+    warming_up,
 )
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
 from slurm_etc.protocol.messages import LayoutSpec, Resize, Resized
@@ -135,3 +138,28 @@ def test_state_only_the_lost_held_is_rebuilt_or_stops_the_job():
     with pytest.raises(JobStopped, match=r"devices n0:1 failed .* --peer-copy-every N"):
         plan_resize(PRESETS["tiny"], old, ParallelConfig(1, 1, 1), [0], TOPO, lost=[1],
                     lost_devices="n0:1", can_rebuild=False)
+
+
+def test_joiners_are_given_up_past_the_join_timeout_of_their_launch():
+    unjoined = {2: (1, 100.0), 3: (1, 130.0)}  # vrank -> (generation, launched at)
+    assert late_to_join(unjoined, 150.0, 60.0) == []
+    assert late_to_join(unjoined, 161.0, 60.0) == [2]
+    assert late_to_join(unjoined, 191.0, 60.0) == [2, 3]
+
+
+def test_hello_without_ready_is_late_only_while_the_old_layout_is_not_ordered():
+    fl = resize(joiners=(2, 3), sent_at=0.0, ready={3})
+    assert late_to_be_ready(fl, set(), 159.0, 60.0, True) == []  # within the timeout
+    assert late_to_be_ready(fl, set(), 161.0, 60.0, True) == [2]
+    assert late_to_be_ready(fl, {2}, 161.0, 60.0, True) == []  # no Hello yet: late_to_join's
+    assert late_to_be_ready(fl, set(), 161.0, 60.0, False) == []  # ordered at once: no wait
+    fl.sent_at = 150.0  # ordered: the settlement's business now
+    assert late_to_be_ready(fl, set(), 161.0, 60.0, True) == []
+    assert late_to_be_ready(None, set(), 161.0, 60.0, True) == []
+
+
+def test_only_a_grow_not_yet_ordered_is_warming_up():
+    assert warming_up(resize(sent_at=0.0))
+    assert not warming_up(resize(sent_at=101.0))  # ordered: somebody may be paused
+    assert not warming_up(resize(joiners=(), sent_at=0.0))  # a shrink has no joiner
+    assert not warming_up(None)
