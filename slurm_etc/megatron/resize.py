@@ -24,7 +24,11 @@ from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.plan import MigrationPlan
-from slurm_etc.protocol.rendezvous import installing, migration_group_prefix
+from slurm_etc.protocol.rendezvous import (
+    installing,
+    migration_group_prefix,
+    train_group_prefix,
+)
 
 from ..errors import InternalError
 from .build import TrainingState
@@ -229,7 +233,7 @@ def start_new_world(prepared: PreparedResize) -> None:
     try:
         prepared.world = start_world(prepared.plan.new.config,
                                      prepared.plan.new.devices.index(prepared.device),
-                                     dist.PrefixStore(f"{prepared.tag}/train",
+                                     dist.PrefixStore(train_group_prefix(prepared.tag),
                                                       prepared.store),
                                      name=prepared.tag, timeout_s=prepared.group_timeout_s)
     except BaseException:
@@ -431,7 +435,7 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         cfg = plan.new.config
         if install_wait is not None:
             _wait_for_new_ranks(prepared, result, new_resume, install_wait)
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"{prepared.tag}/train",
+        dist.init_process_group("gloo", store=dist.PrefixStore(train_group_prefix(prepared.tag),
                                                                prepared.store),
                                 rank=result.new_rank, world_size=cfg.world,
                                 timeout=_timedelta(prepared.group_timeout_s))

@@ -30,7 +30,7 @@ class GenerationKeys:
     @property
     def train_group(self) -> str:
         """The training process group's rendezvous prefix."""
-        return f"{self.prefix}/train"
+        return train_group_prefix(self.prefix)
 
     def agreement(self, attempt: int, step: int, rank: int) -> str:
         """Rank ``rank``'s vote on step ``step`` (attempt > 0: after an aborted resize)."""
@@ -66,6 +66,11 @@ class GenerationKeys:
 
 
 # Below a resize's tag (a generation's prefix in a job; any tag in the verify/bench harness):
+def train_group_prefix(tag: str) -> str:
+    """The new layout's training process group's rendezvous prefix."""
+    return f"{tag}/train"
+
+
 def migration_group_prefix(tag: str) -> str:
     """The migration process group's rendezvous prefix."""
     return f"{tag}/migrate"
