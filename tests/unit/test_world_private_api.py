@@ -9,6 +9,7 @@ collective and a ``new_group`` inside it, retired and shut down.
 from __future__ import annotations
 
 import inspect
+import time
 from datetime import timedelta
 
 import pytest
@@ -59,3 +60,25 @@ def test_world_group_without_default_group(no_default_group):
     world._retire(sub)
     assert sub not in c10d._world.pg_map and world._RETIRED == [sub]
     assert world.shutdown_retired() == 1 and world._RETIRED == []
+
+
+def test_retired_groups_are_shut_down_off_the_calling_thread():
+    """A switch leaves the old groups' shutdown (2 ms per gloo group) to a thread of its
+    own; wait_retired joins it, and the next start of a world finds nothing left."""
+    import threading
+
+    ran_on: list[str] = []
+
+    class Retired:
+        def shutdown(self) -> None:
+            time.sleep(0.05)
+            ran_on.append(threading.current_thread().name)
+
+    world._RETIRED.extend([Retired(), Retired()])
+    t0 = time.perf_counter()
+    world.retire_in_background()
+    assert time.perf_counter() - t0 < 0.05  # the caller did not wait for them
+    assert world._RETIRED == []
+    world.wait_retired()
+    assert ran_on == ["slurm-etc-retire-groups"] * 2 and world._RETIRING is None
+    assert world.shutdown_retired() == 0
