@@ -25,6 +25,7 @@ from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.protocol.rendezvous import (
+    commit_decision,
     installing,
     migration_group_prefix,
     train_group_prefix,
@@ -405,7 +406,7 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                                    destinations=prepared.destinations, faults=faults,
                                    staging=prepared.staging,
                                    commit=CommitDecision(prepared.store,
-                                                         f"{prepared.tag}/commit"),
+                                                         commit_decision(prepared.tag)),
                                    agreed=True)
         committed = True
     finally:

@@ -143,9 +143,10 @@ class PreparedWorld:
         """Make this world the live one: ``W`` becomes the default group and megatron's
         globals the new world's; every other process group of this process (the old
         default group, megatron's old groups) is unregistered from torch and retired: its
-        backends are shut down on a thread of their own (:func:`retire_in_background`,
-        about 2 ms per gloo group, kept out of the pause and of the next step boundary).
-        Local, no communication."""
+        backends are shut down later: on a thread of their own once the new layout trains
+        (:func:`retire_in_background`, the trainer after its first step), else by the next
+        :func:`start_world` (about 2 ms per gloo group, kept out of the pause). Local, no
+        communication."""
         world = c10d._world
         mine = {id(g) for g in self.groups}
         c10d._update_default_pg(self.group)
@@ -153,7 +154,6 @@ class PreparedWorld:
             _retire(g)
         world.group_count = max(world.group_count, self.group_count)
         set_megatron_globals(self.megatron)
-        retire_in_background()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -222,10 +222,11 @@ def shutdown_retired() -> int:
 
 
 def retire_in_background() -> None:
-    """Shut the retired groups down on a daemon thread (about 2 ms per gloo group: megatron's
-    dozens of groups cost 0.05-0.1 s on 2 cores, which the step boundary that built the next
-    world used to wait for); :func:`wait_retired` joins it, and so does the interpreter's
-    exit."""
+    """Shut the retired groups down on a daemon thread, beside training (about 2 ms per gloo
+    group: megatron's dozens of groups cost 0.05-0.1 s on 2 cores, which the step boundary
+    that built the next world used to wait for; started inside the pause, it slowed the
+    switch and the first step's start instead); :func:`wait_retired` joins it, and so does
+    the interpreter's exit."""
     global _RETIRING
     wait_retired()
     if not _RETIRED:

@@ -79,3 +79,8 @@ def migration_group_prefix(tag: str) -> str:
 def installing(tag: str, new_rank: int) -> str:
     """New rank ``new_rank`` checked in to install the committed migration."""
     return f"{tag}/installing/{new_rank}"
+
+
+def commit_decision(tag: str) -> str:
+    """The resize's two-phase commit decision (set once: commit or abort)."""
+    return f"{tag}/commit"

@@ -97,12 +97,13 @@ from .redundancy import PeerCopies
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-# A planted bug for the node-loss oracle's self-test: peer copies one refresh stale.
 # A new rank that waits this long for its peers to install a committed layout reports the
 # commit at once: the coordinator can then settle it and name a peer that died meanwhile.
 EARLY_COMMIT_REPORT_S = 2.0
 # A rank waiting for its peers at the step agreement looks at its orders this often.
 AGREE_SLICE_S = 0.05
+# The phases of resize_in_place that the worker's "resized" line shows, in their order.
+PAUSE_PARTS = ("resume", "migrate", "train_group", "rebuild", "install", "switch")
 # A worker whose coordinator died says Hello this often until a restarted one answers.
 REJOIN_S = 1.0
 # Step times kept to compare the old layout's steps while a resize is prepared with before.
@@ -505,6 +506,11 @@ class ElasticTrainer:
                                     last, joined=self._ended_in is None,
                                     stalled=self._stalled))
         self._stalled = 0.0
+        # the old layout's groups, retired at the switch, are shut down beside the next
+        # steps: neither the pause nor a later step boundary waits for it
+        from slurm_etc.megatron.world import retire_in_background
+
+        retire_in_background()
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -767,7 +773,9 @@ class ElasticTrainer:
         old, new = order.old.layout(), order.new.layout()
         gen = order.generation
         keys = GenerationKeys(proc.job, gen)
+        t_publish = time.perf_counter()
         self._publish_extras(keys, old)
+        published_s = time.perf_counter() - t_publish
         faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
         early = _EarlyReport()
         held, self._held = self._held, None
@@ -796,13 +804,18 @@ class ElasticTrainer:
                          out.stats.get("data_seconds", 0.0), "", out.stats)
             return "left"
         self.layout = new
+        t_adopt = time.perf_counter()
         self._adopt_extras(keys, old, new, plan)
+        adopted_s = time.perf_counter() - t_adopt
         if not early.sent:
             self._record(order, "committed", plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
+        parts = ", ".join(f"{k} {out.seconds[k]:.3f}" for k in PAUSE_PARTS if k in out.seconds)
         self._log("resized %s -> %s: moved %.1f MiB (lower bound %.1f MiB), pause %.3f s, "
-                  "total %.3f s", old.config, new.config, plan.moved_bytes / 2**20,
-                  plan.lower_bound_moved_bytes / 2**20, pause, time.perf_counter() - t0)
+                  "total %.3f s (trainer state published %.3f, %s, data %.3f, trainer state "
+                  "adopted %.3f)", old.config, new.config, plan.moved_bytes / 2**20,
+                  plan.lower_bound_moved_bytes / 2**20, pause, time.perf_counter() - t0,
+                  published_s, parts, out.stats.get("data_seconds", 0.0), adopted_s)
         return "stay"
 
     def _prepares_while_training(self, order: Resize) -> bool:

@@ -23,7 +23,13 @@ import zmq
 from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.protocol.keys import curve_keys, make_client
 from slurm_etc.protocol.messages import Hello
-from slurm_etc.protocol.rendezvous import GenerationKeys, installing, migration_group_prefix
+from slurm_etc.protocol.rendezvous import (
+    GenerationKeys,
+    commit_decision,
+    installing,
+    migration_group_prefix,
+    train_group_prefix,
+)
 from slurm_etc.protocol.store import (
     Request,
     StoreClient,
@@ -135,7 +141,8 @@ def test_past_generations_are_retired(client: StoreClient, server: StoreServer) 
 def _every_key(g: GenerationKeys) -> list[str]:
     return [g.train_group + "/0", g.agreement(0, 5, 1), g.agreement(2, 5, 1),
             g.prepared(5, 0, 1), g.trainer, g.model, g.last_ended, g.rng(3), g.holdings(7),
-            migration_group_prefix(g.prefix) + "/rank_0", installing(g.prefix, 2)]
+            migration_group_prefix(g.prefix) + "/rank_0", installing(g.prefix, 2),
+            train_group_prefix(g.prefix) + "/1", commit_decision(g.prefix)]
 
 
 def test_every_key_workers_name_is_retired_with_its_generation(
