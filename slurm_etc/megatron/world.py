@@ -215,9 +215,14 @@ def shutdown_retired() -> int:
     """Shut down the backends of the groups retired by earlier switches (after the thread
     doing it, if one runs); how many this call shut down."""
     wait_retired()
-    n = len(_RETIRED)
+    return _shut_down_retired()
+
+
+def _shut_down_retired() -> int:
+    n = 0
     while _RETIRED:
         _RETIRED.pop().shutdown()
+        n += 1
     return n
 
 
@@ -229,17 +234,10 @@ def retire_in_background() -> None:
     the interpreter's exit."""
     global _RETIRING
     wait_retired()
-    if not _RETIRED:
-        return
-    retired = list(_RETIRED)
-    _RETIRED.clear()
-
-    def shut() -> None:
-        for pg in retired:
-            pg.shutdown()
-
-    _RETIRING = threading.Thread(target=shut, name="slurm-etc-retire-groups", daemon=True)
-    _RETIRING.start()
+    if _RETIRED:
+        _RETIRING = threading.Thread(target=_shut_down_retired, name="slurm-etc-retire-groups",
+                                     daemon=True)
+        _RETIRING.start()
 
 
 def wait_retired() -> None:
