@@ -64,10 +64,12 @@ def resizes_table(detail, timeline) -> Table:
               help="Directory for the record, worker logs and the timeline PNG.")
 @click.option("--model", "model_spec", default="tiny", show_default=True,
               type=Text(bounds.PATH_CHARS))
-@click.option("--steps", type=Number(bounds.STEPS, low=12), default=400, show_default=True,
-              help="Training steps in all (events at 1/10, 2/10, 3/10, 4/10 of them, counted "
-                   "in steps trained while no resize is in flight: the old layout trains "
-                   "on through a grow's warm-up, tens of steps here).")
+@click.option("--steps", type=Number(bounds.STEPS, low=12), default=200, show_default=True,
+              help="Steps trained while no resize is in flight: the events come at 1/5, "
+                   "2/5, 3/5 and 4/5 of them, training ends at the last. The old layout "
+                   "also trains on through each grow's warm-up (a hundred steps or more "
+                   "here), which these do not count; the workers train at most "
+                   "5 x this in all.")
 @click.option("--inject", metavar="WHERE", type=Text(),
               help="Kill a worker (SIGKILL) at this phase of the first resize: "
                    f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "
@@ -83,7 +85,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
             raise click.BadParameter(str(err), param_hint="--inject") from None
     from ..coordinator.run import run_job
     from ..local.backend import LocalBackend
-    from ..local.demo import Timeline, demo_script, demo_spec, timeline_png
+    from ..local.demo import DEMO_BUDGET, Timeline, demo_script, demo_spec, timeline_png
     from ..store import jobs as record
     from ..store.db import open_store_readonly
     from .cmd_status import job_view, output_console
@@ -111,7 +113,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     logging.getLogger("slurm_etc.protocol.channel").setLevel(logging.WARNING)
     timeline = Timeline()
     started = time.time()
-    backend = LocalBackend(demo_script(steps, settled_steps=True, parts=10),
+    backend = LocalBackend(demo_script(steps, settled_steps=True, parts=5, end=True),
                            log_dir=out_dir / "workers")
     try:
         with Live(_line(timeline, started), console=console, refresh_per_second=2) as live:
@@ -119,7 +121,8 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
                 timeline.progress(p)
                 live.update(_line(timeline, started))
 
-            spec = demo_spec(job_id, model, steps, inject=inject, data="text")
+            budget = min(steps * DEMO_BUDGET, int(bounds.STEPS.high))
+            spec = demo_spec(job_id, model, budget, inject=inject, data="text")
             out = run_job(spec, backend, backend.topology,
                           db=str(db_path), state_dir=str(out_dir / "state"),
                           progress=progress)
@@ -145,5 +148,10 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
                f"{out['generation']}; reaction to the preemption notice: {reaction}")
     click.echo(f"timeline: {png}   record: {db_path}   worker logs: {out_dir / 'workers'}")
     click.echo(f"see it again: slurm-etc status {job_id} --db {db_path}")
-    if out["state"] != "finished":
+    if backend.unfired:  # the budget ran out first: the run did not show what it says
+        click.echo(f"the demo's events did not all happen: training ended at step "
+                   f"{out['step']} (the workers' budget, {DEMO_BUDGET} x --steps) before "
+                   f"{'; '.join(str(e) for e in backend.unfired)}; the warm-ups took that "
+                   f"long: give --steps more", err=True)
+    if out["state"] != "finished" or backend.unfired:
         ctx.exit(1)

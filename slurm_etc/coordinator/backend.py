@@ -2,8 +2,9 @@
 
 Events come in (:class:`Grant`, :class:`PreemptNotice`, :class:`Loss`,
 :class:`WorkerExited` when a worker process ends, :class:`RequestFailed` when a request ends
-without a grant); actions go out (:class:`RequestNodes`,
-:class:`ReleaseDevices`, :class:`LaunchWorkers`, :class:`StopWorkers`). All are plain frozen
+without a grant, :class:`EndTraining` when a scripted cluster's scenario is over); actions
+go out (:class:`RequestNodes`, :class:`ReleaseDevices`, :class:`LaunchWorkers`,
+:class:`StopWorkers`). All are plain frozen
 dataclasses: the reconcile loop, the store and the tests build and compare them without any
 I/O. A :class:`Backend` turns actions into processes and allocations: the local backend
 (:mod:`slurm_etc.local.backend`, processes on this machine and scripted events)
@@ -132,7 +133,22 @@ class RequestFailed:
         return ()
 
 
-BackendEvent: TypeAlias = Grant | PreemptNotice | Loss | WorkerExited | RequestFailed
+@dataclass(frozen=True)
+class EndTraining:
+    """The backend ends the job's training: the coordinator stops the workers at a step
+    boundary once no resize is in flight, and the job ends finished (a scripted cluster
+    whose events all played out, :mod:`slurm_etc.local.script`'s ``end_step``; Slurm never
+    sends it: a job there trains to its own end, or its time limit)."""
+
+    reason: str
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return ()
+
+
+BackendEvent: TypeAlias = (Grant | PreemptNotice | Loss | WorkerExited | RequestFailed
+                           | EndTraining)
 
 
 # --------------------------------------------------------------------------- actions out

@@ -84,6 +84,7 @@ from .backend import (
     Backend,
     BackendError,
     CancelRequest,
+    EndTraining,
     Grant,
     LaunchWorkers,
     Loss,
@@ -254,6 +255,9 @@ class Coordinator:
         self._event_ids: list[Any] = []
         self.restart_generation = 0  # the first layout's generation (after a restart: > 0)
         self.cancelled: str | None = None  # why the job was cancelled (a signal)
+        # why the backend ended training (EndTraining), and whether the Stop went out
+        self.ending: str | None = None
+        self._stop_sent = False
         self._dead_since: float | None = None  # since when no worker of the layout lives
         self._beat_at = 0.0  # when the last heartbeat went out
         # launched workers that have not said Hello yet: vrank -> (generation, launched at)
@@ -310,6 +314,8 @@ class Coordinator:
                     return self._end(JobState.FAILED, dead)
                 if self.inflight is not None:
                     self._settle()
+                elif self.ending is not None:
+                    self._stop_training()
                 elif self.dirty or self._request_overdue():
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
@@ -331,6 +337,19 @@ class Coordinator:
         if running:
             self.channel.broadcast(Heartbeat(self.spec.job_id, self.channel.generation),
                                    running)
+
+    def _stop_training(self) -> None:
+        """The backend ended training and no resize is in flight: Stop the layout's
+        workers (once); each finishes its step and exits, and the job ends finished when
+        all have (as at ``train_steps``)."""
+        if self._stop_sent or self.layout is None:
+            return
+        self._stop_sent = True
+        live = set(self.layout.devices) - self.done
+        logger.info("job %s: training ends at the backend's word (%s)", self.spec.job_id,
+                    self.ending)
+        self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1,
+                                    self.ending or ""), live)
 
     def cancel(self, reason: str) -> None:
         """End the job as ``cancelled`` with ``reason`` at the loop's next turn (a signal
@@ -572,6 +591,9 @@ class Coordinator:
                                            else "preemption")
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
                                                f"({event.cause})", state="lost"))
+                case EndTraining():
+                    self.ending = self.ending or event.reason
+                    continue  # the job's end says it (nothing for a decision)
                 case RequestFailed():
                     if event.request == f"grow-{self.requests}":
                         self.growing = 0  # the current request is over: ask again if need be
@@ -737,7 +759,8 @@ class Coordinator:
                 case Resumed():
                     self._record_pauses(self.pauses.add(report))
                 case Exited():
-                    if report.reason == "done":
+                    if report.reason == "done" or (report.reason == "stopped"
+                                                   and self._stop_sent):
                         self.done.add(vrank)
                 case ModelBuilt():
                     self._model_built(vrank, report.model)

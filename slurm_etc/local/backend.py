@@ -51,7 +51,7 @@ from ..coordinator.backend import (
 )
 from ..coordinator.processes import AdoptedProcess, process_start
 from ..protocol import env as envvars
-from .script import EventsScript, ScriptedResources, load_script
+from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,11 @@ class LocalBackend:
     def held(self) -> Mapping[Device, str]:
         """Devices the job holds now, with their allocation."""
         return self._resources.held
+
+    @property
+    def unfired(self) -> tuple[ScriptedEvent, ...]:
+        """The script's events that have not fired (the job ended before them)."""
+        return self._resources.unfired
 
     # -- Backend ----------------------------------------------------------------------
     def poll(self) -> list[BackendEvent]:

@@ -1,10 +1,14 @@
 """``slurm-etc demo``: a small GPT trains through a grow, a preemption and a node loss on local
 processes, coordinated as on Slurm (embedded defaults: local backend, per-job SQLite).
 
-Simulated cluster: 3 nodes of 2 devices; the job starts on the anchor node. At step
-``grow_at`` node n1 is granted; at ``preempt_at`` it is preempted with a grace; at
-``regrow_at`` node n2 is granted; at ``lose_at`` n2 fails without notice. Each time the
-coordinator decides, plans and has the workers move the state in memory.
+Simulated cluster: 3 nodes of 2 devices; the job starts on the anchor node. After a fifth
+of its steps node n1 is granted; after two fifths it is preempted with a grace; after three
+n2 is granted; after four n2 fails without notice; at the end of its steps training ends.
+The steps are counted while no resize is in flight (the old layout trains on through each
+grow's warm-up, a few to a few hundred steps by the machine's speed, and they count for
+none of the events), so the four events always happen, each after as much training as the
+one before; the workers' own budget (``DEMO_BUDGET`` times the steps) bounds the run. Each
+time the coordinator decides, plans and has the workers move the state in memory.
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ from slurm_etc.testing.hooks import INJECT_ENV
 
 from ..coordinator.loop import JobSpec
 from .script import EventsScript, script_from_dict
+
+# The workers' train_steps, in the demo's steps: room for the steps trained through the two
+# grows' warm-ups (joiners cold-import torch and megatron-core on shared cores: 10-25 s,
+# 100-250 steps, on this 2-core machine), which the demo's steps do not count.
+DEMO_BUDGET = 5
 
 # CPU "devices": compute dominates, so more devices train faster (the chooser grows).
 DEMO_HARDWARE = Hardware(gpus_per_node=2, memory_gib=2.0, tflops=0.01, intra_node_gbps=10.0,
@@ -57,14 +66,15 @@ class Timeline:
 
 
 def demo_script(steps: int, grace_s: float = 60.0, *, settled_steps: bool = False,
-                parts: int = 6) -> EventsScript:
+                parts: int = 6, end: bool = False) -> EventsScript:
     """The scripted cluster of the demo: four events at 1, 2, 3 and 4 ``parts`` of ``steps``
     (``settled_steps``: counted in steps trained while settled, so the steps trained through
-    a grow's warm-up move the later events back; see :mod:`~slurm_etc.local.script`)."""
+    a grow's warm-up move the later events back; ``end``: training ends at ``steps``, so
+    counted; see :mod:`~slurm_etc.local.script`)."""
     q = max(steps // parts, 2)
     return script_from_dict({
         "nodes": 3, "gpus_per_node": 2, "initial_nodes": 1, "grace_s": grace_s,
-        "settled_steps": settled_steps,
+        "settled_steps": settled_steps, "end_step": max(steps, 4 * q) if end else None,
         "events": [
             {"at_step": q, "grant": ["n1"], "reason": "an idle node"},
             {"at_step": 2 * q, "preempt": ["n1"], "grace_s": grace_s,

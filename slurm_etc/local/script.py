@@ -39,6 +39,13 @@ options::
   while the job was settled: the steps the old layout trains on through a resize (a grow's
   joiners warming up, the preparation) move every later event back by as many, so the
   events keep their spacing in training however long a warm-up takes (the demo).
+* ``end_step`` (default none): when given, the job's training ends (the backend says
+  :class:`~slurm_etc.coordinator.backend.EndTraining`; the coordinator stops the workers at
+  a step boundary and the job ends finished) at the first report of ``end_step`` or later
+  after every event fired, counted as ``at_step`` is (with ``settled_steps``, in steps
+  trained while settled). The workers' own ``train_steps`` remains the most they train: a
+  script that has not played out by then ends with training (the demo says which events
+  never fired). At least the last event's ``at_step``.
 * ``grant_requests`` (default false): when true, the coordinator's requests are granted as
   soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
 
@@ -63,7 +70,7 @@ import msgspec
 from slurm_etc import bounds
 from slurm_etc.alloc.topology import ClusterTopology, Device
 
-from ..coordinator.backend import BackendEvent, Grant, Loss, PreemptNotice
+from ..coordinator.backend import BackendEvent, EndTraining, Grant, Loss, PreemptNotice
 from ..errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -77,7 +84,7 @@ _KINDS: tuple[EventKind, ...] = ("grant", "preempt", "lose")
 # decoding; products (nodes x gpus_per_node) and the event count in ``_validated``.
 SCRIPT_BOUNDS: dict[str, bounds.Bound] = {
     "nodes": bounds.NODES, "gpus_per_node": bounds.GPUS_PER_NODE,
-    "initial_nodes": bounds.NODES, "grace_s": bounds.SECONDS,
+    "initial_nodes": bounds.NODES, "grace_s": bounds.SECONDS, "end_step": bounds.STEPS,
 }
 EVENT_BOUNDS: dict[str, bounds.Bound] = {
     "at_step": bounds.STEPS, "grant": bounds.NODES, "preempt": bounds.NODES,
@@ -115,6 +122,7 @@ class ScriptSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grace_s: Annotated[float, _meta(bounds.SECONDS)] = 30.0
     grant_requests: bool = False
     settled_steps: bool = False
+    end_step: Annotated[int, _meta(bounds.STEPS)] | None = None
     events: Annotated[tuple[EventSpec, ...],
                       msgspec.Meta(max_length=int(bounds.SCRIPT_EVENTS.high))] = ()
 
@@ -156,6 +164,7 @@ class EventsScript:
     grant_requests: bool
     events: tuple[ScriptedEvent, ...]
     settled_steps: bool = False
+    end_step: int | None = None
 
     @property
     def anchor_devices(self) -> tuple[Device, ...]:
@@ -313,8 +322,11 @@ def _validated(spec: ScriptSpec, source: str) -> EventsScript:
                 raise fail(f"event {i}: {e}") from None
         grace = ev.grace_s if ev.grace_s is not None else spec.grace_s
         events.append(ScriptedEvent(i, ev.at_step, kind, count, devices, grace, ev.reason))
+    if spec.end_step is not None and events and spec.end_step < events[-1].at_step:
+        raise fail(f"end_step {spec.end_step} comes before the last event's at_step "
+                   f"{events[-1].at_step}; the events fire before training ends")
     script = EventsScript(source, topology, spec.initial_nodes, spec.grant_requests,
-                          tuple(events), spec.settled_steps)
+                          tuple(events), spec.settled_steps, spec.end_step)
     # Play it once without a coordinator: every count available, no anchor touched.
     dry = ScriptedResources(script, strict=True)
     for event in script.events:
@@ -384,6 +396,7 @@ class ScriptedResources:
         self._step = -1
         self._lag = 0  # settled_steps: steps trained while not settled (not reported)
         self._undelivered = False  # a group fired and no tick (poll) came since
+        self._ended = False  # EndTraining went out
         self._out: list[BackendEvent] = []
         self._grant(script.anchor_devices, None)
 
@@ -401,6 +414,17 @@ class ScriptedResources:
     @property
     def gone(self) -> frozenset[Device]:
         return frozenset(self._gone)
+
+    @property
+    def unfired(self) -> tuple[ScriptedEvent, ...]:
+        """The events that have not fired (yet)."""
+        return self.script.events[self._fired:]
+
+    @property
+    def settled_step(self) -> int:
+        """The highest step reported, less (with ``settled_steps``) the steps trained while
+        a resize was in flight: what ``at_step`` and ``end_step`` are counted in."""
+        return self._step - self._lag
 
     @property
     def pending_requests(self) -> tuple[tuple[str, int], ...]:
@@ -421,11 +445,19 @@ class ScriptedResources:
         earliest group of scripted events due by then (events with one ``at_step``), unless
         the group fired before has not been handed over yet (no :meth:`tick` since). With
         ``settled_steps``, steps not reported since the last report (trained while a resize
-        was in flight) push the remaining events back by as many."""
+        was in flight) push the remaining events back by as many. Once every event fired,
+        and the last group was handed over, ``end_step`` ends training."""
         if self.script.settled_steps and 0 <= self._step < step - 1:
             self._lag += step - 1 - self._step
         self._step = max(self._step, step)
         events = self.script.events
+        end = self.script.end_step
+        if self._fired >= len(events) and not self._undelivered and end is not None \
+                and not self._ended and self.settled_step >= end:
+            self._ended = True
+            logger.info("[local] the script played out: training ends at step %d", step)
+            self._out.append(EndTraining(f"the events script played out at step {step}"))
+            return
         if self._undelivered or self._fired >= len(events) \
                 or events[self._fired].at_step + self._lag > self._step:
             return

@@ -21,6 +21,7 @@ from slurm_etc.coordinator.backend import (
     Backend,
     BackendError,
     BackendEvent,
+    EndTraining,
     Grant,
     LaunchWorkers,
     Loss,
@@ -120,7 +121,7 @@ def test_example_script_parses(tmp_path: Path) -> None:
      "step order"),
     ({"nodes": 4, "evnts": []},
      "events.json: object contains unknown field `evnts` (fields: nodes, gpus_per_node, "
-     "initial_nodes, grace_s, grant_requests, settled_steps, events)"),
+     "initial_nodes, grace_s, grant_requests, settled_steps, end_step, events)"),
     ({"nodes": 0}, "events.json: nodes: expected `int` >= 1"),
     ({"gpus_per_node": 2}, "events.json: object missing required field `nodes`"),
     ({"nodes": 2, "initial_nodes": 3}, "events.json: initial_nodes (3) exceeds nodes (2)"),
@@ -589,3 +590,42 @@ def test_settled_steps_move_later_events_back_by_the_steps_trained_through_a_res
     plain.drain()
     plain.on_step(30, now=100.0)
     assert [type(e) for e in plain.drain()] == [PreemptNotice]
+
+
+def test_end_step_ends_training_once_every_event_fired_and_was_handed_over() -> None:
+    script = {**EXAMPLE, "settled_steps": True, "end_step": 20}
+    r = ScriptedResources(parse_script(json.dumps(script)))
+    r.drain()
+    r.on_step(5, now=0)  # the grant
+    r.tick(0)
+    r.on_step(30, now=1.0)  # steps 6..29 trained through the grow: everything moves by 24
+    for step in range(31, 37):
+        r.on_step(step, now=1.0)  # the preemption at 12 + 24
+    r.tick(1.0)
+    r.drain()
+    for step in range(37, 43):
+        r.on_step(step, now=2.0)  # the loss at 18 + 24, not yet handed over
+    assert [type(e) for e in r.drain()] == [Loss] and r.unfired == ()
+    r.on_step(43, now=2.0)
+    r.on_step(44, now=2.0)  # settled step 20, but the loss was not handed over yet
+    assert r.drain() == []
+    r.tick(2.0)
+    r.on_step(44, now=2.0)
+    assert r.drain() == [EndTraining("the events script played out at step 44")]
+    assert r.settled_step == 20
+    r.on_step(45, now=2.0)
+    assert r.drain() == []  # once
+    # events not all fired by end_step: no end (training ends at its own train_steps)
+    early = ScriptedResources(parse_script(json.dumps({**EXAMPLE, "end_step": 18})))
+    early.drain()
+    early.on_step(100, now=0)
+    early.tick(0)
+    early.on_step(101, now=0)
+    assert [type(e) for e in early.drain()] == [Grant, PreemptNotice]
+    assert [e.index for e in early.unfired] == [3]
+
+
+def test_end_step_before_the_last_event_is_refused() -> None:
+    with pytest.raises(ScriptError, match="end_step 10 comes before the last event's "
+                                          "at_step 18"):
+        parse_script(json.dumps({**EXAMPLE, "end_step": 10}))
