@@ -33,14 +33,16 @@ def _line(timeline, started: float) -> Table:
 def resizes_table(detail, timeline) -> Table:
     """Each resize: what happened, its data phase beside the pause measured at the step
     boundaries, the preparation the old layout trained through, and the loss either side."""
-    from .cmd_status import _seconds, _table, pause_text
+    from .cmd_status import _seconds, _table, in_flight_text, pause_text
 
     sizes = {g.number: g.world_size for g in detail.generations}
     reasons = {g.number: g.end_reason or "-" for g in detail.generations}
     losses = {s.step: s.loss for s in timeline.steps}
     t = _table("resizes (seconds; pause: the widest gap between steps over the processes; "
-               "stall: the widest before it, while the new world was built)",
-               "<gen|>devices|>moved|>data|>pause|>stall|>prep|>loss before/after|~why")
+               "in flight: of it, the step a lost node interrupted; stall: the widest gap "
+               "before it, while the new world was built)",
+               "<gen|>devices|>moved|>data|>pause|>in flight|>stall|>prep|>loss before/after|"
+               "~why")
     for m in detail.migrations:
         if m.outcome != "committed":
             continue
@@ -51,8 +53,8 @@ def resizes_table(detail, timeline) -> Table:
         t.add_row(f"{m.from_generation}->{m.to_generation}",
                   f"{sizes.get(m.from_generation, '?')}->{sizes.get(m.to_generation, '?')}",
                   f"{m.moved_bytes / 2**20:.1f} MiB", _seconds(m.data_seconds), pause_text(m),
-                  _seconds(m.stall_seconds), _seconds(m.preparation_seconds), around,
-                  reasons.get(m.from_generation, "-"))
+                  in_flight_text(m), _seconds(m.stall_seconds),
+                  _seconds(m.preparation_seconds), around, reasons.get(m.from_generation, "-"))
     return t
 
 

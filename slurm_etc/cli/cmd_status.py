@@ -346,6 +346,13 @@ def pause_text(m: Any) -> str:
     return _seconds(m.pause_seconds) if m.pause_measured else f"({m.pause_seconds:.2f})"
 
 
+def in_flight_text(m: Any) -> str:
+    """Of a migration's measured pause, the step in flight that a loss interrupted (``-``:
+    none, or not measured)."""
+    cut = m.interrupted_seconds
+    return "-" if not cut or not m.pause_measured else _seconds(cut)
+
+
 def _state(d: JobDetail, now: datetime, long: bool = False) -> str:
     """The state shown: ``lost (7m 12s)`` in a table (``lost (no update for 7m 12s, was
     running)`` with ``long``) when the coordinator stopped writing an active job's record."""
@@ -422,7 +429,7 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
     if d.migrations:
         mig = _table("migrations (bytes moved against the lower bound; seconds)",
                      "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>data|>pause|"
-                     ">stall|>prep|~outcome")
+                     ">in flight|>stall|>prep|~outcome")
         for m in d.migrations:
             ratio = m.ratio_to_lower_bound
             outcome = m.outcome or "running"
@@ -436,15 +443,17 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                         _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
                         _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
                         _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
-                        _seconds(m.data_seconds), pause_text(m), _seconds(m.stall_seconds),
-                        _seconds(m.preparation_seconds), outcome)
+                        _seconds(m.data_seconds), pause_text(m), in_flight_text(m),
+                        _seconds(m.stall_seconds), _seconds(m.preparation_seconds), outcome)
         parts.append(mig)
         parts.append(Text("pause: the widest gap over the processes between the end of the "
                           "last step in the old layout and the start of the first in the new "
                           "one (in brackets: the workers' timing, until every process reported "
-                          "it); stall: the widest gap between two old-layout steps before it, "
-                          "while the resize was prepared (the boundary that built the new "
-                          "world); prep: decision to pause, the old layout training on",
+                          "it); in flight: of the pause, the step a lost node interrupted "
+                          "(its work lost with the node; the rest is the recovery); stall: the "
+                          "widest gap between two old-layout steps before it, while the resize "
+                          "was prepared (the boundary that built the new world); prep: "
+                          "decision to pause, the old layout training on",
                           style="dim"))
 
     pending = d.pending_events

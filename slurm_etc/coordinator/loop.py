@@ -842,13 +842,18 @@ class Coordinator:
                                paused_at=datetime.fromtimestamp(p.paused_at, timezone.utc),
                                resumed_at=datetime.fromtimestamp(p.resumed_at, timezone.utc),
                                preparation_seconds=p.preparation_seconds,
-                               processes=p.processes, stall_seconds=p.stall_seconds)
+                               processes=p.processes, stall_seconds=p.stall_seconds,
+                               interrupted_seconds=p.interrupted_seconds)
             stall = (f"; before it, training stopped {p.stall_seconds:.3f} s at one step "
                      f"boundary (vrank {p.stall_vrank}: the new world built)"
                      if p.stall_vrank is not None else "")
-            logger.info("migration %s: training paused %.3f s (the widest gap between steps, "
-                        "vrank %d, over %d processes) after %.2f s of preparation%s", mid,
-                        p.seconds, p.vrank, p.processes, p.preparation_seconds, stall)
+            cut = (f" ({p.interrupted_seconds:.3f} s of it the step in flight, lost with the "
+                   f"node; recovery {p.seconds - p.interrupted_seconds:.3f} s)"
+                   if p.interrupted_seconds > 0 else "")
+            logger.info("migration %s: training paused %.3f s%s (the widest gap between "
+                        "steps, vrank %d, over %d processes) after %.2f s of preparation%s",
+                        mid, p.seconds, cut, p.vrank, p.processes, p.preparation_seconds,
+                        stall)
 
     def _report_step(self, step: int) -> None:
         """Tell the backend the job's step, only when settled (no resize in flight, no event

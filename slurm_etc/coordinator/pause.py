@@ -17,6 +17,11 @@ reports the widest gap between two of its old-layout steps meanwhile; the migrat
 is the widest over the processes, recorded beside the pause, so the record says every time
 training stopped for the resize.
 
+A loss without notice interrupts the step in flight: a process whose collective failed says
+when (``failed_at``). The gap stays the pause (training stopped all that time); its part
+before the failure, the step's work lost with the node, is recorded apart as ``interrupted``,
+so the recovery (failure to first new step) is the pause less it.
+
 Pure: the coordinator feeds reports in and writes what comes out.
 """
 from __future__ import annotations
@@ -37,10 +42,18 @@ class ProcessGap:
     started: float
     joined: bool = False
     stalled: float = 0.0
+    failed_at: float | None = None
 
     @property
     def seconds(self) -> float:
         return self.started - self.last_ended
+
+    @property
+    def interrupted(self) -> float:
+        """The part of the gap before this process's step in flight failed (0: none did)."""
+        if self.failed_at is None:
+            return 0.0
+        return min(max(0.0, self.failed_at - self.last_ended), max(0.0, self.seconds))
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class MeasuredPause:
         stall_seconds: the widest gap between two old-layout steps of any of them while the
             resize was prepared beside training (0: none).
         stall_vrank: the process whose stall that is.
+        interrupted_seconds: of the pause, the part before that process's step in flight
+            failed (a loss without notice: the step's work lost with the node; 0: none).
     """
 
     seconds: float
@@ -67,6 +82,7 @@ class MeasuredPause:
     vrank: int
     stall_seconds: float = 0.0
     stall_vrank: int | None = None
+    interrupted_seconds: float = 0.0
 
 
 def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPause | None:
@@ -79,7 +95,8 @@ def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPau
     stalled = max(known, key=lambda g: (g.stalled, -g.vrank))
     return MeasuredPause(widest.seconds, widest.last_ended, widest.started,
                          max(0.0, widest.last_ended - decided_at), len(known), widest.vrank,
-                         stalled.stalled, stalled.vrank if stalled.stalled > 0 else None)
+                         stalled.stalled, stalled.vrank if stalled.stalled > 0 else None,
+                         widest.interrupted)
 
 
 @dataclass
@@ -106,7 +123,9 @@ class PauseTracker:
         gap = (None if report.last_ended is None else
                ProcessGap(report.vrank, report.last_ended, report.started, report.joined,
                           report.stalled if math.isfinite(report.stalled)
-                          and report.stalled > 0 else 0.0))
+                          and report.stalled > 0 else 0.0,
+                          report.failed_at if report.failed_at is not None
+                          and math.isfinite(report.failed_at) else None))
         self._gaps.setdefault(report.generation, {})[report.vrank] = gap
         return self._complete(report.generation, partial=False)
 

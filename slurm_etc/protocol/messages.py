@@ -282,7 +282,10 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     training gap; the migration's pause is the largest over the new layout's processes.
     ``stalled``: the widest gap between two of this process's steps in the old layout while
     the resize was prepared beside training (the step boundary that built the new world),
-    seconds; 0 where nothing was prepared while training (a joiner, a loss)."""
+    seconds; 0 where nothing was prepared while training (a joiner, a loss).
+    ``failed_at``: when this process's step in flight failed (a collective with a peer that
+    died; unix seconds), None where none did: from ``last_ended`` to it the step was lost
+    with the node, the rest of the gap is the recovery."""
 
     job: str
     generation: int
@@ -292,6 +295,7 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     last_ended: float | None
     joined: bool = False
     stalled: float = 0.0
+    failed_at: float | None = None
 
 
 Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready

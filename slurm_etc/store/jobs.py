@@ -283,6 +283,7 @@ class MigrationInfo:
     resumed_at: datetime | None = None
     pause_processes: int | None = None
     stall_seconds: float | None = None
+    interrupted_seconds: float | None = None
 
     @property
     def pause_measured(self) -> bool:
@@ -316,7 +317,8 @@ class MigrationInfo:
                 "preparation_seconds": self.preparation_seconds,
                 "paused_at": _iso(self.paused_at), "resumed_at": _iso(self.resumed_at),
                 "pause_processes": self.pause_processes,
-                "pause_measured": self.pause_measured, "stall_seconds": self.stall_seconds}
+                "pause_measured": self.pause_measured, "stall_seconds": self.stall_seconds,
+                "interrupted_seconds": self.interrupted_seconds}
 
 
 @dataclass(frozen=True)
@@ -1109,20 +1111,26 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
 def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: float,
                            paused_at: datetime, resumed_at: datetime,
                            preparation_seconds: float, processes: int,
-                           stall_seconds: float = 0.0) -> None:
+                           stall_seconds: float = 0.0,
+                           interrupted_seconds: float = 0.0) -> None:
     """The training pause of a committed migration measured at the step boundaries: the
     largest gap over ``processes`` processes of the new layout, from ``paused_at`` to
     ``resumed_at``, after ``preparation_seconds`` from the decision, in which training
-    stopped at most ``stall_seconds`` at once (the boundary that built the new world).
+    stopped at most ``stall_seconds`` at once (the boundary that built the new world); of
+    the pause, ``interrupted_seconds`` before the step in flight failed (a loss).
 
     Raises:
         RecordError: unknown or uncommitted migration, or values that do not add up.
     """
     for name, value in (("pause_seconds", pause_seconds),
                         ("preparation_seconds", preparation_seconds),
-                        ("stall_seconds", stall_seconds)):
+                        ("stall_seconds", stall_seconds),
+                        ("interrupted_seconds", interrupted_seconds)):
         if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise RecordError(f"{name} must be a finite number >= 0, got {value!r}")
+    if interrupted_seconds > pause_seconds:
+        raise RecordError(f"interrupted_seconds {interrupted_seconds!r} exceeds the pause "
+                          f"{pause_seconds!r} it is part of")
     if not isinstance(processes, int) or processes < 1:
         raise RecordError(f"processes must be an integer >= 1, got {processes!r}")
     if _at(resumed_at) < _at(paused_at):
@@ -1139,6 +1147,7 @@ def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: fl
         row.paused_at, row.resumed_at = _at(paused_at), _at(resumed_at)
         row.pause_processes = processes
         row.stall_seconds = float(stall_seconds)
+        row.interrupted_seconds = float(interrupted_seconds)
         _touch(s, row.job_id, _now())
 
 
@@ -1422,7 +1431,7 @@ def _event(r: EventRow) -> EventInfo:
 # snapshot of an older job, read by a newer status) has none, and reads as "nothing lost"
 _LATER_MIGRATION_COLUMNS = ("lost_first_step", "lost_last_step", "rebuilt_from",
                             "data_seconds", "preparation_seconds", "paused_at", "resumed_at",
-                            "pause_processes", "stall_seconds")
+                            "pause_processes", "stall_seconds", "interrupted_seconds")
 
 
 def _migrations(s: Session, job_id: str) -> list[Any]:
@@ -1454,4 +1463,4 @@ def _migration(row: tuple[MigrationRow, frozenset[str]]) -> MigrationInfo:
                          later("rebuilt_from"), later("data_seconds"),
                          later("preparation_seconds"), later("paused_at"),
                          later("resumed_at"), later("pause_processes"),
-                         later("stall_seconds"))
+                         later("stall_seconds"), later("interrupted_seconds"))

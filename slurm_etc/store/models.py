@@ -264,7 +264,9 @@ class MigrationRow(Base):
     ``resumed_at``; ``preparation_seconds``: decision to ``paused_at`` (the old layout
     trained through it); ``data_seconds``: the longest data phase of any process;
     ``stall_seconds``: the widest gap between two old-layout steps of any process while the
-    resize was prepared beside training (the boundary that built the new world; 0: none)."""
+    resize was prepared beside training (the boundary that built the new world; 0: none);
+    ``interrupted_seconds``: of the pause, the part before the step in flight failed (a loss
+    without notice: that step's work was lost with the node; the rest is the recovery)."""
 
     __tablename__ = "migrations"
     __table_args__ = (
@@ -282,6 +284,9 @@ class MigrationRow(Base):
                         name="ck_migrations_pause_processes"),
         CheckConstraint("stall_seconds IS NULL OR stall_seconds >= 0",
                         name="ck_migrations_stall"),
+        CheckConstraint("interrupted_seconds IS NULL OR (interrupted_seconds >= 0 AND "
+                        "(pause_seconds IS NULL OR interrupted_seconds <= pause_seconds))",
+                        name="ck_migrations_interrupted"),
         Index("ix_migrations_job", "job_id", "to_generation"),
     )
 
@@ -314,3 +319,4 @@ class MigrationRow(Base):
     resumed_at: Mapped[datetime | None] = mapped_column(Timestamp())
     pause_processes: Mapped[int | None] = mapped_column(Integer)
     stall_seconds: Mapped[float | None] = mapped_column(Double)
+    interrupted_seconds: Mapped[float | None] = mapped_column(Double)

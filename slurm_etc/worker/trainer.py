@@ -296,6 +296,9 @@ class ElasticTrainer:
         # the widest gap between two old-layout steps while a resize was prepared beside
         # training (the boundary that built the new world): reported with the first new step
         self._stalled = 0.0
+        # when this process's step in flight failed (a peer died): reported with the first
+        # new step, which tells the step lost with the node from the recovery
+        self._failed_at: float | None = None
         self._first_generation: int | None = None
         # a resize being prepared while the old layout trains (see _advance_preparation)
         self._preparing: _Preparation | None = None
@@ -386,8 +389,11 @@ class ElasticTrainer:
         surviving peer still blocked on this rank in another collective fails at the
         group's timeout."""
         proc = self._proc()
-        self._log("a collective failed at step %d (%s); waiting for the coordinator",
-                  self.step, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        if self._failed_at is None:  # the first failure: the step in flight ended there
+            self._failed_at = time.time()
+        self._log("a collective failed after step %d at unix %.6f (%s); waiting for the "
+                  "coordinator", self.step, self._failed_at,
+                  str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
         deadline = time.monotonic() + proc.timeout_s
         while time.monotonic() < deadline:
             self._take_orders()
@@ -467,25 +473,41 @@ class ElasticTrainer:
         self.scheduler.step(increment=self.global_batch)
         self.step += 1
         self.consumed_samples += self.global_batch
-        loss = mean_loss(losses, cfg)
-        ended = time.time()  # the step's work is done here (what follows only reports it)
+        trained = time.time()
         lr = float(state.optimizer.param_groups[0]["lr"])
-        rec = StepRecord(self.step, loss, lr, self.consumed_samples, str(cfg), self.generation,
-                         started, ended)
-        self.history.append(rec)
-        state.losses.append(loss)
+        try:
+            loss = mean_loss(losses, cfg)
+        except RuntimeError:
+            # the step is trained here (its gradients were reduced and applied); only the
+            # reduce of its loss failed, a peer dead since: the step ended before the
+            # failure, not in the pause that follows (its loss is not known)
+            self._step_ended(started, trained, float("nan"), lr, cfg, report=False)
+            raise
+        ended = time.time()  # the step's work is done here (what follows only reports it)
+        self._step_ended(started, ended, loss, lr, cfg, report=True)
+        return loss
+
+    def _step_ended(self, started: float, ended: float, loss: float, lr: float,
+                    cfg: ParallelConfig, *, report: bool) -> None:
+        """A step trained: the Resumed of a new layout's first step, the stall, the log line;
+        with ``report`` (its loss known) its record and the coordinator's Progress (rank 0)."""
         proc = self._proc()
-        if dist.get_rank() == 0:
-            proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step, loss,
-                                         lr, self.consumed_samples, str(cfg), started, ended))
+        if report:
+            self.history.append(StepRecord(self.step, loss, lr, self.consumed_samples,
+                                           str(cfg), self.generation, started, ended))
+            self._live()[0].losses.append(loss)
+            if dist.get_rank() == 0:
+                proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step,
+                                             loss, lr, self.consumed_samples, str(cfg),
+                                             started, ended))
         self._report_resumed(started)
         if self._preparing is not None and self._ended_in is not None and \
                 self._ended_in[0] == self.generation:  # training stopped at that boundary
             self._stalled = max(self._stalled, started - self._ended_in[1])
         self._ended_in = (self.generation, ended)
-        self._log("step %d loss %.6f lr %.3e consumed %d started %.6f ended %.6f", self.step,
-                  loss, lr, self.consumed_samples, started, ended)
-        return loss
+        self._log("step %d loss %.6f lr %.3e consumed %d started %.6f ended %.6f%s", self.step,
+                  loss, lr, self.consumed_samples, started, ended,
+                  "" if report else " (its loss's reduce failed: a peer died)")
 
     def _report_resumed(self, started: float) -> None:
         """The first step of a layout this process came to by a resize: report when it
@@ -504,8 +526,9 @@ class ElasticTrainer:
                 last = float(proc.store.get(key).decode())
         proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
                                     last, joined=self._ended_in is None,
-                                    stalled=self._stalled))
+                                    stalled=self._stalled, failed_at=self._failed_at))
         self._stalled = 0.0
+        self._failed_at = None
         # the old layout's groups, retired at the switch, are shut down beside the next
         # steps: neither the pause nor a later step boundary waits for it
         from slurm_etc.megatron.world import retire_in_background

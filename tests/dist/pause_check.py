@@ -22,6 +22,10 @@ RESIZED_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] resized .* pause (
 WORLD_LINE = re.compile(r"built the new world of generation \d+ at a step boundary: [\d.]+ s "
                         r"\(training stopped; unix ([\d.]+) to ([\d.]+)\)")
 
+# logged when a collective failed (a peer died) after the process's last trained step
+FAILED_LINE = re.compile(r"\[job \S+ gen (\d+) vrank (\d+)\] a collective failed after step "
+                         r"\d+ at unix ([\d.]+)")
+
 
 @dataclass(frozen=True)
 class Step:
@@ -56,6 +60,40 @@ def worker_timed_pauses(log_dir: Path) -> dict[int, float]:
         for m in RESIZED_LINE.finditer(log.read_text(errors="replace")):
             g, p = int(m.group(1)), float(m.group(3))
             out[g] = max(out.get(g, 0.0), p)
+    return out
+
+
+def interrupted_steps(log_dir: Path, steps: list[Step]) -> dict[int, float]:
+    """Of every resize's training gap (keyed by the new generation), the part before the
+    widest-gap process's step in flight failed (a peer lost; 0 where it logged no failure):
+    from its last old step's end to the failure, as its log lines give them."""
+    failed: dict[tuple[int, int], float] = {}
+    for log in sorted(Path(log_dir).glob("*.log")):
+        for m in FAILED_LINE.finditer(log.read_text(errors="replace")):
+            key = (int(m.group(1)), int(m.group(2)))
+            failed.setdefault(key, float(m.group(3)))  # the first failure
+    out: dict[int, float] = {}
+    for g, (v, last, first) in _widest(steps).items():
+        at = failed.get((g - 1, v))
+        out[g] = 0.0 if at is None else min(max(0.0, at - last.ended), first.started - last.ended)
+    return out
+
+
+def _widest(steps: list[Step]) -> dict[int, tuple[int, Step, Step]]:
+    """Each resize's widest-gap process (lowest vrank on a tie): (vrank, last old step,
+    first new step), keyed by the new generation."""
+    by = defaultdict(list)
+    for s in steps:
+        by[(s.generation, s.vrank)].append(s)
+    out: dict[int, tuple[int, Step, Step]] = {}
+    first_gen = min((s.generation for s in steps), default=0)
+    for g in sorted({s.generation for s in steps} - {first_gen}):
+        old = {v: max(xs, key=lambda s: s.ended) for (gg, v), xs in by.items() if gg == g - 1}
+        new = {v: min(xs, key=lambda s: s.started) for (gg, v), xs in by.items() if gg == g}
+        if old and new:
+            publisher = old[min(old)]
+            out[g] = max(((v, old.get(v, publisher), f) for v, f in sorted(new.items())),
+                         key=lambda t: (t[2].started - t[1].ended, -t[0]))
     return out
 
 

@@ -25,6 +25,7 @@ from slurm_etc.store import job_detail, list_jobs
 from slurm_etc.store.db import open_store_readonly
 
 from .pause_check import (
+    interrupted_steps,
     mismatches,
     preparation_stalls,
     steps_from_logs,
@@ -78,10 +79,21 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     assert len(mismatches(recorded, training_gaps(steps, from_start=True))) == len(gaps)
     assert mismatches(worker_timed_pauses(out / "workers"), gaps), \
         "the workers' timing around the resize code went unnoticed"
+    # of the loss's gap, the step in flight when the node died (last step's end to the
+    # failure the survivor logged) is recorded apart, the same way; the resizes have none
+    cut = interrupted_steps(out / "workers", steps)
+    recorded_cut = {m.to_generation: m.interrupted_seconds for m in committed}
+    assert mismatches(recorded_cut, cut) == []
+    loss_gen = committed[-1].to_generation
+    assert all(cut[g] == 0 for g in cut if g != loss_gen), cut
+    # planted: the step in flight counted as recovery (nothing recorded apart), caught
+    # where the failure came mid-step (after the last step had ended, not right at it)
+    if cut[loss_gen] > 0.05:
+        assert mismatches({g: 0.0 for g in recorded_cut}, cut)
 
     # the loss falls across the resizes: the data is learnable
     losses = {}
-    for line in re.finditer(r"vrank 0\] step (\d+) loss ([\d.]+)",
+    for line in re.finditer(r"vrank 0\] step (\d+) loss (\S+)",
                             "".join(p.read_text() for p in (out / "workers").glob("*.log"))):
         losses[int(line.group(1))] = float(line.group(2))
     last = max(losses)

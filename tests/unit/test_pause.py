@@ -91,6 +91,24 @@ def test_the_stall_is_the_widest_over_the_processes_and_kept_apart_from_the_paus
     assert (q.stall_seconds, q.stall_vrank) == (0.0, None)
 
 
+def test_a_loss_keeps_the_whole_gap_as_the_pause_and_the_interrupted_step_apart():
+    """A node died in step 8: the survivors' collective failed 0.4 s into it (their last
+    step ended at 1003.0); they resumed at 1003.65. The pause is the whole gap, the step in
+    flight (0.4 s) recorded of it; a failure time outside the gap counts no more than it."""
+    gaps = [ProcessGap(0, 1003.0, 1003.6, failed_at=1003.4),
+            ProcessGap(1, 1003.0, 1003.65, failed_at=1003.45)]
+    p = measured_pause(gaps, DECIDED)
+    assert p is not None and (p.seconds, p.vrank) == (pytest.approx(0.65), 1)
+    assert p.interrupted_seconds == pytest.approx(0.45)  # the widest process's
+    assert ProcessGap(0, 1003.0, 1003.6, failed_at=1002.0).interrupted == 0.0
+    assert ProcessGap(0, 1003.0, 1003.6, failed_at=1009.0).interrupted == pytest.approx(0.6)
+    assert ProcessGap(0, 1003.0, 1003.6).interrupted == 0.0  # no step failed: a resize
+    t = PauseTracker()
+    t.committed(1, "m", (0,), DECIDED)
+    ((_, q),) = t.add(Resumed("j", 1, 0, 7, 1004.0, 1003.0, failed_at=float("inf")))
+    assert q.interrupted_seconds == 0.0  # what a worker says is bounded
+
+
 def test_resumed_travels_on_the_wire():
     r = _resumed(3, 1004.25, None, joined=True)
     assert REPORT_DECODER.decode(ENCODER.encode(r)) == r
@@ -134,6 +152,17 @@ def test_the_measured_pause_replaces_the_workers_timing_of_a_committed_migration
             with pytest.raises(RecordError, match=says):
                 record_migration_pause(store, mid, **kwargs)
         assert job_detail(store, "7").migrations[0].pause_seconds == 1.25
+        with pytest.raises(RecordError, match="interrupted_seconds 2.0 exceeds the pause"):
+            record_migration_pause(store, mid, pause_seconds=1.25, paused_at=T0,
+                                   resumed_at=resumed, preparation_seconds=0.0, processes=2,
+                                   interrupted_seconds=2.0)
+        record_migration_pause(store, mid, pause_seconds=1.25, paused_at=T0,
+                               resumed_at=resumed, preparation_seconds=0.0, processes=2,
+                               interrupted_seconds=0.5)
+        (m,) = job_detail(store, "7").migrations
+        assert m.interrupted_seconds == 0.5 and m.pause_seconds == 1.25
+        assert job_detail(store, "7").to_json(now=T0)["migrations"][0][
+            "interrupted_seconds"] == 0.5
     finally:
         store.close()
 
@@ -145,6 +174,9 @@ def test_the_schema_refuses_a_pause_over_no_process(tmp_path):
     store.close()
     with sqlite3.connect(path) as db, pytest.raises(sqlite3.IntegrityError, match="CHECK"):
         db.execute("update migrations set pause_processes = 0 where id = ?", (mid,))
+    with sqlite3.connect(path) as db, pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        db.execute("update migrations set pause_seconds = 0.5, interrupted_seconds = 0.6 "
+                   "where id = ?", (mid,))
 
 
 def test_a_record_from_before_the_columns_reads_as_not_measured_and_upgrades(tmp_path):

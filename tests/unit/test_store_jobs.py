@@ -169,7 +169,7 @@ def test_models_match_the_migrations(tmp_path):
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         store.close()
-    assert head_revision() == "0007_lifecycle_checks"
+    assert head_revision() == "0008_interrupted_step"
 
 
 @pytest.mark.parametrize("url,stamp", [
@@ -192,8 +192,8 @@ def test_the_migrations_compile_for_server_databases(url, stamp):
                   "migrations", "policies"):
         assert f"CREATE TABLE {table} " in ddl, table
     assert stamp in ddl and "moved_bytes BIGINT NOT NULL" in ddl
-    assert "'0007_lifecycle_checks'" in ddl and "request_patience_s INTEGER" in ddl
-    assert "stall_seconds" in ddl
+    assert "'0008_interrupted_step'" in ddl and "request_patience_s INTEGER" in ddl
+    assert "stall_seconds" in ddl and "interrupted_seconds" in ddl
 
 
 def test_a_policies_only_database_is_upgraded_and_keeps_its_policies(tmp_path):
