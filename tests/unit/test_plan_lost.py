@@ -164,14 +164,15 @@ def test_lost_plans_do_not_depend_on_input_order():
 
 
 @st.composite
-def losses(draw, min_dp=2):
-    """(model, old, new, lost): lost is a non-empty set of devices of one dp replica."""
+def losses(draw, min_dp=2, replica=None):
+    """(model, old, new, lost): lost is a non-empty set of devices of one dp replica (dp
+    index ``replica`` when given)."""
     model = draw(models())
     old = draw(configs(model, 8).filter(lambda c: c[0] >= min_dp))
     new = draw(configs(model, 8))
     dp, tp, pp = old
     oc = ParallelConfig(*old)
-    d = draw(st.integers(0, dp - 1))
+    d = draw(st.integers(0, dp - 1)) if replica is None else replica
     replica = [oc.rank(t, d, p) for t in range(tp) for p in range(pp)]
     lost = draw(st.lists(st.sampled_from(replica), min_size=1, unique=True))
     return model, old, new, sorted(lost)
@@ -191,8 +192,12 @@ def test_losses_inside_one_dp_replica_are_rebuilt(case, keep_tp, seed):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=losses())
+@given(case=losses(replica=0))
 def test_distributed_optimizer_losses_raise(case):
+    """dp rank 0's optimizer shard always holds state (a stage's buffer fills from its
+    start); a later dp rank's shard of these tiny models can be padding only (buckets end
+    at a multiple of lcm(dp, 128) elements), and losing it loses nothing (found: dp=3,
+    pp=2, a 2-layer llama of hidden 4, dp rank 2 of stage 0 lost: no error, rightly)."""
     model, old, new, lost = case
     with pytest.raises(StateLostError) as info:
         _plan(model, old, new, lost, dist=True)
