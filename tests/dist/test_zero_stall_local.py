@@ -17,7 +17,7 @@ import time
 import pytest
 
 from slurm_etc.local.demo import demo_spec
-from slurm_etc.local.script import script_from_options
+from slurm_etc.local.script import script_from_dict
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
@@ -28,7 +28,11 @@ from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
-STEPS, GRANT_AT = 200, 4
+# The grant comes at step 4 and training ends 40 steps after the grow, counted while no
+# resize is in flight (the script's settled steps and end_step): the old layout trains
+# through the joiners' warm-up, as many steps as this machine's speed allows (a fixed budget
+# ran out before the joiners were ready on a faster machine), bounded by the workers' BUDGET.
+GRANT_AT, END_AT, BUDGET = 4, 44, 5000
 ORDERED = re.compile(r"generation 1: old layout ordered ([\d.]+) s after the joiners' launch, "
                      r"steps (\d+)\.\.(\d+) trained meanwhile")
 PREPARED = re.compile(r"prepared while training: transfer ([\d.]+) s, new world ([\d.]+) s; "
@@ -38,15 +42,19 @@ PREPARED = re.compile(r"prepared while training: transfer ([\d.]+) s, new world 
 def test_grow_trains_through_warm_up_and_preparation(tmp_path, caplog):
     caplog.set_level(logging.INFO, "slurm_etc")
     seen: list[tuple[float, dict]] = []
-    script = script_from_options(2, 2, initial_nodes=1,
-                                 events=[{"at_step": GRANT_AT, "grant": ["n1"]}])
+    script = script_from_dict({"nodes": 2, "gpus_per_node": 2, "initial_nodes": 1,
+                               "settled_steps": True, "end_step": END_AT,
+                               "events": [{"at_step": GRANT_AT, "grant": ["n1"]}]},
+                              "<zero-stall>")
     backend = LocalBackend(script, log_dir=tmp_path / "workers")
-    spec = demo_spec("zero-stall", PRESETS["tiny"], STEPS)
+    spec = demo_spec("zero-stall", PRESETS["tiny"], BUDGET)
     assert spec.order_after_joined and spec.prepare_while_training  # the defaults
     out = run_job(spec, backend, backend.topology, db=str(tmp_path / "job.db"),
                   state_dir=str(tmp_path / "state"),
                   progress=lambda p: seen.append((time.time(), p)), deadline_s=1700)
-    assert out["state"] == "finished" and out["step"] == STEPS, out
+    steps = out["step"]
+    assert out["state"] == "finished" and END_AT <= steps < BUDGET, out
+    assert backend.unfired == (), backend.unfired
     store = open_store_readonly(tmp_path / "job.db")
     try:
         detail = record.job_detail(store, "zero-stall")
@@ -83,8 +91,8 @@ def test_grow_trains_through_warm_up_and_preparation(tmp_path, caplog):
     gens = sorted(detail.generations, key=lambda g: g.number)
     configs = tuple(ParallelConfig.parse(g.layout) for g in gens)
     seq = ResizeSequence(PRESETS["tiny"], configs, steps=1, global_batch=8,
-                         ends=tuple(g.last_step for g in gens), total_steps=STEPS)
+                         ends=tuple(g.last_step for g in gens), total_steps=BUDGET)
     reference = checkpoint_losses(seq)
     losses = {p["step"]: p["loss"] for _t, p in seen}
-    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sorted(losses) == list(range(1, steps + 1))
     assert losses == {s: r["loss"] for s, r in reference.items()}
