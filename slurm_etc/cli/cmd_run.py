@@ -264,6 +264,12 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     finally:
         if progress_out is not None:
             progress_out.close()
+    unfired = [str(e) for e in be.unfired] if script is not None else []
+    if unfired:  # the events script asked for more than the job trained to show
+        out = {**out, "unfired_events": unfired}
+        click.echo(f"slurm-etc: warning: the events script did not play out: training ended "
+                   f"at step {out['step']} before {'; '.join(unfired)} (give the workers "
+                   f"more steps, or end training with the script's end_step)", err=True)
     if as_json:
         click.echo(json.dumps(out))
     if out.get("signal"):  # cancelled by a signal: the shell's convention
