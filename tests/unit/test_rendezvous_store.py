@@ -180,6 +180,45 @@ def test_wait_and_get_block_on_the_server_and_time_out(client: StoreClient) -> N
     assert wait_for_keys(client, ["late", "other"], 1.0)
 
 
+def test_a_get_after_a_wait_reads_what_the_wait_fetched(client: StoreClient, key: bytes,
+                                                        server: StoreServer) -> None:
+    """gloo's wait-then-get of a peer's address costs one round trip: the get reads the
+    value the wait fetched (once), and this client's own changes to the key are seen."""
+    other = StoreClient(server.host, server.port, key, timeout=timedelta(seconds=5))
+    other.set("addr", b"peer-1")
+    client.wait(["addr"])
+    other.delete_key("addr")  # the server no longer has it: the get below cannot ask it
+    assert client.get("addr") == b"peer-1"
+    with pytest.raises(StoreTimeout):  # held once: the next request asks the server
+        client.wait(["addr"], timedelta(seconds=0.2))
+    other.set("addr", b"peer-2")
+    client.wait(["addr"])
+    client.set("addr", b"mine")  # read-your-writes, as TCPStore
+    assert client.get("addr") == b"mine"
+    client.wait(["addr"])
+    assert client.add("addr2", 1) == 1 and client.get("addr") == b"mine"
+    client.wait(["addr"])
+    client.delete_key("addr")
+    assert not client.check(["addr"])
+    other.close()
+    # as TCPStore does, for the sequences gloo and the resize use
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=5))
+    seen = []
+    for s in (client, tcp):
+        s.set("w", b"1")
+        s.wait(["w"])
+        got = [s.get("w")]
+        s.wait(["w"])
+        s.set("w", b"2")
+        got.append(s.get("w"))
+        s.wait(["w"])
+        s.multi_set(["w"], [b"3"])
+        got.append(s.get("w"))
+        seen.append(got)
+    assert seen[0] == seen[1] == [b"1", b"2", b"3"]
+
+
 def test_many_threads_wait_through_one_client(client: StoreClient) -> None:
     keys = [f"t{i}" for i in range(8)]
     done: list[int] = []
