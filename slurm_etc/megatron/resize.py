@@ -381,6 +381,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
     from slurm_etc.migrate.decision import CommitDecision
     from slurm_etc.migrate.executor import execute_migration
 
+    from .world import retire_backends
+
     plan, device, options = prepared.plan, prepared.device, prepared.options
     if prepared.world is not None and build_new is not None:
         raise ValueError("the new layout was built by prepare_resize(world=True): pass "
@@ -411,6 +413,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         committed = True
     finally:
         prepared.destinations, prepared.staging = [], None
+        if committed:  # shut down beside the new layout's first steps, not in the pause
+            retire_backends(prepared.group.data, prepared.group.control)
         prepared.group.destroy()
         if not committed and prepared.placed is not None:
             give_back(prepared.placed)  # memory of its own again, outside the new world
