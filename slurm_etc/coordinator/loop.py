@@ -299,8 +299,10 @@ class Coordinator:
                 self._beat_workers()
                 # status tells a live coordinator from a lost one by this (at most 1/30 s)
                 record.heartbeat(self.store, self.spec.job_id)
-                self._observe_backend()
+                # the workers first: a step they report can fire a scripted cluster's events
+                # (a loss kills its workers at once), polled and decided in this pass
                 self._observe_workers()
+                self._observe_backend()
                 self._join_deadlines()
                 if self.fatal is not None:
                     raise JobStopped(self.fatal)
@@ -751,8 +753,8 @@ class Coordinator:
                     if fl is not None and fl.rebuild and \
                             report.generation == fl.order.generation:
                         fl.early.append(report)  # a replay: its steps count once settled
-                    else:
-                        self._progress(report)
+                    elif self._progress(report):
+                        return  # the backend heard of the step: its events polled now
                 case Resized():
                     if self.inflight and report.generation == self.inflight.order.generation:
                         self.inflight.reports[vrank] = report
@@ -819,13 +821,14 @@ class Coordinator:
         logger.info("planning with the model of vrank %d: %s", vrank, describe_job(job))
         self.dirty = True
 
-    def _progress(self, report: Progress) -> None:
+    def _progress(self, report: Progress) -> bool:
+        """A step reported: recorded and shown; whether the backend was told of it."""
         if report.step <= self.step:
-            return
+            return False
         self.step, self.loss = report.step, report.loss
         if self.dirty_at_first_step:
             self.dirty, self.dirty_at_first_step = True, False
-        self._report_step(report.step)
+        told = self._report_step(report.step)
         if report.generation == self.generation:  # else not committed yet
             self.journal.write(record.record_progress, self.spec.job_id,
                                    report.generation, last_step=report.step,
@@ -834,6 +837,7 @@ class Coordinator:
                        "lr": report.lr, "layout": report.layout,
                        "generation": report.generation, "started": report.started,
                        "ended": report.ended})
+        return told
 
     def _record_pauses(self, pauses: list[tuple[Any, MeasuredPause]]) -> None:
         """Write the pauses measured at the step boundaries into their migrations."""
@@ -855,14 +859,17 @@ class Coordinator:
                         mid, p.seconds, cut, p.vrank, p.processes, p.preparation_seconds,
                         stall)
 
-    def _report_step(self, step: int) -> None:
-        """Tell the backend the job's step, only when settled (no resize in flight, no event
-        waiting for a decision): a scripted cluster's next group of events then fires after
-        the group before was decided and its resize settled, whatever the timing (the
+    def _report_step(self, step: int) -> bool:
+        """Tell the backend the job's step (returns whether it was told), only when settled
+        (no resize in flight, no event waiting for a decision): a scripted cluster's next
+        group of events then fires after the group before was decided and its resize
+        settled, whatever the timing (the
         events script's documented semantics; a loss during a migration is the faults
         issue's case)."""
         if self.inflight is None and not self._event_ids:
             self.backend.on_step(step)
+            return True
+        return False
 
     # -- deciding -------------------------------------------------------------------------
 
