@@ -256,7 +256,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     for handler in logging.getLogger().handlers:  # a job's output file: when, too
         if getattr(handler, "stream", None) is sys.stderr:
             handler.setFormatter(logging.Formatter(
-                "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+                "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     progress, progress_out = open_progress(progress_file)
     try:
         out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,
