@@ -116,7 +116,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     timeline = Timeline()
     started = time.time()
     backend = LocalBackend(demo_script(steps, settled_steps=True, parts=5, end=True),
-                           log_dir=out_dir / "workers")
+                           log_dir=out_dir / "workers", preload=True)
     try:
         with Live(_line(timeline, started), console=console, refresh_per_second=2) as live:
             def progress(p: dict) -> None:

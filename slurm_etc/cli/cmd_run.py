@@ -176,13 +176,18 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                    "generation, t) to this file.")
 @click.option("--json", "as_json", envvar="SLURM_ETC_RUN_JSON", is_flag=True,
               help="A JSON summary on stdout at the end.")
+@click.option("--preload/--no-preload", envvar="SLURM_ETC_RUN_PRELOAD", default=True,
+              show_default=True,
+              help="Local backend: workers that are 'python -m module' or 'python "
+                   "script.py' fork from one process that imported torch and megatron-core "
+                   "(seconds per worker saved); --no-preload: each starts cold.")
 @click.argument("command", nargs=-1, required=True, type=Unbounded(
     "the worker's own command line, run as given: its arguments are the user's program's"))
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
         keep_checkpoints, checkpoint_dir, reattach_wait, join_timeout, progress_file, as_json,
-        command):
+        preload, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -230,7 +235,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     if script is not None:
         from ..local.backend import LocalBackend
 
-        be = LocalBackend(script)
+        be = LocalBackend(script, preload=preload)
         topology = be.topology
     else:
         try:

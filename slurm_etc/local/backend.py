@@ -51,6 +51,7 @@ from ..coordinator.backend import (
 )
 from ..coordinator.processes import AdoptedProcess, process_start
 from ..protocol import env as envvars
+from .preload import ForkedProcess, Preloader, forkable
 from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ STOPPING_WAIT_S = 10.0
 @dataclass
 class _Worker:
     state: WorkerState
-    proc: subprocess.Popen[bytes] | AdoptedProcess
+    proc: subprocess.Popen[bytes] | AdoptedProcess | ForkedProcess
     log: IO[bytes] | None
     escalation: StopEscalation = field(default_factory=StopEscalation)
     reported: bool = False
@@ -78,13 +79,18 @@ class LocalBackend:
         log_dir: each worker's stdout and stderr go to ``<log_dir>/gen<G>-vrank<R>.log``
             (appended); None: inherited from the coordinator.
         clock: unix seconds (preemption deadlines); injectable for tests.
+        preload: workers that are ``python -m module`` or ``python script.py`` fork from a
+            process that imported torch and megatron-core once (:mod:`.preload`; started at
+            the first launch), instead of importing them each.
     """
 
     def __init__(self, script: EventsScript, *, log_dir: Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, preload: bool = False) -> None:
         self.script = script
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._clock = clock
+        self._preload = preload
+        self._preloader: Preloader | None = None
         self._resources = ScriptedResources(script)
         self._workers: dict[int, _Worker] = {}
         self._events: list[BackendEvent] = []
@@ -199,22 +205,27 @@ class LocalBackend:
                    envvars.NODE: spec.device.node, envvars.LOCAL_INDEX: str(spec.device.local),
                    envvars.DEVICE: str(spec.device)}
             log: IO[bytes] | None = None
+            log_path = None
             if self.log_dir is not None:
                 # owner-only: a worker's output may name paths, hosts and data of the job
                 private_dir(self.log_dir)
-                log = os.fdopen(os.open(self.log_dir / f"gen{action.generation}-vrank"
-                                        f"{spec.vrank}.log", os.O_WRONLY | os.O_CREAT
-                                        | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                                "ab")
-            try:
-                proc = subprocess.Popen(list(action.argv), env=env, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT if log else None,
-                                        start_new_session=True)
-            except OSError as e:
-                if log is not None:
-                    log.close()
-                raise BackendError(f"launch of vrank {spec.vrank}: cannot start "
-                                   f"{action.argv[0]!r}: {e.strerror}") from None
+                log_path = self.log_dir / f"gen{action.generation}-vrank{spec.vrank}.log"
+            proc: subprocess.Popen[bytes] | ForkedProcess | None = self._fork(
+                action.argv, env, log_path, {**os.environ, **threads, **action.env})
+            if proc is None:
+                if log_path is not None:
+                    log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                                            | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "ab")
+                try:
+                    proc = subprocess.Popen(list(action.argv), env=env,
+                                            stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT if log else None,
+                                            start_new_session=True)
+                except OSError as e:
+                    if log is not None:
+                        log.close()
+                    raise BackendError(f"launch of vrank {spec.vrank}: cannot start "
+                                       f"{action.argv[0]!r}: {e.strerror}") from None
             state = WorkerState(spec.vrank, action.generation, spec.device, proc.pid,
                                 start=process_start(proc.pid))
             self._workers[spec.vrank] = _Worker(state, proc, log)
@@ -283,8 +294,24 @@ class LocalBackend:
         for w in self._workers.values():
             if w.log is not None and not w.log.closed:
                 w.log.close()
+        if self._preloader is not None:
+            self._preloader.close()
 
     # -- internals --------------------------------------------------------------------
+    def _fork(self, argv: Sequence[str], env: Mapping[str, str], log: Path | None,
+              common: Mapping[str, str]) -> ForkedProcess | None:
+        """The worker forked from the preloader, where it can be (else None); ``common``:
+        the environment the preloader starts with (the first launch's, less the worker's
+        own variables)."""
+        if not self._preload:
+            return None
+        if self._preloader is None:
+            self._preloader = Preloader(common, str(self.log_dir / "preload.log")
+                                        if self.log_dir is not None else None)
+        if not forkable(argv, env, self._preloader.env):
+            return None
+        return self._preloader.launch(argv, env, str(log) if log is not None else None)
+
     def _threads(self) -> dict[str, str]:
         """OMP_NUM_THREADS for the workers (said once): every simulated node is this
         machine, so its cores are shared by every device of the cluster."""
@@ -361,7 +388,7 @@ class LocalBackend:
         behind die with it while its pid cannot have been reused."""
         if w.proc.returncode is not None:
             return w.proc.returncode
-        if isinstance(w.proc, AdoptedProcess):
+        if isinstance(w.proc, (AdoptedProcess, ForkedProcess)):
             return w.proc.poll()
         try:
             info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -379,7 +406,8 @@ class LocalBackend:
     def _signal(w: _Worker, sig: signal.Signals) -> None:
         """Signal the worker's process group (its session, started by us), while its leader
         has not been reaped (so the group id is still ours)."""
-        if w.proc.returncode is not None or (isinstance(w.proc, AdoptedProcess)
+        if w.proc.returncode is not None or (isinstance(w.proc, (AdoptedProcess,
+                                                                 ForkedProcess))
                                              and w.proc.poll() is not None):
             return
         try:

@@ -36,7 +36,7 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
     job_id = "e2e-local"
     seen: list[dict] = []
     script = demo_script(STEPS)
-    backend = LocalBackend(script, log_dir=tmp_path / "workers")
+    backend = LocalBackend(script, log_dir=tmp_path / "workers", preload=True)
     # resizes at fixed steps: ordered at once and prepared where agreed (a run this short
     # would end inside the joiners' warm-up; tests/dist/test_zero_stall_local.py holds the
     # zero-stall path to checkpoint-restart)

@@ -50,7 +50,7 @@ def run_with_kill(tmp_path, where: str, worker: str | None = None
     model = PRESETS["tiny"]
     job_id = f"inject-{where}"
     seen: list[dict] = []
-    backend = LocalBackend(_script(), log_dir=tmp_path / "workers")
+    backend = LocalBackend(_script(), log_dir=tmp_path / "workers", preload=True)
     # resizes at fixed steps: ordered at once and prepared where agreed (a run this
     # short would end inside the joiners' warm-up)
     spec = dataclasses.replace(demo_spec(job_id, model, STEPS, GLOBAL_BATCH, inject=where),

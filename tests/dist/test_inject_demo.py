@@ -45,7 +45,7 @@ def test_retry_on_new_devices_then_vrank_back(tmp_path):
                    {"at_step": 4, "preempt": ["n1"], "grace_s": 120,
                     "reason": "a higher-priority job"}]}, "<inject-demo>")
     job_id = "inject-demo"
-    backend = LocalBackend(script, log_dir=tmp_path / "workers")
+    backend = LocalBackend(script, log_dir=tmp_path / "workers", preload=True)
     # resizes at fixed steps: ordered at once and prepared where agreed (a run this
     # short would end inside the joiners' warm-up)
     spec = replace(demo_spec(job_id, PRESETS["tiny"], STEPS, GLOBAL_BATCH,

@@ -69,7 +69,8 @@ def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None,
                    job=replace(spec.job, distributed_optimizer=True),
                    env={**spec.env, **(env or {})}, recovery=recovery)
     seen: list[dict] = []
-    backend = LocalBackend(script or _script(), log_dir=tmp_path / name / "workers")
+    backend = LocalBackend(script or _script(), log_dir=tmp_path / name / "workers",
+                           preload=True)
     db = tmp_path / name / "job.db"
     out = run_job(spec, backend, backend.topology, db=str(db),
                   state_dir=str(tmp_path / name / "state"), progress=seen.append,

@@ -70,7 +70,7 @@ def test_an_attacker_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     script = script_from_dict({
         "nodes": 2, "gpus_per_node": 2, "initial_nodes": 1,
         "events": [{"at_step": 6, "grant": ["n1"], "reason": "an idle node"}]}, "<attack>")
-    backend = LocalBackend(script, log_dir=tmp_path / "workers")
+    backend = LocalBackend(script, log_dir=tmp_path / "workers", preload=True)
     listeners: list[tuple[str, int]] = []
 
     def progress(_p: dict) -> None:
