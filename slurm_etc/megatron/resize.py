@@ -413,7 +413,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         committed = True
     finally:
         prepared.destinations, prepared.staging = [], None
-        if committed:  # shut down beside the new layout's first steps, not in the pause
+        if committed and prepared.group.members is None:  # backends of its own: shut
+            # down beside the new layout's first steps, not dropped in the pause
             retire_backends(prepared.group.data, prepared.group.control)
         prepared.group.destroy()
         if not committed and prepared.placed is not None:
