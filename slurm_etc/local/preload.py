@@ -19,6 +19,10 @@ The coordinator and its preloader speak over a socket pair (``multiprocessing``'
 framing, msgpack messages; nothing is unpickled). When the coordinator dies the preloader
 exits and leaves its children running (a restarted coordinator adopts them, as it adopts
 any worker it did not start).
+
+Not the test pool's ``forkserver`` (:mod:`slurm_etc.pool.preload`): that one runs Python
+functions through multiprocessing (pickled), and pins one thread per process at import; a
+worker here is the user's command line, with the job's environment.
 """
 from __future__ import annotations
 
