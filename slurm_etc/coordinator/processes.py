@@ -38,27 +38,17 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-class AdoptedProcess:
-    """A process started by an earlier coordinator of the job, the leader of a session of
-    its own: the subset of ``Popen`` the backends use (``pid``, ``returncode``, ``poll``,
-    ``wait``, ``kill``). Its exit status is not this process's to read: an ended one
-    reports ``UNKNOWN_EXIT``."""
+class PolledProcess:
+    """A process that is not this process's child, the leader of a session of its own: the
+    subset of ``Popen`` the backends use (``pid``, ``returncode``, ``poll``, ``wait``,
+    ``kill``), with ``wait`` polling :meth:`poll` (what a subclass reads its end from)."""
 
-    def __init__(self, pid: int, start: int) -> None:
-        self.pid, self.start = pid, start
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and process_start(self.pid) != self.start:
-            if _zombie(self.pid):
-                # ended, not reaped (its parent is gone): its pid, so its group id, is
-                # not reused yet; what it spawned goes with it
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            self.returncode = UNKNOWN_EXIT
-        return self.returncode
+        raise NotImplementedError
 
     def wait(self, timeout: float | None = None) -> int:
         until = None if timeout is None else time.monotonic() + timeout
@@ -75,3 +65,24 @@ class AdoptedProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+class AdoptedProcess(PolledProcess):
+    """A process started by an earlier coordinator of the job. Its exit status is not this
+    process's to read: an ended one reports ``UNKNOWN_EXIT``."""
+
+    def __init__(self, pid: int, start: int) -> None:
+        super().__init__(pid)
+        self.start = start
+
+    def poll(self) -> int | None:
+        if self.returncode is None and process_start(self.pid) != self.start:
+            if _zombie(self.pid):
+                # ended, not reaped (its parent is gone): its pid, so its group id, is
+                # not reused yet; what it spawned goes with it
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.returncode = UNKNOWN_EXIT
+        return self.returncode

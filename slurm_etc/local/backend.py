@@ -49,7 +49,7 @@ from ..coordinator.backend import (
     WorkerExited,
     WorkerState,
 )
-from ..coordinator.processes import AdoptedProcess, process_start
+from ..coordinator.processes import AdoptedProcess, PolledProcess, process_start
 from ..protocol import env as envvars
 from .preload import ForkedProcess, Preloader, forkable
 from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
@@ -388,7 +388,7 @@ class LocalBackend:
         behind die with it while its pid cannot have been reused."""
         if w.proc.returncode is not None:
             return w.proc.returncode
-        if isinstance(w.proc, (AdoptedProcess, ForkedProcess)):
+        if isinstance(w.proc, PolledProcess):
             return w.proc.poll()
         try:
             info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -406,8 +406,7 @@ class LocalBackend:
     def _signal(w: _Worker, sig: signal.Signals) -> None:
         """Signal the worker's process group (its session, started by us), while its leader
         has not been reaped (so the group id is still ours)."""
-        if w.proc.returncode is not None or (isinstance(w.proc, (AdoptedProcess,
-                                                                 ForkedProcess))
+        if w.proc.returncode is not None or (isinstance(w.proc, PolledProcess)
                                              and w.proc.poll() is not None):
             return
         try:

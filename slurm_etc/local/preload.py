@@ -38,6 +38,8 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
+from ..coordinator.processes import PolledProcess
+
 logger = logging.getLogger(__name__)
 
 # What a worker imports before it trains (the warm-up's list too, worker/trainer.py).
@@ -108,35 +110,18 @@ def forkable(argv: Sequence[str], env: Mapping[str, str], preloaded_env: Mapping
     return startup_env(env) == startup_env(preloaded_env)
 
 
-class ForkedProcess:
-    """A worker forked by the preloader: ``pid``, ``returncode``, ``poll``, ``wait``,
-    ``kill`` (the subset of ``Popen`` the backend uses); its exit status comes from the
-    preloader, which reaped it (its process group killed first, as for a child)."""
+class ForkedProcess(PolledProcess):
+    """A worker forked by the preloader; its exit status comes from the preloader, which
+    reaped it (its process group killed first, as for a child)."""
 
     def __init__(self, pid: int, preloader: Preloader) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
+        super().__init__(pid)
         self._preloader = preloader
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._preloader.exit_code(self.pid)
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        until = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if until is not None and time.monotonic() > until:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.02)
-        return code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 class Preloader:
