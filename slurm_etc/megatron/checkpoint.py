@@ -19,6 +19,11 @@ from typing import Any
 from slurm_etc.plan import ParallelConfig
 
 DIST_OPT_SHARDING = "dp_reshardable"
+# The non-distributed optimizer's tensors are keyed by parameter alone (megatron's
+# ``chained_optim_avoid_prefix``), so a MoE checkpoint loads across ep = 1 <-> ep > 1, where
+# the experts' own optimizer appears or goes (see :func:`_regroup_optimizer`).
+_OPT_METADATA = {True: {"distrib_optim_sharding_type": DIST_OPT_SHARDING},
+                 False: {"chained_optim_avoid_prefix": True}}
 
 
 # -- checkpoint path ------------------------------------------------------------------------
@@ -34,8 +39,8 @@ def _checkpoint_state_dict(state: Any, *, loading: bool, optimizer: bool) -> dic
                 if not sub.optimizer.state:
                     sub._init_optimizer_states_with_dummy_values()
         out["optimizer"] = state.optimizer.sharded_state_dict(
-            model_sd, is_loading=loading,
-            metadata={"distrib_optim_sharding_type": DIST_OPT_SHARDING})
+            model_sd, is_loading=loading, metadata=_OPT_METADATA[
+                bool(state.config.distributed_optimizer)])
     return out
 
 
@@ -111,13 +116,51 @@ def load_checkpoint(state: Any, directory: str, *, optimizer: bool = True) -> di
         # the DistributedOptimizer copies into fp32 main params that are views of the model's
         # leaf parameters, which autograd refuses outside no_grad
         with torch.no_grad():
-            state.optimizer.load_state_dict(loaded["optimizer"])
+            state.optimizer.load_state_dict(_regroup_optimizer(loaded["optimizer"],
+                                                               state.optimizer))
         # With torch's Adam, the DistributedOptimizer's dp_reshardable load copies each
         # parameter's *current* step over the loaded one (the step travels as a local
         # non-persistent object), so a fresh optimizer would resume at its dummy step.
         set_optimizer_step(state, loaded["resume"]["step"])
         torch.set_rng_state(loaded["resume"]["rng_state"])
     return {"seconds": time.perf_counter() - t0}
+
+
+def _regroup_optimizer(loaded: dict, optimizer: Any) -> dict:
+    """The loaded optimizer state in the live optimizer's structure.
+
+    A MoE model with ep > 1 has a ChainedOptimizer (dense parameters, then the experts': a
+    state dict per sub-optimizer, keyed 0, 1); with ep = 1 one optimizer. The tensors load by
+    parameter key either way, but the common part (the step, the param groups'
+    hyperparameters) comes back in the saved structure beside the live one's tensors; here it
+    is moved into the live structure: each live param group takes the hyperparameters of the
+    saved group with its (wd_mult, lr_mult, is_decoupled_lr), keeping its own
+    is_expert_parallel (megatron matches groups on all four)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    chained_saved = [k for k in loaded if isinstance(k, int)] if len(subs) == 1 else []
+    if len(subs) > 1 and "param_groups" not in loaded or len(subs) == 1 and not chained_saved:
+        return loaded  # saved in the live structure
+    if chained_saved:
+        saved = [loaded.pop(k) for k in sorted(chained_saved)]
+        saved_groups = [g for s in saved for g in s["param_groups"]]
+        step = saved[0]["state"].get("common_step")
+        entries = [loaded]
+    else:
+        saved_groups = loaded.pop("param_groups")
+        step = loaded.pop("state").get("common_step")
+        entries = [loaded[i] for i in range(len(subs))]
+
+    def ident(g: dict) -> tuple:
+        return g["wd_mult"], g["lr_mult"], g["is_decoupled_lr"]
+
+    by_ident = {ident(g): g for g in saved_groups}
+    for sub, entry in zip(subs, entries):
+        for live, group in zip(sub.optimizer.param_groups, entry["param_groups"]):
+            group.update({k: v for k, v in by_ident[ident(live)].items() if k != "params"},
+                         is_expert_parallel=live["is_expert_parallel"])
+        if step is not None:
+            entry["state"]["common_step"] = step
+    return entries[0] if chained_saved else dict(enumerate(entries))
 
 
 # -- worker-side phases (run on every worker) -----------------------------------------------

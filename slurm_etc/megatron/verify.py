@@ -267,17 +267,6 @@ class LiveTransition:
         return f"{self.model.name}: {self.old} -> {self.new}"
 
 
-def megatron_reshards_expert_optimizer(model: ModelDesc, old: ParallelConfig,
-                                       new: ParallelConfig) -> bool:
-    """Whether megatron-core 0.16.1's checkpoint loads a MoE model's (non-distributed)
-    optimizer across ``old -> new``: with ep > 1 the experts get an optimizer of their own
-    (expert data-parallel group) and the ChainedOptimizer prefixes every state key with
-    ``chained_<i>.``; with ep = 1 there is one optimizer and no prefix, so between ep = 1 and
-    ep > 1 no key matches (``KeyError: optimizer.state.exp_avg... not in state dict:
-    ['chained_0.optimizer.state...``, measured)."""
-    return not model.moe or (old.ep > 1) == (new.ep > 1)
-
-
 @dataclass(frozen=True)
 class _Moved:
     moved_bytes: int
@@ -294,19 +283,16 @@ def verify_live_transition(tr: LiveTransition, *, workers: LocalWorkers, seed: i
     ``megatron-checkpoint`` (every shard of every new rank equals what megatron's own
     ``dist_checkpointing`` loads into a state built for the new layout: model and Adam
     moments), the Adam step, each rank's generator (source from megatron's coordinates), and
-    ``after_steps`` more steps bit-equal to the checkpoint-loaded state's. Where megatron's
-    checkpoint cannot load the optimizer (:func:`megatron_reshards_expert_optimizer`), the
-    checkpoint checks the model alone, the gather everything, and the losses are compared
-    with the old layout trained on (``LOSS_RTOL``). ``relabel``: a planted bug (see
-    :data:`.reshard.Relabel`).
+    ``after_steps`` more steps bit-equal to the checkpoint-loaded state's (a MoE optimizer too
+    across ep = 1 <-> ep > 1: :func:`.checkpoint._regroup_optimizer`). ``relabel``: a
+    planted bug (see :data:`.reshard.Relabel`).
 
     Raises:
         ConfigError: the pool is too small, or the live reshard refuses the transition.
     """
     from .reshard import refuse, w_reshard
 
-    refuse(tr.model, tr.old, tr.new)
-    with_optimizer = megatron_reshards_expert_optimizer(tr.model, tr.old, tr.new)
+    refuse(tr.model, tr.old, tr.new)  # the distributed optimizer among what it refuses
     if workers.size != tr.processes:
         raise ConfigError(f"{tr} needs a pool of {tr.processes} processes, not {workers.size}")
     tag = f"verify-live-{os.getpid()}-{time.monotonic_ns()}"
@@ -325,30 +311,20 @@ def verify_live_transition(tr: LiveTransition, *, workers: LocalWorkers, seed: i
         progress(f"resharding live to {tr.new}")
         stats = workers.run(w_reshard, tr.new, relabel=relabel)
         new_views = workers.run(w_megatron_view)
-        progress("loading the checkpoint into a state built for the new layout"
-                 + ("" if with_optimizer else " (model only: megatron cannot reshard this "
-                                               "optimizer)"))
-        workers.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"),
-                    optimizer=with_optimizer)
-        loaded_views = workers.run(w_megatron_view, "loaded", model_only=not with_optimizer)
+        progress("loading the checkpoint into a state built for the new layout")
+        workers.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"), optimizer=True)
+        loaded_views = workers.run(w_megatron_view, "loaded")
         if after_steps:
             losses["migrated"] = _first(workers.run(w_train_steps, "state", first_step=steps,
                                                     count=after_steps, **train))
-            if with_optimizer:
-                losses["checkpoint"] = _first(workers.run(
-                    w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
-        workers.run(w_drop)
-        if after_steps and not with_optimizer:
-            progress(f"reference: the old layout rebuilt and trained {after_steps} steps on")
-            ref = _first(workers.run(w_build, tr.model, tr.old, tag=f"{tag}/reference",
-                                     steps=steps + after_steps, **train))
-            losses["old_layout"] = ref["losses"][steps:]
+            losses["checkpoint"] = _first(workers.run(
+                w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
     finally:
         workers.run(w_drop)
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - t_start
     moved = 4 * sum(s["sent_elements"] for s in stats if s is not None)
-    report = _report(tr, _Moved(moved), steps, with_optimizer, old_views, new_views,
+    report = _report(tr, _Moved(moved), steps, True, old_views, new_views,
                      loaded_views, losses, seconds)
     report["path"] = "live-reshard"
     report["reshard"] = stats
