@@ -25,6 +25,7 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -116,6 +117,11 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 # (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
 # not hold raises no event.
 PARTITION_REREAD_S = 60.0
+# A resize under a notice is prepared beside training when the grace left is at least this
+# many times the longest preparation beside training measured so far (plus the plan's
+# estimate): shared with training, the preparation's time varies with the steps it shares
+# the cores with.
+ASIDE_MARGIN = 2.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 # where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
@@ -179,10 +185,12 @@ class JobSpec:
         prepare_while_training: the old layout builds the new world (migration group,
             program, staging in a thread; groups, model, DDP, optimizer at a step boundary)
             while it trains on, and pauses at a later boundary (``Resize``'s field).
-        prepare_aside_min_grace_s: under a preemption notice with less grace left than
-            this, the old layout does not prepare beside training: it stops and prepares at
+        prepare_aside_min_grace_s: under a preemption notice, before any resize of this
+            coordinator was prepared beside training (and timed), with less grace left than
+            this the old layout does not prepare beside training: it stops and prepares at
             full speed (on shared cores, preparing beside training takes several times as
-            long, and the deadline comes first).
+            long, and the deadline comes first). Once one was timed, the grace must hold
+            ``ASIDE_MARGIN`` times the longest such preparation and the plan's estimate.
     """
 
     job_id: str
@@ -249,6 +257,9 @@ class Coordinator:
         self.dirty_at_first_step = False
         self.reason = ""
         self.reaction_s: list[float] = []
+        # the longest a resize prepared beside training took from its order to its commit,
+        # less its pause (None: none yet): what a notice's grace must hold to prepare aside
+        self.aside_preparation_s: float | None = None
         self._noticed_at: float | None = None
         # ids of events recorded and not yet decided on (a Deferred while the record is
         # behind: see journal.py)
@@ -290,6 +301,12 @@ class Coordinator:
         ``deadline_s`` passed. Returns ``finished``, ``failed`` or ``timeout``."""
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         self._recover()
+        # the imports' ~115k objects out of the cyclic collector's sight (once a process): a
+        # full collection of them takes ~0.12 s on 2 cores, and the collector starts one
+        # whenever enough allocations came, between a notice and its order as anywhere
+        if not gc.get_freeze_count():
+            gc.collect()
+            gc.freeze()
         record.set_job_state(self.store, self.spec.job_id, JobState.RUNNING)
         try:
             while True:
@@ -1068,12 +1085,11 @@ class Coordinator:
         # joiners of an aborted resize stop; the retry starts its joiners afresh
         self._stop_idle("resize retried")
         left = None if action.deadline is None else action.deadline - self.clock()
-        aside = self.spec.prepare_while_training and (
-            left is None or left >= self.spec.prepare_aside_min_grace_s)
+        need = self._aside_needs(plan.est_seconds)
+        aside = self.spec.prepare_while_training and (left is None or left >= need)
         if self.spec.prepare_while_training and not aside and not lost:
-            logger.info("generation %d: %.1f s of grace left (< %.0f s): the old layout "
-                        "prepares at full speed, not beside training", gen, left,
-                        self.spec.prepare_aside_min_grace_s)
+            logger.info("generation %d: %.1f s of grace left (< %.1f s): the old layout "
+                        "prepares at full speed, not beside training", gen, left, need)
         order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
                        plan_digest(plan), pool=tuple(sorted(pool_map)),
                        gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
@@ -1120,6 +1136,12 @@ class Coordinator:
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
                     plan.lower_bound_moved_bytes / 2**20, len(plan.messages), plan.rounds)
+
+    def _aside_needs(self, estimate_s: float) -> float:
+        """The grace a resize needs left to be prepared beside training."""
+        if self.aside_preparation_s is None:
+            return self.spec.prepare_aside_min_grace_s
+        return ASIDE_MARGIN * self.aside_preparation_s + estimate_s
 
     def _order_stayers(self) -> None:
         """Send the order to the workers of the old layout (the pause starts at their next
@@ -1196,6 +1218,9 @@ class Coordinator:
             self._aborted(fl, wall, outcome)
             return
         pause, lost_steps, rebuilt_from = outcome.pause_s, outcome.lost_steps, outcome.rebuilt_from
+        if fl.order.prepare_while_training and fl.sent_at:
+            self.aside_preparation_s = max(self.aside_preparation_s or 0.0,
+                                           now - fl.sent_at - pause)
         self.journal.write(record.record_migration_finish, fl.migration_id,
                            outcome=ResizeOutcome.COMMITTED,
                                        measured_seconds=wall, pause_seconds=pause,

@@ -183,7 +183,7 @@ def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_pa
     from slurm_etc.coordinator.backend import Grant, PreemptNotice
     from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
 
-    def shrink_order(job: str, grace_s: float):
+    def shrink_order(job: str, grace_s: float, measured_aside_s: float | None = None):
         backend = HandDrivenBackend(ClusterTopology(2, ("n1", "n2")))
         with coordinator_over(tmp_path / job, job, backend,
                               training=TrainingJob(PRESETS["tiny"], 8, 1, False),
@@ -195,18 +195,23 @@ def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_pa
             c._decide()
             assert c.layout is not None and len(c.layout.devices) == 4
             c.step = 5
+            c.aside_preparation_s = measured_aside_s
             backend.pending = [PreemptNotice("a0", n2, time.time() + grace_s)]
             c._observe_backend()
             c._decide()
             assert c.inflight is not None, "the notice ordered no shrink"
             return c.inflight.order
 
-    (tmp_path / "short").mkdir()
-    (tmp_path / "long").mkdir()
+    for job in ("short", "long", "fast", "slow"):
+        (tmp_path / job).mkdir()
     short, ample = shrink_order("short", 5.0), shrink_order("long", 120.0)
     assert len(short.new.devices) == 2 and len(ample.new.devices) == 2
     assert short.prepare_while_training is False
     assert ample.prepare_while_training is True
+    # once a preparation beside training was timed, the grace must hold twice it (+ the
+    # plan's estimate): 5 s holds 2 x 1.5 s, not 2 x 3 s
+    assert shrink_order("fast", 5.0, measured_aside_s=1.5).prepare_while_training is True
+    assert shrink_order("slow", 5.0, measured_aside_s=3.0).prepare_while_training is False
 
 
 def test_a_device_granted_again_is_not_the_one_that_was_lost(tmp_path):
