@@ -73,9 +73,13 @@ class TrainingJob:
         distributed_optimizer: ZeRO-1 over dp (fixed: the state format depends on it).
         supports: which of ep, vpp and cp the training runtime can build, so the chooser
             may use them. Default none: the elastic worker builds dp/tp/pp layouts only
-            (megatron/live.py refuses mixture-of-experts models, the trainer builds neither
-            VPP model chunks nor CP groups). Planning at scale (``slurm-etc plan --choose``)
+            (the coordinator's ``ELASTIC_SUPPORTS``: ep; the trainer builds neither VPP
+            model chunks nor CP groups). Planning at scale (``slurm-etc plan --choose``)
             enables them.
+        sequence_parallel: the runtime builds megatron's sequence parallelism. Without it a
+            mixture of experts is given tp = 1 only: megatron-core refuses to train experts
+            with tp > 1 and no sequence parallelism (``MoELayer.forward``). The elastic
+            worker builds none (False there).
     """
 
     model: ModelDesc
@@ -83,6 +87,7 @@ class TrainingJob:
     micro_batch: int = 1
     distributed_optimizer: bool = True
     supports: frozenset[str] = frozenset()
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.micro_batch < 1:
@@ -412,6 +417,8 @@ def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
     out: list[Candidate] = []
     for tp in range(1, G + 1):
         if G % tp or (allowed_tp is not None and tp not in allowed_tp):
+            continue
+        if tp > 1 and m.moe and not job.sequence_parallel:
             continue
         room = capacity(node_counts, tp, max_nodes) if tp_in_node else total
         for pp in range(1, m.num_layers + 1):

@@ -140,6 +140,12 @@ PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden
                               vocab_divisor=1)
 
 
+# What the elastic worker builds beyond dp/tp/pp (``TrainingJob.supports``): a mixture of
+# experts' ep (its trainer builds megatron's expert groups, its resizes move experts); not VPP
+# model chunks nor CP groups yet, nor sequence parallelism (so experts train at tp = 1).
+ELASTIC_SUPPORTS = frozenset({"ep"})
+
+
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
                     distributed_optimizer: bool) -> TrainingJob:
     """The job the first layout is chosen for: what was given, the provisional model and a
@@ -147,7 +153,8 @@ def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_bat
     if global_batch is None:
         global_batch = micro_batch
     return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
-                       distributed_optimizer)
+                       distributed_optimizer, supports=ELASTIC_SUPPORTS,
+                       sequence_parallel=False)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.testing.hooks import INJECT_ENV
 
-from ..coordinator.loop import JobSpec
+from ..coordinator.loop import ELASTIC_SUPPORTS, JobSpec
 from .script import EventsScript, script_from_dict
 
 # The workers' train_steps, in the demo's steps: room for the steps trained through the two
@@ -101,7 +101,9 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
     if inject:
         KillSpec.parse(inject)  # a bad spec fails here, before any worker starts
         env[INJECT_ENV] = inject  # read by slurm_etc.testing.worker only
-    return JobSpec(job_id, "demo", argv, TrainingJob(model, global_batch, 1, False),
+    job = TrainingJob(model, global_batch, 1, False, supports=ELASTIC_SUPPORTS,
+                      sequence_parallel=False)
+    return JobSpec(job_id, "demo", argv, job,
                    EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
                    env=env)
 

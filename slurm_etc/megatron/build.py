@@ -284,16 +284,19 @@ def build_training_state(model: ModelDesc, config: ParallelConfig, *, seed: int 
     return state
 
 
-def initialize_parallel_state(config: ParallelConfig) -> None:
-    """megatron's ``initialize_model_parallel`` for every degree of ``config``."""
+def initialize_parallel_state(config: ParallelConfig, timeout_s: float | None = None) -> None:
+    """megatron's ``initialize_model_parallel`` for every degree of ``config`` (its groups'
+    timeout ``timeout_s``, in whole minutes, at least one; None: megatron's default)."""
     from megatron.core import parallel_state
 
+    timeout = {} if timeout_s is None else {
+        "distributed_timeout_minutes": max(1, round(timeout_s / 60))}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
         context_parallel_size=config.cp,
-        expert_model_parallel_size=config.ep)
+        expert_model_parallel_size=config.ep, **timeout)
 
 
 def parallel_state_matches(config: ParallelConfig) -> bool:

@@ -170,7 +170,10 @@ def megatron_reshards_optimizer(old: ParallelConfig, new: ParallelConfig) -> boo
     """Whether megatron-core's checkpoint path can reshard the optimizer state on CPU:
     always for the non-distributed optimizer; for the DistributedOptimizer only its
     ``dp_reshardable`` format works here, which allows dp changes alone (``fully_reshardable``
-    warns of zero-padded data on save and fails to load with torch's Adam: KeyError 'step')."""
+    warns of zero-padded data on save and fails to load with torch's Adam: KeyError 'step').
+    An ep change alone fails too: the experts' optimizer is a second buffer keyed
+    ``chained_1`` that ep = 1 does not have (KeyError on load)."""
     if not old.distributed_optimizer:
         return True
-    return old.tp == new.tp and old.pp == new.pp
+    return (old.tp, old.pp, old.ep, old.vpp, old.cp) == (new.tp, new.pp, new.ep, new.vpp,
+                                                         new.cp)

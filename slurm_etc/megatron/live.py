@@ -23,13 +23,11 @@ def model_desc_of(tf_config: Any, gpt: Any, name: str = "user-model") -> ModelDe
     """The ModelDesc of a built GPTModel and its TransformerConfig.
 
     Raises:
-        ConfigError: a feature the catalog does not describe (fp16, MoE, multi-token
+        ConfigError: a feature the catalog does not describe (fp16, multi-token
             prediction, a vocabulary padded by something other than the model).
     """
     if getattr(tf_config, "fp16", False):
         raise ConfigError("fp16 models are not supported (use bf16 or fp32)")
-    if getattr(tf_config, "num_moe_experts", None):
-        raise ConfigError("mixture-of-experts models are not supported yet")
     if getattr(tf_config, "mtp_num_layers", None):
         raise ConfigError("multi-token prediction layers are not supported yet")
     position = getattr(gpt, "position_embedding_type", "learned_absolute")
@@ -57,7 +55,19 @@ def model_desc_of(tf_config: Any, gpt: Any, name: str = "user-model") -> ModelDe
         learned_position_embeddings=position == "learned_absolute",
         tied_embeddings=bool(gpt.share_embeddings_and_output_weights),
         param_dtype="bf16" if tf_config.bf16 else "fp32",
+        **_moe_fields(tf_config),
     )
+
+
+def _moe_fields(tf_config: Any) -> dict:
+    """A mixture of experts' fields of the ModelDesc (none for a dense model)."""
+    experts = getattr(tf_config, "num_moe_experts", None)
+    if not experts:
+        return {}
+    return {"num_experts": experts, "router_topk": tf_config.moe_router_topk,
+            "expert_ffn": getattr(tf_config, "moe_ffn_hidden_size", None),
+            "shared_expert_ffn": getattr(tf_config, "moe_shared_expert_intermediate_size",
+                                         None)}
 
 
 def check_catalog(catalog: Catalog, gpt: Any) -> None:
@@ -66,7 +76,9 @@ def check_catalog(catalog: Catalog, gpt: Any) -> None:
     Raises:
         ConfigError: naming the first tensor that differs.
     """
-    shapes = {g.param: tuple(g.shape) for g in catalog.groups}
+    # an expert group's first axis is megatron's (layer, expert) folded (catalog.py)
+    shapes = {g.param: ((g.shape[0] // g.experts, g.experts, *g.shape[1:]) if g.expert
+                        else tuple(g.shape)) for g in catalog.groups}
     out_layer = getattr(gpt, "output_layer", None)
     out_weight = getattr(out_layer, "weight", None)
     for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):

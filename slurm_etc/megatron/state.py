@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from slurm_etc.migrate.shards import LocalShard, shard_specs
-from slurm_etc.plan.catalog import TIED_SUFFIX, Catalog
+from slurm_etc.plan.catalog import EXPERT_PREFIX, TIED_SUFFIX, Catalog
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.plan.plan import MigrationPlan
@@ -87,6 +87,12 @@ def _box(sh: Any) -> tuple[Box3, Box3]:
     p = sh.prepend_axis_num
     lo = list(sh.global_offset)
     hi = [o + 1 for o in lo[:p]] + [o + n for o, n in zip(lo[p:], sh.local_shape)]
+    if sh.key.startswith(EXPERT_PREFIX):
+        # SequentialMLP's (layer, expert, ...) folded into the catalog's first axis: one
+        # expert of one layer a piece (catalog.py)
+        experts = sh.global_shape[1]
+        lo = [lo[0] * experts + lo[1], *lo[2:]]
+        hi = [lo[0] + 1, *hi[2:]]
     if len(lo) > 3:
         raise StateError(f"{sh.key}: {len(lo)} axes, the catalog has at most 3")
     lo += [0] * (3 - len(lo))

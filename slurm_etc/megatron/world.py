@@ -289,7 +289,7 @@ def start_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
     world is put back before it returns, so the old layout can train a step before
     :func:`build_world` (a resize prepared while training splits the build across two step
     boundaries this way). Collective over the new layout's ranks."""
-    from megatron.core import parallel_state
+    from .build import initialize_parallel_state
 
     shutdown_retired()
     world = c10d._world
@@ -305,9 +305,8 @@ def start_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
         world.group_count = _group_count_base(name)
         set_megatron_globals({})
         t = time.perf_counter()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
-            distributed_timeout_minutes=max(1, round(timeout_s / 60)))
+        # every degree (ep, vpp, cp too): a MoE layout's experts are cut by its ep group
+        initialize_parallel_state(config, timeout_s)
         seconds["megatron_groups"] = time.perf_counter() - t
         groups = [g for g in world.pg_map if id(g) not in before]
         prepared = PreparedWorld(config, rank, group, groups, megatron_globals(),

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from slurm_etc.megatron.build import (
     TrainingState,
+    initialize_parallel_state,
     mean_loss,
     skip_tied_embedding_sync,
     wrap_for_training,
@@ -1407,10 +1408,10 @@ class ElasticTrainer:
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.tp,
-                                                     pipeline_model_parallel_size=config.pp)
+            initialize_parallel_state(config)
         tf = dataclasses.replace(self.tf_template, tensor_model_parallel_size=config.tp,
-                                 pipeline_model_parallel_size=config.pp)
+                                 pipeline_model_parallel_size=config.pp,
+                                 expert_model_parallel_size=config.ep)
         if empty:
             tf = dataclasses.replace(tf, perform_initialization=False)
         with skip_tied_embedding_sync(empty):

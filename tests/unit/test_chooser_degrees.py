@@ -206,3 +206,15 @@ def test_every_candidate_is_a_valid_layout(model, batch, micro, supports, counts
         for name in ("ep", "vpp", "cp"):
             assert getattr(cfg, name) == 1 or name in supports
         assert cfg.ep == 1 or job.model.moe
+
+
+def test_experts_get_tp_1_without_sequence_parallelism():
+    # megatron-core refuses to train experts at tp > 1 without sequence parallelism, which
+    # the elastic worker does not build
+    job = TrainingJob(MIXTRAL, 1024, supports={"ep"})
+    assert any(c.config.tp > 1 for c in candidates(job, HW, [8] * 8))
+    runtime = replace(job, sequence_parallel=False)
+    got = candidates(runtime, HW, [8] * 8)
+    assert got and all(c.config.tp == 1 for c in got)
+    dense = replace(runtime, model=PRESETS["llama-7b"])
+    assert any(c.config.tp > 1 for c in candidates(dense, HW, [8] * 8))
