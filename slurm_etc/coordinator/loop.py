@@ -149,7 +149,8 @@ ELASTIC_SUPPORTS = frozenset({"ep"})
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
                     distributed_optimizer: bool) -> TrainingJob:
     """The job the first layout is chosen for: what was given, the provisional model and a
-    global batch of one micro batch (dp=1) where none was given."""
+    global batch of one micro batch (dp=1) where none was given; what the elastic worker
+    builds (``ELASTIC_SUPPORTS``, no sequence parallelism)."""
     if global_batch is None:
         global_batch = micro_batch
     return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_etc.alloc.chooser import Hardware, TrainingJob
+from slurm_etc.alloc.chooser import Hardware
 from slurm_etc.migrate.faults import KillSpec
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.testing.hooks import INJECT_ENV
 
-from ..coordinator.loop import ELASTIC_SUPPORTS, JobSpec
+from ..coordinator.loop import JobSpec, provisional_job
 from .script import EventsScript, script_from_dict
 
 # The workers' train_steps, in the demo's steps: room for the steps trained through the two
@@ -101,9 +101,7 @@ def demo_spec(job_id: str, model: ModelDesc, steps: int, global_batch: int = 8,
     if inject:
         KillSpec.parse(inject)  # a bad spec fails here, before any worker starts
         env[INJECT_ENV] = inject  # read by slurm_etc.testing.worker only
-    job = TrainingJob(model, global_batch, 1, False, supports=ELASTIC_SUPPORTS,
-                      sequence_parallel=False)
-    return JobSpec(job_id, "demo", argv, job,
+    return JobSpec(job_id, "demo", argv, provisional_job(model, global_batch, 1, False),
                    EffectivePolicy(grow=False), DEMO_HARDWARE, worker_timeout_s=120.0,
                    env=env)
 
