@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment, linprog
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import connected_components, min_weight_full_bipartite_matching
+from scipy.sparse.csgraph import connected_components
 
 from .cost import CostMatrix
 from .errors import PlanError
@@ -204,37 +204,30 @@ def _group_slot_overlap(cost: CostMatrix, slot_first: np.ndarray, tp: int) -> cs
                       shape=(groups, len(slot_first)))
 
 
-def kept_upper_bound(cost: CostMatrix, exact_shards: bool = False) -> int:
+def kept_upper_bound(cost: CostMatrix) -> int:
     """No placement keeps more: class transport optimum + a bound on the shard bytes kept.
 
     A placement keeps the shard bytes of one matching of new ranks to devices in the
     shard-overlap graph D. Per connected component of D, that is at most each rank's best
     overlap summed, and at most each device's best overlap summed (a device runs one rank):
-    the smaller of the two. With ``exact_shards`` a component of up to
-    ``EXACT_COMPONENT`` ranks gets its maximum matching instead (isomorphic components,
-    e.g. the pipeline stages, solved once).
+    the smaller of the two. Cheap, and met by most class placements; where it is not,
+    ``flow.kept_exact`` gives the exact bound.
     """
     value = _rep_value(cost)
     cls = _pool_class(cost)
     supply = np.bincount(cls, minlength=value.shape[0])
     demand = np.bincount(cost.rank_class, minlength=value.shape[1])
     _, rep = transport(value, supply, demand)
-    return int(round(rep)) + _shard_upper_bound(cost, exact_shards)
+    return int(round(rep)) + _shard_upper_bound(cost)
 
 
-# Components of the shard-overlap graph up to this many new ranks get an exact matching in
-# the byte lower bound (a sparse assignment, about 0.1 s at 1,024 ranks).
-EXACT_COMPONENT = 2048
-
-
-def _shard_upper_bound(cost: CostMatrix, exact: bool) -> int:
+def _shard_upper_bound(cost: CostMatrix) -> int:
     n_pool, world = cost.shape
     if not len(cost.dist_rank):
         return 0
     graph = csr_matrix((np.ones(len(cost.dist_rank)), (cost.dist_rank, world + cost.dist_pool)),
                        shape=(world + n_pool, world + n_pool))
     _, label = connected_components(graph, directed=False)
-    comp = label[cost.dist_rank]
     by_rank = np.zeros(world, np.int64)
     np.maximum.at(by_rank, cost.dist_rank, cost.dist_bytes)
     by_device = np.zeros(n_pool, np.int64)
@@ -242,42 +235,7 @@ def _shard_upper_bound(cost: CostMatrix, exact: bool) -> int:
     n_comp = int(label.max()) + 1
     side_r = np.bincount(label[:world], by_rank, minlength=n_comp)
     side_d = np.bincount(label[world:], by_device, minlength=n_comp)
-    bound = np.minimum(side_r, side_d).astype(np.int64)
-    if exact:
-        order = np.argsort(comp, kind="stable")
-        starts = np.searchsorted(comp[order], np.arange(n_comp + 1))
-        ranks_in = np.bincount(label[:world], minlength=n_comp)
-        solved: dict[bytes, int] = {}
-        for c in np.flatnonzero(ranks_in <= EXACT_COMPONENT).tolist():
-            e = order[starts[c]:starts[c + 1]]
-            if not len(e):
-                continue
-            r, q, w = cost.dist_rank[e], cost.dist_pool[e], cost.dist_bytes[e]
-            r0, q0 = r - r.min(), q - q.min()
-            k = np.lexsort((q0, r0))
-            sig = np.stack([r0[k], q0[k], w[k]]).tobytes()
-            if sig not in solved:
-                solved[sig] = _max_matching(r0, q0, w)
-            bound[c] = solved[sig]
-    return int(bound.sum())
-
-
-def _max_matching(rank: np.ndarray, dev: np.ndarray, nbytes: np.ndarray) -> int:
-    """Heaviest matching of a sparse bipartite graph (ranks may stay unmatched)."""
-    _, r = np.unique(rank, return_inverse=True)
-    _, d = np.unique(dev, return_inverse=True)
-    r, d = r.ravel(), d.ravel()
-    n_r, n_d = int(r.max()) + 1, int(d.max()) + 1
-    big = float(nbytes.max()) + 1.0
-    # every rank also gets a private "unmatched" column of weight 0 (cost big)
-    rows = np.concatenate([r, np.arange(n_r)])
-    cols = np.concatenate([d, n_d + np.arange(n_r)])
-    w = np.concatenate([big - nbytes.astype(np.float64), np.full(n_r, big)])
-    ri, ci = min_weight_full_bipartite_matching(csr_matrix((w, (rows, cols)),
-                                                           shape=(n_r, n_d + n_r)))
-    real = ci < n_d
-    kept = csr_matrix((nbytes.astype(np.float64), (r, d)), shape=(n_r, n_d))
-    return int(round(float(np.asarray(kept[ri[real], ci[real]]).sum())))
+    return int(np.minimum(side_r, side_d).astype(np.int64).sum())
 
 
 def assign_classes(cost: CostMatrix) -> np.ndarray:
