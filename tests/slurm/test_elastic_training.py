@@ -429,7 +429,12 @@ def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_no
     assert seen == set(range(1, OWN_STEPS + 1))
     print(f"\n[own script, no MODEL] migrations {outcomes}; preemptor -> shrunk step "
           f"{shrunk['t'] - t_pre:.1f} s; node DOWN -> training again "
-          f"{survived['t'] - t_down:.1f} s")
+          f"{survived['t'] - t_down:.1f} s\n  " + "\n  ".join(
+              f"{m['from_generation']}->{m['to_generation']} {m['outcome']}: moved "
+              f"{m['moved_bytes'] / 2**20:.2f} MiB, data {m['data_seconds'] or 0:.2f} s, pause "
+              f"{m['pause_seconds'] or 0:.2f} s (in flight {m['interrupted_seconds'] or 0:.2f} s), "
+              f"stall {m['stall_seconds'] or 0:.2f} s, prepared beside training "
+              f"{m['preparation_seconds'] or 0:.1f} s" for m in job["migrations"]))
     if down:
         wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
                  f"{down} back in service", timeout=60)
