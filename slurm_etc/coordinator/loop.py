@@ -57,6 +57,7 @@ from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.messages import (
     BATCH_FIELDS,
     DEFAULT_REATTACH_WAIT_S,
+    ENCODER,
     GPUS_PER_NODE,
     HEARTBEAT_S,
     LAYOUT,
@@ -78,6 +79,7 @@ from slurm_etc.protocol.messages import (
     format_layout,
 )
 from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
+from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
 from . import reconcile
@@ -227,8 +229,12 @@ class Coordinator:
     def __init__(self, spec: JobSpec, backend: Backend, store: Any, channel: Any,
                  topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
                  progress: Callable[[dict[str, Any]], None] | None = None,
-                 crash: Callable[[str], None] | None = None) -> None:
+                 crash: Callable[[str], None] | None = None,
+                 post: Callable[[str, bytes], None] | None = None) -> None:
         self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
+        # sets a key in the job's rendezvous store (an order naming the dead, which ends
+        # the survivors' step agreement at once); None: the workers find it on the channel
+        self.post = post
         # called at each of KILL_POINTS: a test kills the coordinator there; by default
         # nothing happens
         self.crash = crash or (lambda _point: None)
@@ -1159,6 +1165,11 @@ class Coordinator:
         missed = self.channel.broadcast(fl.order, fl.stayers)
         fl.told |= fl.stayers - set(missed)
         fl.sent_at = time.monotonic()
+        if fl.order.lost and self.post is not None:
+            # the survivors wait at a step boundary for votes the dead never give: the
+            # order in the store ends that wait the moment it is there
+            self.post(GenerationKeys(self.spec.job_id, self.generation).lost,
+                      ENCODER.encode(fl.order))
         if fl.joiners:
             logger.info("generation %d: old layout ordered %.2f s after the joiners' launch, "
                         "steps %d..%d trained meanwhile", fl.order.generation,

@@ -11,7 +11,8 @@ from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.lifecycle import JobState, job_transition_error
-from slurm_etc.protocol.store import StoreServer
+from slurm_etc.protocol.store import StoreClient, StoreServer
+from slurm_etc.protocol.store import StoreError as RendezvousStoreError
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
 
@@ -57,8 +58,18 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
         raise
     channel.set_rendezvous(advertise or bind_host, rendezvous.port)
     record.set_coordinator(store, spec.job_id, channel.address)
+    # the coordinator's own writes to the store go over the wire like a worker's (the
+    # server's socket belongs to its thread)
+    poster = StoreClient(bind_host, rendezvous.port, secret.key)
+
+    def post(key: str, value: bytes) -> None:
+        try:
+            poster.set(key, value)
+        except RendezvousStoreError as e:  # the workers still get the order over the channel
+            logger.warning("[job %s] rendezvous store: %s not set (%s)", spec.job_id, key, e)
+
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress,
-                              crash=crash)
+                              crash=crash, post=post)
     # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
     # through the same clean close as any other end: workers stopped, members cancelled,
     # the record ended as cancelled with the signal as its reason.
@@ -80,6 +91,7 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
         try:
             backend.close()
             channel.close()
+            poster.close()
             rendezvous.close()
             store.close()
         finally:

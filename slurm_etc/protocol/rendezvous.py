@@ -56,6 +56,13 @@ class GenerationKeys:
         """When this generation's last step ended (wall clock), for the measured pause."""
         return f"{self.prefix}/last-ended"
 
+    @property
+    def lost(self) -> str:
+        """The coordinator's newest order naming devices of this generation's layout as
+        lost: it ends the survivors' waits at a step boundary at once (a dead peer never
+        votes)."""
+        return f"{self.prefix}/lost"
+
     def rng(self, rank: int) -> str:
         """Old rank ``rank``'s RNG extras."""
         return f"{self.prefix}/rng/{rank}"

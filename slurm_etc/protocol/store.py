@@ -112,12 +112,22 @@ class StoreTimeout(StoreError):
     TCPStore)."""
 
 
+@dataclass(frozen=True)
+class Woken:
+    """An agreement answered early: its wake key took ``value`` (the coordinator's order
+    naming the dead, which no peer's vote would ever bring)."""
+
+    value: bytes
+
+
 @dataclass(eq=False)  # hashed by identity: a member of the blocked set
 class _Waiter:
     routing: bytes
     request: Request
     deadline: float
     missing: set[str]
+    wake: str = ""  # answered "woken" once this key holds a value other than ``seen``
+    seen: bytes = b""
 
 
 class StoreServer:
@@ -139,6 +149,7 @@ class StoreServer:
         self._bytes = 0
         self._lock = threading.Lock()
         self._waiters: dict[str, list[_Waiter]] = {}
+        self._wakers: dict[str, set[_Waiter]] = {}  # by wake key
         self._blocked: set[_Waiter] = set()
         self.refused = 0  # requests refused for a bound
         self._ctx = zmq.Context()
@@ -320,14 +331,21 @@ class StoreServer:
                 return Reply(req.id, "ok", number=int(value is not None))
             if op == "num_keys":
                 return Reply(req.id, "ok", number=len(self._data))
-            if op == "agree":  # [own, stale or "", *keys]: set, delete, then a multi_get
-                if len(req.keys) < 3 or len(req.values) != 1:
-                    raise _Refused("bad", "agree takes its key, a stale key and the keys")
+            wake, seen = "", b""
+            if op == "agree":
+                # keys [own, stale or "", wake or "", *keys], values [own's, wake's seen]:
+                # set, delete, then a multi_get that a new value of the wake key ends early
+                if len(req.keys) < 4 or len(req.values) != 2:
+                    raise _Refused("bad", "agree takes its key, a stale key, a wake key and "
+                                          "the keys; its value and the wake key's seen value")
                 self._put(req.keys[0], req.values[0])
                 stale = self._data.pop(req.keys[1], None) if req.keys[1] else None
                 if stale is not None:
                     self._bytes -= len(req.keys[1]) + len(stale)
-                req = Request(req.id, "multi_get", req.keys[2:], [], 0, req.timeout_ms)
+                wake, seen = req.keys[2], req.values[1]
+                if wake and self._data.get(wake, seen) != seen:
+                    return Reply(req.id, "woken", values=[self._data[wake]])
+                req = Request(req.id, "multi_get", req.keys[3:], [], 0, req.timeout_ms)
                 op = req.op
             if op in ("get", "multi_get", "wait"):
                 missing = {k for k in req.keys if k not in self._data}
@@ -337,10 +355,13 @@ class StoreServer:
                     return Reply(req.id, "timeout", error=f"{len(missing)} keys missing")
                 if len(self._blocked) >= lim.waiters:
                     raise _Refused("full", f"{len(self._blocked)} requests already waiting")
-                w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing)
+                w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing,
+                            wake, seen)
                 self._blocked.add(w)
                 for k in missing:
                     self._waiters.setdefault(k, []).append(w)
+                if wake:
+                    self._wakers.setdefault(wake, set()).add(w)
                 return None
         raise _Refused("bad", f"unknown operation {op[:40]!r}")
 
@@ -385,20 +406,32 @@ class StoreServer:
                     for k in w.missing:
                         self._waiters.setdefault(k, []).append(w)
                     continue
-                self._blocked.remove(w)
+                self._unblock(w)
                 self._reply(w.routing, self._answer(w.request))
+        for w in [w for w in self._wakers.get(key, ()) if w.seen != value]:
+            self._unblock(w)
+            self._reply(w.routing, Reply(w.request.id, "woken", values=[value]))
+
+    def _unblock(self, w: _Waiter) -> None:
+        """Forget a blocked request (the lock held): answered, woken or expired."""
+        self._blocked.discard(w)
+        for k in w.missing:
+            ws = self._waiters.get(k)
+            if ws is not None:
+                ws[:] = [x for x in ws if x is not w]
+                if not ws:
+                    del self._waiters[k]
+        wakers = self._wakers.get(w.wake)
+        if wakers is not None:
+            wakers.discard(w)
+            if not wakers:
+                del self._wakers[w.wake]
 
     def _expire(self, now: float) -> None:
         with self._lock:
             late = [w for w in self._blocked if w.deadline <= now]
             for w in late:
-                self._blocked.remove(w)
-                for k in w.missing:
-                    ws = self._waiters.get(k)
-                    if ws is not None:
-                        ws[:] = [x for x in ws if x is not w]
-                        if not ws:
-                            del self._waiters[k]
+                self._unblock(w)
                 self._reply(w.routing, Reply(w.request.id, "timeout",
                                              error=f"{len(w.missing)} keys missing"))
 
@@ -515,7 +548,7 @@ class StoreClient(dist.Store):
                 continue
             if reply.id != rid:
                 continue  # an answer to a request given up on
-            if reply.status == "ok":
+            if reply.status in ("ok", "woken"):
                 return reply
             if reply.status == "timeout":
                 raise StoreTimeout(f"rendezvous store: {op} of {_first(keys)} timed out "
@@ -601,16 +634,21 @@ class StoreClient(dist.Store):
         self._forget(keys)
         self._call("multi_set", list(keys), [_bytes(v) for v in values])
 
-    def agree(self, own: str, value: bytes, stale: str, keys: list[str],
-              timeout_s: float) -> list[bytes] | None:
+    def agree(self, own: str, value: bytes, stale: str, keys: list[str], timeout_s: float,
+              *, wake: str = "", seen: bytes = b"") -> list[bytes] | Woken | None:
         """One step's agreement in one round trip: set ``own``, delete ``stale`` (if not
-        empty), and the values of ``keys`` once all are there; None after ``timeout_s``."""
+        empty), and the values of ``keys`` once all are there; None after ``timeout_s``;
+        :class:`Woken` as soon as ``wake`` (if not empty) holds a value other than
+        ``seen``."""
         self._forget([own, stale])
         try:
-            return list(self._call("agree", [own, stale, *keys], [value],
-                                   timeout=timedelta(seconds=timeout_s)).values)
+            reply = self._call("agree", [own, stale, wake, *keys], [value, seen],
+                               timeout=timedelta(seconds=timeout_s))
         except StoreTimeout:
             return None
+        if reply.status == "woken":
+            return Woken(reply.values[0])
+        return list(reply.values)
 
 
 def _bytes(value: Any) -> bytes:
@@ -627,12 +665,15 @@ def _first(keys: Sequence[str]) -> str:
 
 
 def agree_step(store: Any, own: str, value: bytes, stale: str, keys: list[str],
-               timeout_s: float) -> list[bytes] | None:
+               timeout_s: float, *, wake: str = "", seen: bytes = b""
+               ) -> list[bytes] | Woken | None:
     """Set ``own``, delete ``stale``, and the values of ``keys`` once every one is there
     (None after ``timeout_s``: call again, it is idempotent). One round trip on the job's
-    store; on another ``torch.distributed.Store`` (the tests' TCPStore) four."""
+    store, which answers :class:`Woken` as soon as ``wake`` holds a value other than
+    ``seen``; on another ``torch.distributed.Store`` (the tests' TCPStore) four, and no
+    wake: the slice's timeout bounds the wait."""
     if isinstance(store, StoreClient):
-        return store.agree(own, value, stale, keys, timeout_s)
+        return store.agree(own, value, stale, keys, timeout_s, wake=wake, seen=seen)
     store.set(own, value)
     if stale:
         store.delete_key(stale)

@@ -64,7 +64,7 @@ from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.protocol.rendezvous import GenerationKeys
-from slurm_etc.protocol.store import StoreUnreachable, agree_step, wait_for_keys
+from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, wait_for_keys
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from ..errors import InternalError
@@ -279,6 +279,7 @@ class ElasticTrainer:
         self._pending: Order | None = None
         self._lost: frozenset[int] = frozenset()
         self._aborted: set[int] = set()  # generations whose resize aborted here
+        self._woken_by = b""  # the last order naming the dead that ended a vote early
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
@@ -398,13 +399,16 @@ class ElasticTrainer:
                   "coordinator", self.step, self._failed_at,
                   str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
         deadline = time.monotonic() + proc.timeout_s
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             self._take_orders()
             if isinstance(self._pending, Stop) or self._names_the_dead(self._pending):
                 order, self._pending = self._pending, None
                 if order is not None:
                     return order
-            time.sleep(0.05)
+            # Block on the channel, not a sleep: the order is taken the moment it comes
+            # (a 50 ms sleep here was a third of a loss's recovery).
+            if (order := proc.control.wait(min(left, 0.5))) is not None:
+                self._consider(order)
         raise err
 
     def close(self) -> None:
@@ -619,22 +623,26 @@ class ElasticTrainer:
 
     def _drain_orders(self, proc: WorkerProcess) -> None:
         while (order := proc.control.poll()) is not None:
-            if order.generation <= self.generation or order.generation in self._aborted:
-                continue
-            prep = self._preparing
-            if prep is not None and order.generation == prep.order.generation:
-                if isinstance(order, Abort) and prep.stage == "transfer":
-                    # every rank gives it up together, at the next preparation agreement
-                    prep.error = RuntimeError(f"aborted by the coordinator: {order.reason}")
-                continue  # else the same order again (resent): it is being prepared
-            if isinstance(order, Abort):
-                if self._pending is not None and self._pending.generation == order.generation:
-                    self._log("resize to generation %d aborted by the coordinator: %s",
-                              order.generation, order.reason)
-                    self._pending = None
-                continue
-            if self._pending is None or order.generation >= self._pending.generation:
-                self._pending = order
+            self._consider(order)
+
+    def _consider(self, order: Order) -> None:
+        """Keep ``order`` in ``_pending`` if it is the newest that applies."""
+        if order.generation <= self.generation or order.generation in self._aborted:
+            return
+        prep = self._preparing
+        if prep is not None and order.generation == prep.order.generation:
+            if isinstance(order, Abort) and prep.stage == "transfer":
+                # every rank gives it up together, at the next preparation agreement
+                prep.error = RuntimeError(f"aborted by the coordinator: {order.reason}")
+            return  # else the same order again (resent): it is being prepared
+        if isinstance(order, Abort):
+            if self._pending is not None and self._pending.generation == order.generation:
+                self._log("resize to generation %d aborted by the coordinator: %s",
+                          order.generation, order.reason)
+                self._pending = None
+            return
+        if self._pending is None or order.generation >= self._pending.generation:
+            self._pending = order
 
     def _agree(self) -> Order | None:
         """At a step boundary, every rank of the layout learns the newest order any of them
@@ -683,10 +691,25 @@ class ElasticTrainer:
         """One slice of the step's agreement; a store that stopped answering (its
         coordinator died) is waited out in :meth:`_await_restart` and the slice is None."""
         try:
-            return agree_step(self._proc().store, own, mine, stale, keys, AGREE_SLICE_S)
+            return self._vote(own, mine, stale, keys)
         except StoreUnreachable as err:
             self._await_restart(err)
             return None
+
+    def _vote(self, own: str, mine: bytes, stale: str, keys: list[str]) -> list[bytes] | None:
+        """Every rank's vote of ``keys`` (this rank's ``mine`` under ``own``), or None after
+        a slice, or at once when the coordinator posts an order naming devices of this
+        layout as lost (it is then in ``_pending``): a dead peer never votes, and the
+        survivors learn of the loss without waiting out the slice."""
+        proc = self._proc()
+        wake = GenerationKeys(proc.job, self.generation).lost
+        got = agree_step(proc.store, own, mine, stale, keys, AGREE_SLICE_S, wake=wake,
+                         seen=self._woken_by)
+        if isinstance(got, Woken):
+            self._woken_by = got.value
+            self._consider(ORDER_DECODER.decode(got.value))
+            return None
+        return got
 
     def _await_restart(self, err: StoreUnreachable) -> None:
         """The rendezvous store stopped answering at a step boundary: its coordinator died
@@ -910,8 +933,7 @@ class ElasticTrainer:
         keys = [names.prepared(self.step, prep.polls, r) for r in range(layout.config.world)]
         prep.polls += 1
         deadline = time.monotonic() + proc.timeout_s
-        while (values := agree_step(proc.store, keys[rank], mine, "", keys,
-                                    AGREE_SLICE_S)) is None:
+        while (values := self._vote(keys[rank], mine, "", keys)) is None:
             self._take_orders()
             if self._names_the_dead(self._pending) or time.monotonic() > deadline:
                 self._drop_preparation()

@@ -162,8 +162,15 @@ def w_prepare_and_step(ctx, tr, *, tag, gb, naive=False, stale=False):
         with torch.no_grad():
             for target in placed.targets:
                 target.base().zero_()
-    out = {"prepared": prepared.world is not None,
-           "groups_prepared": len(prepared.world.groups) if prepared.world else 0,
+    world = prepared.world
+    # every megatron group of the new world (tp, pp, dp, ...) is one the preparation made
+    megatron_groups = [] if world is None else [
+        g for name, g in world.megatron.items()
+        if name.endswith("_GROUP") and g is not None and not isinstance(g, list)]
+    out = {"prepared": world is not None,
+           "groups_prepared": len(world.groups) if world else 0,
+           "megatron_groups_prepared": bool(megatron_groups) and all(
+               any(g is p for p in world.groups) for g in megatron_groups),
            "placed_bytes": placed.bytes if placed is not None else 0}
     if state is not None:
         out["step"] = (_step(state, gb), _digest(state))
@@ -298,7 +305,8 @@ def test_prepared_world_trains_like_a_normal_one(workers, name):
     tr, prepared, resized, trained, normal = _run(workers, name, old, new)
     plan = tr.plan()
     for dev in plan.new.devices:
-        assert prepared[dev]["prepared"] and prepared[dev]["groups_prepared"] >= 5
+        assert prepared[dev]["prepared"] and prepared[dev]["groups_prepared"] >= 2
+        assert prepared[dev]["megatron_groups_prepared"], prepared[dev]
         r = resized[dev]
         assert r["phases"] == ["migrate", "resume", "switch"], r
         assert r["retired"], r

@@ -359,6 +359,42 @@ def test_agreement_in_one_round_trip(client: StoreClient, server: StoreServer) -
     assert agree_step(tcp, keys[0], b"-", "", keys, 1.0) == [b"-", b"stop"]
 
 
+def test_an_order_naming_the_dead_ends_the_agreement_at_once(key: bytes) -> None:
+    """A survivor waits at a step boundary for a dead peer's vote that never comes; the
+    coordinator's order naming the dead, set under the generation's ``lost`` key, answers
+    that wait the moment it is set (not at the end of the slice), once per new value; and
+    the server forgets the woken and the answered waits (nothing kept per step)."""
+    from slurm_etc.protocol.store import Woken, agree_step
+
+    with StoreServer(key, "127.0.0.1", job="j") as server:
+        survivor = StoreClient("127.0.0.1", server.port, key)
+        coordinator = StoreClient("127.0.0.1", server.port, key)
+        wake = GenerationKeys("j", 3).lost
+        keys = [GenerationKeys("j", 3).agreement(0, 7, r) for r in range(2)]
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(agree_step(
+            survivor, keys[0], b"-", "", keys, 30.0, wake=wake)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.2)
+        coordinator.set(wake, b"order 4")
+        t.join(5)
+        assert got == [Woken(b"order 4")]
+        assert time.monotonic() - t0 < 1.0  # not the slice of 30 s
+        # the same order seen: it waits (and times out) as before; a newer one wakes at once
+        assert agree_step(survivor, keys[0], b"-", "", keys, 0.2, wake=wake,
+                          seen=b"order 4") is None
+        assert agree_step(survivor, keys[0], b"-", "", keys, 0.2, wake=wake,
+                          seen=b"order 2") == Woken(b"order 4")
+        # answered normally: nothing of it stays behind on the server
+        coordinator.set(keys[1], b"-")
+        assert agree_step(survivor, keys[0], b"-", "", keys, 5.0, wake=wake,
+                          seen=b"order 4") == [b"-", b"-"]
+        assert not server._blocked and not server._waiters and not server._wakers
+        survivor.close()
+        coordinator.close()
+
+
 def test_a_committed_resize_retires_the_generations_before_it(key: bytes) -> None:
     """The coordinator's wiring (coordinator/run.py): a worker's authenticated Resized
     "committed" of generation g makes the store drop every key of generations < g."""
