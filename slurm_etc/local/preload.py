@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,7 +101,7 @@ def forkable(argv: Sequence[str], env: Mapping[str, str], preloaded_env: Mapping
              ) -> bool:
     """Whether ``argv`` run with ``env`` starts as a child of the preloader would: this
     ``python``, then ``-m module`` or a script path, and the same start-up environment."""
-    if len(argv) < 2 or argv[0] != sys.executable:
+    if len(argv) < 2 or not this_python(argv[0], env.get("PATH")):
         return False
     if argv[1] == "-m":
         if len(argv) < 3 or not argv[2] or argv[2].startswith("-"):
@@ -108,6 +109,20 @@ def forkable(argv: Sequence[str], env: Mapping[str, str], preloaded_env: Mapping
     elif argv[1].startswith("-") or not argv[1].endswith(".py"):
         return False
     return startup_env(env) == startup_env(preloaded_env)
+
+
+def this_python(program: str, path: str | None = None) -> bool:
+    """Whether ``program`` (a path, or a name looked up in ``path``) starts this interpreter
+    with this environment: ``sys.executable`` itself, or another name for it in the same
+    directory (a venv's ``bin/python`` beside the ``bin/python3.11`` its console scripts
+    name). Another directory is another environment (a venv's site-packages come from where
+    the interpreter was started, not from the file it links to)."""
+    found = program if os.sep in program else shutil.which(program, path=path)
+    if not found:
+        return False
+    mine, theirs = os.path.abspath(sys.executable), os.path.abspath(found)
+    return theirs == mine or (os.path.dirname(theirs) == os.path.dirname(mine)
+                              and os.path.realpath(theirs) == os.path.realpath(mine))
 
 
 class ForkedProcess(PolledProcess):

@@ -103,6 +103,15 @@ def test_only_what_a_fresh_interpreter_starts_alike_is_forked():
     assert forkable([py, "-m", "slurm_etc.worker.preset_worker"], env, env)
     assert forkable([py, "train.py", "--steps", "3"], {**env, "SLURM_ETC_VRANK": "2"}, env)
     assert not forkable(["/usr/bin/python3.11", "train.py"], env, env)  # another python
+    # another name of this python in its own directory (a venv's bin/python beside the
+    # bin/python3.11 its console scripts run): the same interpreter and environment
+    alias = os.path.join(os.path.dirname(py), "python")
+    if alias != py and os.path.realpath(alias) == os.path.realpath(py):
+        assert forkable([alias, "train.py"], env, env)
+    # a bare name found on the PATH the worker is given
+    assert forkable([os.path.basename(py), "train.py"],
+                    {**env, "PATH": os.path.dirname(py)}, {**env, "PATH": os.path.dirname(py)})
+    assert not forkable(["python-that-is-not-there", "train.py"], env, env)
     assert not forkable([py, "-u", "train.py"], env, env)  # interpreter options
     assert not forkable([py, "-c", "print(1)"], env, env)
     assert not forkable(["bash", "run.sh"], env, env)
