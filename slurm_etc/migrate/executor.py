@@ -41,7 +41,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +61,9 @@ from .program import (
 )
 from .shards import LocalShard, state_bytes
 from .transport import Transport, TransportError
+
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -589,7 +592,7 @@ def _plain_tensor_ops(func: Callable) -> Callable:
 
 
 @_plain_tensor_ops
-def execute_migration(plan, transport: Transport, device: int,
+def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
                       old_shards: Sequence[LocalShard], *,
                       options: MigrationOptions | None = None,
                       faults: FaultInjector | None = None,

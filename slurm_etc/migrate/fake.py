@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from slurm_etc.plan.catalog import Catalog
 
 from .dtypes import DTYPES, dtype_for
 from .shards import LocalShard, ShardSpec, shard_specs
+
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
 _EXP = {2: (0x7F80, 0x4000), 4: (0x7F800000, 0x40000000),
         8: (0x7FF0000000000000, 0x4000000000000000)}
@@ -95,7 +99,7 @@ def spec_values(catalog: Catalog, spec: ShardSpec, seed: int = 0) -> torch.Tenso
                        padded_shape(catalog, spec.group), spec.itemsize, seed)
 
 
-def fake_shards(plan, rank: int | None, *, seed: int = 0, new: bool = False,
+def fake_shards(plan: MigrationPlan, rank: int | None, *, seed: int = 0, new: bool = False,
                 device: torch.device | str = "cpu") -> list[LocalShard]:
     """The shards ``rank`` of the old layout (``new=True``: of the new layout) holds,
     filled with the fake global values."""
@@ -105,7 +109,7 @@ def fake_shards(plan, rank: int | None, *, seed: int = 0, new: bool = False,
             for sp in shard_specs(plan.catalog, table, rank)]
 
 
-def filled_shards(plan, rank: int | None, *, new: bool = False,
+def filled_shards(plan: MigrationPlan, rank: int | None, *, new: bool = False,
                   device: torch.device | str = "cpu") -> list[LocalShard]:
     """Shards of ``rank`` filled with one byte value per tensor group: cheap, for benchmarks
     at sizes where hashing every element would dominate (not verifiable element-wise)."""
@@ -128,8 +132,8 @@ def global_tensor(catalog: Catalog, group: int, state_key: str, seed: int = 0) -
     return flat.view(shape3)
 
 
-def shard_mismatches(plan, rank: int | None, shards: Iterable[LocalShard], *, seed: int = 0,
-                     new: bool = True, limit: int = 10) -> list[str]:
+def shard_mismatches(plan: MigrationPlan, rank: int | None, shards: Iterable[LocalShard], *,
+                     seed: int = 0, new: bool = True, limit: int = 10) -> list[str]:
     """Differences between ``shards`` and what ``rank`` should hold (empty list: all equal).
 
     Compares bit for bit: missing, unexpected, misshapen or wrong-valued shards are reported

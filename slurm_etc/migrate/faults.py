@@ -45,8 +45,12 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..errors import InternalError
+
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +148,7 @@ class KillSpec:
                              f"(form {form})")
         return cls(phase, v, g)
 
-    def victim(self, plan) -> int | None:
+    def victim(self, plan: MigrationPlan) -> int | None:
         """The vrank that dies in ``plan`` (None: nobody in the plan does the phase)."""
         if self.vrank is not None:
             return self.vrank if self.vrank in plan.participants else None
@@ -155,7 +159,7 @@ class KillSpec:
                 "mid-transfer": senders | receivers}.get(self.phase, set(plan.participants))
         return max(pick, default=None)
 
-    def injector(self, plan, device: int, generation: int) -> FaultInjector:
+    def injector(self, plan: MigrationPlan, device: int, generation: int) -> FaultInjector:
         """The injector of ``device``'s side of the resize to ``generation``: armed on the
         victim only."""
         if generation != self.generation or self.victim(plan) != device:

@@ -22,11 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from .program import group_devices
 from .transport import BackendTransport, TorchTransport
+
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 
@@ -83,7 +87,7 @@ def _members(devices, rank_of_device) -> list[int]:
     return [int(rank_of_device[d]) for d in devices]
 
 
-def new_migration_group(plan, device: int | None, *,
+def new_migration_group(plan: MigrationPlan, device: int | None, *,
                         rank_of_device: Mapping[int, int] | Callable[[int], int] | None = None,
                         backend: str | None = None,
                         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup | None:
@@ -135,7 +139,7 @@ def _warm_up(data) -> None:
                         group=data)
 
 
-def connect_migration_group(plan, device: int, store, *,
+def connect_migration_group(plan: MigrationPlan, device: int, store, *,
                             timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
     """Connect the migration group of ``plan`` from a rendezvous ``store`` (gloo).
 

@@ -22,6 +22,7 @@ Fairness (what keeps it the same pattern as the executor's, not a faster or slow
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,8 +30,11 @@ import torch
 from .program import chunk_range, group_devices, num_chunks
 from .transport import Transport
 
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
-def pattern_steps(plan, device: int, chunk_bytes: int | None = None
+
+def pattern_steps(plan: MigrationPlan, device: int, chunk_bytes: int | None = None
                   ) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
     """This device's (sends, receives) per global step: (peer migration rank, bytes) each.
 
@@ -67,8 +71,9 @@ def pattern_steps(plan, device: int, chunk_bytes: int | None = None
     return steps
 
 
-def raw_pattern(plan, transport: Transport, device: int, *, chunk_bytes: int | None = None,
-                repeats: int = 1, timeout_s: float = 300.0) -> list[float]:
+def raw_pattern(plan: MigrationPlan, transport: Transport, device: int, *,
+                chunk_bytes: int | None = None, repeats: int = 1, timeout_s: float = 300.0
+                ) -> list[float]:
     """Run the plan's message pattern ``repeats`` times; this rank's seconds for each run.
 
     Collective over the plan's participants (the transport's ranks). Buffers: one send and

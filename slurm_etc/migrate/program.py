@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from slurm_etc.plan.boxes import box_offset, box_strides, interval_boxes
 from slurm_etc.plan.fingerprint import plan_fingerprint
 
 from .shards import ShardSpec, shard_specs
+
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
 # Two send and two receive buffers of one chunk each fit in the staging budget.
 STAGING_BUFFERS = 4
@@ -281,13 +284,14 @@ class Program:
                         self.pieces(side, a, b)
 
 
-def group_devices(plan) -> tuple[int, ...]:
+def group_devices(plan: MigrationPlan) -> tuple[int, ...]:
     """Devices of the migration group: ``plan.participants`` (old ∪ new minus the lost
     devices, sorted; group rank = position)."""
     return tuple(plan.participants)
 
 
-def program_digest(plan, chunk_bytes: int, direct_min: int = DIRECT_MIN_BYTES) -> int:
+def program_digest(plan: MigrationPlan, chunk_bytes: int,
+                   direct_min: int = DIRECT_MIN_BYTES) -> int:
     """A 63-bit fingerprint of what the ranks' programs must agree on: the plan's
     fingerprint and the chunking."""
     h = hashlib.blake2b(plan_fingerprint(plan), digest_size=8)
@@ -305,8 +309,8 @@ def _piece_shard(multi_layer: bool, lo: tuple, hi: tuple, s: int, layer: int):
     return lo, hi, s
 
 
-def _transfer_segments(plan, k: int, old_side: bool, index: dict, out: _SegmentBuilder,
-                       start: int) -> int:
+def _transfer_segments(plan: MigrationPlan, k: int, old_side: bool, index: dict,
+                       out: _SegmentBuilder, start: int) -> int:
     """Append the segments of transfer ``k`` (old side reads old shards, else new shards);
     returns the stream position after it."""
     frag = plan.fragments
@@ -345,7 +349,7 @@ def _transfer_segments(plan, k: int, old_side: bool, index: dict, out: _SegmentB
     return pos
 
 
-def compile_program(plan, device: int, staging_bytes: int = DEFAULT_STAGING_BYTES,
+def compile_program(plan: MigrationPlan, device: int, staging_bytes: int = DEFAULT_STAGING_BYTES,
                     direct_min_bytes: int = DIRECT_MIN_BYTES) -> Program:
     """This device's part of ``plan``: shards, message segments, local copies and steps.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .executor import MigrationError, MigrationOptions, MigrationResult, execute_migration
 from .faults import FaultInjector
@@ -14,8 +15,11 @@ from .program import group_devices
 from .shards import LocalShard
 from .transport import ThreadHub
 
+if TYPE_CHECKING:
+    from slurm_etc.plan.plan import MigrationPlan
 
-def run_threads(plan, old_state: Mapping[int, Sequence[LocalShard]], *,
+
+def run_threads(plan: MigrationPlan, old_state: Mapping[int, Sequence[LocalShard]], *,
                 options: MigrationOptions | None = None,
                 faults: FaultInjector | None = None,
                 destinations: Mapping[int, Sequence] | None = None,
