@@ -677,13 +677,13 @@ def _apply_allocation_changes(s: Session, job_id: str, observed: Sequence[Observ
     for o in observed:
         if o.allocation is not None and o.allocation not in rows and o.allocation not in new:
             new[o.allocation] = {"job_id": job_id, "backend_id": o.allocation, "role": o.role,
-                                 "partition_name": None, "state": "requested",
+                                 "partition_name": None, "state": AllocationState.REQUESTED,
                                  "nodes": _nodes(o.nodes or ()), "requested_at": at,
                                  "granted_at": None, "lost_at": None, "released_at": None}
     if new:
         for name, aid in s.execute(insert(_table(AllocationRow)).returning(
                 AllocationRow.backend_id, AllocationRow.id), list(new.values())):
-            rows[str(name)] = {"id": int(aid), "state": "requested",
+            rows[str(name)] = {"id": int(aid), "state": AllocationState.REQUESTED,
                                "nodes": new[name]["nodes"], "granted_at": None,
                                "lost_at": None, "released_at": None}
     changed: dict[str, dict[str, Any]] = {}
@@ -859,7 +859,7 @@ def pending_events(store: Store, job_id: str) -> list[EventInfo]:
 
 @_guarded
 def record_allocation(store: Store, job_id: str, backend_id: str, *, role: str = "member",
-                      partition: str | None = None, state: str = "requested",
+                      partition: str | None = None, state: str = AllocationState.REQUESTED,
                       nodes: Sequence[str] = (), at: datetime | None = None) -> int:
     """Record a backend allocation (a Slurm job id); returns its id. Recording the same
     backend id again updates its state and nodes (as :func:`update_allocation`)."""
@@ -872,7 +872,7 @@ def record_allocation(store: Store, job_id: str, backend_id: str, *, role: str =
         row = _find_allocation(s, job_id, backend_id)
         if row is None:
             row = AllocationRow(job_id=job_id, backend_id=backend_id, role=role,
-                                partition_name=partition, state="requested",
+                                partition_name=partition, state=AllocationState.REQUESTED,
                                 nodes=_nodes(nodes), requested_at=at)
             s.add(row)
             s.flush()
@@ -972,7 +972,7 @@ def open_generation(store: Store, job_id: str, number: int, layout: str,
         for (_vrank, device), did in zip(pool, ids):
             by_allocation.setdefault(granted.get(device.node), []).append(did)
         for alloc_id, group in by_allocation.items():
-            held: dict[str, Any] = {"state": "held", "updated_at": at}
+            held: dict[str, Any] = {"state": DeviceState.HELD, "updated_at": at}
             if alloc_id is not None:
                 held["allocation_id"] = alloc_id
             _set_devices(s, group, held)
@@ -983,7 +983,7 @@ def open_generation(store: Store, job_id: str, number: int, layout: str,
         in_pool = set(ids)
         _set_devices(s, [i for i in s.scalars(select(DeviceRow.id).where(
             DeviceRow.job_id == job_id, DeviceRow.state.in_(_ON_THE_JOB)))
-            if i not in in_pool], {"state": "released", "updated_at": at})
+            if i not in in_pool], {"state": DeviceState.RELEASED, "updated_at": at})
         job.generation, job.updated_at = number, at
         s.flush()
         return gen.id
@@ -1084,7 +1084,7 @@ def record_migration_finish(store: Store, migration_id: int, *, outcome: str,
         if not (isinstance(first, int) and isinstance(last, int) and 1 <= first <= last):
             raise RecordError(f"lost_steps must be (first, last) with 1 <= first <= last, got "
                               f"{lost_steps!r}")
-    if (lost_steps is not None or rebuilt_from is not None) and outcome != "committed":
+    if (lost_steps is not None or rebuilt_from is not None) and outcome != ResizeOutcome.COMMITTED:
         raise RecordError(f"an {outcome} migration rebuilt nothing: lost_steps "
                           f"{lost_steps!r} and rebuilt_from {rebuilt_from!r} need 'committed'")
     with store.transaction(write=True) as s:
@@ -1139,7 +1139,7 @@ def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: fl
         row = s.get(MigrationRow, migration_id)
         if row is None:
             raise RecordError(f"no migration {migration_id}")
-        if row.outcome != "committed":
+        if row.outcome != ResizeOutcome.COMMITTED:
             raise RecordError(f"migration {migration_id} is {row.outcome or 'running'}: only a "
                               "committed one resumed training")
         row.pause_seconds, row.preparation_seconds = float(pause_seconds), \
@@ -1324,7 +1324,7 @@ def _device_ids(s: Session, job_id: str, devices: Iterable[DeviceLike], at: date
     if new:
         for did, node, local in s.execute(insert(_table(DeviceRow)).returning(
                 DeviceRow.id, DeviceRow.node, DeviceRow.local_index), [
-                {"job_id": job_id, "node": node, "local_index": local, "state": "held",
+                {"job_id": job_id, "node": node, "local_index": local, "state": DeviceState.HELD,
                  "allocation_id": None, "updated_at": at} for node, local in new]):
             known[(node, local)] = int(did)
     return [known[(d.node, d.local)] for d in wanted]

@@ -29,6 +29,7 @@ from ..lifecycle import (
     Backend,
     DeviceState,
     JobState,
+    ResizeOutcome,
     sql_in,
 )
 
@@ -272,7 +273,7 @@ class MigrationRow(Base):
     __table_args__ = (
         CheckConstraint("moved_bytes >= 0 AND kept_bytes >= 0 AND lower_bound_bytes >= 0",
                         name="ck_migrations_bytes"),
-        CheckConstraint("outcome IS NULL OR outcome IN ('committed', 'aborted')",
+        CheckConstraint(f"outcome IS NULL OR {sql_in('outcome', ResizeOutcome)}",
                         name="ck_migrations_outcome"),
         CheckConstraint("(lost_first_step IS NULL AND lost_last_step IS NULL) OR "
                         "(lost_first_step IS NOT NULL AND lost_last_step IS NOT NULL AND "
