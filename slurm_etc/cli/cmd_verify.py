@@ -50,6 +50,10 @@ def transition_from_options(model_spec: str, from_spec: str, to_spec: str,
                                     name=f"{model.name}-{param_dtype}")
     old = ParallelConfig.parse(from_spec, distributed_optimizer)
     new = ParallelConfig.parse(to_spec, distributed_optimizer)
+    from ..megatron.build import refuse_on_local_spec
+
+    for config in (old, new):  # what megatron cannot build here, refused before any process
+        refuse_on_local_spec(model, config)
     tr = Transition(model, old, new)
     if tr.processes > max_processes:
         raise ConfigError(f"{old} -> {new} needs {tr.processes} local processes, more than "

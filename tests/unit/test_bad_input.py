@@ -261,6 +261,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-missing-layout", ["bench", "migrate", "--model", "tiny"], "--from"),
     ("bench-unknown-option", ["bench", "migrate", "--bogus"], "--bogus"),
     ("bench-unknown-benchmark", ["bench", "nosuch"], "nosuch"),
+    ("bench-moe-tp", ["bench", "migrate", "--model", "tiny-moe", "--from", "dp=2,ep=2",
+                      "--to", "dp=2,tp=2"], "needs Transformer Engine"),
+    ("bench-cp", ["bench", "migrate", "--model", "tiny", "--from", "dp=2",
+                  "--to", "dp=1,cp=2"], "cp (2) needs Transformer Engine"),
     # --- run: events scripts, model, record databases, job ids, numbers
     ("run-events-malformed", [*RUN, "--events", f"{M}/bad.json", *WORKER], "not valid JSON"),
     ("run-events-empty", [*RUN, "--events", f"{M}/empty.json", *WORKER], "not valid JSON"),
