@@ -12,6 +12,9 @@ Run on this machine through a scripted sequence of layouts (4 local processes)::
     .venv/bin/python examples/train_gpt.py \
         --sequence "dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> dp=4,tp=1,pp=1" --steps 4
 
+(``vpp=2`` in a layout gives every pipeline rank two interleaved model chunks, the provider
+called once per chunk with its ``vp_stage``.)
+
 Started by the coordinator (``slurm-etc run ... -- python examples/train_gpt.py``, or the
 default ``TRAIN_CMD`` of ``scripts/elastic.sbatch``), the same script is one worker of an
 elastic job: it sees the worker's environment (``SLURM_ETC_JOB``, ``SLURM_ETC_SECRET_FILE``)
@@ -59,14 +62,16 @@ class StdlibBytes:
         return self.tokens[start:start + SEQ + 1]
 
 
-def model_provider(config, pre_process: bool, post_process: bool):
-    """megatron-core GPTModel for this rank's pipeline stage."""
+def model_provider(config, pre_process: bool, post_process: bool, vp_stage=None):
+    """megatron-core GPTModel for this rank's pipeline stage (``vp_stage``: which virtual
+    pipeline chunk of it, given only with vpp > 1, as in Megatron-LM's model_provider)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre_process,
-                    post_process=post_process, share_embeddings_and_output_weights=True)
+                    post_process=post_process, share_embeddings_and_output_weights=True,
+                    vp_stage=vp_stage)
 
 
 def forward_step(data_iterator, model):

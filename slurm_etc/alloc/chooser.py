@@ -72,10 +72,9 @@ class TrainingJob:
         micro_batch: sequences per forward/backward on one rank.
         distributed_optimizer: ZeRO-1 over dp (fixed: the state format depends on it).
         supports: which of ep, vpp and cp the training runtime can build, so the chooser
-            may use them. Default none: the elastic worker builds dp/tp/pp layouts only
-            (the coordinator's ``ELASTIC_SUPPORTS``: ep; the trainer builds neither VPP
-            model chunks nor CP groups). Planning at scale (``slurm-etc plan --choose``)
-            enables them.
+            may use them. Default none: dp/tp/pp layouts only. The elastic worker builds ep
+            and vpp (the coordinator's ``ELASTIC_SUPPORTS``), not CP groups. Planning at
+            scale (``slurm-etc plan --choose``) enables all three.
         sequence_parallel: the runtime builds megatron's sequence parallelism. Without it a
             mixture of experts is given tp = 1 only: megatron-core refuses to train experts
             with tp > 1 and no sequence parallelism (``MoELayer.forward``). The elastic

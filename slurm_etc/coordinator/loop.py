@@ -145,7 +145,7 @@ PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden
 # What the elastic worker builds beyond dp/tp/pp (``TrainingJob.supports``): a mixture of
 # experts' ep (its trainer builds megatron's expert groups, its resizes move experts); not VPP
 # model chunks nor CP groups yet, nor sequence parallelism (so experts train at tp = 1).
-ELASTIC_SUPPORTS = frozenset({"ep"})
+ELASTIC_SUPPORTS = frozenset({"ep", "vpp"})
 
 
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,

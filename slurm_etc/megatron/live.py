@@ -11,21 +11,43 @@ from __future__ import annotations
 from typing import Any
 
 from slurm_etc.plan.catalog import TIED_SUFFIX, Catalog
+from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
+from slurm_etc.plan.regions import chunk_layers
 
 from .shards import iter_sharded_tensors
 
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
+def _chunks(gpt: Any) -> list[Any]:
+    """A GPTModel, or the list of a rank's virtual pipeline chunks, as a list."""
+    return list(gpt) if isinstance(gpt, (list, tuple)) else [gpt]
+
+
 def model_desc_of(tf_config: Any, gpt: Any, name: str = "user-model") -> ModelDesc:
-    """The ModelDesc of a built GPTModel and its TransformerConfig.
+    """The ModelDesc of a built GPTModel (or of every virtual pipeline chunk of a rank, a
+    list) and its TransformerConfig.
 
     Raises:
         ConfigError: a feature the catalog does not describe (fp16, multi-token
-            prediction, a vocabulary padded by something other than the model).
+            prediction, a vocabulary padded by something other than the model), or chunks
+            that describe different models.
     """
+    chunks = _chunks(gpt)
+    if not chunks:
+        raise ConfigError("the model provider built no model")
+    descs = [_desc_of(tf_config, g, name) for g in chunks]
+    for v, desc in enumerate(descs[1:], 1):
+        if desc != descs[0]:
+            differ = sorted(k for k, x in vars(desc).items() if vars(descs[0])[k] != x)
+            raise ConfigError(f"virtual pipeline chunk {v} of the model differs from chunk 0 "
+                              f"in {', '.join(differ)}")
+    return descs[0]
+
+
+def _desc_of(tf_config: Any, gpt: Any, name: str) -> ModelDesc:
     if getattr(tf_config, "fp16", False):
         raise ConfigError("fp16 models are not supported (use bf16 or fp32)")
     if getattr(tf_config, "mtp_num_layers", None):
@@ -70,8 +92,47 @@ def _moe_fields(tf_config: Any) -> dict:
                                          None)}
 
 
+def check_chunk_layers(gpt: Any, config: ParallelConfig, pipeline_rank: int) -> None:
+    """With vpp > 1, each virtual pipeline chunk of pipeline rank ``pipeline_rank`` holds the
+    layers megatron's interleaving puts there (``chunk_layers``): the catalog cannot tell, since
+    every chunk's tensors have the same keys and shapes, and a provider that does not pass
+    ``vp_stage`` on to ``GPTModel`` builds chunk 0's layers in every chunk.
+
+    Raises:
+        ConfigError: naming the first chunk whose layers differ.
+    """
+    if config.vpp == 1:
+        return
+    chunks = _chunks(gpt)
+    if len(chunks) != config.vpp:
+        raise ConfigError(f"the model provider built {len(chunks)} model chunks for vpp "
+                          f"({config.vpp})")
+    for v, chunk in enumerate(chunks):
+        layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+        if layers is None:
+            continue  # not a megatron TransformerBlock: the catalog check judges it
+        num_layers = chunk.config.num_layers
+        lo, hi = chunk_layers(num_layers, config.pp, config.vpp, pipeline_rank, v)
+        got = [int(layer.layer_number) - 1 for layer in layers]
+        if got != list(range(lo, hi)):
+            raise ConfigError(f"virtual pipeline chunk {v} of pipeline rank {pipeline_rank} "
+                              f"holds layers {_span(got)}, megatron's interleaving puts layers "
+                              f"{_span(list(range(lo, hi)))} there: the model provider must "
+                              "pass vp_stage to GPTModel")
+
+
+def _span(layers: list[int]) -> str:
+    """0-based layers as a short text: ``2-3``, ``5``, ``[]``."""
+    if not layers:
+        return "[]"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
 def check_catalog(catalog: Catalog, gpt: Any) -> None:
-    """Every ShardedTensor of this rank's model is a catalog tensor of the same global shape.
+    """Every ShardedTensor of this rank's model (a GPTModel, or the list of its virtual
+    pipeline chunks) is a catalog tensor of the same global shape.
 
     Raises:
         ConfigError: naming the first tensor that differs.
@@ -79,6 +140,11 @@ def check_catalog(catalog: Catalog, gpt: Any) -> None:
     # an expert group's first axis is megatron's (layer, expert) folded (catalog.py)
     shapes = {g.param: ((g.shape[0] // g.experts, g.experts, *g.shape[1:]) if g.expert
                         else tuple(g.shape)) for g in catalog.groups}
+    for chunk in _chunks(gpt):
+        _check_chunk(catalog, chunk, shapes)
+
+
+def _check_chunk(catalog: Catalog, gpt: Any, shapes: dict[str, tuple]) -> None:
     out_layer = getattr(gpt, "output_layer", None)
     out_weight = getattr(out_layer, "weight", None)
     for _path, sh in iter_sharded_tensors(gpt.sharded_state_dict()):

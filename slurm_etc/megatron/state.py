@@ -42,7 +42,7 @@ from slurm_etc.plan.catalog import EXPERT_PREFIX, TIED_SUFFIX, Catalog
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.plan.plan import MigrationPlan
-from slurm_etc.plan.regions import region_table
+from slurm_etc.plan.regions import chunk_layers, layer_place, region_table
 
 from ..errors import InternalError
 from .build import TrainingState
@@ -133,27 +133,28 @@ class _ParamIndex:
 
 
 def param_pieces(state: TrainingState) -> list[ParamPiece]:
-    """Every model ShardedTensor of this rank as a piece of one of its parameters."""
-    gpt = state.gpt
-    out_layer = getattr(gpt, "output_layer", None)
-    out_weight = getattr(out_layer, "weight", None) if out_layer is not None else None
+    """Every model ShardedTensor of this rank as a piece of one of its parameters, over
+    every virtual pipeline chunk (each chunk's ShardedTensors carry global layer offsets)."""
     tied = state.model_desc.tied_embeddings
-    sharded = list(iter_sharded_tensors(gpt.sharded_state_dict()))
     pieces = []
-    # plain tensor queries (addresses, sizes): without the CPU compatibility mode's
-    # Python wrapper around each of them
-    with torch._C.DisableTorchFunction():
-        index = _ParamIndex(list(gpt.parameters()))
-        for _path, sh in sharded:
-            param, offset = index.locate(sh.data, sh.key)
-            key = sh.key
-            if tied and key == EMBEDDING and out_weight is not None and param is out_weight:
-                key += TIED_SUFFIX  # the last stage's copy of the embedding (pp > 1)
-            lo, hi = _box(sh)
-            pieces.append(ParamPiece(key, param, offset, sh.data.numel(), lo, hi))
-            if tied and key == EMBEDDING and state.config.pp == 1:
-                pieces.append(ParamPiece(key + TIED_SUFFIX, param, offset, sh.data.numel(),
-                                         lo, hi, alias=True))
+    for gpt in state.gpts:
+        out_layer = getattr(gpt, "output_layer", None)
+        out_weight = getattr(out_layer, "weight", None) if out_layer is not None else None
+        sharded = list(iter_sharded_tensors(gpt.sharded_state_dict()))
+        # plain tensor queries (addresses, sizes): without the CPU compatibility mode's
+        # Python wrapper around each of them
+        with torch._C.DisableTorchFunction():
+            index = _ParamIndex(list(gpt.parameters()))
+            for _path, sh in sharded:
+                param, offset = index.locate(sh.data, sh.key)
+                key = sh.key
+                if tied and key == EMBEDDING and out_weight is not None and param is out_weight:
+                    key += TIED_SUFFIX  # the last stage's copy of the embedding (pp > 1)
+                lo, hi = _box(sh)
+                pieces.append(ParamPiece(key, param, offset, sh.data.numel(), lo, hi))
+                if tied and key == EMBEDDING and state.config.pp == 1:
+                    pieces.append(ParamPiece(key + TIED_SUFFIX, param, offset,
+                                             sh.data.numel(), lo, hi, alias=True))
     return pieces
 
 
@@ -665,7 +666,8 @@ _RESUME_HEADER = 16  # has-state flag (8 bytes) + step (8 bytes)
 def rng_source(old: ParallelConfig, new: ParallelConfig, new_rank: int,
                num_layers: int, *, lost_ranks: Collection[int] = ()) -> int:
     """The old rank whose generator a new rank continues: same tp and dp coordinates (modulo
-    the old degrees), on the old stage that held the new stage's first layer.
+    the old degrees), on the old stage that held the new stage's first layer (the first
+    layer of its first virtual pipeline chunk).
 
     If that old rank is in ``lost_ranks`` (its device died: it sent no generator), the new
     rank continues the generator of the surviving old rank with the same tp and pp
@@ -676,8 +678,8 @@ def rng_source(old: ParallelConfig, new: ParallelConfig, new_rank: int,
             refuses such a resize first: their model shard is lost too).
     """
     t, d, p = new.coords(new_rank)
-    first_layer = p * (num_layers // new.pp)
-    ot, op = t % old.tp, first_layer // (num_layers // old.pp)
+    first_layer = chunk_layers(num_layers, new.pp, new.vpp, p, 0)[0]
+    ot, op = t % old.tp, layer_place(num_layers, old.pp, old.vpp, first_layer)[0]
     src = old.rank(ot, d % old.dp, op)
     if src not in lost_ranks:
         return src

@@ -35,6 +35,23 @@ def check_batch(global_batch: int, micro_batch: int, dp: int) -> int:
     return global_batch // (micro_batch * dp)
 
 
+def check_interleaving(global_batch: int, micro_batch: int, dp: int, pp: int,
+                       vpp: int) -> None:
+    """With virtual pipeline chunks (vpp > 1) megatron's interleaved schedule runs a
+    pipeline's micro-batches in groups of pp and refuses a last group smaller than pp
+    (``forward_backward_pipelining_with_interleaving``): the micro-batches per dp rank must
+    be a multiple of pp (what the chooser's ``schedule_problem`` asks too).
+
+    Raises:
+        BatchError: they are not.
+    """
+    rounds = check_batch(global_batch, micro_batch, dp)
+    if vpp > 1 and rounds % pp:
+        raise BatchError(f"vpp ({vpp}) needs the micro-batches per pipeline ({rounds} = "
+                         f"{global_batch} / ({micro_batch} x dp {dp})) to be a multiple of "
+                         f"pp ({pp})")
+
+
 def microbatch_samples(consumed: int, global_batch: int, micro_batch: int, dp: int,
                        dp_rank: int) -> list[range]:
     """Sample indices of each micro-batch data-parallel rank ``dp_rank`` trains on in the

@@ -37,11 +37,14 @@ class SeededTokens:
 
 
 def gpt_provider(model: ModelDesc) -> Any:
-    """A megatron model provider ``(tf_config, pre_process, post_process) -> GPTModel``
-    (MoE layers with ``SequentialMLP`` experts for a mixture-of-experts model, as
-    :func:`slurm_etc.megatron.build.transformer_config` configures them)."""
+    """A megatron model provider ``(tf_config, pre_process, post_process, vp_stage=None) ->
+    GPTModel`` (Megatron-LM's convention: ``vp_stage``, the virtual pipeline chunk, given
+    when the layout has vpp > 1; MoE layers with ``SequentialMLP`` experts for a
+    mixture-of-experts model, as :func:`slurm_etc.megatron.build.transformer_config`
+    configures them)."""
 
-    def provide(tf_config: Any, pre_process: bool, post_process: bool) -> Any:
+    def provide(tf_config: Any, pre_process: bool, post_process: bool,
+                vp_stage: int | None = None) -> Any:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -52,7 +55,7 @@ def gpt_provider(model: ModelDesc) -> Any:
                 qk_layernorm=model.qk_layernorm,
                 normalization="RMSNorm" if model.rmsnorm else "LayerNorm"),
             vocab_size=model.padded_vocab, max_sequence_length=model.seq_length,
-            pre_process=pre_process, post_process=post_process,
+            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
             share_embeddings_and_output_weights=model.tied_embeddings,
             position_embedding_type="learned_absolute" if model.learned_position_embeddings
             else "rope")

@@ -27,7 +27,7 @@ from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.pool.local import LocalWorkers, WorkerContext
 
-from .data import check_batch
+from .data import check_interleaving
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class ResizeSequence:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         for cfg in self.configs:
             cfg.validate_for(self.model)
-            check_batch(self.global_batch, self.micro_batch, cfg.dp)
+            check_interleaving(self.global_batch, self.micro_batch, cfg.dp, cfg.pp, cfg.vpp)
         for a, b in zip(self.configs, self.configs[1:], strict=False):
             if a == b:
                 raise ConfigError(f"the sequence resizes {a} to itself")

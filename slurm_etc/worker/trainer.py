@@ -3,10 +3,11 @@
 The user hands over what a Megatron training script already has::
 
     trainer = ElasticTrainer(
-        model_provider=model_provider,      # (tf_config, pre_process, post_process) -> GPTModel
+        model_provider=model_provider,      # (tf_config, pre_process, post_process,
+                                            #  vp_stage=None) -> GPTModel
         forward_step=forward_step,          # (data_iterator, model) -> (output, loss_func)
         dataset_provider=dataset_provider,  # () -> map-style dataset of samples
-        transformer_config=tf_config,       # template; tp/pp are set per layout
+        transformer_config=tf_config,       # template; tp/pp/ep/vpp are set per layout
         optimizer_config=OptimizerConfig(optimizer="adam", lr=3e-4, ...),
         scheduler=SchedulerConfig(max_lr=3e-4, warmup_steps=..., decay_steps=...),
         global_batch_size=16, micro_batch_size=2, train_steps=100)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import json
 import logging
 import os
@@ -54,7 +56,7 @@ from slurm_etc.megatron.build import (
     skip_tied_embedding_sync,
     wrap_for_training,
 )
-from slurm_etc.megatron.live import check_catalog, model_desc_of
+from slurm_etc.megatron.live import check_catalog, check_chunk_layers, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
 from slurm_etc.megatron.state import sub_optimizers
 from slurm_etc.migrate.faults import KillSpec
@@ -92,7 +94,7 @@ from ..protocol.recovery import (
     checkpoints_to_delete,
     newest_checkpoint,
 )
-from .data import check_batch, microbatch_samples
+from .data import check_batch, check_interleaving, microbatch_samples
 from .lifeline import children_die_with_me
 from .redundancy import PeerCopies
 
@@ -207,13 +209,19 @@ class ElasticTrainer:
     """A megatron-core training loop that resizes in place on the coordinator's orders.
 
     Args:
-        model_provider: ``(transformer_config, pre_process, post_process) -> GPTModel`` for
-            this rank's pipeline stage (the config has this layout's tp and pp set).
+        model_provider: ``(transformer_config, pre_process, post_process, vp_stage=None)
+            -> GPTModel`` for this rank's pipeline stage (the config has this layout's tp,
+            pp, ep and vpp set), Megatron-LM's ``model_provider`` convention. With virtual
+            pipeline chunks (vpp > 1) it is called once per chunk ``v`` with ``vp_stage=v``
+            (and that chunk's ``pre_process``/``post_process``) and must pass ``vp_stage`` to
+            ``GPTModel``; at vpp = 1 ``vp_stage`` is not passed, so a provider of three
+            parameters works there (and a layout with vpp > 1 is refused in one line).
         forward_step: megatron's ``forward_step_func``: ``(data_iterator, model) ->
             (output_tensor, loss_func)``; ``loss_func(output) -> (loss, {"lm loss": loss})``.
         dataset_provider: ``() -> dataset``; ``dataset[i]`` is sample ``i`` (a tensor or a
             dict of tensors), the same on every rank.
-        transformer_config: megatron ``TransformerConfig`` template (tp/pp are replaced).
+        transformer_config: megatron ``TransformerConfig`` template (tp, pp, ep, vpp and the
+            interleaved schedule's ``microbatch_group_size_per_vp_stage`` are replaced).
         optimizer_config: megatron ``OptimizerConfig`` (``use_distributed_optimizer`` is
             taken from the layout).
         scheduler: LR and weight-decay schedule.
@@ -470,8 +478,12 @@ class ElasticTrainer:
         for chunk in state.model:
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
+        # the interleaved schedule (vpp > 1) takes one iterator per model chunk, each over
+        # the same micro-batches: chunk v's forward reads micro-batch k at its k-th call
+        data = (iter(batches) if len(state.model) == 1
+                else [iter(batches) for _ in state.model])
         losses = get_forward_backward_func()(
-            forward_step_func=self.forward_step, data_iterator=iter(batches),
+            forward_step_func=self.forward_step, data_iterator=data,
             model=state.model, num_microbatches=len(batches), seq_length=self.seq_length,
             micro_batch_size=self.micro_batch, forward_only=False)
         ok, _norm, _zeros = state.optimizer.step()
@@ -779,7 +791,7 @@ class ElasticTrainer:
             return self._refuse(order, f"order's old layout {old.config} on {old.devices} is "
                                        f"not the current {self.layout.config}")
         try:
-            check_batch(self.global_batch, self.micro_batch, new.config.dp)
+            self._check_layout(new.config)
             plan = self._plan(order, keys, old, new)
         except StateLostError as err:
             rebuilt = self._rebuild_lost(order, keys, old, new, err)
@@ -1429,19 +1441,29 @@ class ElasticTrainer:
         ``empty``: no initial weights drawn (a resize fills them)."""
         from megatron.core import parallel_state
 
+        self._check_layout(config)
         if not parallel_state.model_parallel_is_initialized():
             initialize_parallel_state(config)
-        tf = dataclasses.replace(self.tf_template, tensor_model_parallel_size=config.tp,
-                                 pipeline_model_parallel_size=config.pp,
-                                 expert_model_parallel_size=config.ep)
+        # the interleaved schedule's micro-batch groups: megatron's default, pp (the value in
+        # the template was derived from the template's pp; the chooser assumes pp too)
+        tf = dataclasses.replace(
+            self.tf_template, tensor_model_parallel_size=config.tp,
+            pipeline_model_parallel_size=config.pp, expert_model_parallel_size=config.ep,
+            virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+            microbatch_group_size_per_vp_stage=config.pp)
         if empty:
             tf = dataclasses.replace(tf, perform_initialization=False)
         with skip_tied_embedding_sync(empty):
-            gpt = self.model_provider(tf, pre_process=parallel_state.is_pipeline_first_stage(),
-                                      post_process=parallel_state.is_pipeline_last_stage())
-        desc = model_desc_of(tf, gpt, self.name)
+            if config.vpp == 1:
+                gpts = [self.model_provider(
+                    tf, pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())]
+            else:
+                gpts = self._provide_chunks(tf, config)
+        desc = model_desc_of(tf, gpts, self.name)
         catalog = build_catalog(desc, config)
-        check_catalog(catalog, gpt)
+        check_catalog(catalog, gpts)
+        check_chunk_layers(gpts, config, parallel_state.get_pipeline_model_parallel_rank())
         self.catalog = catalog
         self._say_model(desc)
         opt_config = dataclasses.replace(self.optimizer_config,
@@ -1449,10 +1471,53 @@ class ElasticTrainer:
                                          bf16=bool(tf.bf16), params_dtype=tf.params_dtype)
         if opt_config.min_lr is None:  # megatron's param groups read it: the schedule's
             opt_config = dataclasses.replace(opt_config, min_lr=self.scheduler_config.min_lr)
-        state = wrap_for_training(desc, config, gpt, tf, opt_config)
+        state = wrap_for_training(desc, config, gpts, tf, opt_config)
         if not empty:
             self.scheduler = self._make_scheduler(state.optimizer)
         return state
+
+    def _provide_chunks(self, tf: Any, config: ParallelConfig) -> list[Any]:
+        """Megatron-LM's convention for vpp > 1: one provider call per chunk ``v``, with
+        ``vp_stage=v`` and that chunk's first/last-stage flags."""
+        from megatron.core import parallel_state
+
+        try:
+            return [self.model_provider(
+                tf, pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=v),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=v),
+                vp_stage=v) for v in range(config.vpp)]
+        except AssertionError as err:  # megatron's GPTModel built without its vp_stage
+            if "vp_stage" not in str(err):
+                raise
+            raise ConfigError(f"vpp ({config.vpp}): the model provider must pass vp_stage to "
+                              f"GPTModel (megatron-core: {str(err).splitlines()[0]})") from err
+
+    def _check_layout(self, config: ParallelConfig) -> None:
+        """What this trainer needs of a layout before it builds one.
+
+        Raises:
+            ConfigError: ``config`` cannot keep the global batch, the interleaved schedule
+                cannot run its micro-batches, or it has vpp > 1 and the model provider takes
+                no ``vp_stage``.
+        """
+        check_interleaving(self.global_batch, self.micro_batch, config.dp, config.pp,
+                           config.vpp)
+        if config.vpp > 1 and not self._provider_takes_vp_stage():
+            raise ConfigError(f"vpp ({config.vpp}) builds one model chunk per virtual pipeline "
+                              "stage: the model provider must take vp_stage "
+                              "(model_provider(config, pre_process, post_process, "
+                              "vp_stage=None)) and pass it to GPTModel")
+
+    def _provider_takes_vp_stage(self) -> bool:
+        """Whether the model provider accepts ``vp_stage`` (by name or ``**kwargs``)."""
+        try:
+            params = inspect.signature(self.model_provider).parameters.values()
+        except (TypeError, ValueError):  # no signature to read (a builtin): let it try
+            return True
+        return any(p.name == "vp_stage" and p.kind is not p.POSITIONAL_ONLY
+                   or p.kind is p.VAR_KEYWORD for p in params)
 
     def _say_model(self, desc: ModelDesc) -> None:
         """Tell the coordinator, once per process, the model this script built (checked

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.pool.local import LocalWorkers
 from slurm_etc.worker.sequence import (
@@ -28,7 +29,7 @@ TINY_BF16 = dataclasses.replace(PRESETS["tiny"], name="tiny-bf16", param_dtype="
 
 # (model, sequence, distributed optimizer): together dp, tp and pp changes, grow and shrink,
 # processes leaving and joining, an uneven dp of 3, both optimizers, bf16 mixed precision,
-# experts over ep.
+# experts over ep, interleaved pipeline chunks (vpp).
 CASES = [
     (PRESETS["tiny-llama"], "dp=2,tp=1,pp=2 -> dp=1,tp=2,pp=1 -> dp=3,tp=1,pp=1", False),
     (PRESETS["tiny"], "dp=4,tp=1,pp=1 -> dp=2,tp=1,pp=1 -> dp=3,tp=1,pp=1", True),
@@ -40,6 +41,14 @@ CASES = [
      False),
     # the distributed optimizer's expert buffers (dp alone changes: megatron's reference)
     (PRESETS["tiny-moe"], "dp=2,tp=1,pp=1,ep=2 -> dp=4,tp=1,pp=1,ep=2", True),
+    # virtual pipeline chunks (one layer each): a tp change under vpp = 2, then vpp = 2 -> 1
+    (PRESETS["tiny"], "dp=2,tp=1,pp=2,vpp=2 -> dp=1,tp=2,pp=2,vpp=2 -> dp=4,tp=1,pp=1",
+     False),
+    # the same pipeline cut into chunks and back to pp = 4: the layers change ranks
+    (PRESETS["tiny-llama"], "dp=2,tp=1,pp=2 -> dp=2,tp=1,pp=2,vpp=2 -> dp=1,tp=1,pp=4",
+     False),
+    # joiners building both chunks; the DistributedOptimizer's buffers of every chunk
+    (PRESETS["tiny"], "dp=1,tp=1,pp=2,vpp=2 -> dp=2,tp=1,pp=2,vpp=2", True),
 ]
 
 
@@ -77,33 +86,44 @@ def test_losses_and_state_equal_checkpoint_restart(pool, model, text, dist_opt):
     assert report["verified"] is True
 
 
-def w_catalog_of_live_model(ctx, name: str) -> dict | None:
-    """Worker 0: build the preset through the user-provider path, derive its catalog from the
-    live model and compare it with the preset's (both optimizers)."""
-    if ctx.index:
+def w_catalog_of_live_model(ctx, name: str, layout: str) -> dict | None:
+    """The ranks of ``layout``: build the preset through the user-provider path (one call
+    per virtual pipeline chunk, as the trainer makes them), derive its catalog from the live
+    model's chunks and compare it with the preset's (both optimizers)."""
+    from slurm_etc.plan import ParallelConfig
+
+    config = ParallelConfig.parse(layout)
+    if ctx.index >= config.world:
         return None
     import torch
     from megatron.core import parallel_state
 
     from slurm_etc.megatron import build, cpu_compat
     from slurm_etc.megatron.live import check_catalog, model_desc_of
-    from slurm_etc.plan import ParallelConfig, build_catalog
+    from slurm_etc.plan import build_catalog
     from slurm_etc.worker.gpt import gpt_provider
 
     cpu_compat.install()
-    ctx.init_group(f"catalog-{name}", 0, 1)
-    parallel_state.initialize_model_parallel(1, 1)
+    ctx.init_group(f"catalog-{name}-{layout}", ctx.index, config.world)
+    build.initialize_parallel_state(config)
     try:
         preset = PRESETS[name]
-        tf = build.transformer_config(preset, ParallelConfig(1))
+        tf = build.transformer_config(preset, config)
         torch.manual_seed(0)
-        gpt = gpt_provider(preset)(tf, pre_process=True, post_process=True)
-        derived = model_desc_of(tf, gpt, name)
-        out = {}
+        if config.vpp == 1:
+            gpts = [gpt_provider(preset)(tf, pre_process=parallel_state.is_pipeline_first_stage(),
+                                         post_process=parallel_state.is_pipeline_last_stage())]
+        else:
+            gpts = [gpt_provider(preset)(
+                tf, pre_process=parallel_state.is_pipeline_first_stage(False, v),
+                post_process=parallel_state.is_pipeline_last_stage(False, v), vp_stage=v)
+                for v in range(config.vpp)]
+        derived = model_desc_of(tf, gpts, name)
+        out = {"layers": [[int(x.layer_number) for x in g.decoder.layers] for g in gpts]}
         for dist_opt in (False, True):
-            cfg = ParallelConfig(1, distributed_optimizer=dist_opt)
+            cfg = ParallelConfig.parse(layout, dist_opt)
             live, want = build_catalog(derived, cfg), build_catalog(preset, cfg)
-            check_catalog(live, gpt)
+            check_catalog(live, gpts)
             out[dist_opt] = (live.groups == want.groups, len(live.groups), live.total_bytes,
                              want.total_bytes)
         return out
@@ -112,9 +132,22 @@ def w_catalog_of_live_model(ctx, name: str) -> dict | None:
         ctx.drop()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "small", "tiny-moe"])
-def test_catalog_of_the_live_model_equals_the_preset(pool, name):
-    out = pool.run(w_catalog_of_live_model, name)[0]
-    for dist_opt, (equal, groups, live_bytes, want_bytes) in out.items():
-        assert equal, (name, dist_opt)
-        assert groups >= 8 and live_bytes == want_bytes > 0
+@pytest.mark.parametrize("name,layout", [("tiny", "dp=1"), ("tiny-llama", "dp=1"),
+                                         ("small", "dp=1"), ("tiny-moe", "dp=1"),
+                                         # two chunks per pipeline rank
+                                         ("tiny", "dp=1,tp=1,pp=2,vpp=2"),
+                                         ("tiny-llama", "dp=1,tp=2,pp=2,vpp=2")])
+def test_catalog_of_the_live_model_equals_the_preset(pool, name, layout):
+    config = ParallelConfig.parse(layout)
+    results = pool.run(w_catalog_of_live_model, name, layout)[:config.world]
+    for out in results:
+        for dist_opt in (False, True):
+            equal, groups, live_bytes, want_bytes = out[dist_opt]
+            assert equal, (name, layout, dist_opt)
+            assert groups >= 8 and live_bytes == want_bytes > 0
+    # every chunk built its own layers: chunk v of pipeline rank p the (v * pp + p)-th slice
+    per = PRESETS[name].num_layers // (config.pp * config.vpp)
+    for rank, out in enumerate(results):
+        p = config.coords(rank)[2]
+        assert out["layers"] == [[1 + (v * config.pp + p) * per + i for i in range(per)]
+                                 for v in range(config.vpp)], (rank, out["layers"])

@@ -218,3 +218,23 @@ def test_experts_get_tp_1_without_sequence_parallelism():
     assert got and all(c.config.tp == 1 for c in got)
     dense = replace(runtime, model=PRESETS["llama-7b"])
     assert any(c.config.tp > 1 for c in candidates(dense, HW, [8] * 8))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "tiny-moe"])
+def test_the_elastic_runtime_is_offered_vpp_where_the_layers_and_micro_batches_divide(name):
+    # the coordinator's job (ELASTIC_SUPPORTS): the trainer builds vpp chunks and ep groups
+    from slurm_etc.coordinator.loop import provisional_job
+
+    job = provisional_job(PRESETS[name], 24, 1, False)
+    assert {"ep", "vpp"} <= job.supports
+    got = candidates(job, HW, [2] * 6, tp_in_node=False)
+    chunked = [c.config for c in got if c.config.vpp > 1]
+    assert chunked
+    layers = PRESETS[name].num_layers
+    for cfg in chunked:
+        assert cfg.pp > 1 and layers % (cfg.pp * cfg.vpp) == 0, cfg
+        assert (24 // cfg.dp) % cfg.pp == 0, cfg
+    # every split of the layers into equal chunks is offered somewhere
+    assert {(c.pp, c.vpp) for c in chunked} == {
+        (pp, v) for pp in range(2, layers + 1) for v in range(2, layers + 1)
+        if layers % (pp * v) == 0}
