@@ -143,9 +143,12 @@ PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden
 
 
 # What the elastic worker builds beyond dp/tp/pp (``TrainingJob.supports``): a mixture of
-# experts' ep (its trainer builds megatron's expert groups, its resizes move experts); not VPP
-# model chunks nor CP groups yet, nor sequence parallelism (so experts train at tp = 1).
+# experts' ep (its trainer builds megatron's expert groups, its resizes move experts) and VPP
+# model chunks (one provider call per chunk, Megatron-LM's ``vp_stage``: offered only once a
+# worker said its script takes it, ``ModelBuilt.chunks``); not CP groups, nor sequence
+# parallelism (so experts train at tp = 1).
 ELASTIC_SUPPORTS = frozenset({"ep", "vpp"})
+BEFORE_CHUNKS_SAID = ELASTIC_SUPPORTS - {"vpp"}
 
 
 def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
@@ -156,7 +159,7 @@ def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_bat
     if global_batch is None:
         global_batch = micro_batch
     return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
-                       distributed_optimizer, supports=ELASTIC_SUPPORTS,
+                       distributed_optimizer, supports=BEFORE_CHUNKS_SAID,
                        sequence_parallel=False)
 
 
@@ -797,6 +800,7 @@ class Coordinator:
                         self.done.add(vrank)
                 case ModelBuilt():
                     self._model_built(vrank, report.model)
+                    self._chunks_said(report.chunks)
                 case Hello():
                     if self.unjoined.get(vrank, (report.generation + 1,))[0] <= \
                             report.generation:  # not a Hello of a process before it
@@ -851,6 +855,15 @@ class Coordinator:
         self.spec = replace(self.spec, job=job)
         logger.info("planning with the model of vrank %d: %s", vrank, describe_job(job))
         self.dirty = True
+
+    def _chunks_said(self, chunks: bool) -> None:
+        """A worker's script builds virtual pipeline chunks: vpp layouts may be chosen from
+        now on (a script whose model provider takes no ``vp_stage`` could not build them)."""
+        job = self.spec.job
+        if chunks and "vpp" not in job.supports and not self.fatal:
+            self.spec = replace(self.spec, job=replace(
+                job, supports=job.supports | (ELASTIC_SUPPORTS & {"vpp"})))
+            self.dirty = True
 
     def _progress(self, report: Progress) -> bool:
         """A step reported: recorded and shown; whether the backend was told of it."""

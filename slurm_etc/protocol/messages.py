@@ -261,6 +261,9 @@ class ModelBuilt(msgspec.Struct, frozen=True, tag="model", forbid_unknown_fields
     generation: int
     vrank: int
     model: ModelReport
+    # the script builds virtual pipeline chunks (its model provider takes ``vp_stage``):
+    # the coordinator offers vpp layouts only once a worker said so
+    chunks: bool = False
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):

@@ -764,7 +764,7 @@ class ElasticTrainer:
         self._rejoined = True
         if self._model_said is not None:  # what the restarted coordinator may plan with
             proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
-                                           self._model_said))
+                                           self._model_said, self._provider_takes_vp_stage()))
         self._log("reattached to the coordinator at step %d after %.1f s; training on",
                   self.step, time.monotonic() - t0)
 
@@ -1527,7 +1527,7 @@ class ElasticTrainer:
             return
         self._model_said = ModelReport.of(desc, self.global_batch, self.micro_batch)
         proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
-                                       self._model_said))
+                                       self._model_said, self._provider_takes_vp_stage()))
 
     def _make_scheduler(self, optimizer: Any) -> Any:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -222,10 +222,14 @@ def test_experts_get_tp_1_without_sequence_parallelism():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "tiny-moe"])
 def test_the_elastic_runtime_is_offered_vpp_where_the_layers_and_micro_batches_divide(name):
-    # the coordinator's job (ELASTIC_SUPPORTS): the trainer builds vpp chunks and ep groups
-    from slurm_etc.coordinator.loop import provisional_job
+    # the coordinator's job once a worker said its script builds chunks (ELASTIC_SUPPORTS):
+    # the trainer builds vpp chunks and ep groups; before that, no vpp is offered
+    from slurm_etc.coordinator.loop import ELASTIC_SUPPORTS, provisional_job
 
-    job = provisional_job(PRESETS[name], 24, 1, False)
+    before = provisional_job(PRESETS[name], 24, 1, False)
+    assert "vpp" not in before.supports and "ep" in before.supports
+    assert all(c.config.vpp == 1 for c in candidates(before, HW, [2] * 6, tp_in_node=False))
+    job = replace(before, supports=ELASTIC_SUPPORTS)
     assert {"ep", "vpp"} <= job.supports
     got = candidates(job, HW, [2] * 6, tp_in_node=False)
     chunked = [c.config for c in got if c.config.vpp > 1]

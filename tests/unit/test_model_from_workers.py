@@ -122,6 +122,25 @@ def test_without_model_first_layout_is_one_worker_then_plans_with_the_reported_o
                            "6 in vrank 0's training script")
 
 
+def test_vpp_is_offered_once_a_worker_says_its_script_builds_chunks(tmp_path: Path) -> None:
+    """A model provider without ``vp_stage`` cannot build virtual pipeline chunks: the
+    coordinator offers vpp layouts only after a ModelBuilt saying the script can (and the
+    flag travels on the wire)."""
+    from slurm_etc.protocol.messages import ENCODER, REPORT_DECODER
+
+    backend, ctx = _coordinator(tmp_path, training=provisional_job(TINY, 8, 1, False),
+                                model_label="--model tiny")
+    with ctx as (c, _db):
+        assert "vpp" not in c.spec.job.supports
+        c._chunks_said(False)
+        assert "vpp" not in c.spec.job.supports
+        c._chunks_said(True)
+        assert "vpp" in c.spec.job.supports and "ep" in c.spec.job.supports and c.dirty
+    said = ModelBuilt(JOB, 0, 3, ModelReport.of(LIVE_TINY, 8, 1), True)
+    assert REPORT_DECODER.decode(ENCODER.encode(said)) == said
+    assert ModelBuilt(JOB, 0, 3, ModelReport.of(LIVE_TINY, 8, 1)).chunks is False
+
+
 def test_given_model_that_differs_stops_the_job_with_one_line(tmp_path: Path) -> None:
     backend, ctx = _coordinator(tmp_path, training=provisional_job(TINY, 8, 1, False),
                                 model_label="--model tiny")
