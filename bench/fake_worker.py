@@ -8,8 +8,8 @@ import sys
 import time
 
 from slurm_etc.protocol.channel import WorkerChannel
+from slurm_etc.protocol.env import LAYOUT
 from slurm_etc.protocol.messages import (
-    LAYOUT,
     Exited,
     Progress,
     Ready,

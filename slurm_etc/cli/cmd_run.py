@@ -17,7 +17,7 @@ from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
 from ..plan import load_model
 from ..plan.errors import ConfigError
-from ..protocol.messages import DEFAULT_REATTACH_WAIT_S
+from ..protocol.env import DEFAULT_REATTACH_WAIT_S
 from ..protocol.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
 from .params import Number, SafePath, Text, Unbounded, check_product
 

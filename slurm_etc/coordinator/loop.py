@@ -54,16 +54,18 @@ from slurm_etc.policy.decide import (
     decide,
 )
 from slurm_etc.policy.rules import EffectivePolicy
-from slurm_etc.protocol.messages import (
-    BATCH_FIELDS,
+from slurm_etc.protocol.env import (
     DEFAULT_REATTACH_WAIT_S,
-    ENCODER,
     GPUS_PER_NODE,
-    HEARTBEAT_S,
     LAYOUT,
-    MODEL_FIELDS,
     REATTACH_WAIT,
     TIMEOUT,
+)
+from slurm_etc.protocol.messages import (
+    BATCH_FIELDS,
+    ENCODER,
+    HEARTBEAT_S,
+    MODEL_FIELDS,
     Exited,
     Heartbeat,
     Hello,

@@ -1,15 +1,21 @@
 """Environment variables through which a launched worker finds its job, place and channel.
 
 The backend sets the ones that describe the worker (vrank, generation, device); the
-coordinator's channel supplies the ones that reach it (:meth:`CoordinatorChannel.worker_env`).
-Values are names, numbers, addresses and paths only: the job's secret never travels in the
-environment (or argv), only the path of its owner-only file.
+coordinator's channel supplies the ones that reach it (:meth:`CoordinatorChannel.worker_env`)
+and the coordinator the job's (first layout, devices per node, timeouts; the run's recovery
+settings: :class:`~slurm_etc.protocol.recovery.Recovery`). Every name is here, and a worker
+reads them back in one place (:meth:`WorkerEnv.of`). Values are names, numbers, addresses
+and paths only: the job's secret never travels in the environment (or argv), only the path
+of its owner-only file.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final
+
+from slurm_etc.plan.errors import ConfigError
 
 JOB: Final = "SLURM_ETC_JOB"
 VRANK: Final = "SLURM_ETC_VRANK"
@@ -19,7 +25,66 @@ SECRET_FILE: Final = "SLURM_ETC_SECRET_FILE"
 NODE: Final = "SLURM_ETC_NODE"
 LOCAL_INDEX: Final = "SLURM_ETC_LOCAL_INDEX"
 DEVICE: Final = "SLURM_ETC_DEVICE"
+LAYOUT: Final = "SLURM_ETC_LAYOUT"  # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
+GPUS_PER_NODE: Final = "SLURM_ETC_GPUS_PER_NODE"
+TIMEOUT: Final = "SLURM_ETC_TIMEOUT_S"
+# How long a worker that hears nothing from its coordinator waits for it (a reattach)
+# before it exits; it holds (trains no step) after HOLD_AFTER_S of silence.
+REATTACH_WAIT: Final = "SLURM_ETC_REATTACH_WAIT_S"
 THREADS: Final = "OMP_NUM_THREADS"
+
+DEFAULT_TIMEOUT_S: Final = 300.0
+DEFAULT_REATTACH_WAIT_S: Final = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a launched worker reads from its environment (see the module doc).
+
+    Attributes:
+        job, vrank, generation: who it is (the generation it was launched for).
+        layout: the first layout (``config@vranks``) where it is part of it; None for a
+            process that joins with a resize.
+        gpus_per_node: devices per node of the job's cluster.
+        timeout_s: the bound of its collectives and store requests.
+        reattach_wait_s: how long it waits for a silent coordinator before it exits.
+    """
+
+    job: str
+    vrank: int
+    generation: int = 0
+    layout: str | None = None
+    gpus_per_node: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    reattach_wait_s: float = DEFAULT_REATTACH_WAIT_S
+
+    @classmethod
+    def of(cls, environ: Mapping[str, str]) -> WorkerEnv:
+        """Read ``environ``; ConfigError names the variable and its value when one is
+        missing or malformed."""
+        if not environ.get(JOB) or not environ.get(VRANK):
+            missing = ", ".join(n for n in (JOB, VRANK) if not environ.get(n))
+            raise ConfigError(f"not launched as a slurm-etc worker: {missing} not set")
+
+        def number(name: str, kind: type[int] | type[float], default: float) -> float:
+            text = environ.get(name, "")
+            if not text.strip():
+                return default
+            try:
+                value = kind(text)
+            except ValueError:
+                raise ConfigError(f"{name}={text!r}: expected a number") from None
+            if value < 0:
+                raise ConfigError(f"{name}={text!r}: expected a number >= 0")
+            return value
+
+        return cls(job=environ[JOB], vrank=int(number(VRANK, int, 0)),
+                   generation=int(number(GENERATION, int, 0)),
+                   layout=environ.get(LAYOUT) or None,
+                   gpus_per_node=max(1, int(number(GPUS_PER_NODE, int, 1))),
+                   timeout_s=number(TIMEOUT, float, DEFAULT_TIMEOUT_S),
+                   reattach_wait_s=number(REATTACH_WAIT, float, DEFAULT_REATTACH_WAIT_S)
+                   or DEFAULT_REATTACH_WAIT_S)
 
 
 def thread_share(environ: Mapping[str, str], cores: int, workers: int) -> dict[str, str]:

@@ -22,6 +22,8 @@ from slurm_etc.plan.config import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
 
+from .env import LAYOUT
+
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N[,ep=N,cp=N,vpp=N]``;
@@ -326,15 +328,8 @@ class Control(Protocol):
         ...
 
 
-# -- what a launched worker finds in its environment (besides the channel's) -------------
+# -- the first layout as a launched worker finds it in its environment (env.LAYOUT) ------
 
-LAYOUT = "SLURM_ETC_LAYOUT"          # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
-GPUS_PER_NODE = "SLURM_ETC_GPUS_PER_NODE"
-TIMEOUT = "SLURM_ETC_TIMEOUT_S"
-# How long a worker that hears nothing from its coordinator waits for it (a reattach)
-# before it exits; it holds (trains no step) after HOLD_AFTER_S of silence.
-REATTACH_WAIT = "SLURM_ETC_REATTACH_WAIT_S"
-DEFAULT_REATTACH_WAIT_S = 120.0
 HEARTBEAT_S = 2.0
 HOLD_AFTER_S = 15.0
 

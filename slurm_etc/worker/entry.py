@@ -19,14 +19,8 @@ from typing import Any
 
 from slurm_etc.plan import Topology
 
-from ..protocol.messages import (
-    DEFAULT_REATTACH_WAIT_S,
-    GPUS_PER_NODE,
-    LAYOUT,
-    REATTACH_WAIT,
-    TIMEOUT,
-    parse_layout,
-)
+from ..protocol.env import WorkerEnv
+from ..protocol.messages import parse_layout
 from ..protocol.recovery import Recovery
 from .trainer import ElasticTrainer, WorkerProcess
 
@@ -52,7 +46,8 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    timeout = float(env.get(TIMEOUT, "300"))
+    me = WorkerEnv.of(env)
+    layout = parse_layout(me.layout) if me.layout else None
     control = WorkerChannel.from_env(env)
     try:
         welcome = control.join(JOIN_TIMEOUT_S, pid=os.getpid())
@@ -60,15 +55,11 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
         # it can read or write what the workers agree on
         store = StoreClient(welcome.store_host, welcome.store_port,
                             load_secret(env[SECRET_FILE]).key,
-                            timeout=timedelta(seconds=timeout))
-        layout = parse_layout(env[LAYOUT]) if env.get(LAYOUT) else None
+                            timeout=timedelta(seconds=me.timeout_s))
         proc = WorkerProcess(
-            job=env["SLURM_ETC_JOB"], vrank=int(env["SLURM_ETC_VRANK"]), store=store,
-            control=control, layout=layout,
-            generation=int(env.get("SLURM_ETC_GENERATION", "0")),
-            topology=Topology(gpus_per_node=int(env.get(GPUS_PER_NODE, "1"))),
-            keep_tp_in_node=True, timeout_s=timeout,
-            reattach_wait_s=float(env.get(REATTACH_WAIT) or DEFAULT_REATTACH_WAIT_S))
+            job=me.job, vrank=me.vrank, store=store, control=control, layout=layout,
+            generation=me.generation, topology=Topology(gpus_per_node=me.gpus_per_node),
+            keep_tp_in_node=True, timeout_s=me.timeout_s, reattach_wait_s=me.reattach_wait_s)
         why = trainer.run(proc)
         trainer.close()
         logger.info("worker vrank %s finished: %s", proc.vrank, why)

@@ -52,7 +52,8 @@ WORKER = textwrap.dedent("""
     if os.environ["SLURM_ETC_GENERATION"] != "0":
         sys.exit(0)  # a joiner whose script never calls run_worker
     from slurm_etc.protocol.channel import WorkerChannel
-    from slurm_etc.protocol.messages import LAYOUT, Exited, Progress, Resize, Stop, parse_layout
+    from slurm_etc.protocol.env import LAYOUT
+    from slurm_etc.protocol.messages import Exited, Progress, Resize, Stop, parse_layout
     ch = WorkerChannel.from_env()
     ch.join(60.0, pid=os.getpid())
     job, vrank = os.environ["SLURM_ETC_JOB"], int(os.environ["SLURM_ETC_VRANK"])

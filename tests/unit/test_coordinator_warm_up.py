@@ -28,7 +28,8 @@ WORKER = textwrap.dedent("""
     import os, sys, time
 
     from slurm_etc.protocol.channel import WorkerChannel
-    from slurm_etc.protocol.messages import (LAYOUT, Exited, Progress, Ready, Resize, Resized,
+    from slurm_etc.protocol.env import LAYOUT
+    from slurm_etc.protocol.messages import (Exited, Progress, Ready, Resize, Resized,
                                           Stop, parse_layout)
     log, warm = sys.argv[1], float(sys.argv[2])
     job, vrank = os.environ["SLURM_ETC_JOB"], int(os.environ["SLURM_ETC_VRANK"])
