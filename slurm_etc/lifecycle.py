@@ -72,6 +72,15 @@ class ResizeOutcome(enum.StrEnum):
     ABORTED = "aborted"
 
 
+class ProcessOutcome(enum.StrEnum):
+    """How one process's part of a resize ended (its ``Resized`` report): a record's
+    outcome, or it left the job (not in the new layout)."""
+
+    COMMITTED = ResizeOutcome.COMMITTED.value
+    ABORTED = ResizeOutcome.ABORTED.value
+    LEFT = "left"
+
+
 class Backend(enum.StrEnum):
     LOCAL = "local"
     SLURM = "slurm"

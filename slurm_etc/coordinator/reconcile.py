@@ -35,6 +35,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slurm_etc.alloc.topology import Device
+from slurm_etc.lifecycle import ProcessOutcome
 from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
@@ -157,7 +158,7 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
     timed_out = now - resize.started > 2 * worker_timeout_s
     if not timed_out and not resize.participants - resize.dead <= set(outcomes):
         return Settlement(resend, Wait())
-    aborted = [r for r in resize.reports.values() if r.outcome == "aborted"]
+    aborted = [r for r in resize.reports.values() if r.outcome == ProcessOutcome.ABORTED]
     if aborted or timed_out or not outcomes:
         why = aborted[0].error if aborted else "no answer from " + ", ".join(
             str(v) for v in sorted(resize.participants - set(outcomes)))
@@ -196,7 +197,7 @@ def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]
     workers reported them (every rank of the new layout reports the same)."""
     if not resize.rebuild:
         return None, None
-    committed = [r for r in resize.reports.values() if r.outcome == "committed"]
+    committed = [r for r in resize.reports.values() if r.outcome == ProcessOutcome.COMMITTED]
     spans = {r.lost_steps for r in committed if r.lost_steps is not None}
     sources = {r.rebuilt_from for r in committed if r.rebuilt_from}
     if len(spans) > 1 or len(sources) > 1:

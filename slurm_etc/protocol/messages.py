@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from slurm_etc import bounds
+from slurm_etc.lifecycle import ProcessOutcome
 from slurm_etc.plan.config import Layout, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
@@ -142,7 +143,7 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     job: str
     generation: int
     vrank: int
-    outcome: Literal["committed", "aborted", "left"]
+    outcome: ProcessOutcome
     step: int
     pause_seconds: float = 0.0
     data_seconds: float = 0.0

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slurm_etc.lifecycle import ProcessOutcome
 from slurm_etc.megatron.build import (
     TrainingState,
     initialize_parallel_state,
@@ -852,7 +853,7 @@ class ElasticTrainer:
             self._held = held
             self._log("resize to generation %d aborted, old layout kept: %s", gen,
                       str(err)[:300])
-            self._record(order, "aborted", 0, 0.0, 0.0, str(err))
+            self._record(order, ProcessOutcome.ABORTED, 0, 0.0, 0.0, str(err))
             return "stay"
         except InstallInterrupted as err:
             self._hold(err, order, old, new, plan)
@@ -862,7 +863,7 @@ class ElasticTrainer:
         self.generation, self._attempt = gen, 0
         if out.state is None:
             self.layout = None
-            self._record(order, "left", plan.moved_bytes, pause,
+            self._record(order, ProcessOutcome.LEFT, plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
             return "left"
         self.layout = new
@@ -870,7 +871,7 @@ class ElasticTrainer:
         self._adopt_extras(keys, old, new, plan)
         adopted_s = time.perf_counter() - t_adopt
         if not early.sent:
-            self._record(order, "committed", plan.moved_bytes, pause,
+            self._record(order, ProcessOutcome.COMMITTED, plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
         parts = ", ".join(f"{k} {out.seconds[k]:.3f}" for k in PAUSE_PARTS if k in out.seconds)
         ready = ", ".join(f"{k} {v:.3f}" for k, v in prepared.seconds.items())
@@ -958,7 +959,7 @@ class ElasticTrainer:
             self._attempt += 1
             self._log("resize to generation %d aborted while preparing: %s",
                       prep.order.generation, why[:300])
-            self._record(prep.order, "aborted", 0, 0.0, 0.0, why)
+            self._record(prep.order, ProcessOutcome.ABORTED, 0, 0.0, 0.0, why)
             return "stay"
         if b"0" in values:
             return "stay"
@@ -1064,7 +1065,7 @@ class ElasticTrainer:
         the new layout's devices as dead."""
         if waited > EARLY_COMMIT_REPORT_S and not early.sent:
             early.sent = True
-            self._record(order, "committed", 0, 0.0, 0.0, "")
+            self._record(order, ProcessOutcome.COMMITTED, 0, 0.0, 0.0, "")
         self._take_orders()
         p = self._pending
         return isinstance(p, Resize) and bool(p.lost) and p.old.layout() == new
@@ -1122,7 +1123,7 @@ class ElasticTrainer:
         """Every rank computes the same refusal: nothing moves, the old layout trains on."""
         self._log("resize to generation %d refused: %s", order.generation, why)
         self._attempt += 1
-        self._record(order, "aborted", 0, 0.0, 0.0, why)
+        self._record(order, ProcessOutcome.ABORTED, 0, 0.0, 0.0, why)
         if self.layout is None:
             raise ConfigError(why)
         return "stay"
@@ -1168,17 +1169,18 @@ class ElasticTrainer:
             if scaler is not None and getattr(sub, "grad_scaler", None) is not None:
                 sub.grad_scaler.load_state_dict(scaler)
 
-    def _record(self, order: Resize, outcome: str, moved: int, pause: float, data: float,
+    def _record(self, order: Resize, outcome: ProcessOutcome, moved: int, pause: float, data: float,
                 error: str, stats: dict | None = None) -> None:
         proc = self._proc()
         stats = stats or {}
         lost = (self._rollback[1:] if self._rollback and self._rollback[0] == order.generation
                 else None)
-        rebuilt = self._rebuilt_from.get(order.generation, "") if outcome != "aborted" else ""
+        rebuilt = (self._rebuilt_from.get(order.generation, "")
+                   if outcome != ProcessOutcome.ABORTED else "")
         self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
                                          outcome, self.step, moved, pause, data, error, lost))
         proc.control.report(Resized(proc.job, order.generation, proc.vrank,
-                                    outcome,  # type: ignore[arg-type]
+                                    outcome,
                                     self.step, pause, data, int(stats.get("sent_bytes", 0)),
                                     int(stats.get("received_bytes", 0)), error, lost,
                                     rebuilt))  # type: ignore[arg-type]
@@ -1421,14 +1423,14 @@ class ElasticTrainer:
         self.generation = order.generation
         if proc.vrank not in new.devices:
             self.layout = None
-            self._record(order, "left", 0, 0.0, 0.0, "")
+            self._record(order, ProcessOutcome.LEFT, 0, 0.0, 0.0, "")
             return "left"
         self.layout = new
         self._start_group(GenerationKeys(proc.job, order.generation).train_group,
                           new.devices.index(proc.vrank), new.config.world)
         self.state = self._build(new.config, empty=True)
         self._load_checkpoint(os.path.join(str(self.checkpoint_dir), f"step-{step}"))
-        self._record(order, "committed", 0, time.time() - t0, 0.0,
+        self._record(order, ProcessOutcome.COMMITTED, 0, time.time() - t0, 0.0,
                      f"restored from the checkpoint of step {step}")
         self._log("restored %s from the checkpoint of step %d", new.config, step)
         return "stay"
