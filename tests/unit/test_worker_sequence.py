@@ -104,3 +104,51 @@ def test_orders_and_reports_round_trip_and_reject_garbage():
         ORDER_DECODER.decode(ENCODER.encode(rep))
     with pytest.raises(msgspec.ValidationError):
         ORDER_DECODER.decode(ENCODER.encode({"type": "resize", "job": "j"}))
+
+
+def _views(tensors: dict, split: int = 2) -> list[dict]:
+    """Views as megatron_view gives them: each tensor cut into ``split`` row blocks over
+    as many ranks, raw bits."""
+    import numpy as np
+
+    views: list[dict] = [{"shards": {}, "shapes": {}} for _ in range(split)]
+    for key, value in tensors.items():
+        rows = value.shape[0] // split
+        for r in range(split):
+            lo = (r * rows,) + (0,) * (value.ndim - 1)
+            hi = ((r + 1) * rows,) + value.shape[1:]
+            block = np.ascontiguousarray(value[r * rows:(r + 1) * rows])
+            views[r]["shards"][(key, lo, hi, (0, 0, 0))] = block.view(np.uint32).reshape(-1)
+            views[r]["shapes"][key] = value.shape
+    return views
+
+
+def test_the_no_resize_comparison_judges_full_tensors_against_their_largest_value():
+    """The no-resize reference's state check: rounding passes, a wrong block does not,
+    a tensor missing on one side does not; each side is assembled from its own ranks."""
+    import numpy as np
+
+    from slurm_etc.worker.sequence import STATE_RTOL, _compare_full_tensors
+
+    rng = np.random.default_rng(0)
+    ref = {"w": rng.standard_normal((4, 3)).astype(np.float32),
+           "optimizer.state.exp_avg_sq.w": (rng.random((4, 3)) * 1e-8).astype(np.float32)}
+    tol = STATE_RTOL["fp32"]
+    rounded = {k: (v * (1 + 1e-7)).astype(np.float32) for k, v in ref.items()}
+    bad, n, worst = _compare_full_tensors(_views(rounded), _views(ref, 4), tol)
+    assert bad == [] and n == 2 and worst < tol
+    wrong = dict(ref, w=ref["w"].copy())
+    wrong["w"][2:] = ref["w"][:2]  # a block moved to the wrong place
+    bad, _, worst = _compare_full_tensors(_views(wrong), _views(ref), tol)
+    assert [m["shard"] for m in bad] == ["w"] and worst > tol
+    bad, _, _ = _compare_full_tensors(_views({"w": ref["w"]}), _views(ref), tol)
+    assert [(m["shard"], m["problem"]) for m in bad] == [
+        ("optimizer.state.exp_avg_sq.w", "missing")]
+    # every Adam step on both sides: one rank a step behind is caught
+    same, behind = _views(ref), _views(ref)
+    for v in same + behind:
+        v["steps"] = [6.0]
+    behind[1]["steps"] = [5.0]
+    assert _compare_full_tensors(same, same, tol, 6)[0] == []
+    bad, _, _ = _compare_full_tensors(behind, same, tol, 6)
+    assert [m["shard"] for m in bad] == ["Adam step"]
