@@ -1251,46 +1251,26 @@ class Coordinator:
         if isinstance(outcome, reconcile.Abort):
             self._aborted(fl, wall, outcome)
             return
-        pause, lost_steps, rebuilt_from = outcome.pause_s, outcome.lost_steps, outcome.rebuilt_from
+        pause, lost_steps = outcome.pause_s, outcome.lost_steps
         if fl.order.prepare_while_training and fl.sent_at:
             self.aside_preparation_s = max(self.aside_preparation_s or 0.0,
                                            now - fl.sent_at - pause)
-        self.journal.write(record.record_migration_finish, fl.migration_id,
-                           outcome=ResizeOutcome.COMMITTED,
-                                       measured_seconds=wall, pause_seconds=pause,
-                                       lost_steps=lost_steps, rebuilt_from=rebuilt_from,
-                                       data_seconds=outcome.data_s)
-        self.crash("after-commit-record")
-        self.journal.write(record.close_generation, self.spec.job_id, self.generation,
-                                reason=fl.order.reason[:200] or "resized",
-                                last_step=self.step, last_loss=self.loss)
+        after, effects = reconcile.commit(self._holdings(), fl, outcome, wall)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
-            self.step, self.loss = lost_steps[0] - 1, None
             logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "
                            "training them again", lost_steps[0], lost_steps[1],
-                           format_devices(fl.vranks[v] for v in fl.order.lost), rebuilt_from,
-                           lost_steps[0] - 1)
+                           format_devices(fl.vranks[v] for v in fl.order.lost),
+                           outcome.rebuilt_from, lost_steps[0] - 1)
+        for effect in effects:
+            if isinstance(effect, reconcile.ReleaseLater):  # what is held changes first
+                self._hold(after)
+                self.first_layout = False
+                self.resize_times.append(self.clock())
+                self.inflight = None
+                if self._noticed_at is not None:  # a notice that came meanwhile waited
+                    self._noticed_at = time.perf_counter()
+            self._perform(effect)
         new = fl.order.new.layout()
-        self.first_layout = False
-        # the old ranks not in the new layout exit on their own now
-        self.leaving |= set(fl.order.old.devices) - set(new.devices) - fl.dead
-        self.layout, self.generation = new, fl.order.generation
-        self.vranks = {v: fl.vranks[v] for v in new.devices}
-        # a device that failed after the commit is in the new layout: the next resize
-        # names it as lost
-        gone = self.lost - set(self.vranks.values())
-        for d in gone:
-            self.held.pop(d, None)
-            self.notices.pop(d, None)
-        self.lost -= gone  # forgotten: a later grant of the same device is a new one
-        self.journal.write(record.open_generation, self.spec.job_id, self.generation,
-                           str(new.config), new.devices, self.vranks, first_step=self.step)
-        self.resize_times.append(self.clock())
-        self.inflight = None
-        if self._noticed_at is not None:  # a notice that came during this resize waited
-            self._noticed_at = time.perf_counter()
-        self.release_later |= fl.release
-        self._release_now()
         for report in fl.early:
             self._progress(report)
         self._record_pauses(self.pauses.committed(self.generation, fl.migration_id,
@@ -1300,6 +1280,47 @@ class Coordinator:
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
 
+    def _holdings(self) -> reconcile.Holdings:
+        return reconcile.Holdings(self.layout, self.generation, dict(self.vranks),
+                                  dict(self.held), dict(self.notices), frozenset(self.lost),
+                                  frozenset(self.leaving), self.step, self.loss)
+
+    def _hold(self, held: reconcile.Holdings) -> None:
+        """Take up what a reconcile decision says the job holds now."""
+        self.layout, self.generation = held.layout, held.generation
+        self.vranks = dict(held.vranks)
+        self.held, self.notices = dict(held.held), dict(held.notices)
+        self.lost, self.leaving = set(held.lost), set(held.leaving)
+        self.step, self.loss = held.step, held.loss
+
+    def _perform(self, effect: reconcile.Effect) -> None:
+        """Carry out one effect of a reconcile decision (records through the journal;
+        a coordinator killed after one resumes from the record)."""
+        job = self.spec.job_id
+        match effect:
+            case reconcile.RecordFinish():
+                self.journal.write(record.record_migration_finish, effect.migration_id,
+                                   outcome=effect.outcome,
+                                   measured_seconds=effect.measured_seconds,
+                                   pause_seconds=effect.pause_seconds, error=effect.error,
+                                   lost_steps=effect.lost_steps,
+                                   rebuilt_from=effect.rebuilt_from,
+                                   data_seconds=effect.data_seconds)
+                if effect.outcome == ResizeOutcome.COMMITTED:
+                    self.crash("after-commit-record")
+            case reconcile.CloseGeneration():
+                self.journal.write(record.close_generation, job, effect.generation,
+                                   reason=effect.reason, last_step=effect.last_step,
+                                   last_loss=effect.last_loss)
+            case reconcile.OpenGeneration():
+                self.journal.write(record.open_generation, job, effect.generation,
+                                   str(effect.layout.config), effect.layout.devices,
+                                   effect.vranks, first_step=effect.first_step)
+            case reconcile.ReleaseLater():
+                self.release_later |= effect.devices
+                self._release_now()
+            case reconcile.StopIdle():
+                self._stop_idle(effect.why)
 
     def _finished_first(self, fl: InflightResize) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
@@ -1313,14 +1334,12 @@ class Coordinator:
     def _aborted(self, fl: InflightResize, wall: float, abort: reconcile.Abort) -> None:
         """Record the abort, keep the old layout, and decide again (``abort.retry``) or
         stop the job (reconcile.settle's rules)."""
-        self.journal.write(record.record_migration_finish, fl.migration_id,
-                           outcome=ResizeOutcome.ABORTED,
-                                       measured_seconds=wall, error=abort.why[:500])
         logger.error("resize to generation %d aborted: %s", fl.order.generation, abort.why)
         self.inflight = None
         self.idle = {v for v in fl.joiners - fl.dead}
+        for effect in reconcile.abort(fl, abort, wall):
+            self._perform(effect)
         if not abort.retry:
-            self._stop_idle("resize aborted")
             raise JobStopped(f"resize to generation {fl.order.generation} aborted: {abort.why}")
         logger.info("retrying without the dead: vrank(s) %s",
                     ", ".join(str(v) for v in sorted(fl.dead)))

@@ -10,6 +10,12 @@ these directly (tests/unit/test_reconcile.py).
 no Ready, within the join timeout of their launch); ``warming_up(resize)`` says whether a
 grow's joiners still warm up with nobody paused (a notice or a loss then supersedes it).
 
+``commit(holdings, resize, done, wall)`` and ``abort(resize, aborted, wall)`` say what a
+settled resize changes in what the job holds (:class:`Holdings`) and the effects that carry
+it out, in the order they must happen: the record first (a coordinator killed between two
+effects resumes from the record), then what acts on it. The loop performs each
+(:meth:`~.loop.Coordinator._perform`).
+
 ``plan_resize(...)`` plans the next resize, with the fallback for state lost with a device:
 a plan that cannot be kept from surviving replicas (``StateLostError``) is planned again as a
 rebuild from peer copies or a checkpoint when the job has either, else the job stops.
@@ -35,7 +41,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slurm_etc.alloc.topology import Device
-from slurm_etc.lifecycle import ProcessOutcome
+from slurm_etc.lifecycle import ProcessOutcome, ResizeOutcome
 from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
@@ -206,3 +212,118 @@ def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]
     span = max(spans, key=lambda s: (s[1] - s[0], s)) if spans else None
     return ((int(span[0]), int(span[1])) if span else None,
             min(sources) if sources else None)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What the job holds between resizes: the committed layout and its generation, each
+    vrank's device, the devices held (device -> allocation), under notice (device ->
+    (deadline, allocation)) and lost, the vranks whose process left at a commit and may
+    still be exiting, and the last step and loss reported."""
+
+    layout: Layout | None
+    generation: int
+    vranks: Mapping[int, Device]
+    held: Mapping[Device, str]
+    notices: Mapping[Device, tuple[float, str]]
+    lost: frozenset[Device]
+    leaving: frozenset[int]
+    step: int
+    loss: float | None
+
+
+# -- effects: what the loop performs, in order ---------------------------------------------
+
+@dataclass(frozen=True)
+class RecordFinish:
+    """Record how migration ``migration_id`` ended."""
+
+    migration_id: int
+    outcome: ResizeOutcome
+    measured_seconds: float
+    pause_seconds: float | None = None
+    data_seconds: float | None = None
+    lost_steps: tuple[int, int] | None = None
+    rebuilt_from: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CloseGeneration:
+    """Record the end of generation ``generation``."""
+
+    generation: int
+    reason: str
+    last_step: int
+    last_loss: float | None
+
+
+@dataclass(frozen=True)
+class OpenGeneration:
+    """Record the start of generation ``generation`` (layout on vranks, from a step)."""
+
+    generation: int
+    layout: Layout
+    vranks: Mapping[int, Device]
+    first_step: int
+
+
+@dataclass(frozen=True)
+class ReleaseLater:
+    """These devices leave the job now that no layout needs them (their release is
+    recorded before the backend gives them back)."""
+
+    devices: frozenset[Device]
+
+
+@dataclass(frozen=True)
+class StopIdle:
+    """Stop the joiners still alive after their resize aborted, then end the job."""
+
+    why: str
+
+
+Effect = RecordFinish | CloseGeneration | OpenGeneration | ReleaseLater | StopIdle
+
+
+def commit(held: Holdings, resize: InflightResize, done: Commit, wall: float
+           ) -> tuple[Holdings, list[Effect]]:
+    """What a committed resize changes: the new layout and generation, its vranks' devices,
+    the old ranks that leave, the lost devices it no longer holds forgotten (a later grant
+    of one is a new device), the step rolled back for a rebuild; and the effects, record
+    first: the migration's end, the old generation closed, the new one opened, then the
+    devices it released."""
+    new = resize.order.new.layout()
+    step, loss = held.step, held.loss
+    if done.lost_steps is not None:  # rolled back: the steps after the copy train again
+        step, loss = done.lost_steps[0] - 1, None
+    vranks = {v: resize.vranks[v] for v in new.devices}
+    # a device that failed after the commit is in the new layout: the next resize names it
+    gone = held.lost - set(vranks.values())
+    after = Holdings(
+        layout=new, generation=resize.order.generation, vranks=vranks,
+        held={d: a for d, a in held.held.items() if d not in gone},
+        notices={d: n for d, n in held.notices.items() if d not in gone},
+        lost=held.lost - gone,
+        leaving=held.leaving | frozenset(set(resize.order.old.devices) - set(new.devices)
+                                         - resize.dead),
+        step=step, loss=loss)
+    effects: list[Effect] = [
+        RecordFinish(resize.migration_id, ResizeOutcome.COMMITTED, wall, done.pause_s,
+                     done.data_s, done.lost_steps, done.rebuilt_from),
+        CloseGeneration(held.generation, resize.order.reason[:200] or "resized", held.step,
+                        held.loss),
+        OpenGeneration(after.generation, new, vranks, step),
+        ReleaseLater(frozenset(resize.release)),
+    ]
+    return after, effects
+
+
+def abort(resize: InflightResize, aborted: Abort, wall: float) -> list[Effect]:
+    """The effects of an aborted resize: its end recorded, and where nobody died (it would
+    abort the same way again) the idle joiners stopped and the job ended."""
+    effects: list[Effect] = [RecordFinish(resize.migration_id, ResizeOutcome.ABORTED, wall,
+                                          error=aborted.why[:500])]
+    if not aborted.retry:
+        effects.append(StopIdle("resize aborted"))
+    return effects

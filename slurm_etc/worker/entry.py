@@ -46,10 +46,10 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    me = WorkerEnv.of(env)
-    layout = parse_layout(me.layout) if me.layout else None
     control = WorkerChannel.from_env(env)
     try:
+        me = WorkerEnv.of(env)
+        layout = parse_layout(me.layout) if me.layout else None
         welcome = control.join(JOIN_TIMEOUT_S, pid=os.getpid())
         # the store speaks CURVE with keys derived from the job's secret: nobody without
         # it can read or write what the workers agree on

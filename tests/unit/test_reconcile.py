@@ -163,3 +163,72 @@ def test_only_a_grow_not_yet_ordered_is_warming_up():
     assert not warming_up(resize(sent_at=101.0))  # ordered: somebody may be paused
     assert not warming_up(resize(joiners=(), sent_at=0.0))  # a shrink has no joiner
     assert not warming_up(None)
+
+
+# -- what a settled resize changes, and the effects in their order --------------------------
+
+def _holdings(**kw):
+    from slurm_etc.alloc.topology import Device
+    from slurm_etc.coordinator.reconcile import Holdings
+
+    d = [Device("n1", 0), Device("n1", 1), Device("n2", 0)]
+    base = dict(layout=ORDER.old.layout(), generation=1, vranks={0: d[0], 1: d[1]},
+                held={d[0]: "a0", d[1]: "a0", d[2]: "a1"}, notices={}, lost=frozenset(),
+                leaving=frozenset(), step=40, loss=2.5)
+    base.update(kw)
+    return Holdings(**base), d
+
+
+def test_a_commit_records_first_then_opens_the_new_generation_then_releases():
+    from slurm_etc.coordinator.reconcile import (
+        CloseGeneration,
+        OpenGeneration,
+        RecordFinish,
+        ReleaseLater,
+        commit,
+    )
+    from slurm_etc.lifecycle import ResizeOutcome
+
+    held, d = _holdings()
+    fl = resize(vranks={0: d[0], 1: d[1], 2: d[2]}, release={d[1]})
+    done = Commit(0.05, 0.01, None, None)
+    after, effects = commit(held, fl, done, 1.5)
+    assert [type(e) for e in effects] == [RecordFinish, CloseGeneration, OpenGeneration,
+                                          ReleaseLater]
+    assert effects[0] == RecordFinish(7, ResizeOutcome.COMMITTED, 1.5, 0.05, 0.01)
+    assert effects[1] == CloseGeneration(1, "resized", 40, 2.5)
+    assert effects[2] == OpenGeneration(2, ORDER.new.layout(), {0: d[0], 1: d[1], 2: d[2]}, 40)
+    assert effects[3] == ReleaseLater(frozenset({d[1]}))
+    assert after.layout == ORDER.new.layout() and after.generation == 2
+    assert after.step == 40 and after.loss == 2.5 and after.leaving == frozenset()
+    assert held.generation == 1  # the input is not changed
+
+
+def test_a_rebuild_rolls_the_step_back_and_forgets_lost_devices_it_no_longer_holds():
+    from slurm_etc.alloc.topology import Device
+    from slurm_etc.coordinator.reconcile import commit
+
+    gone = Device("n3", 0)
+    shrink = Resize("j", 2, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
+                    LayoutSpec("dp=1,tp=1,pp=1", (0,)), lost=(1,))
+    held, d = _holdings(lost=frozenset({gone}),
+                        notices={gone: (5.0, "a9")}, held={gone: "a9"})
+    fl = resize(vranks={0: d[0], 1: d[1]}, joiners=(), dead={1})
+    fl.order = shrink
+    after, effects = commit(held, fl, Commit(0.2, 0.0, (31, 40), "peer-copies"), 2.0)
+    assert after.step == 30 and after.loss is None  # steps 31-40 are trained again
+    assert effects[1].last_step == 40  # the old generation closed where it was
+    assert effects[2].first_step == 30
+    assert gone not in after.lost and gone not in after.held and gone not in after.notices
+    assert after.leaving == frozenset()  # vrank 1 died: it does not leave, it is gone
+
+
+def test_an_abort_records_and_stops_the_idle_only_when_nobody_died():
+    from slurm_etc.coordinator.reconcile import RecordFinish, StopIdle, abort
+    from slurm_etc.lifecycle import ResizeOutcome
+
+    fl = resize()
+    again = abort(fl, Abort("peer died", retry=True), 3.0)
+    assert again == [RecordFinish(7, ResizeOutcome.ABORTED, 3.0, error="peer died")]
+    stops = abort(fl, Abort("refused", retry=False), 3.0)
+    assert stops[0].outcome == ResizeOutcome.ABORTED and stops[1] == StopIdle("resize aborted")
