@@ -101,6 +101,10 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
     out_dir.mkdir(parents=True, exist_ok=True)
     if db_path.exists():
         db_path.unlink()  # the demo's own record of its last run: each demo is a fresh job
+    # and so are its workers' logs (appended to, they would mix the last run's lines in)
+    for old_log in (out_dir / "workers").glob("*.log"):
+        if old_log.name == "preload.log" or old_log.name.startswith("gen"):
+            old_log.unlink()
     job_id = f"demo-{os.getpid()}"
     console = output_console(stderr=True)
     root = logging.getLogger("slurm_etc")
