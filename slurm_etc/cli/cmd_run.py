@@ -275,8 +275,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         click.echo(f"slurm-etc: warning: the events script did not play out: training ended "
                    f"at step {out['step']} before {'; '.join(unfired)} (give the workers "
                    f"more steps, or end training with the script's end_step)", err=True)
-    if as_json:
-        click.echo(json.dumps(out))
+    if as_json:  # the job's id first: what `slurm-etc status JOB` takes
+        click.echo(json.dumps({"job": spec.job_id, **out}))
     if out.get("signal"):  # cancelled by a signal: the shell's convention
         raise SystemExit(128 + int(out["signal"]))
     if out["state"] != "finished":

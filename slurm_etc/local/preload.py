@@ -154,13 +154,21 @@ class Preloader:
         fd = theirs.fileno()
         out = (os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
                        | os.O_CLOEXEC, 0o600) if log is not None else subprocess.DEVNULL)
+        # a worker launched without a log of its own writes where a cold one would: to
+        # this process's stdout and stderr (their copies travel to the preloader for that)
+        stdio = () if log is not None else (os.dup(1), os.dup(2))
+        argv = [sys.executable, "-m", "slurm_etc.local.preload", str(fd)]
+        if stdio:
+            argv.append(",".join(map(str, stdio)))
         try:  # its own output (the imports' warnings) to its log, not the coordinator's
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "slurm_etc.local.preload", str(fd)], env=self.env,
-                pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=out,
+                argv, env=self.env,
+                pass_fds=(fd, *stdio), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             theirs.close()
+            for std in stdio:
+                os.close(std)
             if log is not None:
                 os.close(out)
 
@@ -241,6 +249,11 @@ def _threads_of_this_process() -> int:
         return 1
 
 
+# The coordinator's stdout and stderr (descriptors of this preloader), where a worker launched
+# without a log writes; empty: the coordinator gave each worker a log
+_STDIO: tuple[int, ...] = ()
+
+
 def _run_child(req: Launch) -> int:
     """In the forked child: become the worker ``req`` names; its exit status."""
     import runpy
@@ -255,6 +268,11 @@ def _run_child(req: Launch) -> int:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
+    elif _STDIO:  # no log: the coordinator's stdout and stderr, as a cold worker's
+        os.dup2(_STDIO[0], 1)
+        os.dup2(_STDIO[1], 2)
+    for std in _STDIO:
+        os.close(std)
     os.close(null)
     import shlex
 
@@ -334,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     import gc
     import importlib
 
+    global _STDIO
     args = sys.argv[1:] if argv is None else argv
     conn = Connection(int(args[0]))
+    if len(args) > 1:  # the coordinator's stdout and stderr, for workers without a log
+        _STDIO = tuple(int(x) for x in args[1].split(","))
     t0 = time.perf_counter()
     try:
         for name in (*PRELOAD, "setproctitle"):

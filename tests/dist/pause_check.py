@@ -156,3 +156,33 @@ def mismatches(recorded: dict[int, float | None], gaps: dict[int, float],
     for g in sorted(set(recorded) - set(gaps)):
         out.append(f"resize into generation {g}: recorded, but no step times either side")
     return out
+
+
+def against_record(log_dir: Path, migrations: list[dict]) -> tuple[list[dict], list[str]]:
+    """Every committed resize of a run (``slurm-etc status --json``'s migrations) beside its
+    training gap from the per-step times in ``log_dir``'s logs: rows to print and why the
+    record is not the gaps (empty: every recorded pause is its gap within 0.05 s). A row's
+    ``within`` says whether the gap's part after any step in flight is at most the data
+    phase + 0.15 s (the zero-stall target; printed, not asserted: a figure of this machine)."""
+    steps = steps_from_logs(log_dir)
+    gaps = training_gaps(steps)
+    cut = interrupted_steps(log_dir, steps)
+    committed = [m for m in migrations if m["outcome"] == "committed"]
+    recorded = {m["to_generation"]: m["pause_seconds"] for m in committed}
+    rows = []
+    for m in committed:
+        g = m["to_generation"]
+        gap, data = gaps.get(g), m["data_seconds"] or 0.0
+        in_flight = cut.get(g, 0.0)
+        rows.append({"generation": g, "gap": gap, "recorded": m["pause_seconds"],
+                     "data": data, "in_flight": in_flight,
+                     "within": gap is not None and gap - in_flight <= data + 0.15})
+    return rows, mismatches(recorded, gaps)
+
+
+def format_rows(rows: list[dict]) -> str:
+    return "\n".join(
+        f"  resize into generation {r['generation']}: gap {r['gap']:.3f} s from the step times, "
+        f"recorded {r['recorded']:.3f} s, data {r['data']:.3f} s, in flight "
+        f"{r['in_flight']:.3f} s: gap - in flight {'<=' if r['within'] else '>'} data + 0.15"
+        for r in rows if r["gap"] is not None and r["recorded"] is not None)

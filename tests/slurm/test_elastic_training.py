@@ -41,6 +41,7 @@ import pytest
 
 from slurm_etc.slurm import BatchSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import member_job_name
+from tests.dist.pause_check import against_record, format_rows
 
 from .test_client import partition, running, wait_for, wait_free
 
@@ -435,6 +436,12 @@ def test_own_script_without_model_grows_retries_an_abort_preempts_and_loses_a_no
               f"{m['pause_seconds'] or 0:.2f} s (in flight {m['interrupted_seconds'] or 0:.2f} s), "
               f"stall {m['stall_seconds'] or 0:.2f} s, prepared beside training "
               f"{m['preparation_seconds'] or 0:.1f} s" for m in job["migrations"]))
+    # every recorded pause is the training gap from the workers' own step times (srun's
+    # step logs), and the figures against data + 0.15 s printed beside it
+    rows, wrong = against_record(run_dir / "logs", job["migrations"])
+    print("[own script, no MODEL] pauses from the step times:\n" + format_rows(rows))
+    assert sum(r["gap"] is not None for r in rows) >= 4, rows
+    assert wrong == [], wrong
     if down:
         wait_for(lambda: all(n.usable and n.reason is None for n in client.nodes(down)),
                  f"{down} back in service", timeout=60)

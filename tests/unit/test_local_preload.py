@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -133,3 +134,25 @@ def test_workers_outlive_a_coordinator_that_died(tmp_path):
         assert process_start(proc.pid) == start  # still the same process, running
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_worker_without_a_log_writes_to_the_coordinators_stdout_and_stderr(tmp_path):
+    """As a cold worker inherits them (slurm-etc run's local backend gives no log): a
+    forked one's output is not lost to the preloader's /dev/null."""
+    worker = tmp_path / "w.py"
+    worker.write_text("import sys\nprint('worker says out')\n"
+                      "print('worker says err', file=sys.stderr)\n")
+    coordinator = tmp_path / "c.py"
+    coordinator.write_text(
+        "import os, sys\n"
+        "from slurm_etc.local.preload import Preloader\n"
+        "p = Preloader({**os.environ, 'OMP_NUM_THREADS': '1'})\n"
+        "assert p.usable(120.0)\n"
+        f"w = p.launch([sys.executable, {str(worker)!r}], p.env, None)\n"
+        "assert w is not None and w.wait(60) == 0\n"
+        "p.close()\n")
+    done = subprocess.run([sys.executable, str(coordinator)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "worker says out" in done.stdout and "worker says err" not in done.stdout
+    assert "worker says err" in done.stderr
