@@ -30,7 +30,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -41,7 +41,6 @@ from slurm_etc.lifecycle import JobState, ResizeOutcome
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
     JobView,
@@ -69,12 +68,10 @@ from slurm_etc.protocol.messages import (
     Exited,
     Heartbeat,
     Hello,
-    LayoutSpec,
     ModelBuilt,
     ModelReport,
     Progress,
     Ready,
-    Resize,
     Resized,
     Resumed,
     Stop,
@@ -121,11 +118,6 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 # (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
 # not hold raises no event.
 PARTITION_REREAD_S = 60.0
-# A resize under a notice is prepared beside training when the grace left is at least this
-# many times the longest preparation beside training measured so far (plus the plan's
-# estimate): shared with training, the preparation's time varies with the steps it shares
-# the cores with.
-ASIDE_MARGIN = 2.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 # where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
@@ -205,7 +197,7 @@ class JobSpec:
             this the old layout does not prepare beside training: it stops and prepares at
             full speed (on shared cores, preparing beside training takes several times as
             long, and the deadline comes first). Once one was timed, the grace must hold
-            ``ASIDE_MARGIN`` times the longest such preparation and the plan's estimate.
+            ``reconcile.ASIDE_MARGIN`` times the longest such preparation and the plan's estimate.
     """
 
     job_id: str
@@ -1089,41 +1081,36 @@ class Coordinator:
 
     def _resize(self, action: ResizeDecision) -> None:
         decided_at = time.time()  # wall clock, as the workers' step times
-        assert_layout = self.layout
-        if assert_layout is None:
+        if self.layout is None:
             return
-        old = assert_layout
-        lost = sorted(v for v in old.devices if self.vranks[v] in self.lost)
-        pool_map = reserve_vranks(action.allocation.vranks,
-                                  {v: self.vranks[v] for v in old.devices},
-                                  self.topology.gpus_per_node)
-        vranks = {**{v: self.vranks[v] for v in old.devices}, **pool_map}
-        topo = Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
-                        self.spec.hardware.inter_node_gbps)
-        plan, rebuild = reconcile.plan_resize(
-            self.spec.job.model, old, action.config, sorted(pool_map), topo, lost,
-            format_devices(self.vranks[v] for v in lost), self.spec.recovery.enabled)
-        if rebuild:
+        old = self.layout
+        gen = max(self.generation, self.last_generation) + 1
+        got = reconcile.order_resize(
+            self._holdings(), job_id=self.spec.job_id, generation=gen, config=action.config,
+            pool=action.allocation.vranks, deadline=action.deadline, reason=action.reason,
+            now=self.clock(), model=self.spec.job.model,
+            topology=Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
+                              self.spec.hardware.inter_node_gbps),
+            gpus_per_node=self.topology.gpus_per_node,
+            can_rebuild=self.spec.recovery.enabled,
+            prepare_while_training=self.spec.prepare_while_training,
+            longest_aside_s=self.aside_preparation_s,
+            first_aside_grace_s=self.spec.prepare_aside_min_grace_s)
+        order, plan, lost = got.order, got.plan, got.order.lost
+        if got.rebuild:
             logger.warning("devices %s failed holding state no replica holds: rebuilding it "
                            "from peer copies or the last checkpoint (the steps since are "
                            "lost and trained again)", format_devices(self.vranks[v] for v in lost))
-        gen = max(self.generation, self.last_generation) + 1
         self.last_generation = gen
         new = plan.new
-        joiners = set(new.devices) - set(old.devices)
+        joiners, vranks = set(got.joiners), dict(got.vranks)
         # joiners of an aborted resize stop; the retry starts its joiners afresh
         self._stop_idle("resize retried")
-        left = None if action.deadline is None else action.deadline - self.clock()
-        need = self._aside_needs(plan.est_seconds)
-        aside = self.spec.prepare_while_training and (left is None or left >= need)
-        if self.spec.prepare_while_training and not aside and not lost:
+        left = got.grace_left
+        if self.spec.prepare_while_training and not order.prepare_while_training and not lost:
             logger.info("generation %d: %.1f s of grace left (< %.1f s): the old layout "
-                        "prepares at full speed, not beside training", gen, left, need)
-        order = Resize(self.spec.job_id, gen, LayoutSpec.of(old), LayoutSpec.of(new),
-                       plan_digest(plan), pool=tuple(sorted(pool_map)),
-                       gpus_per_node=self.topology.gpus_per_node, deadline=action.deadline,
-                       lost=tuple(lost), reason=action.reason[:200],
-                       prepare_while_training=aside)
+                        "prepares at full speed, not beside training", gen, left,
+                        got.aside_needs)
         if left is not None and not lost and plan.est_seconds > left:
             logger.warning("the migration's estimate (%.1f s) exceeds the %.1f s of grace left",
                            plan.est_seconds, left)
@@ -1133,11 +1120,10 @@ class Coordinator:
             kept_bytes=plan.kept_bytes, lower_bound_bytes=plan.lower_bound_moved_bytes,
             messages=len(plan.messages), rounds=plan.rounds,
             estimated_seconds=plan.est_seconds)
-        participants = (set(old.devices) | set(new.devices)) - set(lost)
-        self.inflight = InflightResize(order, plan, mid, participants, joiners, vranks,
-                                  set(self.release_later), time.monotonic(), rebuild=rebuild,
-                                  decided_at=decided_at,
-                                  step_at_launch=self.step)
+        self.inflight = InflightResize(order, plan, mid, set(got.participants), joiners,
+                                       vranks, set(self.release_later), time.monotonic(),
+                                       rebuild=got.rebuild, decided_at=decided_at,
+                                       step_at_launch=self.step)
         self.channel.generation = gen
         # a joiner whose vrank's previous process left the job at the last commit and is
         # still exiting (tearing its groups down): it has nothing left to do, it stops; the
@@ -1165,12 +1151,6 @@ class Coordinator:
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
                     plan.lower_bound_moved_bytes / 2**20, len(plan.messages), plan.rounds)
-
-    def _aside_needs(self, estimate_s: float) -> float:
-        """The grace a resize needs left to be prepared beside training."""
-        if self.aside_preparation_s is None:
-            return self.spec.prepare_aside_min_grace_s
-        return ASIDE_MARGIN * self.aside_preparation_s + estimate_s
 
     def _order_stayers(self) -> None:
         """Send the order to the workers of the old layout (the pause starts at their next
@@ -1363,24 +1343,6 @@ def describe_job(job: TrainingJob) -> str:
             f"({m.query_groups} query groups), ffn {m.ffn_hidden}{experts}, vocab "
             f"{m.padded_vocab}, seq {m.seq_length}, {m.param_dtype}; global batch "
             f"{job.global_batch}, micro batch {job.micro_batch}")
-
-
-def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
-                   gpus_per_node: int) -> dict[int, Device]:
-    """``pool`` renumbered so that no vrank of the current layout names another device.
-
-    A vrank is the planner's identity of the device that holds a shard. The allocator may
-    give a leaving device's vrank to a new device (a grant and a notice in one decision);
-    until the migration is done the old device still holds that vrank's state, so the
-    new device's whole node slot moves to fresh vranks past every slot in use (node slots
-    stay whole: vrank // gpus_per_node is the node)."""
-    clash = {v // gpus_per_node for v, d in pool.items() if v in layout and layout[v] != d}
-    if not clash:
-        return dict(pool)
-    top = max([*pool, *layout]) // gpus_per_node + 1
-    fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
-    return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
-             if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
 
 
 def event_key(kind: str, event: Any) -> str:

@@ -16,6 +16,12 @@ it out, in the order they must happen: the record first (a coordinator killed be
 effects resumes from the record), then what acts on it. The loop performs each
 (:meth:`~.loop.Coordinator._perform`).
 
+``order_resize(holdings, decision, ...)`` turns the policy's decision into the resize to
+order: the vranks (a leaving device's never given to another), the plan, the generation, the
+joiners, and whether the old layout prepares beside training (a notice's grace must hold
+:data:`ASIDE_MARGIN` times the longest such preparation timed so far and the plan's
+estimate).
+
 ``plan_resize(...)`` plans the next resize, with the fallback for state lost with a device:
 a plan that cannot be kept from surviving replicas (``StateLostError``) is planned again as a
 rebuild from peer copies or a checkpoint when the job has either, else the job stops.
@@ -37,7 +43,7 @@ The settlement's rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slurm_etc.alloc.topology import Device
@@ -45,8 +51,9 @@ from slurm_etc.lifecycle import ProcessOutcome, ResizeOutcome
 from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
+from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.protocol.messages import Progress, Resize, Resized
+from slurm_etc.protocol.messages import LayoutSpec, Progress, Resize, Resized
 
 from ..errors import InternalError
 
@@ -56,6 +63,11 @@ logger = logging.getLogger(__name__)
 # than its replay window, e.g. one that sat unread while the worker was blocked; duplicates
 # are dropped).
 RESEND_S = 5.0
+# A resize under a notice is prepared beside training when the grace left is at least this
+# many times the longest preparation beside training measured so far (plus the plan's
+# estimate): shared with training, the preparation's time varies with the steps it shares
+# the cores with.
+ASIDE_MARGIN = 2.0
 
 
 class JobStopped(InternalError, RuntimeError):
@@ -327,3 +339,92 @@ def abort(resize: InflightResize, aborted: Abort, wall: float) -> list[Effect]:
     if not aborted.retry:
         effects.append(StopIdle("resize aborted"))
     return effects
+
+
+# -- the order of a resize -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OrderedResize:
+    """A resize to order: the order, its plan and the bookkeeping around it.
+
+    Attributes:
+        order: what the workers get.
+        plan: the migration the order's digest names.
+        rebuild: lost state no replica holds is rebuilt (peer copies or a checkpoint).
+        vranks: every vrank's device, the old layout's and the pool's.
+        joiners: vranks that start a process for it.
+        participants: every live vrank of old and new.
+        grace_left: seconds of the notice's grace left (None: no deadline).
+        aside_needs: the grace preparing beside training needs.
+    """
+
+    order: Resize
+    plan: MigrationPlan
+    rebuild: bool
+    vranks: Mapping[int, Device]
+    joiners: frozenset[int]
+    participants: frozenset[int]
+    grace_left: float | None
+    aside_needs: float
+
+
+def aside_needs(longest_aside_s: float | None, estimate_s: float, first_s: float) -> float:
+    """The grace a resize needs left to be prepared beside training: ``first_s`` until one
+    was timed, then ASIDE_MARGIN x the longest timed plus the plan's estimate."""
+    if longest_aside_s is None:
+        return first_s
+    return ASIDE_MARGIN * longest_aside_s + estimate_s
+
+
+def order_resize(held: Holdings, *, job_id: str, generation: int, config: ParallelConfig,
+                 pool: Mapping[int, Device], deadline: float | None, reason: str, now: float,
+                 model: ModelDesc, topology: Topology, gpus_per_node: int,
+                 can_rebuild: bool, prepare_while_training: bool,
+                 longest_aside_s: float | None, first_aside_grace_s: float) -> OrderedResize:
+    """The resize from the committed layout to ``config`` on ``pool`` (the allocator's
+    vrank -> device) as generation ``generation``: the vranks reserved, the plan (with the
+    rebuild fallback for devices lost), joiners, participants, and whether the old layout
+    prepares beside training (``now`` and ``deadline`` on the clock of the notices).
+    Raises JobStopped where the lost state can be neither moved nor rebuilt."""
+    old = held.layout
+    if old is None:
+        raise ValueError("a resize needs a committed layout")
+    lost = sorted(v for v in old.devices if held.vranks[v] in held.lost)
+    pool_map = reserve_vranks(pool, {v: held.vranks[v] for v in old.devices}, gpus_per_node)
+    vranks = {**{v: held.vranks[v] for v in old.devices}, **pool_map}
+    plan, rebuild = plan_resize(model, old, config, sorted(pool_map), topology, lost,
+                                _format_devices(held.vranks[v] for v in lost), can_rebuild)
+    new = plan.new
+    left = None if deadline is None else deadline - now
+    need = aside_needs(longest_aside_s, plan.est_seconds, first_aside_grace_s)
+    aside = prepare_while_training and (left is None or left >= need)
+    order = Resize(job_id, generation, LayoutSpec.of(old), LayoutSpec.of(new),
+                   plan_digest(plan), pool=tuple(sorted(pool_map)),
+                   gpus_per_node=gpus_per_node, deadline=deadline, lost=tuple(lost),
+                   reason=reason[:200], prepare_while_training=aside)
+    return OrderedResize(order, plan, rebuild, vranks,
+                         frozenset(set(new.devices) - set(old.devices)),
+                         frozenset((set(old.devices) | set(new.devices)) - set(lost)),
+                         left, need)
+
+
+def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
+                   gpus_per_node: int) -> dict[int, Device]:
+    """``pool`` renumbered so that no vrank of the current layout names another device.
+
+    A vrank is the planner's identity of the device that holds a shard. The allocator may
+    give a leaving device's vrank to a new device (a grant and a notice in one decision);
+    until the migration is done the old device still holds that vrank's state, so the
+    new device's whole node slot moves to fresh vranks past every slot in use (node slots
+    stay whole: vrank // gpus_per_node is the node)."""
+    clash = {v // gpus_per_node for v, d in pool.items() if v in layout and layout[v] != d}
+    if not clash:
+        return dict(pool)
+    top = max([*pool, *layout]) // gpus_per_node + 1
+    fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
+    return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
+             if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
+
+
+def _format_devices(devices: Iterable[Device]) -> str:
+    return ", ".join(str(d) for d in sorted(devices))

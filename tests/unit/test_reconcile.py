@@ -232,3 +232,43 @@ def test_an_abort_records_and_stops_the_idle_only_when_nobody_died():
     assert again == [RecordFinish(7, ResizeOutcome.ABORTED, 3.0, error="peer died")]
     stops = abort(fl, Abort("refused", retry=False), 3.0)
     assert stops[0].outcome == ResizeOutcome.ABORTED and stops[1] == StopIdle("resize aborted")
+
+
+# -- the order of a resize: vranks, plan, generation, joiners, prepared beside training ----
+
+def test_an_order_reserves_vranks_plans_and_prepares_beside_training_when_the_grace_holds():
+    from slurm_etc.alloc.topology import Device
+    from slurm_etc.coordinator.reconcile import ASIDE_MARGIN, order_resize
+
+    held, d = _holdings()
+    topo = Topology(gpus_per_node=2)
+    pool = {0: d[0], 1: d[1], 2: d[2], 3: Device("n2", 1)}
+    common = dict(job_id="j", generation=5, config=ParallelConfig(4, 1, 1), pool=pool,
+                  reason="grow", model=PRESETS["tiny"], topology=topo, gpus_per_node=2,
+                  can_rebuild=False, prepare_while_training=True)
+    got = order_resize(held, deadline=None, now=0.0, longest_aside_s=None,
+                       first_aside_grace_s=15.0, **common)
+    assert got.order.generation == 5 and got.order.new.config == "dp=4,tp=1,pp=1"
+    assert got.joiners == {2, 3} and got.participants == {0, 1, 2, 3}
+    assert got.order.prepare_while_training and got.grace_left is None
+    assert got.order.plan_digest and got.order.lost == ()
+    # under a notice: 10 s of grace, none timed yet (15 s needed): full speed
+    short = order_resize(held, deadline=110.0, now=100.0, longest_aside_s=None,
+                         first_aside_grace_s=15.0, **common)
+    assert not short.order.prepare_while_training and short.aside_needs == 15.0
+    # one timed at 2 s: ASIDE_MARGIN x 2 s + the estimate fits in 10 s
+    timed = order_resize(held, deadline=110.0, now=100.0, longest_aside_s=2.0,
+                         first_aside_grace_s=15.0, **common)
+    assert timed.aside_needs == ASIDE_MARGIN * 2.0 + timed.plan.est_seconds
+    assert timed.order.prepare_while_training
+
+
+def test_a_leaving_devices_vrank_is_never_given_to_another_device():
+    from slurm_etc.alloc.topology import Device
+    from slurm_etc.coordinator.reconcile import reserve_vranks
+
+    layout = {0: Device("n1", 0), 1: Device("n1", 1)}
+    pool = {0: Device("n2", 0), 1: Device("n2", 1)}  # the allocator reused n1's vranks
+    got = reserve_vranks(pool, layout, 2)
+    assert got == {2: Device("n2", 0), 3: Device("n2", 1)}
+    assert reserve_vranks(layout, layout, 2) == layout

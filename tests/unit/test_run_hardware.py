@@ -124,7 +124,7 @@ def test_environment_variables_reach_the_job(tmp_path, captured, monkeypatch):
     monkeypatch.setenv("SLURM_ETC_RUN_NAME", "from-env")
     res = _run()
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output) == {"state": "finished"}
     spec = captured["spec"]
+    assert json.loads(res.output) == {"job": spec.job_id, "state": "finished"}
     assert spec.worker_timeout_s == 7.5 and spec.name == "from-env"
     assert json.loads(out.read_text())["step"] == 1
