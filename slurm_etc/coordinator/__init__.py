@@ -4,8 +4,9 @@
 * :mod:`.reconcile`: its decisions on a resize (planning, settlement) as pure functions;
 * :mod:`.journal`: the job's record written in order, off the loop's thread;
 * :mod:`.pause`: the pause each resize cost, measured from the workers' step times;
-* :mod:`.backend`: the backend seam (events in, actions out, the ``Backend`` protocol, the
-  stop -> grace -> kill escalation both backends share); :mod:`.processes`: the worker
+* :mod:`.backend`: the backend seam (events in, actions out, the ``Backend`` protocol);
+  :mod:`.supervisor`: the one stop -> grace -> kill -> report supervisor both backends hand
+  their workers to (they supply its ``do_*`` mechanism); :mod:`.processes`: the worker
   processes a backend started or adopted after a restart;
 * :mod:`.run`: one job's coordinator around a backend (record, secret, channel, store).
 

@@ -320,38 +320,3 @@ def perform(backend: Backend, action: Action) -> None:
 
 def _nodes(devices: tuple[Device, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(d.node for d in devices))
-
-
-@dataclass
-class StopEscalation:
-    """One worker's stop -> grace -> kill (-> backstop), as deadlines: the same in every
-    backend, pure (the backend sends the signals).
-
-    :meth:`stop` asks for a graceful stop that must end by ``now + grace``; a later stop
-    with a longer grace never postpones an earlier deadline. :meth:`due` says what is owed
-    at ``now``: ``"kill"`` once the grace ran out, ``"backstop"`` once a kill was ignored
-    for the backstop the backend gave :meth:`killed` (Slurm: the step is cancelled)."""
-
-    kill_at: float | None = None
-    backstop_at: float | None = None
-
-    def stop(self, now: float, grace_s: float) -> bool:
-        """Whether to send the stop now (False: one with an earlier deadline is on)."""
-        kill_at = now + grace_s
-        if self.kill_at is not None and self.kill_at <= kill_at:
-            return False
-        self.kill_at = kill_at
-        return True
-
-    def killed(self, now: float, backstop_s: float | None = None) -> None:
-        """The kill was sent (the grace ran out, or the worker is killed at once)."""
-        self.kill_at = None
-        self.backstop_at = None if backstop_s is None else now + backstop_s
-
-    def due(self, now: float) -> Literal["kill", "backstop"] | None:
-        if self.kill_at is not None and now >= self.kill_at:
-            return "kill"
-        if self.backstop_at is not None and now >= self.backstop_at:
-            self.backstop_at = None
-            return "backstop"
-        return None

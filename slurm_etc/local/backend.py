@@ -6,7 +6,10 @@ per worker (``subprocess.Popen`` of the launch's argv, in a session of its own, 
 worker's environment); ``stop`` sends SIGTERM to the worker's process group and SIGKILL after
 the grace; a loss (a scripted failure, or a preemption deadline passing while the devices are
 still held) and a release of devices kill the workers on them, as Slurm would. Nothing blocks:
-signals are escalated and exits reaped in :meth:`LocalBackend.poll`.
+signals are escalated and exits reaped in :meth:`LocalBackend.poll`. The escalation and the
+reports are the :class:`~slurm_etc.coordinator.supervisor.WorkerSupervisor`'s, the same as the
+Slurm backend's; this backend is its mechanism (the ``do_*`` methods: signal, kill, poll one
+process group).
 
 How the coordinator's loop drives it (the loop stays in control; the backend never calls
 back)::
@@ -29,7 +32,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -44,12 +47,11 @@ from ..coordinator.backend import (
     Loss,
     ReleaseDevices,
     RequestNodes,
-    StopEscalation,
     StopWorkers,
-    WorkerExited,
     WorkerState,
 )
 from ..coordinator.processes import AdoptedProcess, PolledProcess, process_start
+from ..coordinator.supervisor import Supervised, WorkerSupervisor
 from ..protocol import env as envvars
 from .preload import ForkedProcess, Preloader, forkable
 from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
@@ -63,12 +65,14 @@ STOPPING_WAIT_S = 10.0
 
 
 @dataclass
-class _Worker:
-    state: WorkerState
+class _Process:
+    """The supervisor's handle on one local worker: its process and its log."""
+
     proc: subprocess.Popen[bytes] | AdoptedProcess | ForkedProcess
     log: IO[bytes] | None
-    escalation: StopEscalation = field(default_factory=StopEscalation)
-    reported: bool = False
+
+
+_Worker = Supervised[_Process]
 
 
 class LocalBackend:
@@ -92,7 +96,8 @@ class LocalBackend:
         self._preload = preload
         self._preloader: Preloader | None = None
         self._resources = ScriptedResources(script)
-        self._workers: dict[int, _Worker] = {}
+        # stop -> grace -> kill -> report; this backend's do_* hooks are the mechanism
+        self._workers: WorkerSupervisor[_Process] = WorkerSupervisor(self, name="[local]")
         self._events: list[BackendEvent] = []
         self._closed = False
         self._threads_said = False
@@ -154,9 +159,9 @@ class LocalBackend:
     def release(self, action: ReleaseDevices) -> None:
         released = self._resources.release(action.devices)
         for w in self._running_on(set(released)):
-            logger.warning("[local] vrank %d still runs on released device %s; killing it",
-                           w.state.vrank, w.state.device)
-            self._kill(w)
+            logger.warning("[local] vrank %d still runs on released device %s",
+                           w.vrank, w.state.device)
+            self._workers.kill(w, self._clock(), "released")
         if released:
             logger.info("[local] released %s%s", ",".join(str(d) for d in released),
                         f": {action.reason}" if action.reason else "")
@@ -168,12 +173,12 @@ class LocalBackend:
         # let it end first (its stop's grace runs out into SIGKILL meanwhile)
         wanted = {spec.device for spec in action.workers}
         vranks = {spec.vrank for spec in action.workers}
-        for w in list(self._workers.values()):
+        for w in self._workers.all():
             if not w.reported and w.state.stopping and (
                     w.state.device in wanted or w.state.vrank in vranks):
                 self._wait_end(w, STOPPING_WAIT_S)
         held = self._resources.held
-        busy = {w.state.device: w.state.vrank for w in self._workers.values()
+        busy = {w.state.device: w.state.vrank for w in self._workers.all()
                 if not w.reported}
         todo = []
         for spec in action.workers:
@@ -182,13 +187,13 @@ class LocalBackend:
                 if current.state.device != spec.device:
                     raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: it "
                                        f"already runs on {current.state.device} "
-                                       f"(pid {current.proc.pid})")
+                                       f"(pid {current.handle.proc.pid})")
                 if current.state.generation != action.generation:
                     # never taken for the new process: that one would never start
                     raise BackendError(f"launch of vrank {spec.vrank} (generation "
                                        f"{action.generation}) on {spec.device}: its process "
                                        f"of generation {current.state.generation} (pid "
-                                       f"{current.proc.pid}) still runs; stop it first")
+                                       f"{current.handle.proc.pid}) still runs; stop it first")
                 continue  # the same launch again (a retried action): a no-op
             if spec.device not in held:
                 raise BackendError(f"launch of vrank {spec.vrank} on {spec.device}: the job "
@@ -228,25 +233,15 @@ class LocalBackend:
                                        f"{action.argv[0]!r}: {e.strerror}") from None
             state = WorkerState(spec.vrank, action.generation, spec.device, proc.pid,
                                 start=process_start(proc.pid))
-            self._workers[spec.vrank] = _Worker(state, proc, log)
+            self._workers.add(state, _Process(proc, log))
             logger.info("[local] launched vrank %d (gen %d) on %s: pid %d", spec.vrank,
                         action.generation, spec.device, proc.pid)
 
     def stop(self, action: StopWorkers) -> None:
-        now = self._clock()
-        for vrank in action.vranks:
-            w = self._workers.get(vrank)
-            if w is None or w.reported or self._exit_code(w) is not None:
-                continue
-            if not w.escalation.stop(now, action.grace_s):
-                continue
-            w.state = replace(w.state, stopping=True)
-            self._signal(w, signal.SIGTERM)
-            logger.info("[local] stopping vrank %d (pid %d)%s", vrank, w.proc.pid,
-                        f": {action.reason}" if action.reason else "")
+        self._workers.stop(action.vranks, self._clock(), action.grace_s, action.reason)
 
     def workers(self) -> Mapping[int, WorkerState]:
-        return {v: w.state for v, w in sorted(self._workers.items())}
+        return self._workers.states()
 
     def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
         """Take up the worker processes an earlier coordinator of this job started (from
@@ -264,7 +259,7 @@ class LocalBackend:
             if w.start is None or w.device not in held or process_start(w.pid) != w.start:
                 continue
             state = replace(w, returncode=None, stopping=False)
-            self._workers[w.vrank] = _Worker(state, AdoptedProcess(w.pid, w.start), None)
+            self._workers.add(state, _Process(AdoptedProcess(w.pid, w.start), None))
             out.append(w.vrank)
             logger.info("[local] adopted vrank %d (gen %d) on %s: pid %d", w.vrank,
                         w.generation, w.device, w.pid)
@@ -275,25 +270,12 @@ class LocalBackend:
         if self._closed:
             return
         self._closed = True
-        live = [w for w in self._workers.values() if self._exit_code(w) is None]
-        for w in live:
-            self._signal(w, signal.SIGTERM)
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        while time.monotonic() < deadline and any(self._exit_code(w) is None for w in live):
-            time.sleep(0.02)
-        for w in live:
-            if self._exit_code(w) is None:
-                logger.warning("[local] vrank %d (pid %d) ignored SIGTERM; killing it",
-                               w.state.vrank, w.proc.pid)
-                self._signal(w, signal.SIGKILL)
-                try:
-                    w.proc.wait(CLOSE_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    logger.error("[local] vrank %d (pid %d) survived SIGKILL",
-                                 w.state.vrank, w.proc.pid)
-        for w in self._workers.values():
-            if w.log is not None and not w.log.closed:
-                w.log.close()
+        for w in self._workers.close(self._clock(), CLOSE_GRACE_S, linger_s=CLOSE_GRACE_S):
+            logger.error("[local] vrank %d (pid %d) survived SIGKILL", w.vrank,
+                         w.handle.proc.pid)
+        for w in self._workers.all():
+            if w.handle.log is not None and not w.handle.log.closed:
+                w.handle.log.close()
         if self._preloader is not None:
             self._preloader.close()
 
@@ -341,76 +323,71 @@ class LocalBackend:
 
     def _reap(self, now: float) -> None:
         """Report workers that ended; SIGKILL those whose stop grace ran out."""
-        for vrank, w in sorted(self._workers.items()):
-            if w.reported:
-                continue
-            code = self._exit_code(w)
-            if code is None:
-                if w.escalation.due(now) == "kill":
-                    logger.warning("[local] vrank %d (pid %d) ignored SIGTERM for its grace; "
-                                   "killing it", vrank, w.proc.pid)
-                    self._signal(w, signal.SIGKILL)
-                    w.escalation.killed(now)
-                continue
-            w.reported = True
-            w.state = replace(w.state, returncode=code)
-            if w.log is not None:
-                w.log.close()
-            logger.info("[local] vrank %d (gen %d, pid %d) exited with %d", vrank,
-                        w.state.generation, w.proc.pid, code)
-            self._events.append(WorkerExited(vrank, w.state.generation, w.state.device, code,
-                                             w.state.stopping))
+        self._events += self._workers.sweep(now)
 
     def _take_events(self) -> None:
         for event in self._resources.drain():
             if isinstance(event, Loss):
                 for w in self._running_on(set(event.devices)):
-                    logger.info("[local] %s lost (%s): killing vrank %d (pid %d)",
-                                w.state.device, event.cause, w.state.vrank, w.proc.pid)
-                    self._kill(w)
+                    self._workers.kill(w, self._clock(),
+                                       f"{w.state.device} lost ({event.cause})")
             self._events.append(event)
 
     def _running_on(self, devices: set[Device]) -> list[_Worker]:
-        return [w for _, w in sorted(self._workers.items())
-                if w.state.device in devices and not w.reported
-                and self._exit_code(w) is None]
+        return [w for w in self._workers.all()
+                if w.state.device in devices and self._workers.alive(w)]
 
-    def _kill(self, w: _Worker) -> None:
-        w.state = replace(w.state, stopping=True)
-        w.escalation.killed(self._clock())
-        self._signal(w, signal.SIGKILL)
-
-    @staticmethod
-    def _exit_code(w: _Worker) -> int | None:
+    # -- the supervisor's mechanism (slurm_etc.coordinator.supervisor) ----------------------
+    def do_exit_status(self, w: _Worker) -> int | None:
         """The worker's exit status once it ended (reaped here), None while it runs.
 
         Its process group is killed before the leader is reaped, so that children it left
         behind die with it while its pid cannot have been reused."""
-        if w.proc.returncode is not None:
-            return w.proc.returncode
-        if isinstance(w.proc, PolledProcess):
-            return w.proc.poll()
+        proc = w.handle.proc
+        if proc.returncode is not None:
+            return proc.returncode
+        if isinstance(proc, PolledProcess):
+            return proc.poll()
         try:
-            info = os.waitid(os.P_PID, w.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # reaped already
-            return w.proc.poll()
+            return proc.poll()
         if info is None:
             return None
         try:
-            os.killpg(w.proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        return w.proc.wait()
+        return proc.wait()
+
+    def do_stop(self, w: _Worker) -> None:
+        self._signal(w, signal.SIGTERM)
+
+    def do_kill(self, w: _Worker) -> None:
+        self._signal(w, signal.SIGKILL)
+
+    def do_backstop(self, w: _Worker) -> None:
+        """Never due (no backstop: a SIGKILL to the process group is final)."""
+
+    def do_ended(self, w: _Worker) -> None:
+        if w.handle.log is not None:
+            w.handle.log.close()
+        logger.info("[local] vrank %d (gen %d, pid %d) exited with %d", w.vrank,
+                    w.state.generation, w.handle.proc.pid, w.state.returncode)
+
+    def do_describe(self, w: _Worker) -> str:
+        return f"pid {w.handle.proc.pid}"
 
     @staticmethod
     def _signal(w: _Worker, sig: signal.Signals) -> None:
         """Signal the worker's process group (its session, started by us), while its leader
         has not been reaped (so the group id is still ours)."""
-        if w.proc.returncode is not None or (isinstance(w.proc, PolledProcess)
-                                             and w.proc.poll() is not None):
+        proc = w.handle.proc
+        if proc.returncode is not None or (isinstance(proc, PolledProcess)
+                                           and proc.poll() is not None):
             return
         try:
-            os.killpg(w.proc.pid, sig)
+            os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 

@@ -46,7 +46,9 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   the srun pid and start time from the record, the file read again, the FIFO opened again).
 - **stop** (:class:`StopWorkers`): ``stop <vrank>`` on the step's stdin (srun broadcasts it
   to its tasks; the wrapper signals its worker with the stop signal), ``kill <vrank>`` after
-  the grace, and ``scancel --signal=KILL <job>.<step>`` as the last resort.
+  the grace, and ``scancel --signal=KILL <job>.<step>`` as the last resort. When is the
+  :class:`~slurm_etc.coordinator.supervisor.WorkerSupervisor`'s, as for the local backend;
+  this backend supplies the mechanism (its ``do_*`` methods).
 - **release** (:class:`ReleaseDevices`): a whole member -> ``scancel``; whole nodes at the end
   of a member's node list -> ``scontrol update JobId=<member> NumNodes=<k>`` (Slurm keeps the
   first nodes); anything else stays allocated (idle) until the rest of that member is
@@ -66,7 +68,10 @@ timeout; a failed action raises :class:`BackendError` with one line; a failed qu
 
 ``poll`` queries Slurm at most every ``poll_interval_s`` (one squeue for the job's
 allocations, one sinfo for its nodes) and reads the notice directory and the steps' output
-on every call; it blocks only for a Slurm query (bounded by the client's timeout).
+on every call; it blocks only for a Slurm query (bounded by the client's timeout). What
+squeue and sinfo say is decided by the pure functions of :mod:`.observe`
+(:func:`~.observe.observe_allocation`, :func:`~.observe.observe_nodes`); this class carries
+their results out.
 """
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -96,19 +101,28 @@ from slurm_etc.coordinator.backend import (
     ReleaseDevices,
     RequestFailed,
     RequestNodes,
-    StopEscalation,
     StopWorkers,
-    WorkerExited,
     WorkerState,
 )
 from slurm_etc.coordinator.processes import AdoptedProcess, process_start
+from slurm_etc.coordinator.supervisor import Supervised, WorkerSupervisor
 from slurm_etc.protocol import env as envvars
 
 from ..lifecycle import AllocationState
 from . import commands, parsers
 from .client import CliSlurmClient, SlurmClient
 from .member import NOTICES
-from .model import BatchSpec, JobInfo, NodeState, SlurmError, SlurmJobState, StepSpec, check_signal
+from .model import BatchSpec, JobInfo, SlurmError, SlurmJobState, StepSpec, check_signal
+from .observe import (
+    AllocationView,
+    CancelAllocation,
+    KillWorkersOn,
+    Observation,
+    devices_of,
+    observe_allocation,
+    observe_nodes,
+    preempt_notice,
+)
 from .runner import SlurmRunner
 from .task import MARK, encode_payload
 
@@ -128,7 +142,6 @@ STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 EXIT_HOLD_S = 5.0
 # Under the run directory: each step's stdout file and stdin FIFO.
 STEP_FILES = "steps"
-LOST_NODE_STATES = (NodeState.DOWN, NodeState.FAIL, NodeState.DRAINED, NodeState.DRAINING)
 
 
 # --------------------------------------------------------------------------- pure builders
@@ -215,10 +228,6 @@ def worker_step_spec(*, allocation: str, node: str, tasks: Sequence[TaskSpec],
     )
 
 
-def devices_of(nodes: Iterable[str], gpus_per_node: int) -> tuple[Device, ...]:
-    return tuple(Device(n, i) for n in nodes for i in range(gpus_per_node))
-
-
 def clean_shrink(nodes: Sequence[str], released: set[str]) -> int | None:
     """The NumNodes that releases exactly ``released`` (Slurm keeps a shrinking job's first
     nodes), or None when ``released`` is not a tail of ``nodes`` (or is all of them)."""
@@ -233,12 +242,19 @@ def clean_shrink(nodes: Sequence[str], released: set[str]) -> int | None:
 
 @dataclass
 class _Alloc:
+    """One allocation as this backend keeps it; what Slurm says of it is observed by
+    :func:`~slurm_etc.slurm.observe.observe_allocation` on its :meth:`view`."""
+
     job_id: str
     key: str | None  # None: the anchor
     nodes: tuple[str, ...] = ()
     state: AllocationState = AllocationState.REQUESTED
     noticed: bool = False  # a PreemptNotice was sent for it (true still once it ended)
     released: set[Device] = field(default_factory=set)
+
+    def view(self, held: Mapping[Device, str]) -> AllocationView:
+        return AllocationView(self.job_id, self.key, self.state, self.nodes, self.noticed,
+                              tuple(d for d, j in held.items() if j == self.job_id))
 
     @property
     def anchor(self) -> bool:
@@ -266,13 +282,15 @@ class _Step:
 
 
 @dataclass
-class _Worker:
-    state: WorkerState
+class _Task:
+    """The supervisor's handle on one worker: its task in an srun step."""
+
     step: _Step
-    escalation: StopEscalation = field(default_factory=StopEscalation)
     hold_until: float | None = None  # an unexplained kill waits this long for its Loss
     code: int | None = None  # from the wrapper's exit line
-    reported: bool = False
+
+
+_Worker = Supervised[_Task]
 
 
 class SlurmBackend:
@@ -338,7 +356,10 @@ class SlurmBackend:
         self._allocs: dict[str, _Alloc] = {}
         self._held: dict[Device, str] = {}
         self._keys: dict[str, str] = {}  # request key -> member job id
-        self._workers: dict[int, _Worker] = {}
+        # stop -> grace -> kill -> backstop -> report; this backend's do_* hooks are the
+        # mechanism
+        self._workers: WorkerSupervisor[_Task] = WorkerSupervisor(
+            self, name="[slurm]", backstop_s=KILL_BACKSTOP_S)
         self._steps: list[_Step] = []
         self._events: list[BackendEvent] = []
         self._seen_notices: set[str] = set()
@@ -358,7 +379,7 @@ class SlurmBackend:
         self._anchor_partition = job.partition
         a = _Alloc(self.anchor_job, None)
         self._allocs[a.job_id] = a
-        self._grant(a, job.nodes)
+        self._observe(a, job)  # its Grant
         if recover:
             self._recover()
 
@@ -546,10 +567,10 @@ class SlurmBackend:
         while time.monotonic() < until and any(
                 not w.reported and w.state.stopping
                 and (w.state.device in wanted or w.state.vrank in vranks)
-                for w in self._workers.values()):
+                for w in self._workers.all()):
             time.sleep(0.05)
             self._read_steps(self._clock())
-        busy = {w.state.device: w.state.vrank for w in self._workers.values()
+        busy = {w.state.device: w.state.vrank for w in self._workers.all()
                 if not w.reported}
         groups: dict[tuple[str, str], list[TaskSpec]] = {}
         for spec in action.workers:
@@ -601,21 +622,10 @@ class SlurmBackend:
         return threads
 
     def stop(self, action: StopWorkers) -> None:
-        now = self._clock()
-        for vrank in action.vranks:
-            w = self._workers.get(vrank)
-            if w is None or w.reported or w.code is not None or w.step.done:
-                continue
-            if not w.escalation.stop(now, action.grace_s):
-                continue
-            w.state = replace(w.state, stopping=True)
-            self._tell(w.step, f"stop {vrank}")
-            logger.info("[slurm] stopping vrank %d (step %s.%s on %s)%s", vrank,
-                        w.step.allocation, w.step.step_id or "?", w.step.node,
-                        f": {action.reason}" if action.reason else "")
+        self._workers.stop(action.vranks, self._clock(), action.grace_s, action.reason)
 
     def workers(self) -> Mapping[int, WorkerState]:
-        return {v: w.state for v, w in sorted(self._workers.items())}
+        return self._workers.states()
 
     def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
         """Take up the workers an earlier coordinator of this job launched (from the record:
@@ -650,10 +660,10 @@ class SlurmBackend:
                          reader, inbox)
             self._steps.append(step)
             for w in ws:
-                self._workers[w.vrank] = _Worker(replace(w, returncode=None, stopping=False),
-                                                 step)
+                self._workers.add(replace(w, returncode=None, stopping=False), _Task(step))
             self._read_output(step)
-            live = [v for v in vranks if self._workers[v].code is None]
+            live = [v for v in vranks
+                    if (worker := self._workers.get(v)) is not None and worker.handle.code is None]
             out += live
             logger.info("[slurm] adopted vranks %s (gen %d) on %s in %s: srun pid %d%s",
                         ",".join(map(str, live)) or "-", generation, node, job_id, pid,
@@ -670,12 +680,11 @@ class SlurmBackend:
         self._closed = True
         # Pending members hold no worker: cancelled first, before the workers' grace.
         self._cancel_members(AllocationState.REQUESTED)
-        live = [v for v, w in self._workers.items() if not w.reported and not w.step.done]
-        if live:
-            self.stop(StopWorkers(tuple(live), grace_s=CLOSE_GRACE_S, reason="closing"))
         deadline = time.monotonic() + CLOSE_GRACE_S + KILL_BACKSTOP_S
+        self._workers.close(self._clock(), CLOSE_GRACE_S, KILL_BACKSTOP_S,
+                            refresh=self._read_step_outputs)
         while time.monotonic() < deadline and any(not s.done for s in self._steps):
-            self._read_steps(self._clock())
+            self._read_step_outputs()  # srun ends shortly after its last task
             time.sleep(0.05)
         for s in self._steps:
             if not s.done:
@@ -710,15 +719,6 @@ class SlurmBackend:
             return nodes[0].gpus
         raise BackendError(f"anchor job {job.job_id} holds no GPUs that Slurm reports "
                            "(submit it with --gres=gpu:N, or pass gpus_per_node)")
-
-    def _grant(self, a: _Alloc, nodes: Sequence[str]) -> None:
-        a.state, a.nodes = AllocationState.GRANTED, tuple(nodes)
-        devices = devices_of(nodes, self.gpus_per_node)
-        for d in devices:
-            self._held[d] = a.job_id
-        self._events.append(Grant(a.job_id, devices, a.key))
-        logger.info("[slurm] %s %s granted: %s", "anchor" if a.anchor else "member", a.job_id,
-                    ",".join(nodes))
 
     def _recover(self) -> None:
         """Members a previous coordinator of this anchor submitted (pending or running)."""
@@ -760,14 +760,7 @@ class SlurmBackend:
         self._last_error = None
         for a in live:
             self._observe(a, jobs.get(a.job_id))
-        for n in nodes:
-            if n.state in LOST_NODE_STATES or not n.responding:
-                lost = [d for d in self._held if d.node == n.name]
-                for job_id in dict.fromkeys(self._held[d] for d in lost):
-                    self._lose(self._allocs[job_id],
-                               [d for d in lost if self._held.get(d) == job_id], "failure",
-                               f"node {n.name} is {n.slurm_state}"
-                               + (f" ({n.reason})" if n.reason else ""))
+        self._carry_out(*observe_nodes(self._held, nodes))
         return True
 
     def _confirm_term_notices(self, waiting: dict[str, float]) -> None:
@@ -783,75 +776,61 @@ class SlurmBackend:
                 logger.info("[slurm] member %s: SIGTERM with its loss, not a notice", job_id)
 
     def _observe(self, a: _Alloc, job: JobInfo | None) -> None:
-        state = job.state if job is not None else None
-        if job is not None and job.slurm_state.upper().startswith("SIGNALING"):
-            # Transient, while Slurm delivers a signal (e.g. the preemption notice): the job
-            # still runs.
-            state = SlurmJobState.RUNNING
-        if a.state is AllocationState.REQUESTED:
-            if job is not None and state is SlurmJobState.RUNNING and job.nodes:
-                self._grant(a, job.nodes)
-                if job.preempt_time is not None:
-                    self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
-            elif job is None or state is None or state.finished or state in (
-                    SlurmJobState.REQUEUED, SlurmJobState.ENDING):
-                a.state = AllocationState.LOST
-                why = job.slurm_state if job else "gone"
-                logger.warning("[slurm] member %s of request %s ended before it started (%s)",
-                               a.job_id, a.key, why)
-                if a.key is not None:
-                    self._events.append(RequestFailed(a.key, a.job_id, why))
-            return
-        if state is not SlurmJobState.RUNNING or job is None:
-            if state in (SlurmJobState.NODE_FAIL, SlurmJobState.FAILED, SlurmJobState.TIMEOUT,
-                         SlurmJobState.COMPLETED):
-                preempted = False  # a SIGTERM notice before it was the failure's
-            else:
-                preempted = (a.noticed
-                             or state in (SlurmJobState.PREEMPTED, SlurmJobState.REQUEUED)
-                             or (job is not None and job.preempt_time is not None))
-            self._lose(a, [d for d, j in self._held.items() if j == a.job_id],
-                       "preempted" if preempted else "failure",
-                       f"job {a.job_id} is {job.slurm_state if job else 'gone'}")
-            a.state = AllocationState.LOST
-            if not a.anchor and state is SlurmJobState.PENDING:
-                # Requeued although submitted with --no-requeue (the site forces it).
-                try:
-                    self.client.cancel(a.job_id)
-                except SlurmError as e:
-                    logger.warning("[slurm] could not cancel requeued member %s: %s",
-                                   a.job_id, e)
-            return
-        if job.preempt_time is not None and a.state is AllocationState.GRANTED:
-            self._notice(a, job.preempt_time.timestamp(), "squeue PreemptTime")
-        missing = set(a.nodes) - set(job.nodes)
-        if missing:  # shrunk by someone else
-            self._lose(a, [d for d, j in self._held.items() if j == a.job_id
-                           and d.node in missing], "failure",
-                       f"job {a.job_id} no longer holds {','.join(sorted(missing))}")
-            a.nodes = tuple(n for n in a.nodes if n not in missing)
+        """What squeue says of ``a``'s job (None: unknown to Slurm), observed by the pure
+        :func:`~slurm_etc.slurm.observe.observe_allocation` and carried out here."""
+        # the member partition's GraceTime is asked (once) only where a notice can come
+        grace = (self.grace_s if job is not None and job.preempt_time is not None
+                 and not a.anchor else None)
+        self._apply(a, observe_allocation(a.view(self._held), job,
+                                          gpus_per_node=self.gpus_per_node, grace_s=grace,
+                                          notice_margin_s=self.notice_margin_s),
+                    "squeue PreemptTime")
 
     def _notice(self, a: _Alloc, since: float, source: str) -> None:
-        if a.state is not AllocationState.GRANTED or a.anchor:
-            return
-        a.state, a.noticed = AllocationState.PREEMPTING, True
-        devices = tuple(d for d, j in self._held.items() if j == a.job_id)
-        deadline = since + max(0.0, self.grace_s - self.notice_margin_s)
-        self._events.append(PreemptNotice(a.job_id, devices, deadline))
-        logger.info("[slurm] member %s will be preempted (%s): deadline in %.1f s", a.job_id,
-                    source, deadline - self._clock())
+        self._apply(a, preempt_notice(a.view(self._held), since, grace_s=self.grace_s,
+                                      notice_margin_s=self.notice_margin_s), source)
 
-    def _lose(self, a: _Alloc, devices: Sequence[Device], cause: str, why: str) -> None:
-        devices = tuple(d for d in devices if self._held.get(d) == a.job_id)
-        if not devices:
-            return
-        self._kill_on(set(devices), why)
-        for d in devices:
-            del self._held[d]
-        self._events.append(Loss(a.job_id, devices,
-                                 "preempted" if cause == "preempted" else "failure"))
-        logger.warning("[slurm] lost %s of %s (%s): %s", ",".join(map(str, devices)),
-                       a.job_id, cause, why)
+    def _apply(self, a: _Alloc, obs: Observation, source: str) -> None:
+        """An observation of ``a`` carried out: its new state, the kills and cancels, then
+        its events (``source``: what a notice came from, for the log)."""
+        new = obs.allocation
+        a.state, a.nodes, a.noticed = new.state, new.nodes, new.noticed
+        self._carry_out(obs.events, obs.actions, source)
+
+    def _carry_out(self, events: Sequence[BackendEvent],
+                   actions: Sequence[KillWorkersOn | CancelAllocation], source: str = "") -> None:
+        whys = {}
+        for action in actions:
+            match action:
+                case KillWorkersOn(allocation, devices, why):
+                    whys[allocation, devices] = why
+                    self._kill_on(set(devices), why)
+                case CancelAllocation(job_id, why):
+                    try:
+                        self.client.cancel(job_id)
+                    except SlurmError as e:
+                        logger.warning("[slurm] could not cancel member %s (%s): %s", job_id,
+                                       why, e)
+        for event in events:
+            match event:
+                case Grant(allocation, devices):
+                    for d in devices:
+                        self._held[d] = allocation
+                    logger.info("[slurm] %s %s granted: %s",
+                                "anchor" if allocation == self.anchor_job else "member",
+                                allocation, ",".join(event.nodes))
+                case Loss(allocation, devices, cause):
+                    for d in devices:
+                        del self._held[d]
+                    logger.warning("[slurm] lost %s of %s (%s): %s", ",".join(map(str, devices)),
+                                   allocation, cause, whys.get((allocation, devices), ""))
+                case PreemptNotice(allocation, _, deadline):
+                    logger.info("[slurm] member %s will be preempted (%s): deadline in %.1f s",
+                                allocation, source, deadline - self._clock())
+                case RequestFailed(key, allocation, reason):
+                    logger.warning("[slurm] member %s of request %s ended before it started "
+                                   "(%s)", allocation, key, reason)
+            self._events.append(event)
 
     def _read_notices(self) -> None:
         try:
@@ -940,12 +919,14 @@ class SlurmBackend:
         for t in tasks:
             state = WorkerState(t.vrank, action.generation, Device(node, t.local), proc.pid,
                                 start=start)
-            self._workers[t.vrank] = _Worker(state, step)
+            self._workers.add(state, _Task(step))
         logger.info("[slurm] launched vranks %s (gen %d) on %s in %s: srun pid %d",
                     ",".join(map(str, step.vranks)), action.generation, node, job_id,
                     proc.pid)
 
-    def _read_steps(self, now: float) -> None:
+    def _read_step_outputs(self) -> None:
+        """The wrappers' lines each step wrote since the last read; the steps whose srun
+        ended."""
         for step in self._steps:
             if step.done:
                 continue
@@ -953,45 +934,32 @@ class SlurmBackend:
             if step.proc.poll() is not None:
                 self._read_output(step)
                 self._finish_step(step)
-        unexpected = [w for w in self._workers.values() if not w.reported
-                      and not w.state.stopping and (w.code is not None or w.step.done)
-                      and w.code in (None, -signal.SIGTERM, -signal.SIGKILL)]
-        if any(w.hold_until is None for w in unexpected):
+
+    def _read_steps(self, now: float) -> None:
+        """Read the steps, then the supervisor's sweep: report the workers that ended (an
+        unexplained kill held back a while for its Loss), escalate the stops due."""
+        self._read_step_outputs()
+        unexpected = [w.handle for w in self._workers.all() if not w.reported
+                      and not w.state.stopping and self.do_exit_status(w) is not None
+                      and w.handle.code in (None, -signal.SIGTERM, -signal.SIGKILL)]
+        if any(t.hold_until is None for t in unexpected):
             # Killed by a signal nobody here sent: Slurm's (the end of a preemption grace, a
             # node lost...). Ask Slurm now, so that the Loss comes first and the exit counts
             # as stopped, as it would had the loss been seen first.
             self._next_query = time.monotonic() + self.poll_interval_s
             self._query()
-        held_back = {id(w) for w in unexpected}
-        for w in unexpected:
-            if w.hold_until is None:
-                w.hold_until = now + EXIT_HOLD_S
+        held_back = {id(t) for t in unexpected}
+        for t in unexpected:
+            if t.hold_until is None:
+                t.hold_until = now + EXIT_HOLD_S
             # Slurm may show the job RUNNING for a moment after its signal: look again soon.
             self._next_query = min(self._next_query, time.monotonic() + 0.5)
-        for vrank, w in sorted(self._workers.items()):
-            if w.reported:
-                continue
-            if w.code is not None or w.step.done:
-                if (id(w) in held_back and not w.state.stopping and w.hold_until is not None
-                        and now < w.hold_until):
-                    continue  # held back for the Loss that explains it
-                code = w.code if w.code is not None else -9
-                w.reported = True
-                w.state = replace(w.state, returncode=code)
-                logger.info("[slurm] vrank %d (gen %d) on %s exited with %d%s", vrank,
-                            w.state.generation, w.state.device, code,
-                            "" if w.code is not None else " (its step ended without a word)")
-                self._events.append(WorkerExited(vrank, w.state.generation, w.state.device,
-                                                 code, w.state.stopping))
-                continue
-            due = w.escalation.due(now)
-            if due == "kill":
-                logger.warning("[slurm] vrank %d ignored its stop for the grace; killing it",
-                               vrank)
-                self._tell(w.step, f"kill {vrank}")
-                w.escalation.killed(now, KILL_BACKSTOP_S)
-            elif due == "backstop":
-                self._cancel_step(w.step)
+
+        def hold(w: _Worker) -> bool:  # held back for the Loss that explains it
+            return (id(w.handle) in held_back and not w.state.stopping
+                    and w.handle.hold_until is not None and now < w.handle.hold_until)
+
+        self._events += self._workers.sweep(now, hold)
 
     def _read_output(self, step: _Step) -> None:
         if step.out.closed:
@@ -1010,12 +978,12 @@ class SlurmBackend:
                 continue
             w = self._workers.get(int(words[1])) if len(words) > 1 and words[1].isdigit() \
                 else None
-            if w is None or w.step is not step:
+            if w is None or w.handle.step is not step:
                 continue
             if words[0] == "start" and len(words) >= 4:
                 step.step_id = step.step_id or (words[3] if words[3] != "?" else None)
             elif words[0] == "exit" and len(words) >= 3:
-                w.code = int(words[2])
+                w.handle.code = int(words[2])
 
     def _finish_step(self, step: _Step) -> None:
         if step.done:
@@ -1059,15 +1027,36 @@ class SlurmBackend:
                            step.step_id, e)
 
     def _kill_on(self, devices: set[Device], why: str) -> None:
-        for vrank, w in sorted(self._workers.items()):
-            if w.reported or w.state.device not in devices:
-                continue
-            w.state = replace(w.state, stopping=True)  # its exit is the loss's
-            if w.step.done or w.code is not None:
-                continue
-            logger.info("[slurm] %s: killing vrank %d on %s", why, vrank, w.state.device)
-            w.escalation.killed(self._clock(), KILL_BACKSTOP_S)
-            self._tell(w.step, f"kill {vrank}")
+        """Kill the workers on ``devices``; an exit not reported yet is the loss's too."""
+        for w in self._workers.all():
+            if not w.reported and w.state.device in devices:
+                self._workers.kill(w, self._clock(), why)
+
+    # -- the supervisor's mechanism (slurm_etc.coordinator.supervisor) ----------------------
+    def do_exit_status(self, w: _Worker) -> int | None:
+        """The wrapper's exit line, else -9 once its step ended without a word (as read
+        by the last :meth:`_read_step_outputs`), else None."""
+        if w.handle.code is not None:
+            return w.handle.code
+        return -9 if w.handle.step.done else None
+
+    def do_stop(self, w: _Worker) -> None:
+        self._tell(w.handle.step, f"stop {w.vrank}")
+
+    def do_kill(self, w: _Worker) -> None:
+        self._tell(w.handle.step, f"kill {w.vrank}")
+
+    def do_backstop(self, w: _Worker) -> None:
+        self._cancel_step(w.handle.step)
+
+    def do_ended(self, w: _Worker) -> None:
+        logger.info("[slurm] vrank %d (gen %d) on %s exited with %d%s", w.vrank,
+                    w.state.generation, w.state.device, w.state.returncode,
+                    "" if w.handle.code is not None else " (its step ended without a word)")
+
+    def do_describe(self, w: _Worker) -> str:
+        step = w.handle.step
+        return f"step {step.allocation}.{step.step_id or '?'} on {step.node}"
 
     # -- Slurm calls ------------------------------------------------------------------
     @staticmethod

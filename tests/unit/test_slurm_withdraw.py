@@ -74,17 +74,15 @@ def test_retry_waits_for_a_stopping_worker_on_a_device_it_reuses(fake, backend, 
                         lambda action, job_id, node, tasks: started.append(
                             (node, [t.vrank for t in tasks])))
     step = SimpleNamespace(done=False, allocation=fake.anchor, node="n1", step_id="0")
-    joiner = slurm_backend._Worker(WorkerState(4, 1, Device("n1", 0), 1, stopping=True),
-                                   step=step)  # type: ignore[arg-type]
-    backend._workers[4] = joiner
+    joiner = backend._workers.add(WorkerState(4, 1, Device("n1", 0), 1, stopping=True),
+                                  slurm_backend._Task(step))  # type: ignore[arg-type]
     threading.Timer(0.5, lambda: setattr(joiner, "reported", True)).start()
     backend.launch(LaunchWorkers(2, (WorkerSpec(2, Device("n1", 0)),), ("true",)))
     assert started == [("n1", [2])]
     # one that does not end within the bound: the same one line as before, after the wait
     monkeypatch.setattr(slurm_backend, "STOPPING_WAIT_S", 0.3)
-    stuck = slurm_backend._Worker(WorkerState(5, 1, Device("n1", 1), 1, stopping=True),
-                                  step=step)  # type: ignore[arg-type]
-    backend._workers[5] = stuck
+    stuck = backend._workers.add(WorkerState(5, 1, Device("n1", 1), 1, stopping=True),
+                                 slurm_backend._Task(step))  # type: ignore[arg-type]
     t0 = time.monotonic()
     with pytest.raises(BackendError, match="launch of vrank 3 on n1:1: vrank 5 runs there"):
         backend.launch(LaunchWorkers(2, (WorkerSpec(3, Device("n1", 1)),), ("true",)))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from slurm_etc.coordinator.backend import StopEscalation
+from slurm_etc.coordinator.supervisor import StopEscalation
 
 pytestmark = pytest.mark.unit
 
