@@ -1,10 +1,11 @@
 """`slurm-etc verify`: migrate a real megatron-core training state and check it bit for bit.
 
 Spawns its own local processes (gloo on 127.0.0.1), builds the model under ``--from``
-(seeded, trained a few Adam steps), migrates it in place to ``--to`` with the executor, and
-checks the result through megatron-core's and torch's own interfaces, never through
-slurm-etc's shard adapter or planner: full tensors of the old and the new layout, megatron's
-own checkpoint resharding, Adam step, RNG, and the losses of three more training steps (see
+(seeded, trained a few Adam steps), migrates it in place to ``--to`` with the executor (the
+elastic trainer's path, for every layout: dp, tp, pp, ep, vpp), and checks the result
+through megatron-core's and torch's own interfaces, never through slurm-etc's shard adapter
+or planner: full tensors of the old and the new layout, megatron's own checkpoint
+resharding, Adam step, RNG, and the losses of three more training steps (see
 docs/verify.md). Exit codes: 0 verified, 1 a mismatch (what differs named on stderr), 2 bad
 input, 3 the run itself failed.
 """
@@ -193,11 +194,8 @@ def verify(ctx, model_spec, from_spec, to_spec, sequence, global_batch, distribu
 
     level = logging.getLogger().getEffectiveLevel()
     try:
-        if _needs_live_reshard(tr.old, tr.new):
-            report = _verify_live(tr, seed=seed, steps=steps, log_level=level)
-        else:
-            report = verify_transition(tr, seed=seed, steps=steps, corrupt=corrupt,
-                                       progress=progress_printer(), log_level=level)
+        report = verify_transition(tr, seed=seed, steps=steps, corrupt=corrupt,
+                                   progress=progress_printer(), log_level=level)
     except WorkerFailed as exc:
         logging.getLogger(__name__).info("worker failure: %s", exc)
         raise run_failed(exc) from None
@@ -233,27 +231,3 @@ def _verify_sequence(ctx, model_spec, text, distributed_optimizer, param_dtype, 
         click.echo(f"slurm-etc: verify: MISMATCH: {describe_sequence_failure(report)}",
                    err=True)
         ctx.exit(1)
-
-
-def _needs_live_reshard(old: ParallelConfig, new: ParallelConfig) -> bool:
-    """Layouts with ep, vpp or cp go through the live reshard (the executor's catalog has
-    dp/tp/pp only)."""
-    return any(getattr(c, d) > 1 for c in (old, new) for d in ("ep", "vpp", "cp"))
-
-
-def _verify_live(tr, *, seed: int, steps: int, log_level: int) -> dict:
-    """``verify_live_transition`` on a pool of its own; what it refuses is refused before
-    any process starts (ConfigError, exit 2)."""
-    from ..megatron.build import refuse_on_local_spec
-    from ..megatron.phases import PRELOAD
-    from ..megatron.reshard import refuse
-    from ..megatron.verify import LiveTransition, verify_live_transition
-    from ..pool.local import LocalWorkers
-
-    for config in (tr.old, tr.new):
-        refuse_on_local_spec(tr.model, config)
-    refuse(tr.model, tr.old, tr.new)
-    live = LiveTransition(tr.model, tr.old, tr.new)
-    with LocalWorkers(live.processes, preload=PRELOAD, log_level=log_level) as pool:
-        return verify_live_transition(live, workers=pool, seed=seed, steps=steps,
-                                      progress=progress_printer())

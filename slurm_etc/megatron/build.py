@@ -84,6 +84,7 @@ def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
         tensor_model_parallel_size=config.tp,
         pipeline_model_parallel_size=config.pp,
         virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
+        batch_p2p_comm=batch_p2p_comm(config),
         context_parallel_size=config.cp,
         expert_model_parallel_size=config.ep,
         sequence_parallel=False,
@@ -110,6 +111,22 @@ def transformer_config(model: ModelDesc, config: ParallelConfig) -> Any:
         qk_layernorm=model.qk_layernorm,
         **moe_settings(model),
     )
+
+
+def batch_p2p_comm(config: ParallelConfig) -> bool:
+    """megatron's ``TransformerConfig.batch_p2p_comm`` for ``config``: off with virtual
+    pipeline chunks.
+
+    The interleaved schedule's steady state sends an activation to the next stage and a
+    gradient to the previous one in one call; at pp = 2 both are the other rank. Batched
+    (``batch_isend_irecv``, megatron-core's default), rank 0 posts the gradient first and
+    rank 1 receives the activation first: on gloo the two same-shaped messages cross, and
+    every micro-batch after the first ``pp`` trains on a gradient as its activation (tiny,
+    dp=1,pp=2,vpp=2, 8 micro-batches: the losses of micro-batches 2-7 differ from pp=2's
+    by 1e-3, silently). Unbatched (``_p2p_ops``, Megatron-LM's default) sends the two
+    directions over two groups at pp = 2, and the losses equal pp=2's bit for bit.
+    """
+    return config.vpp == 1
 
 
 # Token dispatcher of MoE layers: megatron-core 0.16.1's "alltoall" dispatcher creates a

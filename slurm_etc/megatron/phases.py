@@ -153,10 +153,12 @@ def w_save(ctx: WorkerContext, directory: str, *, fsync: bool = True) -> dict | 
 
 
 def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
-              staging_bytes: int | None, world: bool = True) -> dict | None:
+              staging_bytes: int | None, world: bool = True, relabel: Any = None
+              ) -> dict | None:
     """Every worker of old ∪ new, before the pause: ``resize.prepare_resize`` (``world``:
     the new layout's groups, model and optimizer built now, the migration's destinations,
-    and the old state that stays on the process moved into them)."""
+    and the old state that stays on the process moved into them; ``relabel``: a planted
+    bug, see ``state.Relabel``)."""
     from slurm_etc.migrate.executor import MigrationOptions
 
     from . import cpu_compat
@@ -171,7 +173,8 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
     cpu_compat.install()
     prepared = prepare_resize(plan, ctx.index, ctx.store, tag=tag, options=options,
                               group_timeout_s=ctx.timeout_s, world=world,
-                              state=ctx.objects.get("state") if world else None)
+                              state=ctx.objects.get("state") if world else None,
+                              relabel=relabel)
     ctx.objects["prepared"] = prepared
     return {"seconds": prepared.seconds}
 

@@ -33,7 +33,7 @@ import torch
 from slurm_etc.plan.catalog import Catalog
 
 from .build import TrainingState
-from .state import _slots, _Target
+from .state import Relabel, _slots, _Target
 
 
 @dataclass
@@ -102,7 +102,8 @@ def _region(target: _Target, slots: list[Any], old_index: dict, kept_of: dict[in
 
 
 def place_staying_state(state: TrainingState, catalog: Catalog, program: Any,
-                        views: Sequence[torch.Tensor | None]) -> Placed:
+                        views: Sequence[torch.Tensor | None], *,
+                        relabel: Relabel | None = None) -> Placed:
     """Move this process's old tensors that stay here, whole, into the new layout's memory
     (see module docstring): copy each one's current value into its region of the new
     tensors and make that region its memory.
@@ -116,6 +117,8 @@ def place_staying_state(state: TrainingState, catalog: Catalog, program: Any,
             ends up in (the executor's destination; for a kept shard the view it is copied
             into at install), or None where the old memory must not go (none, a throwaway
             second name, a shard adopted whole).
+        relabel: the rewrite of the state's pieces the resize reads its shards through
+            (:func:`.state.local_shards`; a planted bug, None in real runs).
     """
     old_index = {sp.key: i for i, sp in enumerate(program.old_specs)}
     kept_of = {i: j for j, i in program.kept.items()}
@@ -123,7 +126,7 @@ def place_staying_state(state: TrainingState, catalog: Catalog, program: Any,
     for pc in program.local_pieces():
         pieces.setdefault(pc[0], []).append(pc)
     per_target: dict[int, list[Any]] = {}
-    for sl in _slots(state, catalog):
+    for sl in _slots(state, catalog, relabel=relabel):
         if not sl.alias:
             per_target.setdefault(id(sl.target), []).append(sl)
     placed = Placed()

@@ -36,6 +36,7 @@ from .build import TrainingState
 from .placement import Placed, give_back, place_staying_state
 from .state import (
     Destinations,
+    Relabel,
     ResumeState,
     build_empty_state,
     exchange_resume_state,
@@ -73,6 +74,8 @@ class PreparedResize:
             (:class:`.state.Destinations`).
         placed: the old tensors that now live in the prepared world's memory
             (:mod:`.placement`; given back if the resize aborts).
+        relabel: rewrites the old state's pieces before its shards are cut from them, in
+            the placement and in the pause alike (a planted bug; None in real runs).
     """
 
     plan: MigrationPlan
@@ -90,12 +93,14 @@ class PreparedResize:
     receive: Destinations | None = None
     staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     placed: Placed | None = None
+    relabel: Relabel | None = None
 
 
 def prepare_resize(plan: MigrationPlan, device: int, store: Any, *, tag: str, options: Any = None,
                    group_timeout_s: float = 300.0, prefault: bool = True, world: bool = False,
                    build_new: Callable[[ParallelConfig], TrainingState] | None = None,
-                   state: TrainingState | None = None) -> PreparedResize:
+                   state: TrainingState | None = None,
+                   relabel: Relabel | None = None) -> PreparedResize:
     """What an in-place resize can do while the old layout still trains (collective over
     ``plan.participants``: old ∪ new minus lost devices): connect the migration group from
     ``store`` (keys under ``tag``; the training groups stay untouched), compile this
@@ -127,10 +132,14 @@ def prepare_resize(plan: MigrationPlan, device: int, store: Any, *, tag: str, op
             (:func:`.placement.place_staying_state`; the old layout may train on, in that
             memory), so the pause copies none of it. Without it nothing of the training
             state is read here.
+        relabel: rewrites the old state's pieces (what this process tells the plan it
+            holds) before its shards are cut from them, here and in the pause: where tests
+            plant bugs (:mod:`slurm_etc.testing.plants`); None in real runs.
     """
     if build_new is not None and world and device not in plan.new.devices:
         raise ValueError("build_new given to a process outside the new layout")
     prepared = _connect(plan, device, store, tag, options, group_timeout_s, prefault)
+    prepared.relabel = relabel
     if world and device in plan.new.devices:
         prepare_new_world(prepared, build_new=build_new, state=state, prefault=prefault)
     else:
@@ -276,18 +285,19 @@ def finish_new_world(prepared: PreparedResize, *, build_new: Callable[[ParallelC
     prepared.destinations = receive.tensors
     if state is not None and program.old_rank is not None:
         t = time.perf_counter()
-        prepared.placed = _place(state, plan, program, receive, new_world, prepared.group)
+        prepared.placed = _place(state, plan, program, receive, new_world, prepared.group,
+                                 prepared.relabel)
         seconds["place"] = time.perf_counter() - t
 
 
 def _place(state: TrainingState, plan: MigrationPlan, program: Any, receive: Destinations,
-           new_world: Any, group: Any) -> Placed:
+           new_world: Any, group: Any, relabel: Relabel | None) -> Placed:
     """The old state that stays here, moved into the prepared world (all of it given back,
     the world and the group dropped, if that fails)."""
     views = [None if j in receive.alias else (t if t is not None else receive.copy.get(j))
              for j, t in enumerate(receive.tensors)]
     try:
-        return place_staying_state(state, plan.catalog, program, views)
+        return place_staying_state(state, plan.catalog, program, views, relabel=relabel)
     except BaseException:
         new_world.drop()
         group.destroy()
@@ -396,7 +406,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         if held is not None:
             old_shards, resume = list(held[0]), held[1]
         else:
-            old_shards = local_shards(state, catalog) if state is not None else []
+            old_shards = (local_shards(state, catalog, relabel=prepared.relabel)
+                          if state is not None else [])
             resume = resume_state(state) if state is not None else None
         transport = prepared.group.transport()
         new_resume = exchange_resume_state(plan, transport, device, resume)

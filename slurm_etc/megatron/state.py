@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,12 @@ class _ParamIndex:
                     raise StateError(f"{key}: parameter is not contiguous")
                 return p, off
         raise StateError(f"{key}: sharded tensor data is not part of any model parameter")
+
+
+# A rewrite of a live state's pieces before the shards are cut from them (what this process
+# tells the plan it holds): where tests plant bugs (:mod:`slurm_etc.testing.plants`); None in
+# real runs.
+Relabel = Callable[[TrainingState, list[ParamPiece]], list[ParamPiece]]
 
 
 def param_pieces(state: TrainingState) -> list[ParamPiece]:
@@ -326,8 +332,10 @@ class _Slot:
     alias: bool
 
 
-def _slots(state: TrainingState, catalog: Catalog, model_only: bool = False) -> list[_Slot]:
-    """Where every shard of this rank lives (``model_only``: leave the optimizer out)."""
+def _slots(state: TrainingState, catalog: Catalog, model_only: bool = False,
+           relabel: Relabel | None = None) -> list[_Slot]:
+    """Where every shard of this rank lives (``model_only``: leave the optimizer out;
+    ``relabel``: rewrites the pieces first, a planted bug)."""
     if catalog.distributed_optimizer != state.config.distributed_optimizer:
         raise StateError("the catalog and the training state disagree on the distributed "
                          "optimizer")
@@ -342,7 +350,8 @@ def _slots(state: TrainingState, catalog: Catalog, model_only: bool = False) -> 
         return targets[ident]
 
     slots: list[_Slot] = []
-    for pc in param_pieces(state):
+    pieces = param_pieces(state)
+    for pc in (pieces if relabel is None else relabel(state, pieces)):
         if pc.key not in states:
             raise StateError(f"model tensor {pc.key!r} is not in the catalog of "
                              f"{catalog.model.name}")
@@ -374,16 +383,17 @@ def _slots(state: TrainingState, catalog: Catalog, model_only: bool = False) -> 
     return slots
 
 
-def local_shards(state: TrainingState, catalog: Catalog, *,
-                 model_only: bool = False) -> list[LocalShard]:
+def local_shards(state: TrainingState, catalog: Catalog, *, model_only: bool = False,
+                 relabel: Relabel | None = None) -> list[LocalShard]:
     """This rank's shards of every catalog tensor, as views of the live state (no copies);
-    ``model_only``: the parameters alone.
+    ``model_only``: the parameters alone; ``relabel``: rewrites the state's pieces before
+    the shards are cut from them (tests plant bugs there; None in real runs).
 
     Raises:
         StateError: the state has a tensor the catalog does not know, or lacks Adam state.
     """
     out = []
-    for sl in _slots(state, catalog, model_only=model_only):
+    for sl in _slots(state, catalog, model_only=model_only, relabel=relabel):
         out.append(LocalShard(sl.key[0], sl.key[1], sl.key[2], sl.key[3],
                               sl.target.flat(sl.key)[sl.a:sl.b]))
     return out

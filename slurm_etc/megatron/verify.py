@@ -10,12 +10,9 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
-from slurm_etc.plan.model import ModelDesc
 from slurm_etc.pool.local import LocalWorkers
 
 from .checkpoint import megatron_reshards_optimizer
@@ -43,6 +40,9 @@ from .reference import (
     w_train_steps,
 )
 
+if TYPE_CHECKING:
+    from .state import Relabel
+
 logger = logging.getLogger(__name__)
 
 ORACLE_GATHER = "megatron-gather"
@@ -58,8 +58,9 @@ LOSS_RTOL = {"fp32": 1e-6, "bf16": 1e-4}
 
 def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
                       seed: int = 1234, steps: int = 2, after_steps: int = AFTER_STEPS,
-                      corrupt: bool = False, progress: Progress = _no_progress,
-                      workdir: str | None = None, log_level: int = logging.WARNING) -> dict:
+                      corrupt: bool = False, relabel: Relabel | None = None,
+                      progress: Progress = _no_progress, workdir: str | None = None,
+                      log_level: int = logging.WARNING) -> dict:
     """Migrate a real trained megatron-core state in place and check it against references.
 
     Builds ``tr.model`` under ``tr.old`` (seeded, ``steps`` Adam steps; every rank's CPU
@@ -83,7 +84,13 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
       the optimizer, of the old layout rebuilt and trained on (within ``LOSS_RTOL``).
 
     ``corrupt`` flips one bit in the copy of new rank 0's state the comparison reads: a
-    self-test of the comparator, not of the migration.
+    self-test of the comparator, not of the migration. ``relabel`` (a
+    :data:`.state.Relabel`, e.g. from :mod:`slurm_etc.testing.plants`) plants a bug in the
+    migration itself: every old rank reads its shards through it.
+
+    Every layout the executor's catalog describes goes this way: dp, tp, pp, the experts of
+    a mixture of experts over ep, virtual pipeline chunks (vpp), joiners and leavers, the
+    distributed optimizer, bf16 mixed precision.
 
     Returns the report ``slurm-etc verify --json`` prints.
     """
@@ -114,7 +121,7 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
         progress("saving megatron's checkpoint of the old layout (the reference)")
         pool.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
         progress(f"migrating in place to {tr.new} ({plan.moved_bytes / 2**20:.1f} MiB move)")
-        pool.run(w_prepare, tr, tag=f"{tag}/resize", staging_bytes=None)
+        pool.run(w_prepare, tr, tag=f"{tag}/resize", staging_bytes=None, relabel=relabel)
         pool.run(w_resize, keep_bits=False)
         by_device = pool.run(w_megatron_view)
         new_views = [by_device[d] for d in plan.new.devices]
@@ -247,85 +254,3 @@ def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views,
         "loss_after": loss,
         "seconds": seconds,
     }
-
-
-# -- the live reshard (ep / vpp layouts, :mod:`.reshard`) -----------------------------------
-
-@dataclass(frozen=True)
-class LiveTransition:
-    """A transition the live reshard makes: same processes, other ep / vpp / dp / tp / pp."""
-
-    model: ModelDesc
-    old: ParallelConfig
-    new: ParallelConfig
-
-    @property
-    def processes(self) -> int:
-        return self.old.world
-
-    def __str__(self) -> str:
-        return f"{self.model.name}: {self.old} -> {self.new}"
-
-
-@dataclass(frozen=True)
-class _Moved:
-    moved_bytes: int
-
-
-def verify_live_transition(tr: LiveTransition, *, workers: LocalWorkers, seed: int = 1234,
-                           steps: int = 2, after_steps: int = AFTER_STEPS,
-                           relabel: Any = None, progress: Progress = _no_progress,
-                           workdir: str | None = None) -> dict:
-    """:func:`verify_transition` for the live reshard (:func:`.reshard.reshard_live`).
-
-    Same references, none sharing code with the reshard: ``megatron-gather`` (every full
-    tensor of the new layout equals the old layout's, read through megatron-core and torch),
-    ``megatron-checkpoint`` (every shard of every new rank equals what megatron's own
-    ``dist_checkpointing`` loads into a state built for the new layout: model and Adam
-    moments), the Adam step, each rank's generator (source from megatron's coordinates), and
-    ``after_steps`` more steps bit-equal to the checkpoint-loaded state's (a MoE optimizer too
-    across ep = 1 <-> ep > 1: :func:`.checkpoint._regroup_optimizer`). ``relabel``: a
-    planted bug (see :data:`.reshard.Relabel`).
-
-    Raises:
-        ConfigError: the pool is too small, or the live reshard refuses the transition.
-    """
-    from .reshard import refuse, w_reshard
-
-    refuse(tr.model, tr.old, tr.new)  # the distributed optimizer among what it refuses
-    if workers.size != tr.processes:
-        raise ConfigError(f"{tr} needs a pool of {tr.processes} processes, not {workers.size}")
-    tag = f"verify-live-{os.getpid()}-{time.monotonic_ns()}"
-    seq = min(tr.model.seq_length, 64)
-    train = dict(seed=seed, seq=seq, global_batch=batch_for(tr.old, tr.new))
-    tmp = tempfile.mkdtemp(prefix="slurm-etc-verify-", dir=workdir)
-    losses: dict[str, list[float]] = {}
-    t_start = time.perf_counter()
-    try:
-        progress(f"building {tr.model.name} under {tr.old} and training {steps} step(s)")
-        workers.run(w_build, tr.model, tr.old, tag=tag, steps=steps, **train)
-        workers.run(w_seed_rng, seed)
-        old_views = workers.run(w_megatron_view)
-        progress("saving megatron's checkpoint of the old layout (the reference)")
-        workers.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
-        progress(f"resharding live to {tr.new}")
-        stats = workers.run(w_reshard, tr.new, relabel=relabel)
-        new_views = workers.run(w_megatron_view)
-        progress("loading the checkpoint into a state built for the new layout")
-        workers.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"), optimizer=True)
-        loaded_views = workers.run(w_megatron_view, "loaded")
-        if after_steps:
-            losses["migrated"] = _first(workers.run(w_train_steps, "state", first_step=steps,
-                                                    count=after_steps, **train))
-            losses["checkpoint"] = _first(workers.run(
-                w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
-    finally:
-        workers.run(w_drop)
-        shutil.rmtree(tmp, ignore_errors=True)
-    seconds = time.perf_counter() - t_start
-    moved = 4 * sum(s["sent_elements"] for s in stats if s is not None)
-    report = _report(tr, _Moved(moved), steps, True, old_views, new_views,
-                     loaded_views, losses, seconds)
-    report["path"] = "live-reshard"
-    report["reshard"] = stats
-    return report

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from slurm_etc.lifecycle import ProcessOutcome
 from slurm_etc.megatron.build import (
     TrainingState,
+    batch_p2p_comm,
     initialize_parallel_state,
     mean_loss,
     skip_tied_embedding_sync,
@@ -222,7 +223,9 @@ class ElasticTrainer:
         dataset_provider: ``() -> dataset``; ``dataset[i]`` is sample ``i`` (a tensor or a
             dict of tensors), the same on every rank.
         transformer_config: megatron ``TransformerConfig`` template (tp, pp, ep, vpp and the
-            interleaved schedule's ``microbatch_group_size_per_vp_stage`` are replaced).
+            interleaved schedule's ``microbatch_group_size_per_vp_stage`` are replaced;
+            ``batch_p2p_comm`` is off with vpp > 1:
+            :func:`slurm_etc.megatron.build.batch_p2p_comm`).
         optimizer_config: megatron ``OptimizerConfig`` (``use_distributed_optimizer`` is
             taken from the layout).
         scheduler: LR and weight-decay schedule.
@@ -1452,7 +1455,9 @@ class ElasticTrainer:
             self.tf_template, tensor_model_parallel_size=config.tp,
             pipeline_model_parallel_size=config.pp, expert_model_parallel_size=config.ep,
             virtual_pipeline_model_parallel_size=config.vpp if config.vpp > 1 else None,
-            microbatch_group_size_per_vp_stage=config.pp)
+            microbatch_group_size_per_vp_stage=config.pp,
+            # batched p2p crosses the interleaved schedule's messages at pp = 2 on gloo
+            batch_p2p_comm=batch_p2p_comm(config) and self.tf_template.batch_p2p_comm)
         if empty:
             tf = dataclasses.replace(tf, perform_initialization=False)
         with skip_tied_embedding_sync(empty):

@@ -91,6 +91,9 @@ def test_losses_and_state_equal_checkpoint_restart(pool, model, text, dist_opt):
 NO_RESIZE_CASES = [
     (PRESETS["tiny"], "dp=2,tp=2,pp=1 -> dp=2,tp=1,pp=2 -> dp=4,tp=1,pp=1"),
     (PRESETS["tiny-llama"], "dp=4,tp=1,pp=1 -> dp=1,tp=2,pp=2"),
+    # through the interleaved schedule at pp = 2: its losses equal pp = 2's only with
+    # megatron's unbatched p2p (build.batch_p2p_comm; batched, 1e-3 apart)
+    (PRESETS["tiny"], "dp=2,tp=1,pp=2 -> dp=2,tp=1,pp=2,vpp=2 -> dp=4,tp=1,pp=1"),
 ]
 
 
