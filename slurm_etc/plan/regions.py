@@ -252,8 +252,8 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int, chunk:
     layers = chunk_layers(model.num_layers, config.pp, config.vpp, p, chunk)
     held: list[tuple[tuple[int, ...], int, int]] = []
     for gi, g in enumerate(catalog.groups):
-        if (not g.dist or g.expert != expert or not holds_group(g, p, config.pp, chunk,
-                                                                 config.vpp)
+        if (not g.dist or _in_expert_buffer(g, config) != expert
+                or not holds_group(g, p, config.pp, chunk, config.vpp)
                 or _alias_of(catalog, g, config)):
             continue
         if g.expert:
@@ -294,6 +294,14 @@ def dist_buffer(catalog: Catalog, config: ParallelConfig, t: int, p: int, chunk:
     if in_bucket:
         close(offset)
     return entries, buckets
+
+
+def _in_expert_buffer(g: TensorGroup, config: ParallelConfig) -> bool:
+    """Whether a parameter lives in the expert-parallel buffer: megatron's experts mark
+    their parameters ``allreduce = not expert_parallel`` (``expert_model_parallel_size >
+    1``), so at ep = 1 they are ordinary parameters of the dense buffer, in registration
+    order with the rest, and there is no expert buffer (nor a second optimizer)."""
+    return g.expert and config.ep > 1
 
 
 def _alias_of(catalog: Catalog, g: TensorGroup, config: ParallelConfig) -> int | None:
@@ -380,7 +388,7 @@ def region_table(catalog: Catalog, config: ParallelConfig) -> RegionTable:
                                   -1, cls)
             if catalog.distributed_optimizer:
                 _add_dist_rows(b, catalog, config, p, chunk, expert=False)
-                if model.moe:
+                if model.moe and ep > 1:
                     _add_dist_rows(b, catalog, config, p, chunk, expert=True)
     return b.table(config)
 
@@ -483,6 +491,8 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
         else:
             # the dense buffer is cut over dp x cp ranks m: class ep rank m % ep, replica
             # m // ep
+            # (at ep = 1 the experts are here too: their rows' layer is the model layer)
             off = t * shift[k]
-            b.add_columns(group[k], layers[k], lo0[k] + off, hi0[k] + off, a, z, m // ep,
+            lay = np.where(layers[k] >= 0, layers[k] // n_experts[k], -1)
+            b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m // ep,
                           t + tp * (m % ep + ep * p))

@@ -298,12 +298,6 @@ def reference_of(seq: ResizeSequence) -> str:
     if all(megatron_reshards_optimizer(a, b)
            for a, b in zip(seq.configs, seq.configs[1:], strict=False)):
         return CHECKPOINT_REFERENCE
-    if seq.model.moe:
-        raise ConfigError(f"{seq.model.name}: megatron-core cannot reshard this distributed "
-                          "optimizer on CPU, and a mixture of experts routes differently in "
-                          "another layout (losses differ about 1e-4), so the no-resize "
-                          "reference cannot judge it either; with --distributed-optimizer "
-                          "change only dp here")
     return NO_RESIZE_REFERENCE
 
 

@@ -41,6 +41,8 @@ CASES = [
      False),
     # the distributed optimizer's expert buffers (dp alone changes: megatron's reference)
     (PRESETS["tiny-moe"], "dp=2,tp=1,pp=1,ep=2 -> dp=4,tp=1,pp=1,ep=2", True),
+    # at ep = 1 the experts are in the dense buffer (one optimizer)
+    (PRESETS["tiny-moe"], "dp=2,tp=1,pp=1 -> dp=4,tp=1,pp=1", True),
     # virtual pipeline chunks (one layer each): a tp change under vpp = 2, then vpp = 2 -> 1
     (PRESETS["tiny"], "dp=2,tp=1,pp=2,vpp=2 -> dp=1,tp=2,pp=2,vpp=2 -> dp=4,tp=1,pp=1",
      False),
@@ -94,6 +96,9 @@ NO_RESIZE_CASES = [
     # through the interleaved schedule at pp = 2: its losses equal pp = 2's only with
     # megatron's unbatched p2p (build.batch_p2p_comm; batched, 1e-3 apart)
     (PRESETS["tiny"], "dp=2,tp=1,pp=2 -> dp=2,tp=1,pp=2,vpp=2 -> dp=4,tp=1,pp=1"),
+    # experts: ep 2 -> 1 (at ep = 1 megatron keeps them in the dense buffer, one optimizer)
+    # and back, with a pipeline in between
+    (PRESETS["tiny-moe"], "dp=2,tp=1,pp=1,ep=2 -> dp=2,tp=1,pp=2 -> dp=4,tp=1,pp=1,ep=4"),
 ]
 
 

@@ -27,8 +27,6 @@ def never_runs(monkeypatch):
     (["--sequence", "dp=1,pp=2 -> dp=1,pp=2,vpp=2", "--global-batch", "3"],
      "multiple of pp"),
     (["--sequence", "dp=8 -> dp=16"], "more than --max-processes (8)"),
-    (["--model", "tiny-moe", "--sequence", "dp=2,ep=2 -> dp=2,pp=2",
-      "--distributed-optimizer"], "routes differently in another layout"),
 ])
 def test_bad_sequences_exit_2_with_one_line(never_runs, args, message):
     model = [] if "--model" in args else ["--model", "tiny"]
