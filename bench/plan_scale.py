@@ -1,7 +1,9 @@
 """Planning time, peak memory and plan quality from 1,024 to 131,072 GPUs.
 
-Each case runs in a fresh process, so its peak RSS (``ru_maxrss``, interpreter and imports
-included) is its own. Time is the whole ``plan_migration`` call, the plan's validation
+Each case runs in a fresh process, so its peak RSS (``VmHWM`` of /proc/self/status, reset as
+the process starts: ``ru_maxrss`` keeps the high-water mark of the process that forked it,
+a gigabyte when a long test run starts the case; interpreter and imports included) is its
+own. Time is the whole ``plan_migration`` call, the plan's validation
 included: wall seconds, and the CPU seconds the process used (what to compare on a shared
 machine; run with ``OMP_NUM_THREADS=1`` so the two measure the same single thread).
 Series: dp shrinks by 1/8 (the last dp replicas of every stage are released), dp grows
@@ -27,6 +29,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -114,8 +117,29 @@ def run_case(model: str, old: object, new: object, dist: bool) -> dict:
     s = plan.summary()
     s["wall_seconds"] = wall
     s["cpu_seconds"] = cpu  # what the planner used of the CPU: robust on a shared machine
-    s["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    s["peak_rss_mib"] = peak_rss_mib()
     return s
+
+
+def reset_peak_rss() -> None:
+    """Forget the peak RSS this process inherited from the one that forked it (Linux keeps
+    it across fork and exec): writing 5 to clear_refs resets VmHWM to the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS since :func:`reset_peak_rss` (ru_maxrss where /proc is not
+    readable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def cases(max_gpus: int, min_gpus: int = 0, series: str = ""
@@ -174,6 +198,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--case":
+        reset_peak_rss()
         model, old, new, dist = json.loads(sys.argv[2])
         print(json.dumps(run_case(model, tuple(old), tuple(new), dist)))
         return

@@ -98,28 +98,38 @@ def _widest(steps: list[Step]) -> dict[int, tuple[int, Step, Step]]:
 
 
 def training_gaps(steps: list[Step], *, from_start: bool = False) -> dict[int, float]:
-    """The training gap of every resize (keyed by the new generation), from the per-step
-    times. ``from_start``: measure from the last old step's start instead of its end (a
-    planted error, for the check's own test)."""
-    by = defaultdict(list)
-    for s in steps:
-        by[(s.generation, s.vrank)].append(s)
+    """The training gap of every resize (keyed by the new generation, from the one before
+    it), from the per-step times. ``from_start``: measure from the last old step's start
+    instead of its end (a planted error, for the check's own test)."""
     gaps: dict[int, float] = {}
     for g in sorted({s.generation for s in steps}):
         if g == min(s.generation for s in steps):
             continue
-        old = {v: max(xs, key=lambda s: s.ended) for (gg, v), xs in by.items() if gg == g - 1}
-        new = {v: min(xs, key=lambda s: s.started) for (gg, v), xs in by.items() if gg == g}
-        if not old or not new:
-            continue
-        publisher = old[min(old)]
-        worst = 0.0
-        for v, first in new.items():
-            last = old.get(v, publisher)
-            begin = last.started if from_start else last.ended
-            worst = max(worst, first.started - begin)
-        gaps[g] = worst
+        gap = gap_between(steps, g - 1, g, from_start=from_start)
+        if gap is not None:
+            gaps[g] = gap
     return gaps
+
+
+def gap_between(steps: list[Step], old_gen: int, new_gen: int, *,
+                from_start: bool = False) -> float | None:
+    """The training gap of the resize from generation ``old_gen`` to ``new_gen`` (not
+    always the one before: an aborted resize's generation trains nothing), or None where
+    either side has no step: over the new layout's processes, its first new step's start
+    less its last old step's end (a joiner's: the old layout's lowest vrank's)."""
+    last: dict[int, Step] = {}
+    first: dict[int, Step] = {}
+    for s in steps:
+        if s.generation == old_gen and (s.vrank not in last or s.ended > last[s.vrank].ended):
+            last[s.vrank] = s
+        if s.generation == new_gen and (s.vrank not in first
+                                        or s.started < first[s.vrank].started):
+            first[s.vrank] = s
+    if not last or not first:
+        return None
+    publisher = last[min(last)]
+    return max(f.started - (old.started if from_start else old.ended)
+               for v, f in first.items() for old in [last.get(v, publisher)])
 
 
 def preparation_stalls(steps: list[Step], windows: dict[int, tuple[float, float]]
@@ -165,10 +175,12 @@ def against_record(log_dir: Path, migrations: list[dict]) -> tuple[list[dict], l
     ``within`` says whether the gap's part after any step in flight is at most the data
     phase + 0.15 s (the zero-stall target; printed, not asserted: a figure of this machine)."""
     steps = steps_from_logs(log_dir)
-    gaps = training_gaps(steps)
     cut = interrupted_steps(log_dir, steps)
     committed = [m for m in migrations if m["outcome"] == "committed"]
     recorded = {m["to_generation"]: m["pause_seconds"] for m in committed}
+    gaps = {m["to_generation"]: gap for m in committed
+            if (gap := gap_between(steps, m["from_generation"], m["to_generation"]))
+            is not None}
     rows = []
     for m in committed:
         g = m["to_generation"]

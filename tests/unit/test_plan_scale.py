@@ -127,6 +127,22 @@ def test_65k_gpus_plan_in_bounded_memory_and_time():
     assert s["moved_bytes"] == s["lower_bound_moved_bytes"]
 
 
+def test_a_cases_peak_memory_is_its_own_not_its_parents():
+    """Linux keeps a process's peak RSS across fork and exec (ru_maxrss): a case started by
+    a test run that had grown past a gigabyte reported the run's peak (1,088 MiB, failing the
+    bound above); the bench resets it as the case starts. Planted: a parent holding 1.2 GB."""
+    script = ("import json, subprocess, sys\n"
+              "big = bytearray(1200 * 2**20)\n"
+              "big[::4096] = b'\\x01' * len(big[::4096])\n"
+              f"out = subprocess.run([sys.executable, {str(BENCH)!r}, '--case', "
+              "json.dumps(['tiny', [2, 1, 1], [1, 1, 1], True])], capture_output=True, "
+              "text=True, check=True)\n"
+              "print(json.loads(out.stdout.strip().splitlines()[-1])['peak_rss_mib'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, timeout=300)
+    assert float(done.stdout.strip()) < 600
+
+
 def test_dp_grow_at_cluster_scale_plans_at_the_byte_bound():
     """A dp grow (16,384 GPUs): more new ranks than old devices, so the shard bound is a
     device's best overlap, not a rank's; the plan reaches it (it was 2.5% above before)."""
