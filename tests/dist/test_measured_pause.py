@@ -34,6 +34,8 @@ from .pause_check import (
     world_builds,
 )
 
+STALL_TOLERANCE_S = 0.02
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
 
 CLI = [sys.executable, "-c", "from slurm_etc.cli.main import main; main()"]
@@ -105,17 +107,20 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
 
     # the stall before each pause (the stayers' one boundary that builds the new world while
     # the old layout trains) is recorded too: the widest gap between two old-layout steps
-    # inside the preparation, from the per-step times, within 0.05 s
+    # inside the preparation, from the per-step times, within 0.02 s (the worker's own step
+    # times on both sides; stalls are 0.03-0.08 s since megatron's groups of one membership
+    # are one gloo group, so 0.05 s would no longer tell a stall from none)
     windows = {m.to_generation: (m.paused_at.timestamp() - (m.preparation_seconds or 0.0),
                                  m.paused_at.timestamp()) for m in committed}
     stalls = preparation_stalls(steps, windows)
     recorded_stalls = {m.to_generation: m.stall_seconds for m in committed}
-    assert mismatches(recorded_stalls, stalls) == []
+    assert mismatches(recorded_stalls, stalls, STALL_TOLERANCE_S) == []
     builds = world_builds(out / "workers")
     assert len({round(a) for a, _ in builds}) >= 2  # each grow built its world while training
-    assert sum(v > 0.05 for v in stalls.values()) >= 2, stalls  # so the check can fail
+    # so the check can fail
+    assert sum(v > STALL_TOLERANCE_S for v in stalls.values()) >= 2, stalls
     # planted: the stall left out of the record (what it held before), the same check fails
-    assert mismatches({g: 0.0 for g in recorded_stalls}, stalls)
+    assert mismatches({g: 0.0 for g in recorded_stalls}, stalls, STALL_TOLERANCE_S)
 
     # no time between steps outside what the record says: a measured pause, or a recorded
     # stall inside its resize's preparation (the timeline has no hidden gap)
