@@ -114,6 +114,7 @@ from .client import CliSlurmClient, SlurmClient
 from .member import NOTICES
 from .model import BatchSpec, JobInfo, SlurmError, SlurmJobState, StepSpec, check_signal
 from .observe import (
+    AllocationFacts,
     AllocationView,
     CancelAllocation,
     KillWorkersOn,
@@ -241,7 +242,7 @@ def clean_shrink(nodes: Sequence[str], released: set[str]) -> int | None:
 
 
 @dataclass
-class _Alloc:
+class _Alloc(AllocationFacts):
     """One allocation as this backend keeps it; what Slurm says of it is observed by
     :func:`~slurm_etc.slurm.observe.observe_allocation` on its :meth:`view`."""
 
@@ -255,15 +256,6 @@ class _Alloc:
     def view(self, held: Mapping[Device, str]) -> AllocationView:
         return AllocationView(self.job_id, self.key, self.state, self.nodes, self.noticed,
                               tuple(d for d, j in held.items() if j == self.job_id))
-
-    @property
-    def anchor(self) -> bool:
-        return self.key is None
-
-    @property
-    def gone(self) -> bool:
-        """Ended, lost or released as a whole: no more events."""
-        return self.state in (AllocationState.LOST, AllocationState.RELEASED)
 
 
 @dataclass

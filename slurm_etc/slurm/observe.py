@@ -67,8 +67,25 @@ def devices_of(nodes: Iterable[str], gpus_per_node: int) -> tuple[Device, ...]:
     return tuple(Device(n, i) for n in nodes for i in range(gpus_per_node))
 
 
+class AllocationFacts:
+    """What follows from an allocation's key and state (the view and the backend's own
+    record of an allocation both have them)."""
+
+    key: str | None
+    state: AllocationState
+
+    @property
+    def anchor(self) -> bool:
+        return self.key is None
+
+    @property
+    def gone(self) -> bool:
+        """Ended, lost or released as a whole: no more events."""
+        return self.state in (AllocationState.LOST, AllocationState.RELEASED)
+
+
 @dataclass(frozen=True)
-class AllocationView:
+class AllocationView(AllocationFacts):
     """What the backend knows of one allocation (a Slurm job: the anchor or a member).
 
     Attributes:
@@ -86,15 +103,6 @@ class AllocationView:
     nodes: tuple[str, ...] = ()
     noticed: bool = False
     held: tuple[Device, ...] = ()
-
-    @property
-    def anchor(self) -> bool:
-        return self.key is None
-
-    @property
-    def gone(self) -> bool:
-        """Ended, lost or released as a whole: no more events."""
-        return self.state in (AllocationState.LOST, AllocationState.RELEASED)
 
 
 @dataclass(frozen=True)
