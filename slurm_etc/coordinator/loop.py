@@ -81,7 +81,7 @@ from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
-from . import reconcile
+from . import devices, reconcile
 from .backend import (
     Backend,
     BackendError,
@@ -483,14 +483,14 @@ class Coordinator:
         alive = set(adopt(list(launched.values())))
         if not alive:
             return False
-        devices = tuple(v for _r, v, _d in here)
-        missing = sorted(set(devices) - alive)
+        members = tuple(v for _r, v, _d in here)
+        missing = sorted(set(members) - alive)
         # a commit recorded past the open generation (killed before it was acted on): the
         # workers left that layout, and the record does not have the one they are in
         moved_on = any(m.outcome == ResizeOutcome.COMMITTED and m.to_generation > gen.number
                        for m in detail.migrations)
-        if not devices or missing or moved_on or any(launched[v].generation > gen.number
-                                                     for v in devices):
+        if not members or missing or moved_on or any(launched[v].generation > gen.number
+                                                     for v in members):
             perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
                                               "the layout cannot be reattached whole"))
             logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "
@@ -499,7 +499,7 @@ class Coordinator:
             return False
         text = gen.layout
         config = ParallelConfig.parse(text.replace(",dist-opt", ""), "dist-opt" in text)
-        self.layout = Layout(config, devices)
+        self.layout = Layout(config, members)
         self.generation = gen.number
         self.last_generation = max(self.last_generation, got.last_generation)
         self.channel.generation = gen.number
@@ -508,14 +508,14 @@ class Coordinator:
         self.loss = gen.last_loss
         self.reattached = True
         # joiners of the aborted resize: nothing takes them in
-        self.idle = alive - set(devices)
-        self._await_hello(devices, gen.number)
-        summary = (f"reattached {len(devices)} live worker(s) of generation {gen.number} "
+        self.idle = alive - set(members)
+        self._await_hello(members, gen.number)
+        summary = (f"reattached {len(members)} live worker(s) of generation {gen.number} "
                    f"({config}) at step {self.step}")
         eid = self.journal.write(record.record_event, self.spec.job_id, "reattach",
                                  source="coordinator",
                                  key=f"reattach:g{gen.number}:{os.getpid()}:{time.time():.3f}",
-                                 payload={"summary": summary, "vranks": list(devices)})
+                                 payload={"summary": summary, "vranks": list(members)})
         self.journal.write(record.mark_event_handled, eid, "reattached")
         logger.warning("coordinator restarted: %s (%d events pending, %d migrations aborted)",
                        summary, len(got.pending_events), len(got.aborted))
@@ -590,13 +590,8 @@ class Coordinator:
             now = self.clock()
             match event:
                 case Grant():
-                    for d in event.devices:
-                        self.held[d] = event.allocation
-                        # a new allocation's device is whole again, whatever happened to it
-                        # under an earlier one (a worker killed there, a loss): kept as
-                        # lost, the next commit forgot it (held.pop) or a resize named it dead
-                        self.lost.discard(d)
-                        self.notices.pop(d, None)
+                    self._hold(devices.grant(self._holdings(), event.devices,
+                                             event.allocation))
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
@@ -607,8 +602,8 @@ class Coordinator:
                         f"({', '.join(event.nodes)})", state="granted",
                         role="anchor" if set(event.devices) <= self.pinned else "member"))
                 case PreemptNotice():
-                    for d in event.devices:
-                        self.notices[d] = (event.deadline, "preemption")
+                    self._hold(devices.notice(self._holdings(), event.devices,
+                                              event.deadline))
                     self._noticed_at = time.perf_counter()
                     seen.append(self._observed(
                         "preempt-notice", event, f"{len(event.devices)} devices, "
@@ -616,12 +611,8 @@ class Coordinator:
                         deadline=event.deadline))
                 case Loss():
                     self._partition_stale = True  # a node DOWN may take others with it
-                    for d in event.devices:
-                        if self.held.get(d, event.allocation) != event.allocation:
-                            continue  # the device is another allocation's now: not lost
-                        self.lost.add(d)
-                        self.notices[d] = (now, "failure" if event.cause == "failure"
-                                           else "preemption")
+                    self._hold(devices.loss(self._holdings(), event.devices,
+                                            event.allocation, event.cause, now))
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
                                                f"({event.cause})", state="lost"))
                 case EndTraining():
@@ -671,8 +662,7 @@ class Coordinator:
             fl.dead.add(event.vrank)
         elif not in_layout:
             return
-        self.lost.add(event.device)
-        self.notices[event.device] = (now, "failure")
+        self._hold(devices.failed(self._holdings(), [event.device], now))
 
     def _unjoined(self, vrank: int, generation: int) -> bool:
         """Whether the process of ``vrank`` launched for ``generation`` ended (or is given
@@ -718,8 +708,8 @@ class Coordinator:
                    "--join-timeout): its log says why")
             fl.dead.add(v)
             fl.never_joined.setdefault(v, why)
-            self.lost.add(fl.vranks[v])
-            self.notices[fl.vranks[v]] = (self.clock(), "failure")
+        self._hold(devices.failed(self._holdings(), [fl.vranks[v] for v in late],
+                                  self.clock()))
 
     def _supersede_warm_up(self) -> None:
         """A preemption notice or a loss while a grow's joiners warm up (the old layout not
@@ -758,8 +748,7 @@ class Coordinator:
             fl.never_joined.setdefault(vrank, why)
         elif not in_layout:
             return
-        self.lost.add(device)
-        self.notices[device] = (self.clock(), "failure")
+        self._hold(devices.failed(self._holdings(), [device], self.clock()))
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -1034,17 +1023,12 @@ class Coordinator:
         self._event_ids.clear()
 
     def _release_now(self) -> None:
-        in_layout = set(self.vranks[v] for v in self.layout.devices) if self.layout else set()
-        leaving = {d for d in self.held if d in self.notices and d not in in_layout}
-        free = (self.release_later | leaving) - in_layout - self.pinned
-        free &= set(self.held)
+        free = devices.to_release(self._holdings(), self.release_later, self.pinned)
         self.release_later.clear()
         if not free:
             return
         perform(self.backend, ReleaseDevices(tuple(sorted(free)), "not in the layout"))
-        for d in free:
-            self.held.pop(d, None)
-            self.notices.pop(d, None)
+        self._hold(devices.released(self._holdings(), free))
         self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
 
     # -- acting ---------------------------------------------------------------------------
