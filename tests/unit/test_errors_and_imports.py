@@ -144,9 +144,10 @@ def test_the_cli_maps_the_root_to_one_line_and_the_kinds_exit_code(error: str,
 
 def test_the_executor_does_not_import_the_fakes():
     """Test code stays out of the runtime: the executor's default dtype lives in
-    migrate/dtypes.py, not in the fake state of migrate/fake.py (which it imported)."""
+    migrate/dtypes.py, not in the fake state (testing/fake_state.py, once migrate/fake.py,
+    which it imported)."""
     code = ("import sys, slurm_etc.migrate.executor, slurm_etc.worker.trainer; "
-            "print(sorted(m for m in sys.modules if m == 'slurm_etc.migrate.fake'))")
+            "print(sorted(m for m in sys.modules if m == 'slurm_etc.testing.fake_state'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
