@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-from slurm_etc.megatron.phases import PRELOAD, Transition, batch_for, w_build
+from slurm_etc.harness.phases import PRELOAD, Transition, batch_for, w_build
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import PRESETS

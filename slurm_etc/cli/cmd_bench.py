@@ -168,8 +168,8 @@ def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, 
     """Downtime of an in-place resize vs. checkpoint-and-restart, side by side."""
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
-    from ..megatron.bench import bench_migrate
-    from ..megatron.experiments import json_default
+    from ..harness.bench import bench_migrate
+    from ..harness.experiments import json_default
     from ..pool.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()

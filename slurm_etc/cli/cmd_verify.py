@@ -43,7 +43,7 @@ def transition_from_options(model_spec: str, from_spec: str, to_spec: str,
                             distributed_optimizer: bool, param_dtype: str | None,
                             max_processes: int):
     """The Transition the options describe; ConfigError (exit 2) when they cannot run."""
-    from ..megatron.phases import Transition
+    from ..harness.phases import Transition
 
     model = load_model(model_spec)
     if param_dtype and param_dtype != model.param_dtype:
@@ -188,8 +188,8 @@ def verify(ctx, model_spec, from_spec, to_spec, sequence, global_batch, distribu
         raise ConfigError("give --from and --to (one resize) or --sequence (several)")
     tr = transition_from_options(model_spec, from_spec, to_spec, distributed_optimizer,
                                  param_dtype, max_processes)
-    from ..megatron.experiments import json_default
-    from ..megatron.verify import verify_transition
+    from ..harness.experiments import json_default
+    from ..harness.verify import verify_transition
     from ..pool.local import WorkerFailed
 
     level = logging.getLogger().getEffectiveLevel()
@@ -210,7 +210,7 @@ def verify(ctx, model_spec, from_spec, to_spec, sequence, global_batch, distribu
 
 def _verify_sequence(ctx, model_spec, text, distributed_optimizer, param_dtype, steps,
                      global_batch, seed, max_processes, as_json) -> None:
-    from ..megatron.experiments import json_default
+    from ..harness.experiments import json_default
     from ..pool.local import WorkerFailed
     from ..worker.sequence import verify_sequence
     from .verify_sequence import describe_sequence_failure, render_sequence, sequence_from_options

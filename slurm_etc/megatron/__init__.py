@@ -8,10 +8,9 @@
 * :mod:`.resize`: the in-place resize (``prepare_resize`` before the pause,
   ``resize_in_place`` at it).
 * :mod:`.checkpoint`: megatron's checkpoint path (save/load), the baseline and a reference.
-* :mod:`.reference`: verify's oracles, reading state through megatron-core and torch only
-  (never through :mod:`.state`); :mod:`.oracles`: shard helpers over the adapter's view.
-* :mod:`.phases`, :mod:`.verify`, :mod:`.bench` (shared bits: :mod:`.experiments`):
-  ``slurm-etc verify`` and ``slurm-etc bench migrate`` on local worker processes.
+
+``slurm-etc verify`` and ``slurm-etc bench migrate``, which run the resize on local worker
+processes against independent references, live in :mod:`slurm_etc.harness`.
 
 Submodules import megatron-core lazily (inside functions); this package imports nothing.
 """

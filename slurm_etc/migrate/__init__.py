@@ -9,8 +9,9 @@ processes, two-phase, with bounded staging memory. See docs/migrate.md.
   (in-process).
 * :mod:`.group`: the migration group over the plan's participants (old ∪ new, minus lost).
 * :mod:`.executor`: ``execute_migration`` (two-phase; ``MigrationAborted`` on every rank).
-* :mod:`.faults`, :mod:`.fake`, :mod:`.memory`, :mod:`.threads`: fault injection, fake state
-  with known values, peak memory, in-process runs.
+* :mod:`.faults`, :mod:`.memory`, :mod:`.threads`: fault injection, peak memory, in-process
+  runs. (The fake state with known values the tests migrate is
+  :mod:`slurm_etc.testing.fake_state`.)
 
 Names are exported lazily, so importing the pure modules does not import torch.
 """
@@ -31,7 +32,6 @@ _EXPORTS = {
     "MigrationResult": "executor", "MigrationStats": "executor",
     "MigrationError": "executor", "MigrationAborted": "executor", "RankFailure": "executor",
     "FaultInjector": "faults", "InjectedFault": "faults",
-    "fake_shards": "fake", "shard_mismatches": "fake", "global_tensor": "fake",
     "run_threads": "threads",
 }
 

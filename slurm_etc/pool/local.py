@@ -110,8 +110,8 @@ class WorkerDied(WorkerFailed):
 class WorkerContext:
     """What a worker keeps between calls: its index, the shared store, live objects.
 
-    ``objects`` holds whatever the called functions keep between calls (the megatron phases
-    keep their live training states there).
+    ``objects`` holds whatever the called functions keep between calls (the harness's phases
+    keep their live megatron training states there).
     """
 
     index: int

@@ -16,7 +16,7 @@ against the **no-resize reference**: fresh processes train every step in the fir
 without a resize. The same arithmetic reduced in another order (tp splits the matmuls, dp
 the gradient reduction), so the losses agree within ``LOSS_RTOL`` and the final state,
 every full tensor read through megatron-core's ``sharded_state_dict()`` (model, fp32 main
-parameters and Adam moments by parameter: :mod:`slurm_etc.megatron.reference`, no code of
+parameters and Adam moments by parameter: :mod:`slurm_etc.harness.reference`, no code of
 the resize), within ``STATE_RTOL`` of the tensor's norm; LR, consumed samples and every
 parameter's Adam step exactly.
 """
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_REFERENCE = "checkpoint-restart"
 NO_RESIZE_REFERENCE = "no-resize"
 # Losses of the no-resize reference: the tolerance of the single-resize verify
-# (megatron/verify.py LOSS_RTOL). State: a full tensor's difference over its norm (L2).
+# (harness/verify.py LOSS_RTOL). State: a full tensor's difference over its norm (L2).
 # Measured (docs/verify.md): 1e-7-3e-7 for every tensor but one, the QKV bias at 7e-5: the
 # key bias's true gradient is zero (it adds the same to every score of a query), so its
 # gradient is rounding noise, which Adam normalises into steps of +-lr whose signs follow
@@ -242,14 +242,14 @@ def w_checkpoint_segment(ctx: WorkerContext, seq: ResizeSequence, generation: in
 def _view(trainer: Any) -> dict:
     """The trainer's state as megatron-core and torch hold it (collective over its dp
     groups with a DistributedOptimizer): what the no-resize reference compares."""
-    from slurm_etc.megatron.reference import megatron_view
+    from slurm_etc.harness.reference import megatron_view
 
     return megatron_view(trainer.state)
 
 
 def _digest(trainer: Any) -> dict:
     """sha1 of every shard of the trainer's live state (the adapter's view)."""
-    from slurm_etc.megatron.oracles import shard_bits
+    from slurm_etc.harness.oracles import shard_bits
     from slurm_etc.megatron.state import local_shards
 
     bits = shard_bits(local_shards(trainer.state, trainer.catalog))
@@ -445,7 +445,7 @@ def _compare_full_tensors(elastic: list[dict | None], reference: list[dict | Non
     tensor's difference over its norm. Each side is assembled from its own ranks' megatron
     views (every element held, every replica bit-identical); ``steps``: every parameter's
     Adam step on every rank of both sides."""
-    from slurm_etc.megatron.reference import assemble
+    from slurm_etc.harness.reference import assemble
 
     got, want = assemble(elastic, "elastic"), assemble(reference, "no-resize reference")
     mismatches: list[dict] = [{"new_rank": p.get("rank", -1), "shard": p["state_key"],

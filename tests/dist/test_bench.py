@@ -15,7 +15,7 @@ def test_checkpoint_downtime_is_a_span_not_a_sum_of_maxima():
     slowest process started alone replaces the all-at-once cold start, and the parent's
     hand-offs between the parts show up only in the all-at-once span, measured in one
     piece."""
-    from slurm_etc.megatron.bench import checkpoint_spans
+    from slurm_etc.harness.bench import checkpoint_spans
 
     save = {"pause": 100.0, "saved": 103.0, "stopped": 103.5}
     all_at_once = {"start_seconds": 7.5, "start_each": [7.2, 7.5, 7.4, 7.3],

@@ -43,7 +43,7 @@ def _worker(device: int, port: int, case: str, faults, decide: bool, out) -> Non
 
     from slurm_etc.migrate.decision import CommitDecision
     from slurm_etc.migrate.executor import MigrationAborted, MigrationOptions, execute_migration
-    from slurm_etc.migrate.fake import fake_shards, shard_mismatches
+    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
     from slurm_etc.migrate.group import connect_migration_group
 
     torch.set_num_threads(1)

@@ -31,7 +31,7 @@ def _plan():
 
 def _survivor(rank, world):
     from slurm_etc.migrate.executor import MigrationOptions, execute_migration
-    from slurm_etc.migrate.fake import fake_shards, shard_mismatches
+    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
     from slurm_etc.migrate.group import new_migration_group
 
     if rank in LOST:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from slurm_etc.megatron.phases import Transition
+from slurm_etc.harness.phases import Transition
 from slurm_etc.plan import ParallelConfig, load_model
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]

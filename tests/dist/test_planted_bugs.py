@@ -39,8 +39,8 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.megatron import verify
-from slurm_etc.megatron.phases import PRELOAD, Transition
+from slurm_etc.harness import verify
+from slurm_etc.harness.phases import PRELOAD, Transition
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.pool.local import LocalWorkers
 

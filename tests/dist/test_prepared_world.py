@@ -33,7 +33,7 @@ import dataclasses
 
 import pytest
 
-from slurm_etc.megatron.phases import PRELOAD, Transition, batch_for
+from slurm_etc.harness.phases import PRELOAD, Transition, batch_for
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.pool.local import LocalWorkers
 

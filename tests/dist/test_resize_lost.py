@@ -20,8 +20,8 @@ import hashlib
 
 import pytest
 
-from slurm_etc.megatron.phases import PRELOAD, batch_for, w_build, w_drop, w_train_step
-from slurm_etc.megatron.reference import (
+from slurm_etc.harness.phases import PRELOAD, batch_for, w_build, w_drop, w_train_step
+from slurm_etc.harness.reference import (
     assemble,
     compare_globals,
     rng_digest,

@@ -19,8 +19,8 @@ import dataclasses
 import pytest
 
 from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
-from slurm_etc.megatron.phases import PRELOAD, Transition
-from slurm_etc.megatron.verify import (
+from slurm_etc.harness.phases import PRELOAD, Transition
+from slurm_etc.harness.verify import (
     AFTER_STEPS,
     LOSS_RTOL,
     ORACLE_CHECKPOINT,
@@ -144,7 +144,7 @@ def test_a_flipped_bit_is_named(workers):
 
 def _resize_expecting_abort(ctx, faults):
     """Worker: the pause with an injected fault; report the abort each process saw."""
-    from slurm_etc.megatron.phases import w_resize
+    from slurm_etc.harness.phases import w_resize
     from slurm_etc.migrate.executor import MigrationAborted
 
     try:
@@ -158,7 +158,7 @@ def _view_digest(ctx):
     """Worker: sha1 of every shard of the live state, read through megatron-core."""
     import hashlib
 
-    from slurm_etc.megatron.reference import w_megatron_view
+    from slurm_etc.harness.reference import w_megatron_view
 
     view = w_megatron_view(ctx)
     return None if view is None else {k: hashlib.sha1(v.tobytes()).hexdigest()
@@ -169,7 +169,7 @@ def test_abort_keeps_the_old_layout_training(workers):
     """A migration that fails half-way (rank 2 while unpacking round 0) aborts on every
     process; the old state is bit for bit what it was (read through megatron-core) and trains
     on in the old layout, with the same loss as an untouched copy of it."""
-    from slurm_etc.megatron.phases import batch_for, w_build, w_drop, w_prepare, w_train_step
+    from slurm_etc.harness.phases import batch_for, w_build, w_drop, w_prepare, w_train_step
     from slurm_etc.migrate.faults import FaultInjector
 
     tr = Transition(TINY, P(1, 2, 2), P(2, 1, 2))

@@ -21,8 +21,8 @@ import pytest
 
 from slurm_etc.megatron.build import refuse_on_local_spec
 from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
-from slurm_etc.megatron.phases import PRELOAD, Transition
-from slurm_etc.megatron.verify import (
+from slurm_etc.harness.phases import PRELOAD, Transition
+from slurm_etc.harness.verify import (
     AFTER_STEPS,
     LOSS_RTOL,
     ORACLE_CHECKPOINT,

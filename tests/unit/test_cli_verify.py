@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.megatron import bench, verify
+from slurm_etc.harness import bench, verify
 from slurm_etc.pool.local import WorkerError
 
 MISMATCH = {"oracle": "megatron-gather", "new_rank": 1,
@@ -162,13 +162,13 @@ def test_bad_input_is_one_line_exit_2(calls, command, args, message):
 
 def test_run_failure_is_exit_3(monkeypatch):
     def broken(tr, **kwargs):
-        raise WorkerError(1, "slurm_etc.megatron.phases.w_build",
+        raise WorkerError(1, "slurm_etc.harness.phases.w_build",
                           "Traceback ...\nRuntimeError: boom\n")
 
     monkeypatch.setattr(verify, "verify_transition", broken)
     r = run("verify", "--model", "tiny", "--from", "dp=2", "--to", "dp=1")
     assert r.exit_code == 3
-    assert "worker 1 raised in slurm_etc.megatron.phases.w_build" in r.stderr
+    assert "worker 1 raised in slurm_etc.harness.phases.w_build" in r.stderr
     assert "RuntimeError: boom" in r.stderr
 
 

@@ -10,9 +10,9 @@ import pytest
 from slurm_etc.migrate import executor
 from slurm_etc.migrate.collector import collector_paused
 from slurm_etc.migrate.executor import MigrationOptions
-from slurm_etc.migrate.fake import fake_shards, shard_mismatches
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.plan import PRESETS
+from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 from tests.unit.plan_helpers import make_plan
 
 

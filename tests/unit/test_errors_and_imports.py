@@ -144,9 +144,10 @@ def test_the_cli_maps_the_root_to_one_line_and_the_kinds_exit_code(error: str,
 
 def test_the_executor_does_not_import_the_fakes():
     """Test code stays out of the runtime: the executor's default dtype lives in
-    migrate/dtypes.py, not in the fake state of migrate/fake.py (which it imported)."""
+    migrate/dtypes.py, not in the fake state (testing/fake_state.py, once migrate/fake.py,
+    which it imported)."""
     code = ("import sys, slurm_etc.migrate.executor, slurm_etc.worker.trainer; "
-            "print(sorted(m for m in sys.modules if m == 'slurm_etc.migrate.fake'))")
+            "print(sorted(m for m in sys.modules if m == 'slurm_etc.testing.fake_state'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
@@ -193,10 +194,24 @@ LAYERS = {
 }
 
 
-def _imported_packages(source: str, package: str) -> set[str]:
-    """The slurm_etc subpackages a module of ``package`` imports, absolute or relative."""
+def _module_level(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` that runs when the module is imported: function bodies aside
+    (class bodies and ``if``/``try`` blocks run)."""
+    out, todo = [], [tree]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo += [c for c in ast.iter_child_nodes(n)
+                 if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    return out
+
+
+def _imported_packages(source: str, package: str, module_level: bool = False) -> set[str]:
+    """The slurm_etc subpackages a module of ``package`` imports, absolute or relative
+    (``module_level``: only the imports that run when the module is imported)."""
     out: set[str] = set()
-    for n in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for n in (_module_level(tree) if module_level else ast.walk(tree)):
         if isinstance(n, ast.Import):
             names = [a.name for a in n.names]
         elif isinstance(n, ast.ImportFrom):
@@ -229,3 +244,42 @@ def test_the_layers_import_along_the_architecture():
             if bad:
                 crossed[str(p.relative_to(root))] = sorted(bad)
     assert crossed == {}, crossed
+
+
+# Test code stays out of the runtime: these packages do not import the verify/bench harness
+# (slurm_etc/harness/) or the fakes and fault hooks (slurm_etc/testing/) when they are
+# imported. cli/ is not among them: it runs verify and bench.
+RUNTIME = ("coordinator", "worker", "local", "slurm", "protocol", "store", "plan", "alloc",
+           "policy", "migrate", "megatron")
+TEST_CODE = {"harness", "testing"}
+# module (from slurm_etc/) -> the test code it may import, and why
+TEST_CODE_ALLOWED = {
+    # `slurm-etc demo --inject` names the switch (INJECT_ENV) of the chaos worker it launches
+    "local/demo.py": {"testing"},
+}
+
+
+def test_the_runtime_does_not_import_test_code():
+    """No runtime module imports slurm_etc.harness or slurm_etc.testing at module level (an
+    import inside a function is not counted: worker/sequence.py digests a state through the
+    harness's oracles there). Planted: a module-level import of a fake is caught, one in a
+    function body is not, one in a class body is."""
+    assert _imported_packages("from slurm_etc.testing.fake_state import x\n", "migrate",
+                              module_level=True) == {"testing"}
+    assert _imported_packages("def f():\n    from ..harness import oracles\n", "worker",
+                              module_level=True) == set()
+    assert _imported_packages("class C:\n    from ..harness import oracles\n", "worker",
+                              module_level=True) == {"harness"}
+    root = Path(slurm_etc.__file__).parent
+    crossed, allowed_used = {}, set()
+    for package in RUNTIME:
+        for p in sorted((root / package).rglob("*.py")):
+            name = str(p.relative_to(root))
+            bad = _imported_packages(p.read_text(), package, module_level=True) & TEST_CODE
+            if bad and bad <= TEST_CODE_ALLOWED.get(name, set()):
+                allowed_used.add(name)
+            elif bad:
+                crossed[name] = sorted(bad)
+    assert crossed == {}, crossed
+    # an exception no longer needed goes from the table
+    assert allowed_used == set(TEST_CODE_ALLOWED), set(TEST_CODE_ALLOWED) - allowed_used

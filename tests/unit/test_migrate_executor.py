@@ -20,13 +20,13 @@ from slurm_etc.migrate.executor import (
     agree,
     execute_migration,
 )
-from slurm_etc.migrate.fake import fake_shards, global_tensor, shard_mismatches, spec_values
 from slurm_etc.migrate.faults import FAULT_POINTS, FaultInjector
 from slurm_etc.migrate.program import compile_program, group_devices
 from slurm_etc.migrate.shards import LocalShard, shard_specs
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.migrate.transport import ThreadHub
 from slurm_etc.plan import PRESETS
+from slurm_etc.testing.fake_state import fake_shards, global_tensor, shard_mismatches, spec_values
 from tests.unit.plan_helpers import cut, make_plan
 
 TINY_BF16 = dataclasses.replace(PRESETS["tiny"], param_dtype="bf16")

@@ -15,10 +15,10 @@ import pytest
 
 from slurm_etc.megatron.placement import _region
 from slurm_etc.migrate.executor import MigrationOptions, allocate_destinations
-from slurm_etc.migrate.fake import fake_shards, shard_mismatches
 from slurm_etc.migrate.program import compile_program, group_devices
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.plan import PRESETS
+from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 from tests.unit.plan_helpers import make_plan
 
 OPTS = MigrationOptions(measure_memory=False, timeout_s=20)

@@ -18,11 +18,11 @@ from slurm_etc.megatron.state import (
     rng_source,
 )
 from slurm_etc.migrate.executor import MigrationOptions
-from slurm_etc.migrate.fake import fake_shards, shard_mismatches
 from slurm_etc.migrate.program import compile_program, group_devices, program_digest
 from slurm_etc.migrate.threads import run_threads
 from slurm_etc.migrate.transport import ThreadHub
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology, plan_migration
+from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 
 OPTS = MigrationOptions(measure_memory=False, timeout_s=20)
 TOPO = Topology(gpus_per_node=4)

@@ -18,8 +18,8 @@ from slurm_etc.policy import JobView, RequestGrow, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
-from slurm_etc.slurm.fake import FakeSlurmClient
 from slurm_etc.slurm.model import NodeState
+from slurm_etc.testing.fake_slurm import FakeSlurmClient
 from tests.unit.test_requests_met import (
     HW,
     JOB,

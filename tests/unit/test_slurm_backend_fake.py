@@ -23,8 +23,8 @@ from slurm_etc.coordinator.backend import (
 )
 from slurm_etc.slurm import NodeState
 from slurm_etc.slurm.backend import SlurmBackend, member_comment, member_job_name
-from slurm_etc.slurm.fake import FakeSlurmClient
 from slurm_etc.slurm.member import write_notice
+from slurm_etc.testing.fake_slurm import FakeSlurmClient
 
 pytestmark = pytest.mark.timeout(30)
 

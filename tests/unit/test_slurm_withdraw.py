@@ -21,7 +21,7 @@ from slurm_etc.coordinator.backend import (
 )
 from slurm_etc.slurm import backend as slurm_backend
 from slurm_etc.slurm.backend import SlurmBackend
-from slurm_etc.slurm.fake import FakeSlurmClient
+from slurm_etc.testing.fake_slurm import FakeSlurmClient
 
 pytestmark = pytest.mark.timeout(30)
 

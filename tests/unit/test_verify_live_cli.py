@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.megatron import verify
+from slurm_etc.harness import verify
 from tests.unit.test_cli_verify import report
 
 

@@ -20,8 +20,8 @@ from slurm_etc.local.script import script_from_options
 from slurm_etc.protocol import env as envvars
 from slurm_etc.slurm import backend as slurm_backend
 from slurm_etc.slurm.backend import SlurmBackend
-from slurm_etc.slurm.fake import FakeSlurmClient
 from slurm_etc.slurm.task import decode_payload
+from slurm_etc.testing.fake_slurm import FakeSlurmClient
 
 PRINT_THREADS = ("import os, sys; open(sys.argv[1], 'w').write("
                  "os.environ.get('OMP_NUM_THREADS', 'unset'))")

@@ -12,10 +12,10 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.pool.local import LocalWorkers
 
-from .checkpoint import megatron_reshards_optimizer
 from .experiments import Progress
 from .experiments import first as _first
 from .experiments import no_progress as _no_progress
@@ -41,7 +41,7 @@ from .reference import (
 )
 
 if TYPE_CHECKING:
-    from .state import Relabel
+    from slurm_etc.megatron.state import Relabel
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
 
     ``corrupt`` flips one bit in the copy of new rank 0's state the comparison reads: a
     self-test of the comparator, not of the migration. ``relabel`` (a
-    :data:`.state.Relabel`, e.g. from :mod:`slurm_etc.testing.plants`) plants a bug in the
-    migration itself: every old rank reads its shards through it.
+    :data:`slurm_etc.megatron.state.Relabel`, e.g. from :mod:`slurm_etc.testing.plants`)
+    plants a bug in the migration itself: every old rank reads its shards through it.
 
     Every layout the executor's catalog describes goes this way: dp, tp, pp, the experts of
     a mixture of experts over ep, virtual pipeline chunks (vpp), joiners and leavers, the

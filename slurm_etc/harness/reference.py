@@ -377,7 +377,7 @@ def w_train_steps(ctx: Any, name: str, *, first_step: int, count: int, seed: int
     step index comes from the caller, not from the state); the loss of each. A step that
     megatron skips for non-finite gradients (a broken state) ends the run with a NaN loss
     (every rank sees the same global gradient norm, so all end together)."""
-    from . import build
+    from slurm_etc.megatron import build
 
     state = ctx.objects.get(name)
     if state is None:

@@ -14,9 +14,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from slurm_etc.megatron.state import _bits
 from slurm_etc.migrate.shards import LocalShard
-
-from .state import _bits
 
 
 def shard_bits(shards: Iterable[LocalShard]) -> dict[tuple, np.ndarray]:

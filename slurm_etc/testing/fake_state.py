@@ -1,4 +1,4 @@
-"""Fake training state with known values, for tests and ``slurm-etc verify``.
+"""Fake training state with known values, for tests (the executor's, unit and multi-process).
 
 Every element of every state tensor gets a value that is a seeded hash of (state key, global
 index), so any process can produce any shard of the "global tensors" without materialising
@@ -9,15 +9,14 @@ finite floats of the state's itemsize (4 -> float32, 2 -> bfloat16), compared bi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from slurm_etc.migrate.dtypes import DTYPES, dtype_for
+from slurm_etc.migrate.shards import Box3, LocalShard, ShardSpec, shard_specs
 from slurm_etc.plan.catalog import Catalog
-
-from .dtypes import DTYPES, dtype_for
-from .shards import LocalShard, ShardSpec, shard_specs
 
 if TYPE_CHECKING:
     from slurm_etc.plan.plan import MigrationPlan
@@ -48,7 +47,8 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _global_index(lo, hi, s: int, e: int, shape3) -> torch.Tensor:
+def _global_index(lo: Sequence[int], hi: Sequence[int], s: int, e: int,
+                  shape3: Sequence[int]) -> torch.Tensor:
     """Global flat index (int64) of elements [s, e) of box [lo, hi) in row-major order."""
     e1, e2 = int(hi[1]) - int(lo[1]), int(hi[2]) - int(lo[2])
     p = torch.arange(s, e, dtype=torch.int64)
@@ -63,8 +63,8 @@ def _to_signed(bits: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(bits >= half, bits - (1 << width), bits)
 
 
-def fake_values(state_key: str, lo, hi, s: int, e: int, shape3, itemsize: int,
-                seed: int = 0) -> torch.Tensor:
+def fake_values(state_key: str, lo: Sequence[int], hi: Sequence[int], s: int, e: int,
+                shape3: Sequence[int], itemsize: int, seed: int = 0) -> torch.Tensor:
     """Elements ``[s, e)`` of box ``[lo, hi)`` of the fake global tensor of ``state_key``.
 
     The hash (murmur3's 32-bit finaliser of the salted index) is a bijection, so 32-bit
@@ -141,7 +141,7 @@ def shard_mismatches(plan: MigrationPlan, rank: int | None, shards: Iterable[Loc
     """
     table = plan.new_regions if new else plan.old_regions
     expect = {sp.key: sp for sp in shard_specs(plan.catalog, table, rank)}
-    got: Mapping = {sh.key: sh for sh in shards}
+    got: Mapping[tuple[str, Box3, Box3, int], LocalShard] = {sh.key: sh for sh in shards}
     out: list[str] = []
     for key in sorted(set(expect) - set(got)):
         out.append(f"missing shard {key}")

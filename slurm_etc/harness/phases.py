@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from slurm_etc.megatron.checkpoint import load_checkpoint, save_checkpoint
 from slurm_etc.plan import (
     Layout,
     ParallelConfig,
@@ -27,8 +28,6 @@ from slurm_etc.plan.catalog import build_catalog
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.pool.local import WorkerContext
-
-from .checkpoint import load_checkpoint, save_checkpoint
 
 # Modules a worker imports at start-up: the cost of a cold start is paid there, not inside
 # the first build.
@@ -88,7 +87,7 @@ def batch_for(*configs: ParallelConfig, at_least: int = 8) -> int:
 def w_build(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, *, tag: str,
             seed: int, steps: int, seq: int, global_batch: int) -> dict | None:
     """Workers ``0 .. world-1``: start the old layout's group, build and train the state."""
-    from . import build, cpu_compat
+    from slurm_etc.megatron import build, cpu_compat
 
     if ctx.index >= config.world:
         return None
@@ -98,7 +97,7 @@ def w_build(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, *, tag
     state = build.build_training_state(model, config, seed=seed, steps=steps, micro_batch=1,
                                        seq=seq, global_batch=global_batch)
     ctx.objects["state"] = state
-    from .state import optimizer_step
+    from slurm_etc.megatron.state import optimizer_step
 
     return {"losses": list(state.losses), "step": optimizer_step(state),
             "rng": _rng_digest(), "seconds": time.perf_counter() - t0}
@@ -113,8 +112,9 @@ def _rng_digest() -> str:
 def w_shard_bits(ctx: WorkerContext, name: str = "state", *, model_only: bool = False
                  ) -> dict | None:
     """This worker's shards of a live state as raw bits (see ``state.shard_bits``)."""
+    from slurm_etc.megatron.state import local_shards
+
     from .oracles import shard_bits
-    from .state import local_shards
 
     state = ctx.objects.get(name)
     if state is None:
@@ -159,10 +159,9 @@ def w_prepare(ctx: WorkerContext, tr: Transition, *, tag: str,
     the new layout's groups, model and optimizer built now, the migration's destinations,
     and the old state that stays on the process moved into them; ``relabel``: a planted
     bug, see ``state.Relabel``)."""
+    from slurm_etc.megatron import cpu_compat
+    from slurm_etc.megatron.resize import prepare_resize
     from slurm_etc.migrate.executor import MigrationOptions
-
-    from . import cpu_compat
-    from .resize import prepare_resize
 
     plan = tr.plan()
     if ctx.index not in set(plan.old.devices) | set(plan.new.devices):
@@ -189,12 +188,12 @@ def w_resize(ctx: WorkerContext, *, keep_bits: bool, corrupt: bool = False,
     """
     import torch
 
+    from slurm_etc.megatron import cpu_compat
+    from slurm_etc.megatron.resize import resize_in_place
+    from slurm_etc.megatron.state import local_shards
     from slurm_etc.migrate.executor import MigrationAborted
 
-    from . import cpu_compat
     from .oracles import compare_shards, shard_bits
-    from .resize import resize_in_place
-    from .state import local_shards
 
     prepared = ctx.objects.pop("prepared", None)
     if prepared is None:
@@ -244,8 +243,8 @@ def w_load(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, directo
     begin = time.time()
     import torch.distributed as dist
 
-    from . import cpu_compat
-    from .state import build_empty_state, optimizer_step
+    from slurm_etc.megatron import cpu_compat
+    from slurm_etc.megatron.state import build_empty_state, optimizer_step
 
     cpu_compat.install()
     t0 = time.perf_counter()
@@ -268,8 +267,8 @@ def w_load(ctx: WorkerContext, model: ModelDesc, config: ParallelConfig, directo
 def w_train_step(ctx: WorkerContext, name: str, *, seed: int, seq: int,
                  global_batch: int) -> float | None:
     """One training step of a live state (the step index is its Adam step); its loss."""
-    from . import build
-    from .state import optimizer_step
+    from slurm_etc.megatron import build
+    from slurm_etc.megatron.state import optimizer_step
 
     state = ctx.objects.get(name)
     if state is None:

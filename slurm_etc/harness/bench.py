@@ -12,10 +12,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.plan.plan import MigrationPlan
 from slurm_etc.pool.local import LocalWorkers
 
-from .checkpoint import megatron_reshards_optimizer
 from .experiments import Progress
 from .experiments import first as _first
 from .experiments import no_progress as _no_progress

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 
-from . import commands
-from .model import (
+from slurm_etc.slurm import commands
+from slurm_etc.slurm.model import (
     BatchSpec,
     JobInfo,
     NodeAdminState,
@@ -65,7 +65,7 @@ class FakeSlurmClient:
         self._set(job_id, preempt_time=when or datetime.now())
 
     def end(self, job_id: str, slurm_state: str = "PREEMPTED") -> None:
-        from .model import job_state
+        from slurm_etc.slurm.model import job_state
 
         self._set(job_id, state=job_state(slurm_state), slurm_state=slurm_state)
 
