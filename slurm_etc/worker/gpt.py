@@ -67,7 +67,8 @@ def preset_trainer(model: ModelDesc, *, distributed_optimizer: bool, seed: int =
                    global_batch: int = 8, micro_batch: int = 1, seq: int | None = None,
                    train_steps: int = 10, lr: float = LEARNING_RATE,
                    warmup_steps: int = 2) -> ElasticTrainer:
-    """An ElasticTrainer for ``model`` (Adam, clip 1.0, linear warmup then cosine decay)."""
+    """An ElasticTrainer for ``model`` (Adam, clip 1.0, linear warmup then cosine decay;
+    the warmup shortened to fewer steps than ``train_steps``)."""
     from megatron.core.optimizer import OptimizerConfig
 
     from slurm_etc.megatron.build import gpt_forward_step, transformer_config
@@ -81,7 +82,8 @@ def preset_trainer(model: ModelDesc, *, distributed_optimizer: bool, seed: int =
         model_provider=gpt_provider(model), forward_step=gpt_forward_step,
         dataset_provider=lambda: SeededTokens(model.vocab_size, seq, seed),
         transformer_config=template, optimizer_config=opt,
-        scheduler=SchedulerConfig(max_lr=lr, min_lr=lr / 10, warmup_steps=warmup_steps,
+        scheduler=SchedulerConfig(max_lr=lr, min_lr=lr / 10,
+                                  warmup_steps=min(warmup_steps, max(train_steps - 1, 0)),
                                   decay_steps=train_steps, start_wd=0.01, end_wd=0.01),
         global_batch_size=global_batch, micro_batch_size=micro_batch, seq_length=seq,
         train_steps=train_steps, name=model.name, seed=seed)

@@ -255,6 +255,11 @@ class ElasticTrainer:
             raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
         Recovery(peer_copy_every, checkpoint_every, checkpoint_dir)  # checks the values
         check_batch(global_batch_size, micro_batch_size, 1)
+        decay = scheduler.decay_steps if scheduler.decay_steps is not None else train_steps
+        if scheduler.warmup_steps >= max(decay, 1):  # megatron's scheduler asserts it
+            raise ConfigError(
+                f"the scheduler's warmup_steps ({scheduler.warmup_steps}) must be fewer than "
+                f"its decay steps ({max(decay, 1)}: decay_steps, else train_steps)")
         self.model_provider = model_provider
         self.forward_step = forward_step
         self.dataset_provider = dataset_provider
