@@ -255,8 +255,11 @@ class ElasticTrainer:
             raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
         Recovery(peer_copy_every, checkpoint_every, checkpoint_dir)  # checks the values
         check_batch(global_batch_size, micro_batch_size, 1)
+        # megatron's scheduler asserts it; a trainer of no steps and no decay of its own is
+        # one made to describe the model, which never builds a scheduler
         decay = scheduler.decay_steps if scheduler.decay_steps is not None else train_steps
-        if scheduler.warmup_steps >= max(decay, 1):  # megatron's scheduler asserts it
+        if (train_steps > 0 or scheduler.decay_steps is not None) and \
+                scheduler.warmup_steps >= max(decay, 1):
             raise ConfigError(
                 f"the scheduler's warmup_steps ({scheduler.warmup_steps}) must be fewer than "
                 f"its decay steps ({max(decay, 1)}: decay_steps, else train_steps)")

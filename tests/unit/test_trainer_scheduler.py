@@ -29,7 +29,8 @@ def test_a_warmup_as_long_as_the_decay_is_refused_in_one_line(warmup, decay, ste
     assert "\n" not in str(got.value)
 
 
-@pytest.mark.parametrize("warmup, decay, steps", [(0, None, 0), (1, None, 2), (2, 3, 1)])
+@pytest.mark.parametrize("warmup, decay, steps", [(0, None, 0), (1, None, 2), (2, 3, 1),
+                                                  (2, None, 0)])  # describes the model
 def test_a_warmup_shorter_than_the_decay_is_taken(warmup, decay, steps):
     _trainer(SchedulerConfig(max_lr=1e-3, warmup_steps=warmup, decay_steps=decay), steps)
 

@@ -52,7 +52,7 @@ def test_model_and_batch_are_optional_and_passed_on_only_when_set():
 
 def test_example_model_file_describes_the_example():
     example = _example()
-    trainer = example.make_trainer(1)
+    trainer = example.make_trainer(10)
     tf = trainer.tf_template
     desc = load_model(str(REPO / "examples" / "train_gpt.model.json"))
     assert (desc.num_layers, desc.hidden, desc.ffn_hidden, desc.num_heads) == \
