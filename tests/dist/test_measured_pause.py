@@ -82,9 +82,12 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     # fails wherever that step outlasted twice the tolerance (a demo step is 0.04-0.3 s)
     planted = training_gaps(steps, from_start=True)
     shifted = {g for g in gaps if planted[g] - gaps[g] > 2 * PAUSE_TOLERANCE_S}
-    assert shifted, (gaps, planted)
     caught = mismatches(recorded, planted, PAUSE_TOLERANCE_S)
     assert {g for g in shifted if any(f"generation {g}:" in c for c in caught)} == shifted
+    # planted: every recorded pause off by twice the tolerance, each caught (whatever the
+    # steps' lengths, which decide how far the plant above moves a gap)
+    off = {g: p + 2 * PAUSE_TOLERANCE_S for g, p in recorded.items()}
+    assert len(mismatches(off, gaps, PAUSE_TOLERANCE_S)) == len(gaps)
     assert mismatches(worker_timed_pauses(out / "workers"), gaps), \
         "the workers' timing around the resize code went unnoticed"
     # of the loss's gap, the step in flight when the node died (last step's end to the
@@ -123,10 +126,14 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     assert mismatches(recorded_stalls, stalls, STALL_TOLERANCE_S) == []
     builds = world_builds(out / "workers")
     assert len({round(a) for a, _ in builds}) >= 2  # each grow built its world while training
-    # so the check can fail
-    assert any(v > STALL_TOLERANCE_S for v in stalls.values()), stalls
     # planted: the stall left out of the record (what it held before), the same check fails
-    assert mismatches({g: 0.0 for g in recorded_stalls}, stalls, STALL_TOLERANCE_S)
+    # wherever the stall outlasts twice the tolerance (on these cores, 0.03-0.08 s)
+    left_out = mismatches({g: 0.0 for g in recorded_stalls}, stalls, STALL_TOLERANCE_S)
+    long = {g for g, v in stalls.items() if v > 2 * STALL_TOLERANCE_S}
+    assert {g for g in long if any(f"generation {g}:" in c for c in left_out)} == long
+    # planted: every recorded stall off by twice the tolerance, each caught
+    off = {g: (v or 0.0) + 2 * STALL_TOLERANCE_S for g, v in recorded_stalls.items()}
+    assert len(mismatches(off, stalls, STALL_TOLERANCE_S)) == len(stalls)
 
     # no time between steps outside what the record says: a measured pause, or a recorded
     # stall inside its resize's preparation (the timeline has no hidden gap)
