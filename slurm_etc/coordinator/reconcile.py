@@ -237,9 +237,10 @@ def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]
 @dataclass(frozen=True)
 class Holdings:
     """What the job holds between resizes: the committed layout and its generation, each
-    vrank's device, the devices held (device -> allocation), leaving (device -> (when,
-    "preemption" or "failure"): see devices.py) and lost, the vranks whose process left
-    at a commit and may still be exiting, and the last step and loss reported."""
+    vrank's device, the devices held (device -> allocation), those under notice or lost
+    (``notices``: device -> (deadline or when lost, "preemption" or "failure"); see
+    devices.py), those lost, the vranks whose process left at a commit and may still be
+    exiting (``leaving``), and the last step and loss reported."""
 
     layout: Layout | None
     generation: int
