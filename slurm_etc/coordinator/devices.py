@@ -1,6 +1,6 @@
 """What a backend's events make of the devices the job holds: pure functions of the
 :class:`~.reconcile.Holdings` and the event (no record, no backend, no clock of their own).
-The loop records the event, then takes up what these return (``Coordinator._hold``).
+The loop records the event, then takes up what these return (``Coordinator.holdings``).
 
 - **grant**: the devices are held by the granting allocation and whole again, whatever
   happened to them under an earlier one (a worker killed there, a loss): neither lost nor

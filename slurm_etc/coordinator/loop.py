@@ -30,7 +30,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -241,19 +241,13 @@ class Coordinator:
         self.topology = topology
         self.clock = clock
         self.progress = progress or (lambda _s: None)
-        self.held: dict[Device, str] = {}
+        # what the job holds (layout, generation, vranks, devices, notices, losses, the
+        # last step): one state, replaced whole by the pure functions of reconcile.py and
+        # devices.py (read through the properties below)
+        self.holdings = reconcile.Holdings.nothing()
         self.pinned: set[Device] = set()
-        self.notices: dict[Device, tuple[float, str]] = {}
-        self.lost: set[Device] = set()
-        self.layout: Layout | None = None
-        self.vranks: dict[int, Device] = {}
-        self.generation = 0
         self.last_generation = 0  # the highest generation ordered (an aborted one included)
         self.idle: set[int] = set()  # joiners alive after their resize aborted
-        # vranks whose process left the job at a commit and may not have exited yet
-        self.leaving: set[int] = set()
-        self.step = 0
-        self.loss: float | None = None
         self.inflight: InflightResize | None = None
         self.release_later: set[Device] = set()
         self.resize_times: list[float] = []
@@ -307,6 +301,45 @@ class Coordinator:
         # the job started again without them)
         self.admit_from = 0
         channel.admit = self._admits
+
+    # -- what the job holds (self.holdings), by name ---------------------------------------
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.holdings.layout
+
+    @property
+    def generation(self) -> int:
+        return self.holdings.generation
+
+    @property
+    def vranks(self) -> Mapping[int, Device]:
+        return self.holdings.vranks
+
+    @property
+    def held(self) -> Mapping[Device, str]:
+        return self.holdings.held
+
+    @property
+    def notices(self) -> Mapping[Device, tuple[float, str]]:
+        return self.holdings.notices
+
+    @property
+    def lost(self) -> frozenset[Device]:
+        return self.holdings.lost
+
+    @property
+    def leaving(self) -> frozenset[int]:
+        """Vranks whose process left the job at a commit and may not have exited yet."""
+        return self.holdings.leaving
+
+    @property
+    def step(self) -> int:
+        return self.holdings.step
+
+    @property
+    def loss(self) -> float | None:
+        return self.holdings.loss
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -499,13 +532,12 @@ class Coordinator:
             return False
         text = gen.layout
         config = ParallelConfig.parse(text.replace(",dist-opt", ""), "dist-opt" in text)
-        self.layout = Layout(config, members)
-        self.generation = gen.number
+        self.holdings = replace(
+            self.holdings, layout=Layout(config, members), generation=gen.number,
+            vranks={v: d for _r, v, d in here},
+            step=max(gen.last_step or 0, gen.first_step or 0), loss=gen.last_loss)
         self.last_generation = max(self.last_generation, got.last_generation)
         self.channel.generation = gen.number
-        self.vranks = {v: d for _r, v, d in here}
-        self.step = max(gen.last_step or 0, gen.first_step or 0)
-        self.loss = gen.last_loss
         self.reattached = True
         # joiners of the aborted resize: nothing takes them in
         self.idle = alive - set(members)
@@ -590,8 +622,8 @@ class Coordinator:
             now = self.clock()
             match event:
                 case Grant():
-                    self._hold(devices.grant(self._holdings(), event.devices,
-                                             event.allocation))
+                    self.holdings = devices.grant(self.holdings, event.devices,
+                                                  event.allocation)
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
@@ -602,8 +634,8 @@ class Coordinator:
                         f"({', '.join(event.nodes)})", state="granted",
                         role="anchor" if set(event.devices) <= self.pinned else "member"))
                 case PreemptNotice():
-                    self._hold(devices.notice(self._holdings(), event.devices,
-                                              event.deadline))
+                    self.holdings = devices.notice(self.holdings, event.devices,
+                                                   event.deadline)
                     self._noticed_at = time.perf_counter()
                     seen.append(self._observed(
                         "preempt-notice", event, f"{len(event.devices)} devices, "
@@ -611,8 +643,8 @@ class Coordinator:
                         deadline=event.deadline))
                 case Loss():
                     self._partition_stale = True  # a node DOWN may take others with it
-                    self._hold(devices.loss(self._holdings(), event.devices,
-                                            event.allocation, event.cause, now))
+                    self.holdings = devices.loss(self.holdings, event.devices,
+                                                 event.allocation, event.cause, now)
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
                                                f"({event.cause})", state="lost"))
                 case EndTraining():
@@ -626,7 +658,8 @@ class Coordinator:
                         f"grant ({event.reason})"))
                 case WorkerExited():
                     self.idle.discard(event.vrank)
-                    self.leaving.discard(event.vrank)
+                    self.holdings = replace(self.holdings,
+                                            leaving=self.leaving - {event.vrank})
                     unjoined = self._unjoined(event.vrank, event.generation)
                     if unjoined and not event.stopped:
                         # any code, 0 included: a script that never calls run_worker
@@ -644,7 +677,8 @@ class Coordinator:
                         self._worker_died(event, now)
             self.dirty = True
         if any(o.kind in ("preempt-notice", "loss") for o in seen):
-            self._supersede_warm_up()
+            for effect in reconcile.supersede(self.inflight, time.monotonic()):
+                self._perform(effect)
         if seen:
             self.crash("before-record")
             ids = self.journal.write(record.record_observed, self.spec.job_id, seen)
@@ -662,7 +696,7 @@ class Coordinator:
             fl.dead.add(event.vrank)
         elif not in_layout:
             return
-        self._hold(devices.failed(self._holdings(), [event.device], now))
+        self.holdings = devices.failed(self.holdings, [event.device], now)
 
     def _unjoined(self, vrank: int, generation: int) -> bool:
         """Whether the process of ``vrank`` launched for ``generation`` ended (or is given
@@ -673,55 +707,39 @@ class Coordinator:
         return True
 
     def _join_deadlines(self) -> None:
-        """A launched worker that has not said Hello within the join timeout never joins:
-        it is stopped and handled as one that exited before joining."""
-        now = time.monotonic()
-        self._ready_deadline(now)
-        late = reconcile.late_to_join(self.unjoined, now, self.spec.join_timeout_s)
-        if not late:
-            return
+        """Give up the launched workers late past the join timeout (reconcile.overdue)."""
+        for effect in reconcile.overdue(self.inflight, self.unjoined, time.monotonic(),
+                                        self.spec.join_timeout_s, self.spec.order_after_joined):
+            self._perform(effect)
+
+    def _never_ready(self, whys: Mapping[int, str]) -> None:
+        """Joiners that said Hello but not Ready in time: stopped, dead on failed devices;
+        the resize (its old layout never ordered) is replanned without them (_settle)."""
+        fl = self.inflight
+        assert fl is not None
+        perform(self.backend, StopWorkers(tuple(sorted(whys)), 5.0, "it was never ready"))
+        for v, why in whys.items():
+            fl.dead.add(v)
+            fl.never_joined.setdefault(v, why)
+        self.holdings = devices.failed(self.holdings, [fl.vranks[v] for v in whys],
+                                       self.clock())
+
+    def _silent(self, vranks: Iterable[int], what: str) -> None:
+        """Launched workers that never said Hello in time: each one still running is
+        stopped and handled as one that exited before joining."""
         workers = self.backend.workers()
-        for v in late:
-            gen = self.unjoined[v][0]
-            self._unjoined(v, gen)
+        for v in vranks:
+            self._unjoined(v, self.unjoined[v][0])
             w = workers.get(v)
             if w is None:
                 continue
             perform(self.backend, StopWorkers((v,), 5.0, "it never said hello"))
-            self._never_joined(v, w.device, f"did not say hello within "
-                               f"{self.spec.join_timeout_s:.0f} s of its launch (slurm-etc "
-                               "run --join-timeout)", False)
+            self._never_joined(v, w.device, what, False)
 
-    def _ready_deadline(self, now: float) -> None:
-        """Joiners of the grow in flight that said Hello but not Ready within the join
-        timeout of their launch: stopped, their devices counted as failed, and the resize
-        (its old layout never ordered) is replanned without them (see _settle)."""
+    def _supersede(self, why: str) -> None:
+        """Give up the grow in flight whose joiners warm up (its end already recorded)."""
         fl = self.inflight
-        late = reconcile.late_to_be_ready(fl, self.unjoined, now, self.spec.join_timeout_s,
-                                          self.spec.order_after_joined)
-        if fl is None or not late:
-            return
-        perform(self.backend, StopWorkers(tuple(late), 5.0, "it was never ready"))
-        for v in late:
-            why = (f"vrank {v} said hello but was not ready within "
-                   f"{self.spec.join_timeout_s:.0f} s of its launch (slurm-etc run "
-                   "--join-timeout): its log says why")
-            fl.dead.add(v)
-            fl.never_joined.setdefault(v, why)
-        self._hold(devices.failed(self._holdings(), [fl.vranks[v] for v in late],
-                                  self.clock()))
-
-    def _supersede_warm_up(self) -> None:
-        """A preemption notice or a loss while a grow's joiners warm up (the old layout not
-        ordered yet, nobody paused): the grow is given up at once, its joiners stopped, and
-        the next decision plans from what the job holds now (a shrink needs no joiner)."""
-        fl = self.inflight
-        if fl is None or not reconcile.warming_up(fl):
-            return
-        why = "superseded by a preemption notice or a loss during its joiners' warm-up"
-        self.journal.write(record.record_migration_finish, fl.migration_id,
-                           outcome=ResizeOutcome.ABORTED,
-                           measured_seconds=time.monotonic() - fl.started, error=why)
+        assert fl is not None
         logger.warning("resize to generation %d: %s", fl.order.generation, why)
         for v in fl.joiners:
             self.unjoined.pop(v, None)
@@ -748,7 +766,7 @@ class Coordinator:
             fl.never_joined.setdefault(vrank, why)
         elif not in_layout:
             return
-        self._hold(devices.failed(self._holdings(), [device], self.clock()))
+        self.holdings = devices.failed(self.holdings, [device], self.clock())
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -855,7 +873,7 @@ class Coordinator:
         """A step reported: recorded and shown; whether the backend was told of it."""
         if report.step <= self.step:
             return False
-        self.step, self.loss = report.step, report.loss
+        self.holdings = replace(self.holdings, step=report.step, loss=report.loss)
         if report.ended > report.started > 0:
             self.step_s = report.ended - report.started
         if self.dirty_at_first_step:
@@ -1023,12 +1041,12 @@ class Coordinator:
         self._event_ids.clear()
 
     def _release_now(self) -> None:
-        free = devices.to_release(self._holdings(), self.release_later, self.pinned)
+        free = devices.to_release(self.holdings, self.release_later, self.pinned)
         self.release_later.clear()
         if not free:
             return
         perform(self.backend, ReleaseDevices(tuple(sorted(free)), "not in the layout"))
-        self._hold(devices.released(self._holdings(), free))
+        self.holdings = devices.released(self.holdings, free)
         self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
 
     # -- acting ---------------------------------------------------------------------------
@@ -1043,9 +1061,9 @@ class Coordinator:
         from slurm_etc.alloc.vranks import identity_layout
 
         layout = identity_layout(action.config, action.allocation.pool)
-        self.vranks = dict(action.allocation.vranks)
         gen = self.restart_generation
-        self.layout, self.generation = layout, gen
+        self.holdings = replace(self.holdings, layout=layout, generation=gen,
+                                vranks=dict(action.allocation.vranks))
         self.channel.generation = gen
         workers = tuple(WorkerSpec(v, self.vranks[v]) for v in layout.devices)
         env = {**self._worker_env(), LAYOUT: format_layout(layout)}
@@ -1057,7 +1075,7 @@ class Coordinator:
         newest = newest_checkpoint(where)
         if where is not None and newest is not None:
             env[RESUME_FROM] = os.path.join(where, f"step-{newest}")
-            self.step = max(self.step, newest)
+            self.holdings = replace(self.holdings, step=max(self.step, newest))
             logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
                            newest, env[RESUME_FROM])
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
@@ -1075,7 +1093,7 @@ class Coordinator:
         old = self.layout
         gen = max(self.generation, self.last_generation) + 1
         got = reconcile.order_resize(
-            self._holdings(), job_id=self.spec.job_id, generation=gen, config=action.config,
+            self.holdings, job_id=self.spec.job_id, generation=gen, config=action.config,
             pool=action.allocation.vranks, deadline=action.deadline, reason=action.reason,
             now=self.clock(), model=self.spec.job.model,
             topology=Topology(self.topology.gpus_per_node, self.spec.hardware.intra_node_gbps,
@@ -1122,7 +1140,7 @@ class Coordinator:
         if rejoin:
             perform(self.backend, StopWorkers(tuple(sorted(rejoin)), 2.0,
                                               "its vrank joins again"))
-            self.leaving -= rejoin
+            self.holdings = replace(self.holdings, leaving=self.leaving - rejoin)
         if joiners:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,
@@ -1224,7 +1242,7 @@ class Coordinator:
         if fl.order.prepare_while_training and fl.sent_at:
             self.aside_preparation_s = max(self.aside_preparation_s or 0.0,
                                            now - fl.sent_at - pause)
-        after, effects = reconcile.commit(self._holdings(), fl, outcome, wall)
+        after, effects = reconcile.commit(self.holdings, fl, outcome, wall)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
             logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "
                            "training them again", lost_steps[0], lost_steps[1],
@@ -1232,7 +1250,7 @@ class Coordinator:
                            outcome.rebuilt_from, lost_steps[0] - 1)
         for effect in effects:
             if isinstance(effect, reconcile.ReleaseLater):  # what is held changes first
-                self._hold(after)
+                self.holdings = after
                 self.first_layout = False
                 self.resize_times.append(self.clock())
                 self.inflight = None
@@ -1248,19 +1266,6 @@ class Coordinator:
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
-
-    def _holdings(self) -> reconcile.Holdings:
-        return reconcile.Holdings(self.layout, self.generation, dict(self.vranks),
-                                  dict(self.held), dict(self.notices), frozenset(self.lost),
-                                  frozenset(self.leaving), self.step, self.loss)
-
-    def _hold(self, held: reconcile.Holdings) -> None:
-        """Take up what a reconcile decision says the job holds now."""
-        self.layout, self.generation = held.layout, held.generation
-        self.vranks = dict(held.vranks)
-        self.held, self.notices = dict(held.held), dict(held.notices)
-        self.lost, self.leaving = set(held.lost), set(held.leaving)
-        self.step, self.loss = held.step, held.loss
 
     def _perform(self, effect: reconcile.Effect) -> None:
         """Carry out one effect of a reconcile decision (records through the journal;
@@ -1290,6 +1295,12 @@ class Coordinator:
                 self._release_now()
             case reconcile.StopIdle():
                 self._stop_idle(effect.why)
+            case reconcile.NeverJoined():
+                self._silent(effect.vranks, effect.what)
+            case reconcile.NeverReady():
+                self._never_ready(effect.whys)
+            case reconcile.Supersede():
+                self._supersede(effect.why)
 
     def _finished_first(self, fl: InflightResize) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""

@@ -6,9 +6,12 @@ it, tells the workers, stops the idle). No I/O here, no clock: the caller passes
 (``time.monotonic()`` seconds, the clock of ``started`` and ``sent_at``). Unit tests call
 these directly (tests/unit/test_reconcile.py).
 
-``late_to_join(...)`` and ``late_to_be_ready(...)`` name the joiners given up (no Hello, or
-no Ready, within the join timeout of their launch); ``warming_up(resize)`` says whether a
-grow's joiners still warm up with nobody paused (a notice or a loss then supersedes it).
+``overdue(resize, unjoined, now, ...)`` gives up the launched workers late past the join
+timeout of their launch (no Hello: :class:`NeverJoined`; a joiner's Hello but no Ready:
+:class:`NeverReady`), from ``late_to_join(...)`` and ``late_to_be_ready(...)``;
+``supersede(resize, now)`` gives up a grow whose joiners still warm up with nobody paused
+(``warming_up(resize)``) when a notice or a loss came: its end recorded, then
+:class:`Supersede`.
 
 ``commit(holdings, resize, done, wall)`` and ``abort(resize, aborted, wall)`` say what a
 settled resize changes in what the job holds (:class:`Holdings`) and the effects that carry
@@ -218,6 +221,34 @@ def late_to_be_ready(resize: InflightResize | None, unjoined: Collection[int], n
     return sorted(resize.joiners - resize.ready - resize.dead - set(unjoined))
 
 
+def overdue(resize: InflightResize | None, unjoined: Mapping[int, tuple[int, float]],
+            now: float, join_timeout_s: float, order_after_joined: bool) -> list[Effect]:
+    """The launched workers given up at ``now``: joiners of the grow in flight that said
+    Hello but not Ready, then workers that never said Hello, each within the join timeout of
+    its launch."""
+    limit = f"{join_timeout_s:.0f} s of its launch (slurm-etc run --join-timeout)"
+    effects: list[Effect] = []
+    late = late_to_be_ready(resize, unjoined, now, join_timeout_s, order_after_joined)
+    if late:
+        effects.append(NeverReady({v: f"vrank {v} said hello but was not ready within "
+                                      f"{limit}: its log says why" for v in late}))
+    late = late_to_join(unjoined, now, join_timeout_s)
+    if late:
+        effects.append(NeverJoined(tuple(late), f"did not say hello within {limit}"))
+    return effects
+
+
+def supersede(resize: InflightResize | None, now: float) -> list[Effect]:
+    """A preemption notice or a loss came: a grow whose joiners still warm up (its old
+    layout not ordered, nobody paused) is given up at once, its end recorded first; the
+    next decision plans from what the job holds now (a shrink needs no joiner)."""
+    if resize is None or not warming_up(resize):
+        return []
+    why = "superseded by a preemption notice or a loss during its joiners' warm-up"
+    return [RecordFinish(resize.migration_id, ResizeOutcome.ABORTED, now - resize.started,
+                         error=why), Supersede(why)]
+
+
 def rebuilt(resize: InflightResize) -> tuple[tuple[int, int] | None, str | None]:
     """The steps a committed rebuild lost and where the lost state came from, as the
     workers reported them (every rank of the new layout reports the same)."""
@@ -251,6 +282,11 @@ class Holdings:
     leaving: frozenset[int]
     step: int
     loss: float | None
+
+    @classmethod
+    def nothing(cls) -> Holdings:
+        """What a job holds before its first grant."""
+        return cls(None, 0, {}, {}, {}, frozenset(), frozenset(), 0, None)
 
 
 # -- effects: what the loop performs, in order ---------------------------------------------
@@ -304,7 +340,34 @@ class StopIdle:
     why: str
 
 
-Effect = RecordFinish | CloseGeneration | OpenGeneration | ReleaseLater | StopIdle
+@dataclass(frozen=True)
+class NeverJoined:
+    """Stop these launched workers, silent past the join timeout, each handled as one that
+    exited before joining (``what``: how the line saying so ends)."""
+
+    vranks: tuple[int, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class NeverReady:
+    """Stop these joiners of the grow in flight (a Hello, no Ready, past the join timeout):
+    each dead on a failed device, the grow replanned without them (``whys``: vrank -> the
+    line saying why)."""
+
+    whys: Mapping[int, str]
+
+
+@dataclass(frozen=True)
+class Supersede:
+    """Give up the grow in flight (nobody paused): its joiners stay idle until the next
+    decision stops them, and that decision plans from what the job holds now."""
+
+    why: str
+
+
+Effect = (RecordFinish | CloseGeneration | OpenGeneration | ReleaseLater | StopIdle
+          | NeverJoined | NeverReady | Supersede)
 
 
 def commit(held: Holdings, resize: InflightResize, done: Commit, wall: float

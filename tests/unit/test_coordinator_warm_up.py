@@ -10,6 +10,7 @@ import logging
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.coordinator.loop import JobSpec
@@ -154,7 +155,7 @@ def test_preemption_notice_during_a_grows_warm_up_supersedes_it_at_once(tmp_path
         c._decide()
         first = c.layout
         assert first is not None
-        c.step = 5  # the first layout trains
+        c.holdings = replace(c.holdings, step=5)  # the first layout trains
         stub.pending = [Grant("a1", n2)]
         c._observe_backend()
         c._decide()
@@ -195,7 +196,7 @@ def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_pa
             c._observe_backend()
             c._decide()
             assert c.layout is not None and len(c.layout.devices) == 4
-            c.step = 5
+            c.holdings = replace(c.holdings, step=5)
             c.aside_preparation_s = measured_aside_s
             backend.pending = [PreemptNotice("a0", n2, time.time() + grace_s)]
             c._observe_backend()
@@ -233,7 +234,7 @@ def test_a_device_granted_again_is_not_the_one_that_was_lost(tmp_path):
         stub.pending = [Grant("a0", n1)]
         c._observe_backend()
         c._decide()
-        c.step = 5
+        c.holdings = replace(c.holdings, step=5)
         stub.pending = [Grant("a1", n2)]
         c._observe_backend()
         c._decide()

@@ -6,6 +6,7 @@ and otherwise at most every PARTITION_REREAD_S, and feeds it to the pure decisio
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,10 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
     with coordinator_over(tmp_path, "usable", backend, training=JOB,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
-        c.held = {**{d: "a0" for d in node("n1")}, **{d: "a1" for d in node("n2")}}
+        c.holdings = replace(c.holdings, held={**{d: "a0" for d in node("n1")},
+                                               **{d: "a1" for d in node("n2")}},
+                             layout=layout, vranks=dict(vranks), step=5)
         c.pinned = set(node("n1"))
-        c.layout, c.vranks, c.step = layout, dict(vranks), 5
         assert c._snapshot().partition_nodes == 4 and backend.reads == 1
         backend.usable = 3  # n4 DOWN: no event, this job did not hold it
         assert c._snapshot().partition_nodes == 4 and backend.reads == 1  # not yet re-read
@@ -138,7 +140,7 @@ def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path) -> None:
     with coordinator_over(tmp_path, "topo", backend, training=JOB,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
-        c.held = {d: "a0" for d in node("n1")}
+        c.holdings = replace(c.holdings, held={d: "a0" for d in node("n1")})
         assert c._snapshot().partition_nodes == len(TOPO.nodes) == 4
         assert Device("n1", 0) in c.held
 

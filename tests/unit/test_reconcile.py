@@ -10,12 +10,18 @@ from slurm_etc.coordinator.reconcile import (
     Commit,
     InflightResize,
     JobStopped,
+    NeverJoined,
+    NeverReady,
+    RecordFinish,
+    Supersede,
     Wait,
     late_to_be_ready,
     late_to_join,
+    overdue,
     plan_resize,
     rebuilt,
     settle,
+    supersede,
     warming_up,
 )
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
@@ -168,6 +174,30 @@ def test_only_a_grow_not_yet_ordered_is_warming_up():
     assert not warming_up(resize(joiners=(), sent_at=0.0))  # a shrink has no joiner
     assert not warming_up(None)
 
+
+
+def test_overdue_gives_up_the_unready_then_the_silent_with_the_line_saying_why():
+    fl = resize(joiners=(2, 3), sent_at=0.0, ready={3})
+    unjoined = {4: (2, 90.0)}  # launched for the next generation at 90, never said Hello
+    assert overdue(fl, unjoined, 149.0, 60.0, True) == []
+    got = overdue(fl, unjoined, 161.0, 60.0, True)
+    assert got == [
+        NeverReady({2: "vrank 2 said hello but was not ready within 60 s of its launch "
+                       "(slurm-etc run --join-timeout): its log says why"}),
+        NeverJoined((4,), "did not say hello within 60 s of its launch (slurm-etc run "
+                          "--join-timeout)")]
+    assert overdue(None, {}, 1e9, 60.0, True) == []
+
+
+def test_a_notice_supersedes_only_a_grow_still_warming_up_recording_it_first():
+    got = supersede(resize(sent_at=0.0), 130.0)
+    assert [type(e) for e in got] == [RecordFinish, Supersede]
+    finish = got[0]
+    assert isinstance(finish, RecordFinish) and finish.migration_id == 7
+    assert finish.outcome == "aborted" and finish.measured_seconds == 30.0
+    assert finish.error == got[1].why  # type: ignore[union-attr]
+    assert supersede(resize(sent_at=101.0), 130.0) == []  # ordered: it settles
+    assert supersede(None, 130.0) == []
 
 # -- what a settled resize changes, and the effects in their order --------------------------
 

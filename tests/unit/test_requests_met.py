@@ -139,9 +139,9 @@ def growing_from_one_node(tmp_path, job: str, backend, policy: EffectivePolicy,
     vranks, layout = on(node("n1"))
     with coordinator_over(tmp_path, job, backend, training=JOB, policy=policy,
                           hardware=HW, backend_name="local") as (c, _db):
-        c.held = {d: "a0" for d in node("n1")}
+        c.holdings = replace(c.holdings, held={d: "a0" for d in node("n1")},
+                             layout=layout, vranks=dict(vranks), step=5)
         c.pinned = set(node("n1"))
-        c.layout, c.vranks, c.step = layout, dict(vranks), 5
         c.requests, c.growing = 1, 3
         c.request_sent_at = time.monotonic() - sent_ago_s
         yield c
