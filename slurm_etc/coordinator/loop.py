@@ -1304,10 +1304,9 @@ class Coordinator:
 
     def _finished_first(self, fl: InflightResize) -> None:
         """Training ended before the old layout took up the resize in flight: it is moot."""
-        self.journal.write(record.record_migration_finish, fl.migration_id,
-                           outcome=ResizeOutcome.ABORTED,
-                                       measured_seconds=time.monotonic() - fl.started,
-                                       error="training finished before the resize began")
+        self._perform(reconcile.RecordFinish(fl.migration_id, ResizeOutcome.ABORTED,
+                                             time.monotonic() - fl.started,
+                                             error="training finished before the resize began"))
         perform(self.backend, StopWorkers(tuple(sorted(fl.joiners)), 5.0, "training finished"))
         self.inflight = None
 

@@ -327,8 +327,9 @@ class OpenGeneration:
 
 @dataclass(frozen=True)
 class ReleaseLater:
-    """These devices leave the job now that no layout needs them (their release is
-    recorded before the backend gives them back)."""
+    """These devices leave the job now that no layout needs them: the backend gives them
+    back at once with those under notice (never the layout's nor the anchor's:
+    ``devices.to_release``), then the record marks them released."""
 
     devices: frozenset[Device]
 
