@@ -1045,9 +1045,11 @@ class Coordinator:
         self.release_later.clear()
         if not free:
             return
+        # recorded before the backend gives them back: a coordinator killed between the two
+        # is told by its backend what the job still holds (a grant), never the reverse
+        self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
         perform(self.backend, ReleaseDevices(tuple(sorted(free)), "not in the layout"))
         self.holdings = devices.released(self.holdings, free)
-        self.journal.write(record.set_device_state, self.spec.job_id, sorted(free), "released")
 
     # -- acting ---------------------------------------------------------------------------
 
@@ -1078,12 +1080,14 @@ class Coordinator:
             self.holdings = replace(self.holdings, step=max(self.step, newest))
             logger.warning("generation %d resumes from the checkpoint of step %d (%s)", gen,
                            newest, env[RESUME_FROM])
+        # recorded before the launch (record, then act): a coordinator killed after it finds
+        # the generation without all its workers alive and starts the layout again (_reattach)
+        self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
+                           layout.devices, self.vranks, first_step=self.step)
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
         self._record_launch(gen, layout.devices)
         self.first_layout = True
         self._await_hello(layout.devices, gen)
-        self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
-                               layout.devices, self.vranks, first_step=self.step)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
     def _resize(self, action: ResizeDecision) -> None:

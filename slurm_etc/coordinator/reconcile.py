@@ -327,9 +327,9 @@ class OpenGeneration:
 
 @dataclass(frozen=True)
 class ReleaseLater:
-    """These devices leave the job now that no layout needs them: the backend gives them
-    back at once with those under notice (never the layout's nor the anchor's:
-    ``devices.to_release``), then the record marks them released."""
+    """These devices leave the job now that no layout needs them: with those under notice
+    (never the layout's nor the anchor's: ``devices.to_release``), the record marks them
+    released, then the backend gives them back."""
 
     devices: frozenset[Device]
 
