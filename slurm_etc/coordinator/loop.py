@@ -794,8 +794,14 @@ class Coordinator:
                     elif self._progress(report):
                         return  # the backend heard of the step: its events polled now
                 case Resized():
-                    if self.inflight and report.generation == self.inflight.order.generation:
-                        self.inflight.reports[vrank] = report
+                    fl = self.inflight
+                    if fl and report.generation == fl.order.generation:
+                        kept = reconcile.answer(fl.reports.get(vrank), report)
+                        if kept is not report:
+                            logger.error("vrank %d answered %s to generation %d after it "
+                                         "committed (%s): its commit stands", vrank,
+                                         report.outcome, report.generation, report.error)
+                        fl.reports[vrank] = kept
                 case Resumed():
                     self._record_pauses(self.pauses.add(report))
                 case Exited():

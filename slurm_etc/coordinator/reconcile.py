@@ -199,6 +199,17 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
         lost_steps=lost_steps, rebuilt_from=rebuilt_from))
 
 
+def answer(before: Resized | None, now: Resized) -> Resized:
+    """A process's answer to the resize in flight, given what it said before: a commit is
+    final (two-phase: a process that committed cannot abort the same generation; an abort
+    after it is a copy of the order refused, not the resize's outcome). A later commit
+    replaces an earlier one (the early report of a long install wait has no figures)."""
+    if before is not None and before.outcome == ProcessOutcome.COMMITTED and \
+            now.outcome != ProcessOutcome.COMMITTED:
+        return before
+    return now
+
+
 def late_to_join(unjoined: Mapping[int, tuple[int, float]], now: float,
                  join_timeout_s: float) -> list[int]:
     """Launched workers (vrank -> (generation, launched at)) that have not said Hello within

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
@@ -681,6 +681,10 @@ class ElasticTrainer:
         if layout is None:
             raise RuntimeError("agreement without a layout")
         self._take_orders()
+        if self._pending is not None and self._pending.generation <= self.generation:
+            # its own copy, come by the channel while this process carried out the order a
+            # peer's agreement told it of: done already, not a new order to agree on
+            self._pending = None
         rank = layout.devices.index(proc.vrank)
         names = GenerationKeys(proc.job, self.generation)
         keys = [names.agreement(self._attempt, self.step, r)
@@ -706,9 +710,7 @@ class ElasticTrainer:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
         self._pending = None
-        orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
-                  if o.generation not in self._aborted]
-        return max(orders, key=lambda o: o.generation) if orders else None
+        return newest_order(values, self.generation, self._aborted)
 
     def _agree_slice(self, own: str, mine: bytes, stale: str, keys: list[str]
                      ) -> list[bytes] | None:
@@ -1586,6 +1588,17 @@ class ElasticTrainer:
 
 
 # -- module helpers -----------------------------------------------------------------------
+
+def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[int]
+                 ) -> Order | None:
+    """The newest order the ranks wrote into a step's agreement (``b"-"``: none) that is
+    still ahead of a process at ``generation``: one of its own generation or older was
+    carried out already (a copy that came twice is not a second resize), an aborted one is
+    over."""
+    orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
+              if o.generation > generation and o.generation not in aborted]
+    return max(orders, key=lambda o: o.generation) if orders else None
+
 
 @lru_cache(maxsize=16)
 def _plan(catalog: Catalog, old: Layout, new_config: ParallelConfig, pool: tuple[int, ...],

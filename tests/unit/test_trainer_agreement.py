@@ -1,0 +1,48 @@
+"""What a step's agreement makes of the orders the ranks wrote (worker/trainer.newest_order),
+and what the coordinator keeps of a process's answers (coordinator/reconcile.answer).
+
+Found in a full run under load (tests/dist/test_inject.py, a worker killed before the commit
+vote): a rank learned the retried resize's order from a peer's agreement value before its
+own copy came by the channel; that copy, taken while the resize ran, was written into the
+new generation's first agreement, every rank carried the order out again and refused it
+("order's old layout ... is not the current"), and that refusal, overwriting the commits,
+stopped the job."""
+from __future__ import annotations
+
+from slurm_etc.coordinator.reconcile import answer
+from slurm_etc.protocol.messages import ENCODER, Abort, LayoutSpec, Resize, Resized, Stop
+from slurm_etc.worker.trainer import newest_order
+
+OLD, NEW = LayoutSpec("dp=2,tp=1,pp=1", (0, 1)), LayoutSpec("dp=2,tp=2,pp=1", (0, 1, 2, 3))
+
+
+def order(generation: int) -> Resize:
+    return Resize("j", generation, OLD, NEW)
+
+
+def test_an_order_of_the_process_own_generation_is_carried_out_already():
+    values = [ENCODER.encode(order(2)), b"-", b"-", b"-"]
+    assert newest_order(values, 2, set()) is None  # a copy taken during the resize
+    assert newest_order(values, 1, set()) == order(2)  # still ahead: the resize
+    assert newest_order(values, 3, set()) is None
+
+
+def test_the_newest_order_ahead_wins_and_aborted_ones_are_over():
+    values = [ENCODER.encode(order(3)), ENCODER.encode(order(4)), b"-"]
+    assert newest_order(values, 2, set()) == order(4)
+    assert newest_order(values, 2, {4}) == order(3)
+    assert newest_order(values, 2, {3, 4}) is None
+    stop = Stop("j", 3, "end")  # the coordinator stops with generation + 1
+    assert newest_order([ENCODER.encode(stop), b"-"], 2, set()) == stop
+    assert newest_order([ENCODER.encode(Abort("j", 3, "no")), b"-"], 2, {3}) is None
+
+
+def said(outcome: str, pause: float = 0.0) -> Resized:
+    return Resized("j", 2, 0, outcome, 9, pause_seconds=pause)  # type: ignore[arg-type]
+
+
+def test_a_commit_is_final_and_a_later_commit_brings_the_figures():
+    assert answer(None, said("aborted")) == said("aborted")
+    assert answer(said("committed"), said("aborted")) == said("committed")
+    assert answer(said("committed"), said("committed", 0.2)) == said("committed", 0.2)
+    assert answer(said("aborted"), said("committed")) == said("committed")
