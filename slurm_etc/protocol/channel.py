@@ -561,6 +561,9 @@ class CoordinatorChannel:
         self._opener = Opener(job, secret, COORDINATOR, window_s=window_s, clock=clock)
         self._rejects = _RejectLog(f"[job {job} coordinator]")
         self._peers: dict[int, bytes] = {}
+        # the generation each vrank's newest process said Hello in: a report of an older
+        # generation comes from a process before it (an idle joiner still exiting)
+        self._hello_generation: dict[int, int] = {}
         # the routing id each vrank was last found unreachable at: said once, not per send
         # (a relaunched vrank's old process is gone until its new one says hello)
         self._unreachable: dict[int, bytes] = {}
@@ -731,6 +734,12 @@ class CoordinatorChannel:
             except zmq.ZMQError:
                 pass
             return None
+        if isinstance(report, Hello):
+            self._hello_generation[vrank] = report.generation
+        elif report.generation < self._hello_generation.get(vrank, 0):
+            # a process of this vrank before the one that said Hello last: its report is
+            # taken, but what is sent to the vrank keeps going to the newer process
+            return vrank, report
         self._peers[vrank] = routing
         if isinstance(report, Hello) and self._rendezvous is not None:
             self.welcome(vrank)

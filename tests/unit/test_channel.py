@@ -236,6 +236,28 @@ def test_hello_is_answered_again_and_worker_restart_is_accepted(
     assert coordinator.rejected["replay"] == 0
 
 
+def test_a_process_before_the_newest_of_a_vrank_does_not_take_its_orders(
+        coordinator: CoordinatorChannel, key: bytes) -> None:
+    """An idle joiner of an aborted resize (generation 1) still exiting when the retry's
+    joiner of the same vrank (generation 2) said Hello: the old one's reports are taken,
+    but the retry's order goes to the new one; the new one's own reports (a reconnect
+    gets a new route) still move the route."""
+    with worker(coordinator, key, vrank=3, generation=1) as old:
+        join(coordinator, old)
+        with worker(coordinator, key, vrank=3, generation=2) as new:
+            join(coordinator, new)
+            old.report(Progress(JOB, 1, 3, 7, 1.0, 0.1, 56, "dp=4,tp=1,pp=1"))
+            got = coordinator.recv(5)
+            assert got is not None and got[1].generation == 1  # taken
+            assert coordinator.send(3, resize(2))
+            assert new.wait(5) == resize(2)
+            assert old.wait(0.3) is None
+            new.report(Progress(JOB, 2, 3, 8, 1.0, 0.1, 64, "dp=4,tp=1,pp=1"))
+            assert coordinator.recv(5) is not None
+            assert coordinator.send(3, Stop(JOB, 3))
+            assert new.wait(5) == Stop(JOB, 3)
+
+
 def test_join_times_out_with_one_clear_error(key: bytes) -> None:
     with CoordinatorChannel(JOB, key) as c:  # no rendezvous store: nobody is welcomed
         with worker(c, key) as w:
