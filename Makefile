@@ -32,8 +32,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check slurm_etc tests bench examples
 	$(BIN)/mypy slurm_etc
 
+# The tiers: the multi-process one alone (its timing checks own both cores), then the unit
+# and Slurm tiers side by side in two processes (the Slurm tier mostly waits on real jobs;
+# tests/conftest.py keeps it in one process, in order).
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests/dist
+	$(BIN)/python -m pytest -q -n 2 tests/slurm tests/unit
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_scale.py
