@@ -693,7 +693,7 @@ class Coordinator:
         fl = self.inflight
         in_layout = self.layout is not None and event.vrank in self.layout.devices
         if fl is not None and event.vrank in fl.participants:
-            fl.dead.add(event.vrank)
+            self.inflight = reconcile.died(fl, event.vrank)
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [event.device], now)
@@ -719,8 +719,8 @@ class Coordinator:
         assert fl is not None
         perform(self.backend, StopWorkers(tuple(sorted(whys)), 5.0, "it was never ready"))
         for v, why in whys.items():
-            fl.dead.add(v)
-            fl.never_joined.setdefault(v, why)
+            fl = reconcile.died(fl, v, why)
+        self.inflight = fl
         self.holdings = devices.failed(self.holdings, [fl.vranks[v] for v in whys],
                                        self.clock())
 
@@ -744,7 +744,7 @@ class Coordinator:
         for v in fl.joiners:
             self.unjoined.pop(v, None)
         # stopped by the next decision (or its resize, before it launches its own joiners)
-        self.idle = fl.joiners - fl.dead
+        self.idle = set(fl.joiners - fl.dead)
         self.inflight = None
         self.dirty = True
 
@@ -762,8 +762,7 @@ class Coordinator:
             self.fatal = self.fatal or why
             return
         if fl is not None and vrank in fl.participants:
-            fl.dead.add(vrank)
-            fl.never_joined.setdefault(vrank, why)
+            self.inflight = reconcile.died(fl, vrank, why)
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [device], self.clock())
@@ -790,18 +789,17 @@ class Coordinator:
                     fl = self.inflight
                     if fl is not None and fl.rebuild and \
                             report.generation == fl.order.generation:
-                        fl.early.append(report)  # a replay: its steps count once settled
+                        self.inflight = reconcile.replayed(fl, report)
                     elif self._progress(report):
                         return  # the backend heard of the step: its events polled now
                 case Resized():
                     fl = self.inflight
                     if fl and report.generation == fl.order.generation:
-                        kept = reconcile.answer(fl.reports.get(vrank), report)
-                        if kept is not report:
+                        self.inflight = reconcile.answered(fl, vrank, report)
+                        if self.inflight.reports[vrank] is not report:
                             logger.error("vrank %d answered %s to generation %d after it "
                                          "committed (%s): its commit stands", vrank,
                                          report.outcome, report.generation, report.error)
-                        fl.reports[vrank] = kept
                 case Resumed():
                     self._record_pauses(self.pauses.add(report))
                 case Exited():
@@ -821,7 +819,7 @@ class Coordinator:
                     fl = self.inflight
                     if fl is not None and report.generation == fl.order.generation and \
                             vrank in fl.joiners:
-                        fl.ready.add(vrank)
+                        self.inflight = reconcile.became_ready(fl, vrank)
                         logger.info("vrank %d ready for generation %d after %.2f s of warm-up",
                                     vrank, report.generation, report.seconds)
                         self._order_when_joined()
@@ -1137,8 +1135,10 @@ class Coordinator:
             kept_bytes=plan.kept_bytes, lower_bound_bytes=plan.lower_bound_moved_bytes,
             messages=len(plan.messages), rounds=plan.rounds,
             estimated_seconds=plan.est_seconds)
-        self.inflight = InflightResize(order, plan, mid, set(got.participants), joiners,
-                                       vranks, set(self.release_later), time.monotonic(),
+        self.inflight = InflightResize(order, plan, mid, got.participants, got.joiners,
+                                       got.vranks, frozenset(self.release_later),
+                                       time.monotonic(),
+                                       stayers=frozenset(set(old.devices) - set(lost)),
                                        rebuild=got.rebuild, decided_at=decided_at,
                                        step_at_launch=self.step)
         self.channel.generation = gen
@@ -1161,7 +1161,6 @@ class Coordinator:
         # joiner said Ready: it trains on while they import torch and megatron-core and
         # warm up (seconds on a busy node), and a joiner that never gets ready (a script
         # that does not end in run_worker, a crash at import) pauses nobody.
-        self.inflight.stayers = set(old.devices) - set(lost)
         self._order_when_joined()
         self.crash("after-order")
         logger.info("generation %d: resize %s -> %s (%s), moving %.1f MiB (lower bound "
@@ -1174,9 +1173,8 @@ class Coordinator:
         step boundary)."""
         fl = self.inflight
         assert fl is not None
-        missed = self.channel.broadcast(fl.order, fl.stayers)
-        fl.told |= fl.stayers - set(missed)
-        fl.sent_at = time.monotonic()
+        missed = self.channel.broadcast(fl.order, set(fl.stayers))
+        self.inflight = fl = reconcile.ordered(fl, fl.stayers - set(missed), time.monotonic())
         if fl.order.lost and self.post is not None:
             # the survivors wait at a step boundary for votes the dead never give: the
             # order in the store ends that wait the moment it is there
@@ -1216,22 +1214,17 @@ class Coordinator:
 
     def _order_when_joined(self) -> None:
         """Order the old layout once every joiner of the resize in flight said Ready."""
-        fl = self.inflight
-        if fl is None or fl.sent_at or not fl.stayers:
-            return
-        if self.spec.order_after_joined and (fl.joiners - fl.ready or fl.joiners & fl.dead):
-            return
-        self._order_stayers()
+        if reconcile.may_order(self.inflight, self.spec.order_after_joined):
+            self._order_stayers()
 
     def _tell_joiner(self, vrank: int) -> None:
         """A worker said hello: it gets the resize in flight if it has not had it — a joiner,
         or a worker of the old layout still starting when the order went out (on Slurm a
         member can be granted before the first layout's processes finished importing)."""
         fl = self.inflight
-        if fl is not None and vrank in fl.participants and vrank not in fl.told and \
-                (vrank in fl.joiners or fl.sent_at):  # the old layout: once ordered
-            if self.channel.send(vrank, fl.order):
-                fl.told.add(vrank)
+        if fl is not None and reconcile.owes_order(fl, vrank) and \
+                self.channel.send(vrank, fl.order):
+            self.inflight = reconcile.told(fl, vrank)
 
     def _settle(self) -> None:
         fl = self.inflight
@@ -1240,7 +1233,7 @@ class Coordinator:
         settled = reconcile.settle(fl, now, self.spec.worker_timeout_s)
         if settled.resend:
             self.channel.broadcast(fl.order, set(settled.resend))
-            fl.sent_at = now
+            self.inflight = fl = reconcile.ordered(fl, (), now)
         outcome = settled.outcome
         if isinstance(outcome, reconcile.Wait):
             return
@@ -1249,9 +1242,8 @@ class Coordinator:
             self._aborted(fl, wall, outcome)
             return
         pause, lost_steps = outcome.pause_s, outcome.lost_steps
-        if fl.order.prepare_while_training and fl.sent_at:
-            self.aside_preparation_s = max(self.aside_preparation_s or 0.0,
-                                           now - fl.sent_at - pause)
+        self.aside_preparation_s = reconcile.longest_aside(self.aside_preparation_s, fl, now,
+                                                           pause)
         after, effects = reconcile.commit(self.holdings, fl, outcome, wall)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
             logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "

@@ -6,6 +6,11 @@ it, tells the workers, stops the idle). No I/O here, no clock: the caller passes
 (``time.monotonic()`` seconds, the clock of ``started`` and ``sent_at``). Unit tests call
 these directly (tests/unit/test_reconcile.py).
 
+The resize in flight (:class:`InflightResize`) is frozen: what the workers say of it gives a
+new value (``died``, ``answered``, ``became_ready``, ``replayed``, ``told``, ``ordered``) that
+replaces the old one; ``may_order`` says when its old layout is ordered (every joiner Ready,
+none dead) and ``owes_order`` whether a worker that said Hello still needs the order.
+
 ``overdue(resize, unjoined, now, ...)`` gives up the launched workers late past the join
 timeout of their launch (no Hello: :class:`NeverJoined`; a joiner's Hello but no Ready:
 :class:`NeverReady`), from ``late_to_join(...)`` and ``late_to_be_ready(...)``;
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from slurm_etc.alloc.topology import Device
 from slurm_etc.lifecycle import ProcessOutcome, ResizeOutcome
@@ -111,29 +116,86 @@ def plan_resize(model: ModelDesc, old: Layout, config: ParallelConfig, pool: Seq
         raise
 
 
-@dataclass
+@dataclass(frozen=True)
 class InflightResize:
-    """A resize ordered and not yet settled."""
+    """A resize ordered and not yet settled. Never changed in place: what the workers say of
+    it gives a new value (``died``, ``answered``, ``became_ready``, ``replayed``, ``told``,
+    ``ordered``), which replaces the old one, as :class:`Holdings` does."""
 
     order: Resize
     plan: MigrationPlan
     migration_id: int
-    participants: set[int]
-    joiners: set[int]
-    vranks: dict[int, Device]
-    release: set[Device]
+    participants: frozenset[int]
+    joiners: frozenset[int]
+    vranks: Mapping[int, Device]
+    release: frozenset[Device]
     started: float
-    reports: dict[int, Resized] = field(default_factory=dict)
-    told: set[int] = field(default_factory=set)
-    stayers: set[int] = field(default_factory=set)
-    sent_at: float = 0.0
-    dead: set[int] = field(default_factory=set)  # participants whose process died
+    stayers: frozenset[int] = frozenset()  # the old layout's live vranks: ordered once
+    reports: Mapping[int, Resized] = field(default_factory=dict)
+    told: frozenset[int] = frozenset()
+    sent_at: float = 0.0  # when the old layout was ordered (0: not yet)
+    dead: frozenset[int] = frozenset()  # participants whose process died
     rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
-    early: list[Progress] = field(default_factory=list)  # the new layout's, before settling
-    never_joined: dict[int, str] = field(default_factory=dict)  # joiner -> why (one line)
+    early: tuple[Progress, ...] = ()  # the new layout's, before settling
+    never_joined: Mapping[int, str] = field(default_factory=dict)  # joiner -> why (one line)
     decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
-    ready: set[int] = field(default_factory=set)  # joiners that said Ready
+    ready: frozenset[int] = frozenset()  # joiners that said Ready
     step_at_launch: int = 0  # the job's step when the joiners were launched
+
+
+def died(resize: InflightResize, vrank: int, why: str | None = None) -> InflightResize:
+    """``vrank``'s process died (``why``: the line saying why it never joined; the first
+    one said stays)."""
+    never = resize.never_joined
+    if why is not None and vrank not in never:
+        never = {**never, vrank: why}
+    return replace(resize, dead=resize.dead | {vrank}, never_joined=never)
+
+
+def answered(resize: InflightResize, vrank: int, report: Resized) -> InflightResize:
+    """``vrank`` answered the order (``answer``: a commit is final)."""
+    return replace(resize, reports={**resize.reports,
+                                    vrank: answer(resize.reports.get(vrank), report)})
+
+
+def became_ready(resize: InflightResize, vrank: int) -> InflightResize:
+    """The joiner ``vrank`` said Ready: warmed up, it waits for the old layout."""
+    return replace(resize, ready=resize.ready | {vrank})
+
+
+def replayed(resize: InflightResize, report: Progress) -> InflightResize:
+    """A step of the rebuilt layout, trained again before the resize settled: it counts once
+    settled."""
+    return replace(resize, early=(*resize.early, report))
+
+
+def told(resize: InflightResize, vrank: int) -> InflightResize:
+    """``vrank`` got the order (a joiner, or a worker of the old layout that said Hello after
+    the order went out)."""
+    return replace(resize, told=resize.told | {vrank})
+
+
+def ordered(resize: InflightResize, got: Collection[int], now: float) -> InflightResize:
+    """The order went to the old layout (again, for a resend) at ``now``; ``got``: the
+    vranks it reached."""
+    return replace(resize, told=resize.told | frozenset(got), sent_at=now)
+
+
+def may_order(resize: InflightResize | None, order_after_joined: bool) -> bool:
+    """Whether the old layout is ordered now: not yet ordered, and (``order_after_joined``)
+    every joiner said Ready and none died (the old layout trains on through the joiners'
+    warm-up; one that never gets ready pauses nobody)."""
+    if resize is None or resize.sent_at or not resize.stayers:
+        return False
+    return not (order_after_joined and (resize.joiners - resize.ready
+                                        or resize.joiners & resize.dead))
+
+
+def owes_order(resize: InflightResize | None, vrank: int) -> bool:
+    """Whether ``vrank``, which said Hello, still needs the order: a joiner, or a worker of
+    the old layout still starting when the order went out."""
+    return resize is not None and vrank in resize.participants and \
+        vrank not in resize.told and (vrank in resize.joiners or bool(resize.sent_at))
 
 
 @dataclass(frozen=True)
@@ -496,6 +558,16 @@ def order_resize(held: Holdings, *, job_id: str, generation: int, config: Parall
                          frozenset(set(new.devices) - set(old.devices)),
                          frozenset((set(old.devices) | set(new.devices)) - set(lost)),
                          left, need)
+
+
+def longest_aside(longest_s: float | None, resize: InflightResize, now: float,
+                  pause_s: float) -> float | None:
+    """The longest preparation beside training timed so far (None: none yet), with that of
+    ``resize``, committed at ``now`` after a pause of ``pause_s``: from its order to its
+    commit, less the pause (what ``aside_needs`` weighs a notice's grace against)."""
+    if not (resize.order.prepare_while_training and resize.sent_at):
+        return longest_s
+    return max(longest_s or 0.0, now - resize.sent_at - pause_s)
 
 
 def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],

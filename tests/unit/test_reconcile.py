@@ -2,6 +2,8 @@
 SQLite, no zmq, no processes)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from slurm_etc.coordinator.reconcile import (
@@ -15,13 +17,22 @@ from slurm_etc.coordinator.reconcile import (
     RecordFinish,
     Supersede,
     Wait,
+    answered,
+    became_ready,
+    died,
     late_to_be_ready,
     late_to_join,
+    longest_aside,
+    may_order,
+    ordered,
     overdue,
+    owes_order,
     plan_resize,
     rebuilt,
+    replayed,
     settle,
     supersede,
+    told,
     warming_up,
 )
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
@@ -34,12 +45,11 @@ ORDER = Resize("j", 2, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
 
 def resize(*, joiners=(2,), started=100.0, sent_at=101.0, **kw) -> InflightResize:
     """A grow dp 2 -> 3: vranks 0, 1 stay, 2 joins; the order went out at ``sent_at``."""
-    fl = InflightResize(order=ORDER, plan=None, migration_id=7, participants={0, 1, 2},
-                        joiners=set(joiners), vranks={}, release=set(), started=started,
-                        told={0, 1, 2}, stayers={0, 1}, sent_at=sent_at)
-    for k, v in kw.items():
-        setattr(fl, k, v)
-    return fl
+    fl = InflightResize(order=ORDER, plan=None, migration_id=7,
+                        participants=frozenset({0, 1, 2}), joiners=frozenset(joiners),
+                        vranks={}, release=frozenset(), started=started,
+                        told=frozenset({0, 1, 2}), stayers=frozenset({0, 1}), sent_at=sent_at)
+    return replace(fl, **kw)
 
 
 def said(vrank: int, outcome: str = "committed", **kw) -> Resized:
@@ -47,14 +57,15 @@ def said(vrank: int, outcome: str = "committed", **kw) -> Resized:
 
 
 def answers(fl: InflightResize, *reports: Resized) -> InflightResize:
-    fl.reports = {r.vrank: r for r in reports}
+    for r in reports:
+        fl = answered(fl, r.vrank, r)
     return fl
 
 
 def test_waits_until_every_live_participant_answered():
     fl = answers(resize(), said(0), said(1))
     assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
-    fl.dead = {2}  # the silent one died: the others' answers settle it
+    fl = died(fl, 2)  # the silent one died: the others' answers settle it
     assert isinstance(settle(fl, 102.0, TIMEOUT).outcome, Commit)
 
 
@@ -69,7 +80,7 @@ def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
 
 
 def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
-    fl = answers(resize(dead={1}), said(0))
+    fl = answers(resize(dead=frozenset({1})), said(0))
     assert settle(fl, 101.0 + RESEND_S - 0.1, TIMEOUT).resend == frozenset()
     got = settle(fl, 101.0 + RESEND_S + 0.1, TIMEOUT)
     assert got.resend == {2} and got.outcome == Wait()
@@ -78,8 +89,7 @@ def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
 
 
 def test_an_abort_with_somebody_dead_is_retried_and_without_stops_the_job():
-    fl = answers(resize(), said(0, "aborted", error="peer 2 died"), said(1))
-    fl.dead = {2}
+    fl = died(answers(resize(), said(0, "aborted", error="peer 2 died"), said(1)), 2)
     assert settle(fl, 102.0, TIMEOUT).outcome == Abort("peer 2 died", retry=True)
     fl = answers(resize(), said(0, "aborted", error="refused: bad plan"), said(1), said(2))
     assert settle(fl, 102.0, TIMEOUT).outcome == Abort("refused: bad plan", retry=False)
@@ -93,14 +103,14 @@ def test_silence_past_twice_the_worker_timeout_aborts_naming_the_silent():
 
 
 def test_a_joiner_dead_before_the_old_layout_was_ordered_retries_at_once():
-    fl = resize(sent_at=0.0, dead={2}, never_joined={2: "vrank 2 exited with 1 before Ready"})
+    fl = died(resize(sent_at=0.0), 2, "vrank 2 exited with 1 before Ready")
     assert settle(fl, 102.0, TIMEOUT).outcome == Abort("vrank 2 exited with 1 before Ready",
                                                        retry=True)
-    fl.never_joined = {}
+    fl = replace(fl, never_joined={})
     assert settle(fl, 102.0, TIMEOUT).outcome == Abort(
         "vrank(s) 2 died before the old layout was ordered", retry=True)
     # once the old layout was ordered, the others' answers settle it
-    fl.sent_at = 101.0
+    fl = ordered(fl, (), 101.0)
     assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
 
 
@@ -158,12 +168,12 @@ def test_joiners_are_given_up_past_the_join_timeout_of_their_launch():
 
 
 def test_hello_without_ready_is_late_only_while_the_old_layout_is_not_ordered():
-    fl = resize(joiners=(2, 3), sent_at=0.0, ready={3})
+    fl = became_ready(resize(joiners=(2, 3), sent_at=0.0), 3)
     assert late_to_be_ready(fl, set(), 159.0, 60.0, True) == []  # within the timeout
     assert late_to_be_ready(fl, set(), 161.0, 60.0, True) == [2]
     assert late_to_be_ready(fl, {2}, 161.0, 60.0, True) == []  # no Hello yet: late_to_join's
     assert late_to_be_ready(fl, set(), 161.0, 60.0, False) == []  # ordered at once: no wait
-    fl.sent_at = 150.0  # ordered: the settlement's business now
+    fl = ordered(fl, (), 150.0)  # ordered: the settlement's business now
     assert late_to_be_ready(fl, set(), 161.0, 60.0, True) == []
     assert late_to_be_ready(None, set(), 161.0, 60.0, True) == []
 
@@ -177,7 +187,7 @@ def test_only_a_grow_not_yet_ordered_is_warming_up():
 
 
 def test_overdue_gives_up_the_unready_then_the_silent_with_the_line_saying_why():
-    fl = resize(joiners=(2, 3), sent_at=0.0, ready={3})
+    fl = became_ready(resize(joiners=(2, 3), sent_at=0.0), 3)
     unjoined = {4: (2, 90.0)}  # launched for the next generation at 90, never said Hello
     assert overdue(fl, unjoined, 149.0, 60.0, True) == []
     got = overdue(fl, unjoined, 161.0, 60.0, True)
@@ -224,7 +234,7 @@ def test_a_commit_records_first_then_opens_the_new_generation_then_releases():
     from slurm_etc.lifecycle import ResizeOutcome
 
     held, d = _holdings()
-    fl = resize(vranks={0: d[0], 1: d[1], 2: d[2]}, release={d[1]})
+    fl = resize(vranks={0: d[0], 1: d[1], 2: d[2]}, release=frozenset({d[1]}))
     done = Commit(0.05, 0.01, None, None)
     after, effects = commit(held, fl, done, 1.5)
     assert [type(e) for e in effects] == [RecordFinish, CloseGeneration, OpenGeneration,
@@ -247,8 +257,7 @@ def test_a_rebuild_rolls_the_step_back_and_forgets_lost_devices_it_no_longer_hol
                     LayoutSpec("dp=1,tp=1,pp=1", (0,)), lost=(1,))
     held, d = _holdings(lost=frozenset({gone}),
                         notices={gone: (5.0, "a9")}, held={gone: "a9"})
-    fl = resize(vranks={0: d[0], 1: d[1]}, joiners=(), dead={1})
-    fl.order = shrink
+    fl = resize(vranks={0: d[0], 1: d[1]}, joiners=(), dead=frozenset({1}), order=shrink)
     after, effects = commit(held, fl, Commit(0.2, 0.0, (31, 40), "peer-copies"), 2.0)
     assert after.step == 30 and after.loss is None  # steps 31-40 are trained again
     assert effects[1].last_step == 40  # the old generation closed where it was
@@ -315,3 +324,51 @@ def test_a_leaving_devices_vrank_is_never_given_to_another_device():
     got = reserve_vranks(pool, layout, 2)
     assert got == {2: Device("n2", 0), 3: Device("n2", 1)}
     assert reserve_vranks(layout, layout, 2) == layout
+
+
+def test_what_the_workers_say_gives_a_new_resize_and_leaves_the_one_before():
+    fl = resize(sent_at=0.0)
+    after = died(fl, 2, "vrank 2 exited with 1 before Ready")
+    after = died(after, 2, "a second line")  # the first line said stays
+    assert after.dead == {2} and after.never_joined == {2: "vrank 2 exited with 1 before Ready"}
+    assert fl.dead == frozenset() and fl.never_joined == {}
+    after = answered(fl, 0, said(0))
+    assert after.reports == {0: said(0)} and fl.reports == {}
+    assert answered(after, 0, said(0, "aborted")).reports[0] == said(0)  # a commit is final
+    assert replayed(fl, "step 9").early == ("step 9",) and fl.early == ()
+    assert ordered(fl, {0}, 120.0).sent_at == 120.0 and fl.sent_at == 0.0
+    with pytest.raises(AttributeError):
+        fl.sent_at = 1.0  # type: ignore[misc]  # never changed in place
+
+
+def test_the_old_layout_is_ordered_once_every_joiner_is_ready_and_none_died():
+    fl = resize(joiners=(2, 3), sent_at=0.0)
+    assert may_order(fl, False)  # ordered at once: no warm-up wait
+    assert not may_order(fl, True)
+    assert not may_order(became_ready(fl, 3), True)  # 2 is not ready
+    ready = became_ready(became_ready(fl, 3), 2)
+    assert may_order(ready, True)
+    assert not may_order(died(ready, 2), True)  # a dead joiner: replanned, nobody paused
+    assert not may_order(ordered(ready, {0, 1}, 120.0), True)  # once
+    assert not may_order(replace(ready, stayers=frozenset()), True)
+    assert not may_order(None, True)
+
+
+def test_a_worker_that_says_hello_gets_the_order_it_has_not_had():
+    fl = resize(joiners=(2,), sent_at=0.0, told=frozenset())
+    assert owes_order(fl, 2)  # a joiner: at once
+    assert not owes_order(fl, 0)  # the old layout: only once it is ordered
+    assert not owes_order(told(fl, 2), 2)
+    assert owes_order(ordered(fl, {1}, 120.0), 0)  # still starting when the order went out
+    assert not owes_order(ordered(fl, {0, 1}, 120.0), 0)
+    assert not owes_order(fl, 7)  # not a participant
+    assert not owes_order(None, 2)
+
+
+def test_the_longest_preparation_aside_counts_only_resizes_prepared_beside_training():
+    aside = resize(sent_at=101.0, order=Resize("j", 2, ORDER.old, ORDER.new,
+                                               prepare_while_training=True))
+    assert longest_aside(None, aside, 105.0, 0.5) == 3.5  # order to commit, less the pause
+    assert longest_aside(9.0, aside, 105.0, 0.5) == 9.0  # the longest stays
+    assert longest_aside(2.0, resize(sent_at=101.0), 105.0, 0.5) == 2.0  # at full speed
+    assert longest_aside(None, replace(aside, sent_at=0.0), 105.0, 0.5) is None  # never ordered
