@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,17 @@ from slurm_etc.protocol.rendezvous import (
 from ..errors import InternalError
 from .build import TrainingState
 from .placement import Placed, give_back, place_staying_state
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from slurm_etc.migrate.executor import MigrationOptions, MigrationResult, MigrationStats
+    from slurm_etc.migrate.faults import FaultInjector
+    from slurm_etc.migrate.group import MigrationGroup
+    from slurm_etc.migrate.memory import PeakMemory
+    from slurm_etc.migrate.program import Program
+
+    from .world import PreparedWorld
 from .state import (
     Destinations,
     Relabel,
@@ -80,23 +91,24 @@ class PreparedResize:
 
     plan: MigrationPlan
     device: int
-    store: Any
+    store: Store
     tag: str
-    group: Any
-    program: Any
+    group: MigrationGroup
+    program: Program
     destinations: list[torch.Tensor | None]
-    options: Any
-    memory: Any
+    options: MigrationOptions
+    memory: PeakMemory
     group_timeout_s: float
     seconds: dict = field(default_factory=dict)
-    world: Any = None
+    world: PreparedWorld | None = None
     receive: Destinations | None = None
     staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     placed: Placed | None = None
     relabel: Relabel | None = None
 
 
-def prepare_resize(plan: MigrationPlan, device: int, store: Any, *, tag: str, options: Any = None,
+def prepare_resize(plan: MigrationPlan, device: int, store: Store, *, tag: str,
+                   options: MigrationOptions | None = None,
                    group_timeout_s: float = 300.0, prefault: bool = True, world: bool = False,
                    build_new: Callable[[ParallelConfig], TrainingState] | None = None,
                    state: TrainingState | None = None,
@@ -147,7 +159,8 @@ def prepare_resize(plan: MigrationPlan, device: int, store: Any, *, tag: str, op
     return prepared
 
 
-def _connect(plan: MigrationPlan, device: int, store: Any, tag: str, options: Any,
+def _connect(plan: MigrationPlan, device: int, store: Store, tag: str,
+             options: MigrationOptions | None,
              group_timeout_s: float, prefault: bool) -> PreparedResize:
     """The migration group, the program, the staging buffers (no destinations yet)."""
     import torch.distributed as dist
@@ -203,7 +216,8 @@ def _allocate(prepared: PreparedResize, prefault: bool) -> None:
     prepared.seconds["allocate"] += time.perf_counter() - t
 
 
-def prepare_transfer(plan: MigrationPlan, device: int, store: Any, *, tag: str, options: Any = None,
+def prepare_transfer(plan: MigrationPlan, device: int, store: Store, *, tag: str,
+                     options: MigrationOptions | None = None,
                      group_timeout_s: float = 300.0, prefault: bool = True) -> PreparedResize:
     """The part of :func:`prepare_resize` that touches no global state (the migration
     group's own gloo backends, the program, the staging buffers; on a process outside the
@@ -290,8 +304,8 @@ def finish_new_world(prepared: PreparedResize, *, build_new: Callable[[ParallelC
         seconds["place"] = time.perf_counter() - t
 
 
-def _place(state: TrainingState, plan: MigrationPlan, program: Any, receive: Destinations,
-           new_world: Any, group: Any, relabel: Relabel | None) -> Placed:
+def _place(state: TrainingState, plan: MigrationPlan, program: Program, receive: Destinations,
+           new_world: PreparedWorld, group: MigrationGroup, relabel: Relabel | None) -> Placed:
     """The old state that stays here, moved into the prepared world (all of it given back,
     the world and the group dropped, if that fails)."""
     views = [None if j in receive.alias else (t if t is not None else receive.copy.get(j))
@@ -348,7 +362,7 @@ class InstallInterrupted(InternalError, RuntimeError):
 # a full pass of Python's garbage collector costs 0.5 s here: none runs in the pause
 @collector_paused()
 def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
-                    keep_shards: bool = False, faults: Any = None,
+                    keep_shards: bool = False, faults: FaultInjector | None = None,
                     build_new: Callable[[ParallelConfig], TrainingState] | None = None,
                     held: tuple[list[LocalShard], ResumeState] | None = None,
                     install_wait: Callable[[float], bool] | None = None
@@ -475,8 +489,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                          seconds)
 
 
-def _switch(prepared: PreparedResize, result: Any, resume: ResumeState | None, seconds: dict,
-            *, keep_shards: bool, install_wait: Callable[[float], bool] | None
+def _switch(prepared: PreparedResize, result: MigrationResult, resume: ResumeState | None,
+            seconds: dict, *, keep_shards: bool, install_wait: Callable[[float], bool] | None
             ) -> ResizeOutcome:
     """After the commit, with a prepared world: the migration already wrote the new shards
     into the new layout's model and optimizer. Make that world the live one (the old
@@ -509,18 +523,20 @@ def _switch(prepared: PreparedResize, result: Any, resume: ResumeState | None, s
     return ResizeOutcome(state, resume, kept, {**stats.as_dict(), **installed}, seconds)
 
 
-def _memory_stats(stats: Any, memory: Any) -> None:
+def _memory_stats(stats: MigrationStats, memory: PeakMemory) -> None:
     stats.memory_base, stats.memory_peak = memory.base, memory.peak
     stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
 
 
-def _wait_for_new_ranks(prepared: PreparedResize, result: Any, resume: ResumeState | None,
-                        install_wait: Callable[[float], bool]) -> None:
+def _wait_for_new_ranks(prepared: PreparedResize, result: MigrationResult,
+                        resume: ResumeState | None, install_wait: Callable[[float], bool]) -> None:
     """Every new rank checks in under the resize's tag before the new training group starts
     (a gloo group's start would wait for a dead rank until its timeout)."""
     store, tag, world = prepared.store, prepared.tag, prepared.plan.new.config.world
+    rank = result.new_rank
+    assert rank is not None  # a prepared world is a new rank's
     keys = [installing(tag, r) for r in range(world)]
-    store.set(keys[result.new_rank], b"1")
+    store.set(keys[rank], "1")
     t0 = time.monotonic()
     while not store.check(keys):
         waited = time.monotonic() - t0
@@ -528,7 +544,7 @@ def _wait_for_new_ranks(prepared: PreparedResize, result: Any, resume: ResumeSta
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise InstallInterrupted(
                 f"the migration to {prepared.plan.new.config} committed, but new rank(s) "
-                f"{missing} never came to install it", tag, result.new_rank,
+                f"{missing} never came to install it", tag, rank,
                 result.new_shards, resume)
         if waited > prepared.group_timeout_s:
             return  # the group's start reports who is missing

@@ -44,7 +44,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,12 @@ from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, wait_f
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from ..errors import InternalError
+
+if TYPE_CHECKING:
+    import threading
+
+    from slurm_etc.megatron.resize import PreparedResize
+    from slurm_etc.migrate.executor import MigrationOptions
 from ..protocol.messages import (
     ENCODER,
     HOLD_AFTER_S,
@@ -152,7 +158,7 @@ class WorkerProcess:
 
     job: str
     vrank: int
-    store: Any
+    store: Any  # a StoreClient: its values are bytes (torch's Store stub says str)
     control: Control
     layout: Layout | None
     generation: int = 0
@@ -838,7 +844,8 @@ class ElasticTrainer:
             raise
         return self._pause(order, plan, prepared, catalog, t0, began)
 
-    def _pause(self, order: Resize, plan: MigrationPlan, prepared: Any, catalog: Catalog | None,
+    def _pause(self, order: Resize, plan: MigrationPlan, prepared: PreparedResize,
+               catalog: Catalog | None,
                t0: float, began: float) -> str:
         """The resize's pause on this process, its preparation done: the data phase, the
         commit vote, the switch; "left" if this process is not in the new layout."""
@@ -906,7 +913,8 @@ class ElasticTrainer:
                 and self.state is not None and not order.lost and self._held is None
                 and proc.vrank in order.old.devices)
 
-    def _start_preparation(self, order: Resize, plan: MigrationPlan, options: Any) -> None:
+    def _start_preparation(self, order: Resize, plan: MigrationPlan,
+                           options: MigrationOptions) -> None:
         """Start preparing the resize beside training: the migration group, the program
         and the staging buffers in a thread (collectives on the migration group's own gloo
         backends only: none on a group the training thread uses); the new world is built
@@ -995,6 +1003,7 @@ class ElasticTrainer:
         if self._proc().vrank not in prep.order.new.devices:
             return
         t, wall = time.perf_counter(), time.time()
+        assert prep.prepared is not None  # the transfer's preparation came first
         try:
             start_new_world(prep.prepared)
         except BaseException:
@@ -1002,6 +1011,7 @@ class ElasticTrainer:
             raise
         took = time.perf_counter() - t
         prep.world_s += took
+        assert prep.prepared.world is not None
         parts = prep.prepared.world.seconds
         self._log("built the new world of generation %d at a step boundary: %.3f s (training "
                   "stopped; unix %.3f to %.3f): part 1 of 2: group %.3f, megatron's groups "
@@ -1020,6 +1030,7 @@ class ElasticTrainer:
             return
         t, wall = time.perf_counter(), time.time()
         catalog = self.catalog  # _build sets the new one: the old layout trains on with this
+        assert prep.prepared is not None  # the transfer's preparation came first
         try:
             finish_new_world(prep.prepared, build_new=lambda cfg: self._build(cfg, empty=True),
                              state=self.state)
@@ -1050,6 +1061,7 @@ class ElasticTrainer:
                   "before", prep.order.generation, prep.prepared_s, prep.world_s, len(during),
                   sum(during) / max(1, len(during)), sum(before) / max(1, len(before)))
         self.step_times.clear()
+        assert prep.prepared is not None  # finished: its transfer was prepared
         return self._pause(prep.order, prep.plan, prep.prepared, catalog,
                            time.perf_counter(), time.time())
 
@@ -1083,7 +1095,8 @@ class ElasticTrainer:
         p = self._pending
         return isinstance(p, Resize) and bool(p.lost) and p.old.layout() == new
 
-    def _hold(self, err: Any, order: Resize, old: Layout, new: Layout, plan: MigrationPlan) -> None:
+    def _hold(self, err: InstallInterrupted, order: Resize, old: Layout, new: Layout,
+              plan: MigrationPlan) -> None:
         """The migration committed but a new rank died before installing: keep this rank's
         committed shards for the resize that names the dead (no training meanwhile)."""
         proc = self._proc()
@@ -1633,8 +1646,8 @@ class _Preparation:
     order: Resize
     plan: MigrationPlan
     started: float
-    thread: Any = None
-    prepared: Any = None
+    thread: threading.Thread | None = None
+    prepared: PreparedResize | None = None
     error: BaseException | None = None
     stage: str = "transfer"
     polls: int = 0
