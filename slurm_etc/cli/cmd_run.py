@@ -245,7 +245,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
         be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
         topology = be.topology
     # the job's own machinery, once all is checked
-    from ..coordinator.loop import JobSpec, provisional_job
+    from ..coordinator.job_model import provisional_job
+    from ..coordinator.loop import JobSpec
     from ..coordinator.run import run_job
 
     job = provisional_job(model, global_batch, micro_batch, distributed_optimizer)

@@ -40,8 +40,6 @@ from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.lifecycle import JobState, ResizeOutcome
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.plan.config import ParallelConfig
-from slurm_etc.plan.errors import ConfigError
-from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.decide import (
     JobView,
     Notice,
@@ -61,10 +59,8 @@ from slurm_etc.protocol.env import (
     TIMEOUT,
 )
 from slurm_etc.protocol.messages import (
-    BATCH_FIELDS,
     ENCODER,
     HEARTBEAT_S,
-    MODEL_FIELDS,
     Exited,
     Heartbeat,
     Hello,
@@ -81,7 +77,7 @@ from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
-from . import devices, reconcile
+from . import devices, job_model, reconcile
 from .backend import (
     Backend,
     BackendError,
@@ -126,35 +122,6 @@ NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer
 # (old generation not closed, new one not opened, nothing released)
 KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
-
-
-# What the first layout is chosen with when the model (and the batch) come from the workers:
-# one layer of one head fits every device and admits only tp=1, pp=1; a batch of one, only
-# dp=1. Nothing is planned with it: no resize is decided until the workers said their model.
-PROVISIONAL_MODEL = ModelDesc("from-workers", num_layers=1, hidden=1, ffn_hidden=1,
-                              num_heads=1, vocab_size=1, seq_length=1, param_dtype="fp32",
-                              vocab_divisor=1)
-
-
-# What the elastic worker builds beyond dp/tp/pp (``TrainingJob.supports``): a mixture of
-# experts' ep (its trainer builds megatron's expert groups, its resizes move experts) and VPP
-# model chunks (one provider call per chunk, Megatron-LM's ``vp_stage``: offered only once a
-# worker said its script takes it, ``ModelBuilt.chunks``); not CP groups, nor sequence
-# parallelism (so experts train at tp = 1).
-ELASTIC_SUPPORTS = frozenset({"ep", "vpp"})
-BEFORE_CHUNKS_SAID = ELASTIC_SUPPORTS - {"vpp"}
-
-
-def provisional_job(model: ModelDesc | None, global_batch: int | None, micro_batch: int,
-                    distributed_optimizer: bool) -> TrainingJob:
-    """The job the first layout is chosen for: what was given, the provisional model and a
-    global batch of one micro batch (dp=1) where none was given; what the elastic worker
-    builds (``ELASTIC_SUPPORTS``, no sequence parallelism)."""
-    if global_batch is None:
-        global_batch = micro_batch
-    return TrainingJob(model or PROVISIONAL_MODEL, global_batch, micro_batch,
-                       distributed_optimizer, supports=BEFORE_CHUNKS_SAID,
-                       sequence_parallel=False)
 
 
 @dataclass(frozen=True)
@@ -285,15 +252,10 @@ class Coordinator:
         self.fatal: str | None = None  # why the job must stop, found while observing
         # the model and the batch planned with, each with who said it, that every worker's
         # ModelBuilt must match; None: not known yet (the first ModelBuilt says it)
-        given = (ModelReport.of(spec.job.model, spec.job.global_batch, spec.job.micro_batch))
-        self.model: tuple[ModelReport, str] | None = (
-            None if spec.model_from_workers else (given, spec.model_label))
-        self.batch: tuple[ModelReport, str] | None = (
-            None if spec.batch_from_workers else (given, "--global-batch"))
-        # --micro-batch alone: what the first worker's micro batch must be
-        self.micro_batch: tuple[ModelReport, str] | None = (
-            (given, "--micro-batch") if spec.batch_from_workers and spec.micro_batch_given
-            else None)
+        self.known = job_model.Known.given(
+            spec.job, model_from_workers=spec.model_from_workers,
+            batch_from_workers=spec.batch_from_workers,
+            micro_batch_given=spec.micro_batch_given, model_label=spec.model_label)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
         self.reattached = False  # the layout is a killed coordinator's, taken up again
         # a worker that lost its coordinator and says Hello again is taken up only if it
@@ -825,52 +787,22 @@ class Coordinator:
                         self._order_when_joined()
 
     def _model_built(self, vrank: int, got: ModelReport) -> None:
-        """A worker built its model. Where no ``--model`` (``--global-batch``) was given,
-        the first one's model (batch) is what the job plans with; any later one, or any
-        that differs from what was given, stops the job at once with one line naming the
-        first difference (before any resize: none is decided until both are known, and
-        a worker plans with its own)."""
-        here = f"vrank {vrank}'s training script"
-        for compared, ref in ((MODEL_FIELDS, self.model), (BATCH_FIELDS, self.batch),
-                              (("micro_batch",), self.micro_batch)):
-            if ref is None:
-                continue
-            there = {"": ref[1], "global_batch": ref[1], "micro_batch": ref[1]}
-            if ref[1] == "--global-batch":
-                there["micro_batch"] = "--micro-batch"
-            diff = got.difference(ref[0], here, there, compared)
-            if diff is not None:
-                what = "model" if compared is MODEL_FIELDS else "batch"
-                self.fatal = self.fatal or f"the {what} differs: {diff}"
-                return
-        if self.model is not None and self.batch is not None:
-            return
-        job = self.spec.job
-        try:
-            model = job.model if self.model is not None else got.desc()
-            global_batch, micro_batch = ((job.global_batch, job.micro_batch)
-                                         if self.batch is not None
-                                         else (got.global_batch, got.micro_batch))
-            # replace, not a new TrainingJob: what the runtime supports (ep/vpp/cp) stays
-            job = replace(job, model=model, global_batch=global_batch, micro_batch=micro_batch)
-        except ConfigError as err:
-            self.fatal = self.fatal or f"{here} builds a model that cannot be planned: {err}"
-            return
-        if self.model is None:
-            self.model = (got, here)
-        if self.batch is None:
-            self.batch = (got, here)
-        self.spec = replace(self.spec, job=job)
-        logger.info("planning with the model of vrank %d: %s", vrank, describe_job(job))
-        self.dirty = True
+        """A worker built its model: the job plans with it, or stops (job_model.model_built)."""
+        heard = job_model.model_built(self.known, self.spec.job, vrank, got)
+        if heard.fatal is not None:
+            self.fatal = self.fatal or heard.fatal
+        elif heard.known is not self.known:
+            self.known = heard.known
+            self.spec = replace(self.spec, job=heard.job)
+            logger.info("planning with the model of vrank %d: %s", vrank,
+                        job_model.describe_job(heard.job))
+            self.dirty = True
 
     def _chunks_said(self, chunks: bool) -> None:
-        """A worker's script builds virtual pipeline chunks: vpp layouts may be chosen from
-        now on (a script whose model provider takes no ``vp_stage`` could not build them)."""
-        job = self.spec.job
-        if chunks and "vpp" not in job.supports and not self.fatal:
-            self.spec = replace(self.spec, job=replace(
-                job, supports=job.supports | (ELASTIC_SUPPORTS & {"vpp"})))
+        """A worker's script builds virtual pipeline chunks: vpp layouts may be chosen."""
+        job = job_model.chunks_said(self.spec.job, chunks)
+        if job is not self.spec.job and not self.fatal:
+            self.spec = replace(self.spec, job=job)
             self.dirty = True
 
     def _progress(self, report: Progress) -> bool:
@@ -988,7 +920,7 @@ class Coordinator:
             self.crash("after-record")
         if not self.held:
             return
-        if (self.model is None or self.batch is None) and self.layout is not None:
+        if not self.known.complete and self.layout is not None:
             self.dirty = True  # decided once the workers said their model (_model_built)
             return
         decision = decide(self._snapshot(), self.spec.policy)
@@ -1330,20 +1262,6 @@ class Coordinator:
         if self.idle:
             perform(self.backend, StopWorkers(tuple(sorted(self.idle)), 5.0, why))
         self.idle = set()
-
-
-def describe_job(job: TrainingJob) -> str:
-    """One line: the model and batch a job plans with."""
-    m = job.model
-    experts = ""
-    if m.moe:
-        shared = f", shared ffn {m.shared_expert_ffn}" if m.shared_expert_ffn else ""
-        experts = (f", {m.num_experts} experts (top {m.topk}, expert ffn "
-                   f"{m.expert_ffn_size}{shared})")
-    return (f"{m.num_layers} layers, hidden {m.hidden}, {m.num_heads} heads "
-            f"({m.query_groups} query groups), ffn {m.ffn_hidden}{experts}, vocab "
-            f"{m.padded_vocab}, seq {m.seq_length}, {m.param_dtype}; global batch "
-            f"{job.global_batch}, micro batch {job.micro_batch}")
 
 
 def event_key(kind: str, event: Any) -> str:

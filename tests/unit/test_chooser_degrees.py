@@ -224,7 +224,7 @@ def test_experts_get_tp_1_without_sequence_parallelism():
 def test_the_elastic_runtime_is_offered_vpp_where_the_layers_and_micro_batches_divide(name):
     # the coordinator's job once a worker said its script builds chunks (ELASTIC_SUPPORTS):
     # the trainer builds vpp chunks and ep groups; before that, no vpp is offered
-    from slurm_etc.coordinator.loop import ELASTIC_SUPPORTS, provisional_job
+    from slurm_etc.coordinator.job_model import ELASTIC_SUPPORTS, provisional_job
 
     before = provisional_job(PRESETS[name], 24, 1, False)
     assert "vpp" not in before.supports and "ep" in before.supports

@@ -15,7 +15,7 @@ import pytest
 from slurm_etc.alloc.chooser import Hardware
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import Grant, LaunchWorkers
-from slurm_etc.coordinator.loop import PROVISIONAL_MODEL, provisional_job
+from slurm_etc.coordinator.job_model import PROVISIONAL_MODEL, provisional_job
 from slurm_etc.plan import PRESETS, load_model
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
@@ -309,7 +309,7 @@ def test_run_passes_a_micro_batch_given_alone_on_to_the_check(monkeypatch: pytes
 def test_a_reported_moe_that_does_not_fit_together_stops_the_job_and_the_log_shows_experts(
         tmp_path: Path) -> None:
     from slurm_etc.alloc.chooser import TrainingJob
-    from slurm_etc.coordinator.loop import describe_job
+    from slurm_etc.coordinator.job_model import describe_job
 
     moe = ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1)
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
