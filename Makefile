@@ -32,12 +32,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check slurm_etc tests bench examples
 	$(BIN)/mypy slurm_etc
 
-# The tiers: the multi-process one alone (its timing checks own both cores), then the unit
-# and Slurm tiers side by side in two processes (the Slurm tier mostly waits on real jobs;
-# tests/conftest.py keeps it in one process, in order).
+# The tiers (tests/conftest.py): the multi-process one alone (its timing checks own both
+# cores), then the Slurm tier in one process, in order (it mostly waits on real jobs), beside
+# the unit tier and the multi-process modules that time nothing in the other.
 test: lint
-	$(BIN)/python -m pytest -q tests/dist
-	$(BIN)/python -m pytest -q -n 2 tests/slurm tests/unit
+	$(BIN)/python -m pytest -q -m "not beside_slurm" tests/dist
+	$(BIN)/python -m pytest -q -n 2 -m "not dist or beside_slurm" tests/slurm tests/unit tests/dist
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_scale.py

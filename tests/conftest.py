@@ -1,5 +1,13 @@
 """Tier markers: tests under tests/<tier>/ get that tier's marker automatically; and how
-`make test` spreads the unit and Slurm tiers over two processes (pytest-xdist)."""
+`make test` spreads the tiers over two processes (pytest-xdist).
+
+`make test` runs the multi-process tier alone first (its timing checks, the measured pause,
+the zero-stall grow, the data-phase and scaling benchmarks, own both cores), less the modules
+in ``BESIDE_SLURM``; then the Slurm tier in one process, in order (one cluster: its session
+fixture holds it until that process ends), beside the unit tier and those modules in the
+other. ``BESIDE_SLURM``: multi-process modules that check state and losses bit for bit and
+time nothing, so sharing the cores with the Slurm tier's mostly waiting jobs only slows them.
+"""
 import os
 import pathlib
 
@@ -7,6 +15,10 @@ import pytest
 
 TIERS = ("unit", "dist", "slurm", "gpu")
 SLURM_TIER = "tests/slurm/"
+BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
+    "test_elastic", "test_verify", "test_verify_cli", "test_verify_moe", "test_planted_bugs",
+    "test_resize_lost", "test_prepared_world", "test_migrate_lost", "test_inject_vote",
+    "test_migrate_group", "test_pool_local"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # an xdist worker is started with COLUMNS=80 and LINES=24; a plain run under `make test`
@@ -21,17 +33,23 @@ def pytest_collection_modifyitems(config, items):
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if item.nodeid.split("::")[0] in BESIDE_SLURM:
+            item.add_marker(pytest.mark.beside_slurm)
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """The Slurm tier is one unit of work, run in order in one process (one cluster, its
-    session fixture holds it until that process ends); every other test is a unit of its
-    own, sent to whichever process is free. (xdist's own ``--dist loadgroup`` marks groups
-    on a node id that pytest 9 no longer reads.)"""
+    """The Slurm tier is one unit of work (the largest, so the first given out); a module of
+    the multi-process tier is one (its worker processes are started once per module); every
+    unit test is one of its own, sent to whichever process is free. (xdist's own ``--dist
+    loadgroup`` marks groups on a node id that pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return SLURM_TIER if nodeid.startswith(SLURM_TIER) else nodeid
+            if nodeid.startswith(SLURM_TIER):
+                return SLURM_TIER
+            if nodeid.startswith("tests/dist/"):
+                return nodeid.split("::")[0]
+            return nodeid
 
     return TierScheduling(config, log)
