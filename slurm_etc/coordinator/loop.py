@@ -39,7 +39,6 @@ from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.lifecycle import JobState, ResizeOutcome
 from slurm_etc.plan import Layout, Topology
-from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.policy.decide import (
     JobView,
     Notice,
@@ -77,7 +76,7 @@ from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
-from . import devices, job_model, reconcile
+from . import devices, job_model, reconcile, resume
 from .backend import (
     Backend,
     BackendError,
@@ -93,7 +92,6 @@ from .backend import (
     StopWorkers,
     WorkerExited,
     WorkerSpec,
-    WorkerState,
     perform,
 )
 from .journal import Journal
@@ -457,58 +455,36 @@ class Coordinator:
         detail = record.job_detail(self.store, self.spec.job_id)
         if adopt is None or detail is None:
             return False
-        open_gens = [g for g in detail.generations if g.ended_at is None]
-        if not open_gens:
+        open_gen = resume.open_generation(detail)
+        if open_gen is None:
             return False
-        gen = max(open_gens, key=lambda g: g.number)
-        here = sorted((v.rank, v.vrank, Device(v.node, v.local_index))
-                      for v in detail.vranks if v.generation == gen.number
-                      and v.rank is not None)
-        launched: dict[int, WorkerState] = {}
-        for e in detail.events:  # oldest first: a vrank's newest launch wins
-            p = e.payload
-            if e.kind == "launch" and isinstance(p, dict) and isinstance(p.get("pid"), int):
-                try:
-                    node, local = str(p["device"]).rsplit(":", 1)
-                    launched[int(p["vrank"])] = WorkerState(
-                        int(p["vrank"]), int(p["generation"]), Device(node, int(local)),
-                        p["pid"], start=p.get("start"))
-                except (KeyError, TypeError, ValueError):
-                    continue
-        alive = set(adopt(list(launched.values())))
+        workers = resume.launched(detail.events)
+        alive = set(adopt(list(workers.values())))
         if not alive:
             return False
-        members = tuple(v for _r, v, _d in here)
-        missing = sorted(set(members) - alive)
-        # a commit recorded past the open generation (killed before it was acted on): the
-        # workers left that layout, and the record does not have the one they are in
-        moved_on = any(m.outcome == ResizeOutcome.COMMITTED and m.to_generation > gen.number
-                       for m in detail.migrations)
-        if not members or missing or moved_on or any(launched[v].generation > gen.number
-                                                     for v in members):
+        got_up = resume.reattach(detail, open_gen, workers, alive)
+        if isinstance(got_up, resume.Refuse):
             perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
                                               "the layout cannot be reattached whole"))
             logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "
                            "alive; stopping the %d live worker(s) and starting again",
-                           ", ".join(map(str, missing)) or "-", gen.number, len(alive))
+                           ", ".join(map(str, got_up.missing)) or "-", got_up.generation,
+                           len(alive))
             return False
-        text = gen.layout
-        config = ParallelConfig.parse(text.replace(",dist-opt", ""), "dist-opt" in text)
-        self.holdings = replace(
-            self.holdings, layout=Layout(config, members), generation=gen.number,
-            vranks={v: d for _r, v, d in here},
-            step=max(gen.last_step or 0, gen.first_step or 0), loss=gen.last_loss)
+        gen, members, config = got_up.generation, got_up.layout.devices, got_up.layout.config
+        self.holdings = replace(self.holdings, layout=got_up.layout, generation=gen,
+                                vranks=got_up.vranks, step=got_up.step, loss=got_up.loss)
         self.last_generation = max(self.last_generation, got.last_generation)
-        self.channel.generation = gen.number
+        self.channel.generation = gen
         self.reattached = True
         # joiners of the aborted resize: nothing takes them in
-        self.idle = alive - set(members)
-        self._await_hello(members, gen.number)
-        summary = (f"reattached {len(members)} live worker(s) of generation {gen.number} "
+        self.idle = set(got_up.idle)
+        self._await_hello(members, gen)
+        summary = (f"reattached {len(members)} live worker(s) of generation {gen} "
                    f"({config}) at step {self.step}")
         eid = self.journal.write(record.record_event, self.spec.job_id, "reattach",
                                  source="coordinator",
-                                 key=f"reattach:g{gen.number}:{os.getpid()}:{time.time():.3f}",
+                                 key=f"reattach:g{gen}:{os.getpid()}:{time.time():.3f}",
                                  payload={"summary": summary, "vranks": list(members)})
         self.journal.write(record.mark_event_handled, eid, "reattached")
         logger.warning("coordinator restarted: %s (%d events pending, %d migrations aborted)",
