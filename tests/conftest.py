@@ -20,6 +20,8 @@ BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
     "test_resize_lost", "test_prepared_world", "test_migrate_lost", "test_inject_vote",
     "test_migrate_group", "test_pool_local"))
 
+SLURM_TIMEOUT_S = 600  # a Slurm test's least timeout (pyproject.toml's: 300 s)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # an xdist worker is started with COLUMNS=80 and LINES=24; a plain run under `make test`
     # has neither (its output is a pipe): the CLI lays its tables out as users' logs get them
@@ -35,6 +37,13 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, tier))
         if item.nodeid.split("::")[0] in BESIDE_SLURM:
             item.add_marker(pytest.mark.beside_slurm)
+        if item.nodeid.startswith(SLURM_TIER):
+            # the first one also brings the cluster up (on a fresh machine: installs the
+            # Debian packages) while the other process runs multi-process tests: at least
+            # SLURM_TIMEOUT_S (a module's own longer timeout stays)
+            mark = item.get_closest_marker("timeout")
+            if mark is None or not mark.args or mark.args[0] < SLURM_TIMEOUT_S:
+                item.add_marker(pytest.mark.timeout(SLURM_TIMEOUT_S))
 
 
 def pytest_xdist_make_scheduler(config, log):
