@@ -18,7 +18,8 @@ commit decision. What torch's ``TCPStore`` lacked, this has:
 * **listens only where told** (``bind``), unlike ``TCPStore`` which listens on every
   interface whatever host it is given.
 * **blocking get/wait served by the server** (no polling over the wire) and a client that
-  may be used from several threads at once (one socket per thread).
+  may be used from several threads at once (each request holds a socket of its own, taken
+  from a small pool: a thread that makes one request and ends leaves no socket behind).
 
 Wire: a request is one frame, the msgpack array of :class:`Request`; a reply one frame, a
 :class:`Reply`. Values are bytes; nothing is unpickled.
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 # before it calls the coordinator unreachable.
 _REPLY_GRACE_S: Final = 10.0
 _DEFAULT_TIMEOUT: Final = timedelta(seconds=300)
+# Idle connections a client keeps for the next requests; more, left by a burst of requests
+# at once, are closed. Requests made at once are what need sockets, not threads: NCCL's
+# heartbeat monitor asks ``check`` once a second, each time from a new Python thread.
+IDLE_CONNECTIONS: Final = 8
 
 
 @dataclass(frozen=True)
@@ -446,21 +451,33 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _close_pair(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    monitor.close(linger=0)
-    sock.close(linger=0)
+@dataclass(eq=False)  # hashed by identity: a member of the checked-out set
+class _Connection:
+    """A DEALER socket to the store, the monitor of its disconnections, and the client's
+    generation it was opened in (a ``close`` or ``repoint`` since makes it stale)."""
+
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    generation: int
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 class StoreClient(dist.Store):
     """A worker's ``torch.distributed.Store`` over the job's :class:`StoreServer`.
 
-    Usable from several threads at once (each gets a socket of its own, so a thread
-    blocked in ``wait`` does not hold the others up); gloo takes it through
-    ``PrefixStore``. Blocking ``get``/``wait``/``multi_get`` wait on the server.
+    Usable from several threads at once: a request takes an idle connection (a socket and
+    its monitor) or opens one, and gives it back when answered, so a thread blocked in
+    ``wait`` does not hold the others up, and a thread that lives for one request (NCCL's
+    heartbeat asks ``check`` from a new one each second) leaves nothing behind. At most
+    :data:`IDLE_CONNECTIONS` wait idle. gloo takes it through ``PrefixStore``. Blocking
+    ``get``/``wait``/``multi_get`` wait on the server.
 
     Args:
         host, port: the server's address (the coordinator's Welcome).
@@ -475,54 +492,69 @@ class StoreClient(dist.Store):
         self._keys: CurveKeys = curve_keys(secret, "store")
         self._timeout = timeout
         self._ctx = zmq.Context()
-        self._local = threading.local()
-        # every thread's (socket, its monitor)
-        self._sockets: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
+        self._local = threading.local()  # per thread: what its last wait fetched
         self._lock = threading.Lock()
+        self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()  # checked out by a request in flight
+        self._generation = 0  # one more at each close / repoint
         self._ids = 0
 
     def __repr__(self) -> str:
         return f"StoreClient({_bracket(self.host)}:{self.port})"
 
+    @property
+    def open_connections(self) -> int:
+        """Connections this client holds open: idle, and in use by requests in flight."""
+        with self._lock:
+            return len(self._idle) + len(self._busy)
+
     # -- transport -------------------------------------------------------------------------
 
-    def _socket(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        """This thread's socket and a monitor of its disconnections: a store whose process
-        died (its coordinator SIGKILLed) closes the connection at once, and a request
-        waiting on it need not wait out the reply grace."""
-        pair = getattr(self._local, "sock", None)
-        if pair is None:
-            sock = self._ctx.socket(zmq.DEALER)
+    def _connect(self) -> _Connection:
+        """A new socket (the lock held) and a monitor of its disconnections: a store whose
+        process died (its coordinator SIGKILLed) closes the connection at once, and a
+        request waiting on it need not wait out the reply grace."""
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
             make_client(sock, self._keys)
             sock.setsockopt(zmq.LINGER, 0)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        conn = _Connection(sock, monitor, self._generation)
+        try:
             sock.connect(f"tcp://{_bracket(self.host)}:{self.port}")
-            pair = self._local.sock = (sock, monitor)
-            with self._lock:
-                self._sockets.append(pair)
-        return pair
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
-    def _drop(self, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:
-        """Close this thread's socket (it is unusable: an answer may still come)."""
-        sock, monitor = pair
+    def _checkout(self) -> _Connection:
         with self._lock:
-            if pair in self._sockets:
-                self._sockets.remove(pair)
-        _close_pair(sock, monitor)
-        self._local.sock = None
+            conn = self._idle.pop() if self._idle else self._connect()
+            self._busy.add(conn)
+        return conn
 
-    def _call(self, op: str, keys: Sequence[str] = (), values: Sequence[bytes] = (), *,
-              amount: int = 0, timeout: timedelta | None = None) -> Reply:
-        limit = (timeout if timeout is not None else self._timeout).total_seconds()
+    def _checkin(self, conn: _Connection, *, reusable: bool) -> None:
+        """Give back a connection whose request ended: to the idle ones if its answer came
+        (nothing more can arrive on it), this client was not closed or repointed since it
+        opened, and fewer than :data:`IDLE_CONNECTIONS` are idle; else close it."""
         with self._lock:
-            self._ids += 1
-            rid = self._ids
-        pair = self._socket()
-        sock, monitor = pair
-        sock.send(_ENCODER.encode(Request(rid, op, list(keys), [bytes(v) for v in values],
-                                          amount, int(limit * 1000))))
+            self._busy.discard(conn)
+            if (reusable and conn.generation == self._generation
+                    and len(self._idle) < IDLE_CONNECTIONS):
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _exchange(self, conn: _Connection, rid: int, op: str, request: bytes,
+                  limit: float) -> Reply:
+        """Send ``request`` and return the store's answer to it, whatever its status."""
+        sock, monitor = conn.sock, conn.monitor
+        sock.send(request)
         deadline = time.monotonic() + limit + _REPLY_GRACE_S
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -532,31 +564,48 @@ class StoreClient(dist.Store):
             ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
             if monitor in ready and sock not in ready:
                 recv_monitor_message(monitor)  # only disconnections are monitored
-                self._drop(pair)
                 raise StoreUnreachable(
                     f"the rendezvous store at {_bracket(self.host)}:{self.port} closed the "
                     f"connection ({op}: its process ended, or it refused this client's "
                     "secret)")
             if sock not in ready:
-                self._drop(pair)
                 raise StoreUnreachable(f"no answer from the rendezvous store at "
-                                 f"{_bracket(self.host)}:{self.port} within "
-                                 f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
+                                       f"{_bracket(self.host)}:{self.port} within "
+                                       f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
             try:
                 reply = _REPLY.decode(sock.recv())
             except (msgspec.DecodeError, RecursionError):
                 continue
-            if reply.id != rid:
-                continue  # an answer to a request given up on
-            if reply.status in ("ok", "woken"):
+            if reply.id == rid:
                 return reply
-            if reply.status == "timeout":
-                raise StoreTimeout(f"rendezvous store: {op} of {_first(keys)} timed out "
-                                   f"after {limit:g} s ({reply.error})")
-            if reply.status == "full":
-                raise StoreFull(f"rendezvous store refused {op} of {_first(keys)}: "
-                                f"{reply.error}")
-            raise StoreError(f"rendezvous store refused {op} of {_first(keys)}: {reply.error}")
+            # else an answer to a request given up on (the id check makes a reused
+            # connection safe even so; a connection whose request failed is closed)
+
+    def _call(self, op: str, keys: Sequence[str] = (), values: Sequence[bytes] = (), *,
+              amount: int = 0, timeout: timedelta | None = None) -> Reply:
+        limit = (timeout if timeout is not None else self._timeout).total_seconds()
+        with self._lock:
+            self._ids += 1
+            rid = self._ids
+        request = _ENCODER.encode(Request(rid, op, list(keys), [bytes(v) for v in values],
+                                          amount, int(limit * 1000)))
+        conn = self._checkout()
+        answered = False
+        try:
+            reply = self._exchange(conn, rid, op, request, limit)
+            answered = True
+        finally:
+            # unanswered (unreachable, interrupted): an answer may still come on it
+            self._checkin(conn, reusable=answered)
+        if reply.status in ("ok", "woken"):
+            return reply
+        if reply.status == "timeout":
+            raise StoreTimeout(f"rendezvous store: {op} of {_first(keys)} timed out "
+                               f"after {limit:g} s ({reply.error})")
+        if reply.status == "full":
+            raise StoreFull(f"rendezvous store refused {op} of {_first(keys)}: "
+                            f"{reply.error}")
+        raise StoreError(f"rendezvous store refused {op} of {_first(keys)}: {reply.error}")
 
     def repoint(self, host: str, port: int) -> None:
         """Send every request from now on to the store at ``host:port`` (a coordinator
@@ -567,10 +616,14 @@ class StoreClient(dist.Store):
         self.close()
 
     def close(self) -> None:
+        """Close the idle connections now; those of requests in flight are closed by their
+        request when it ends (a zmq socket is not closed under the thread polling it), and
+        none of them is used again. The client stays usable: a request opens a new one."""
         with self._lock:
-            for sock, monitor in self._sockets:
-                _close_pair(sock, monitor)
-            self._sockets = []
+            self._generation += 1
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
         self._local = threading.local()
 
     # -- torch.distributed.Store -----------------------------------------------------------
