@@ -9,7 +9,11 @@ these directly (tests/unit/test_reconcile.py).
 The resize in flight (:class:`InflightResize`) is frozen: what the workers say of it gives a
 new value (``died``, ``answered``, ``became_ready``, ``replayed``, ``told``, ``ordered``) that
 replaces the old one; ``may_order`` says when its old layout is ordered (every joiner Ready,
-none dead) and ``owes_order`` whether a worker that said Hello still needs the order.
+none dead) and ``owes_order`` whether a worker that said Hello still needs the order. What a
+message changes is persistent (:class:`VrankSet`, :class:`VrankMap`, :class:`Replays`, on
+``immutables.Map``, a hash array mapped trie): the new value shares all but O(log n) of the
+old one, and none of these functions looks at every vrank, so a message costs the coordinator
+about as much at 16,384 ranks as at 8 (bench/reconcile_scale.py).
 
 ``overdue(resize, unjoined, now, ...)`` gives up the launched workers late past the join
 timeout of their launch (no Hello: :class:`NeverJoined`; a joiner's Hello but no Ready:
@@ -51,8 +55,11 @@ The settlement's rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import immutables
 
 from slurm_etc.alloc.topology import Device
 from slurm_etc.lifecycle import ProcessOutcome, ResizeOutcome
@@ -80,6 +87,9 @@ ASIDE_MARGIN = 2.0
 # step in flight when the order comes, the one the transfer is staged beside, the one after
 # the new world's groups, the one after its model (the pause at the boundary after).
 ASIDE_STEPS = 4
+
+V = TypeVar("V")
+T = TypeVar("T")
 
 
 class JobStopped(InternalError, RuntimeError):
@@ -116,11 +126,139 @@ def plan_resize(model: ModelDesc, old: Layout, config: ParallelConfig, pool: Seq
         raise
 
 
+# -- persistent values: a message's change shares all but O(log n) of the value before ------
+
+class VrankSet(Set[int]):
+    """A set of vranks never changed in place: ``adding`` gives a new set that shares all but
+    O(log n) of this one (an ``immutables.Map``), this one unchanged. Equal to any set of the
+    same vranks, and hashed as a frozenset is; ``-``, ``&``, ``|`` with a set give a
+    frozenset (once per resize: each is O(n))."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self, vranks: Iterable[int] = ()) -> None:
+        self._map: immutables.Map[int, None] = immutables.Map((v, None) for v in vranks)
+
+    @classmethod
+    def _on(cls, held: immutables.Map[int, None]) -> VrankSet:
+        got = cls.__new__(cls)
+        got._map = held
+        return got
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[T], /) -> frozenset[T]:
+        return frozenset(it)
+
+    def adding(self, *vranks: int) -> VrankSet:
+        """This set with ``vranks`` too (itself where it holds them all): O(k log n)."""
+        if len(vranks) == 1:
+            return self if vranks[0] in self._map else self._on(self._map.set(vranks[0], None))
+        grown = self._map.mutate()
+        for v in vranks:
+            grown[v] = None
+        return self if len(grown) == len(self._map) else self._on(grown.finish())
+
+    def __contains__(self, vrank: object) -> bool:
+        return vrank in self._map
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __hash__(self) -> int:
+        return self._hash()
+
+    def __repr__(self) -> str:
+        return f"VrankSet({sorted(self._map)})"
+
+
+class VrankMap(Mapping[int, V]):
+    """A map from vrank never changed in place: ``setting`` gives a new map that shares all
+    but O(log n) of this one (an ``immutables.Map``), this one unchanged. Equal to any
+    mapping with the same items, as a dict is."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self, items: Mapping[int, V] | None = None) -> None:
+        self._map: immutables.Map[int, V] = immutables.Map(items or {})
+
+    def setting(self, vrank: int, value: V) -> VrankMap[V]:
+        """This map with ``vrank`` -> ``value``: O(log n)."""
+        got: VrankMap[V] = VrankMap.__new__(VrankMap)
+        got._map = self._map.set(vrank, value)
+        return got
+
+    def __getitem__(self, vrank: int) -> V:
+        return self._map[vrank]
+
+    def __contains__(self, vrank: object) -> bool:
+        return vrank in self._map
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, VrankMap):
+            return self._map == other._map
+        return Mapping.__eq__(self, other)
+
+    def __repr__(self) -> str:
+        return f"VrankMap({dict(self._map)!r})"
+
+
+class Replays(Collection[Progress]):
+    """The new layout's steps reported before its resize settled, in the order they came,
+    never changed in place: ``appending`` gives a new log that shares all but O(log n) of this
+    one (an ``immutables.Map`` by position), this one unchanged. Equal to the tuple of the
+    same steps."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self, steps: Iterable[Progress] = ()) -> None:
+        self._map: immutables.Map[int, Progress] = immutables.Map(enumerate(steps))
+
+    def appending(self, step: Progress) -> Replays:
+        """This log with ``step`` last: O(log n)."""
+        got = Replays.__new__(Replays)
+        got._map = self._map.set(len(self._map), step)
+        return got
+
+    def __iter__(self) -> Iterator[Progress]:
+        return (self._map[i] for i in range(len(self._map)))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, step: object) -> bool:
+        return any(s == step for s in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Replays | tuple):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Replays({tuple(self)!r})"
+
+
+# The fields of InflightResize that messages change, and their persistent kinds.
+_PERSISTENT: tuple[tuple[str, Any], ...] = (
+    ("reports", VrankMap), ("told", VrankSet), ("dead", VrankSet), ("early", Replays),
+    ("never_joined", VrankMap), ("ready", VrankSet))
+
+
 @dataclass(frozen=True)
 class InflightResize:
     """A resize ordered and not yet settled. Never changed in place: what the workers say of
     it gives a new value (``died``, ``answered``, ``became_ready``, ``replayed``, ``told``,
-    ``ordered``), which replaces the old one, as :class:`Holdings` does."""
+    ``ordered``), which replaces the old one, as :class:`Holdings` does. The fields these
+    change are persistent, so each costs O(log n), not a copy of every vrank's; a plain set,
+    dict or tuple given for one is taken as its persistent kind (once, at construction)."""
 
     order: Resize
     plan: MigrationPlan
@@ -131,16 +269,22 @@ class InflightResize:
     release: frozenset[Device]
     started: float
     stayers: frozenset[int] = frozenset()  # the old layout's live vranks: ordered once
-    reports: Mapping[int, Resized] = field(default_factory=dict)
-    told: frozenset[int] = frozenset()
+    reports: VrankMap[Resized] = field(default_factory=VrankMap)
+    told: VrankSet = VrankSet()
     sent_at: float = 0.0  # when the old layout was ordered (0: not yet)
-    dead: frozenset[int] = frozenset()  # participants whose process died
+    dead: VrankSet = VrankSet()  # participants whose process died
     rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
-    early: tuple[Progress, ...] = ()  # the new layout's, before settling
-    never_joined: Mapping[int, str] = field(default_factory=dict)  # joiner -> why (one line)
+    early: Replays = field(default_factory=Replays)  # the new layout's, before settling
+    never_joined: VrankMap[str] = field(default_factory=VrankMap)  # joiner -> why (one line)
     decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
-    ready: frozenset[int] = frozenset()  # joiners that said Ready
+    ready: VrankSet = VrankSet()  # joiners that said Ready
     step_at_launch: int = 0  # the job's step when the joiners were launched
+
+    def __post_init__(self) -> None:
+        for name, kind in _PERSISTENT:
+            value = getattr(self, name)
+            if type(value) is not kind:
+                object.__setattr__(self, name, kind(value))
 
 
 def died(resize: InflightResize, vrank: int, why: str | None = None) -> InflightResize:
@@ -148,37 +292,37 @@ def died(resize: InflightResize, vrank: int, why: str | None = None) -> Inflight
     one said stays)."""
     never = resize.never_joined
     if why is not None and vrank not in never:
-        never = {**never, vrank: why}
-    return replace(resize, dead=resize.dead | {vrank}, never_joined=never)
+        never = never.setting(vrank, why)
+    return replace(resize, dead=resize.dead.adding(vrank), never_joined=never)
 
 
 def answered(resize: InflightResize, vrank: int, report: Resized) -> InflightResize:
     """``vrank`` answered the order (``answer``: a commit is final)."""
-    return replace(resize, reports={**resize.reports,
-                                    vrank: answer(resize.reports.get(vrank), report)})
+    return replace(resize, reports=resize.reports.setting(
+        vrank, answer(resize.reports.get(vrank), report)))
 
 
 def became_ready(resize: InflightResize, vrank: int) -> InflightResize:
     """The joiner ``vrank`` said Ready: warmed up, it waits for the old layout."""
-    return replace(resize, ready=resize.ready | {vrank})
+    return replace(resize, ready=resize.ready.adding(vrank))
 
 
 def replayed(resize: InflightResize, report: Progress) -> InflightResize:
     """A step of the rebuilt layout, trained again before the resize settled: it counts once
     settled."""
-    return replace(resize, early=(*resize.early, report))
+    return replace(resize, early=resize.early.appending(report))
 
 
 def told(resize: InflightResize, vrank: int) -> InflightResize:
     """``vrank`` got the order (a joiner, or a worker of the old layout that said Hello after
     the order went out)."""
-    return replace(resize, told=resize.told | {vrank})
+    return replace(resize, told=resize.told.adding(vrank))
 
 
 def ordered(resize: InflightResize, got: Collection[int], now: float) -> InflightResize:
     """The order went to the old layout (again, for a resend) at ``now``; ``got``: the
     vranks it reached."""
-    return replace(resize, told=resize.told | frozenset(got), sent_at=now)
+    return replace(resize, told=resize.told.adding(*got), sent_at=now)
 
 
 def may_order(resize: InflightResize | None, order_after_joined: bool) -> bool:
@@ -187,8 +331,19 @@ def may_order(resize: InflightResize | None, order_after_joined: bool) -> bool:
     warm-up; one that never gets ready pauses nobody)."""
     if resize is None or resize.sent_at or not resize.stayers:
         return False
-    return not (order_after_joined and (resize.joiners - resize.ready
-                                        or resize.joiners & resize.dead))
+    return not order_after_joined or (_all_ready(resize) and not _dead_joiners(resize))
+
+
+def _all_ready(resize: InflightResize) -> bool:
+    # counted first: asked at each Hello and Ready, it looks at each joiner only once as many
+    # said Ready as there are joiners (Ready comes from joiners)
+    return len(resize.ready) >= len(resize.joiners) and \
+        all(v in resize.ready for v in resize.joiners)
+
+
+def _dead_joiners(resize: InflightResize) -> list[int]:
+    # from the dead (few) rather than the joiners (thousands in a grow): asked per message
+    return sorted(v for v in resize.dead if v in resize.joiners)
 
 
 def owes_order(resize: InflightResize | None, vrank: int) -> bool:
@@ -232,23 +387,24 @@ class Settlement:
 
 def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settlement:
     """What happens next to ``resize`` (the rules in the module doc)."""
-    outcomes = {v: r.outcome for v, r in resize.reports.items()}
     resend: frozenset[int] = frozenset()
-    if resize.sent_at and now - resize.sent_at > RESEND_S:
-        resend = frozenset(resize.told - set(outcomes) - resize.dead)
-    dead_joiners = resize.joiners & resize.dead
+    if resize.sent_at and now - resize.sent_at > RESEND_S:  # then sent again: once a RESEND_S
+        resend = frozenset(v for v in resize.told
+                           if v not in resize.reports and v not in resize.dead)
+    dead_joiners = _dead_joiners(resize)
     if dead_joiners and not resize.sent_at and resize.stayers:
         why = (resize.never_joined[min(resize.never_joined)] if resize.never_joined else
-               f"vrank(s) {', '.join(map(str, sorted(dead_joiners)))} died before the "
+               f"vrank(s) {', '.join(map(str, dead_joiners))} died before the "
                "old layout was ordered")
         return Settlement(resend, Abort(why, retry=True))
     timed_out = now - resize.started > 2 * worker_timeout_s
-    if not timed_out and not resize.participants - resize.dead <= set(outcomes):
+    if not timed_out and not _all_answered(resize):
         return Settlement(resend, Wait())
+    # settled: what follows runs once per resize
     aborted = [r for r in resize.reports.values() if r.outcome == ProcessOutcome.ABORTED]
-    if aborted or timed_out or not outcomes:
+    if aborted or timed_out or not resize.reports:
         why = aborted[0].error if aborted else "no answer from " + ", ".join(
-            str(v) for v in sorted(resize.participants - set(outcomes)))
+            str(v) for v in sorted(resize.participants) if v not in resize.reports)
         return Settlement(resend, Abort(why, retry=bool(resize.dead)))
     lost_steps, rebuilt_from = rebuilt(resize)
     # a joiner's pause runs from its own order, waiting for the old layout: not training
@@ -259,6 +415,13 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
         pause_s=max((r.pause_seconds for r in trained), default=0.0),
         data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
         lost_steps=lost_steps, rebuilt_from=rebuilt_from))
+
+
+def _all_answered(resize: InflightResize) -> bool:
+    # counted first: asked at each turn of the loop, it looks at each participant only once
+    # as many answered or died as there are participants
+    return len(resize.reports) + len(resize.dead) >= len(resize.participants) and \
+        all(v in resize.reports or v in resize.dead for v in resize.participants)
 
 
 def answer(before: Resized | None, now: Resized) -> Resized:

@@ -2,6 +2,7 @@
 SQLite, no zmq, no processes)."""
 from __future__ import annotations
 
+import tracemalloc
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,10 @@ from slurm_etc.coordinator.reconcile import (
     NeverJoined,
     NeverReady,
     RecordFinish,
+    Replays,
     Supersede,
+    VrankMap,
+    VrankSet,
     Wait,
     answered,
     became_ready,
@@ -75,7 +79,7 @@ def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
     assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
     # a joiner's pause counts from its own order (it waited for the old layout): not
     # training stopped, so not the resize's pause (what a notice's grace is weighed by)
-    fl.reports[2] = said(2, pause_seconds=3.4)
+    fl = answered(fl, 2, said(2, pause_seconds=3.4))
     assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
 
 
@@ -372,3 +376,115 @@ def test_the_longest_preparation_aside_counts_only_resizes_prepared_beside_train
     assert longest_aside(9.0, aside, 105.0, 0.5) == 9.0  # the longest stays
     assert longest_aside(2.0, resize(sent_at=101.0), 105.0, 0.5) == 2.0  # at full speed
     assert longest_aside(None, replace(aside, sent_at=0.0), 105.0, 0.5) is None  # never ordered
+
+
+# -- a message costs O(log n): the fields it changes are persistent, never copied ----------
+
+def test_the_fields_a_message_changes_are_persistent_and_read_as_before():
+    fl = resize(sent_at=0.0, dead=frozenset({1}), never_joined={1: "gone"})
+    # a plain set, dict or tuple given is taken as its persistent kind, equal as before
+    assert type(fl.told) is VrankSet and type(fl.reports) is VrankMap
+    assert type(fl.early) is Replays and type(fl.never_joined) is VrankMap
+    assert fl.told == {0, 1, 2} == fl.told and hash(fl.told) == hash(frozenset({0, 1, 2}))
+    assert fl.dead == frozenset({1}) and fl.never_joined == {1: "gone"} and fl.reports == {}
+    assert fl.joiners - fl.dead == {2} and type(fl.participants - fl.dead) is frozenset
+    assert sorted(fl.participants & fl.dead) == [1] and 1 in fl.dead and 0 not in fl.dead
+    # a new value per message, the one before unchanged; a commit is final through answered
+    after = answered(fl, 0, said(0))
+    assert type(after.reports) is VrankMap and len(after.reports) == 1 and len(fl.reports) == 0
+    assert answered(after, 0, said(0, "aborted")).reports == {0: said(0)}
+    assert answered(after, 0, said(0, pause_seconds=2.0)).reports[0].pause_seconds == 2.0
+    assert told(fl, 0) is not fl and told(fl, 0).told is fl.told  # told already: shared
+    early = replayed(replayed(fl, "step 9"), "step 10").early
+    assert early == ("step 9", "step 10") and list(early) == ["step 9", "step 10"]
+    # the same messages give equal values, however the fields were first given
+    built = replace(fl, reports={0: said(0)}, ready=frozenset({2}), told=[0, 1, 2])
+    assert became_ready(after, 2) == built and became_ready(after, 2) != after
+    # owes_order and may_order read them as they read frozensets
+    assert owes_order(replace(fl, told=VrankSet()), 2) and not owes_order(fl, 2)
+    assert not may_order(fl, True) and may_order(replace(became_ready(fl, 2), dead=()), True)
+
+
+N = 10_000
+
+
+def _big(**kw) -> InflightResize:
+    """A resize of N + 1 ranks with N answers, told, ready, dead and replayed steps."""
+    vs = range(N)
+    return resize(participants=frozenset(range(N + 1)), joiners=range(N + 1),
+                  reports={v: said(v) for v in vs}, told=frozenset(vs), ready=frozenset(vs),
+                  dead=frozenset(vs), never_joined={v: "gone" for v in vs},
+                  early=tuple(f"step {v}" for v in vs), **kw)
+
+
+def _allocated(update) -> int:
+    """The bytes one call allocates at its peak (what it returns kept): counted, not timed."""
+    tracemalloc.start()
+    try:
+        kept = update()  # noqa: F841  # the new value stays allocated while it is counted
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _copies(update) -> bool:
+    """Whether a message's update copies what the resize holds of every vrank: a copy of
+    N entries takes at least a pointer (8 bytes) each; sharing the old value's structure, a
+    message allocates the path to one leaf (a few KiB), well under 1 byte per vrank."""
+    return _allocated(update) > N
+
+
+MESSAGES = {
+    "answered": lambda fl: answered(fl, N, said(N)),
+    "told": lambda fl: told(fl, N),
+    "became_ready": lambda fl: became_ready(fl, N),
+    "died": lambda fl: died(fl, N, "vrank N exited"),
+    "replayed": lambda fl: replayed(fl, "step N"),
+    "ordered again": lambda fl: ordered(fl, (N,), 130.0),
+}
+
+
+@pytest.mark.parametrize("message", sorted(MESSAGES))
+def test_a_message_on_a_resize_of_ten_thousand_ranks_copies_nothing(message):
+    fl = _big()
+    after = MESSAGES[message](fl)
+    assert not _copies(lambda: MESSAGES[message](fl))
+    # a new value one larger, the one before the same size (nothing changed in place)
+    field = {"answered": "reports", "told": "told", "became_ready": "ready", "died": "dead",
+             "replayed": "early", "ordered again": "told"}[message]
+    assert len(getattr(after, field)) == N + 1 and len(getattr(fl, field)) == N
+
+
+def test_the_copy_check_catches_a_message_that_copies():
+    """Planted bugs: the updates as they were (a dict, a frozenset, a tuple copied whole per
+    message) fail the same check."""
+    fl, r = _big(), said(N)
+    assert _copies(lambda: replace(fl, reports={**fl.reports, N: r}))
+    assert _copies(lambda: replace(fl, reports=VrankMap(dict(fl.reports) | {N: r})))
+    assert _copies(lambda: replace(fl, told=fl.told | {N}))
+    assert _copies(lambda: replace(fl, early=(*fl.early, "step N")))
+
+
+class _Unlisted(frozenset):
+    """Vranks that may be asked about one at a time, never listed (listing is O(n))."""
+
+    def __iter__(self):
+        raise AssertionError("every vrank looked at for one message")
+
+
+def test_what_each_message_asks_looks_at_no_vrank_but_its_own():
+    """may_order (asked at each Hello and Ready), owes_order (each Hello) and a settle that
+    waits (each turn of the loop) never list the joiners or participants while they wait."""
+    everyone = _Unlisted(range(N))
+    fl = replace(resize(participants=everyone, sent_at=0.0, told=(), ready=range(N - 1),
+                        reports={v: said(v) for v in range(N - 1)}), joiners=everyone)
+    assert not may_order(fl, True) and owes_order(fl, 5)
+    assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
+    # planted bugs: the same questions asked as set algebra, as they were, list every vrank
+    for asked in (lambda: fl.joiners - fl.ready, lambda: fl.joiners & fl.dead,
+                  lambda: fl.participants - fl.dead <= set(fl.reports)):
+        with pytest.raises(AssertionError, match="every vrank"):
+            asked()
+    # the last Ready: looked at once, then ordered
+    last = became_ready(replace(fl, joiners=frozenset(everyone)), N - 1)
+    assert may_order(last, True)
