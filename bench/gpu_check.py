@@ -461,16 +461,105 @@ def check_model(model: ModelDesc, device: torch.device, *, steps: int, seed: int
     return res
 
 
+# -- the product's own path on the device ---------------------------------------------------
+
+def check_trainer(model: str, steps: int) -> dict[str, Any]:
+    """The real ``ElasticTrainer`` at world size 1 in a worker process of its own (the test
+    pool: its own store, its device chosen as a launched worker's is, its default group
+    ``cpu:gloo,cuda:nccl`` on a GPU): ``steps`` steps of ``model``, their losses."""
+    from slurm_etc.plan import PRESETS, ParallelConfig
+    from slurm_etc.pool.local import LocalWorkers
+    from slurm_etc.worker.sequence import PRELOAD, ResizeSequence
+
+    seq = ResizeSequence(PRESETS[model], (ParallelConfig(dp=1),), steps=steps, global_batch=4)
+    layouts, digests = seq.layouts()
+    t0 = time.perf_counter()
+    with LocalWorkers(1, preload=PRELOAD) as pool:
+        out = pool.run(_w_trainer, seq, layouts, digests, f"gpu-check-{os.getpid()}")[0]
+    losses = [h["loss"] for h in out["history"]]
+    return {"model": model, "device": out["device"], "backend": out["backend"],
+            "losses": losses, "finite": all(math.isfinite(x) for x in losses),
+            "exits": out["exits"], "seconds": time.perf_counter() - t0}
+
+
+def _w_trainer(ctx: Any, seq: Any, layouts: Any, digests: Any, job: str) -> dict[str, Any]:
+    from slurm_etc.migrate import device as compute
+    from slurm_etc.worker.sequence import w_elastic
+
+    out = w_elastic(ctx, seq, layouts, digests, job)
+    return {**out, "device": str(compute.current().device),
+            "backend": compute.current().world_backend}
+
+
+def check_store_idle(device: torch.device, idle_s: float) -> dict[str, Any]:
+    """A one-rank group of the trainer's backends over the project's store, one collective,
+    then ``idle_s`` seconds idle: ProcessGroupNCCL's heartbeat calls the store's ``check()``
+    from a new thread state about once a second; the client's connections and this
+    process's descriptors are counted before and after."""
+    import secrets
+
+    from slurm_etc.megatron.world import start_world_group
+    from slurm_etc.migrate import device as compute
+    from slurm_etc.protocol.store import StoreClient, StoreServer
+
+    secret = secrets.token_bytes(32)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    with StoreServer(secret, "127.0.0.1", job="gpu-check") as server:
+        client = StoreClient("127.0.0.1", server.port, secret)
+        backend = compute.current().world_backend
+        before = fds()
+        pg = start_world_group(1, 0, dist.PrefixStore("idle", client),
+                               name=f"gpu-check-idle-{os.getpid()}", timeout_s=60)
+        t = torch.ones(1, device=device)
+        dist.all_reduce(t, group=pg)
+        _sync(device)
+        opened = client.open_connections
+        time.sleep(idle_s)
+        res = {"idle_s": idle_s, "backend": backend, "fds_before": before,
+               "fds_after": fds(), "connections_after_collective": opened,
+               "connections_after_idle": client.open_connections}
+        dist.destroy_process_group(pg)
+        client.close()
+    return res
+
+
+def _where_installed(check: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``check(*args)``, or why it was skipped: the store and the trainer need the project's
+    own dependencies (pyzmq, msgspec), which a bare GPU machine may lack."""
+    try:
+        return check(*args)
+    except ImportError as exc:
+        return {"skipped": f"{exc.name or exc} is not installed"}
+
+
+def check_preflight(device: torch.device) -> dict[str, Any]:
+    """The resize preflight on the real device: what it reads as free, a need that fits and
+    one that does not (its one line)."""
+    from slurm_etc.migrate.device import DeviceMemoryError, MemoryNeed, check_fits, free_bytes
+
+    free = free_bytes(device)
+    if free is None:
+        return {"free_bytes": None, "note": "the CPU: nothing is checked"}
+    check_fits(MemoryNeed(destinations=free // 2, grads=0, staging=0, free=free), str(device))
+    try:
+        check_fits(MemoryNeed(destinations=free, grads=free // 4, staging=1 << 28, free=free),
+                   str(device))
+        refused = None
+    except DeviceMemoryError as exc:
+        refused = str(exc)
+    return {"free_bytes": free, "refused_line": refused}
+
+
 # -- the whole run -----------------------------------------------------------------------------
 
 def start(device: torch.device, backend: str | None = None) -> None:
     """A one-rank default group (default: gloo for CPU tensors, NCCL for CUDA ones)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-    backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
+    from slurm_etc.migrate import device as compute
+
+    backend = backend or compute.use(compute.Compute(device)).world_backend
+    if device.type != "cuda":
         from slurm_etc.megatron import cpu_compat
 
         cpu_compat.install()
@@ -506,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None,
                     help="torch.distributed backend of the one-rank group (default: "
                          "cpu:gloo,cuda:nccl on CUDA, gloo on CPU)")
+    ap.add_argument("--trainer-model", default="tiny",
+                    help="preset the real ElasticTrainer trains in its own process ('' : skip)")
+    ap.add_argument("--idle-s", type=float, default=60.0,
+                    help="how long the one-rank group over the store stays idle (0: skip)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--out", default=os.environ.get("OUT"),
                     help="directory for gpu_check.json (default: $OUT)")
@@ -542,8 +635,15 @@ def main(argv: list[str] | None = None) -> int:
                                    global_batch=gb, staging_bytes=args.staging_mib << 20))
         print(f"{model.name}: done ({results[-1]['build_s']:.1f} s build)", file=sys.stderr,
               flush=True)
+    extra: dict[str, Any] = {"preflight": check_preflight(device)}
+    if args.idle_s > 0:
+        extra["store_idle"] = _where_installed(check_store_idle, device, args.idle_s)
+        print("store: idle check done", file=sys.stderr, flush=True)
     dist.destroy_process_group()
-    report = {**info, "results": results}
+    if args.trainer_model:
+        extra["trainer"] = _where_installed(check_trainer, args.trainer_model, args.steps)
+        print("trainer: done", file=sys.stderr, flush=True)
+    report = {**info, "results": results, **extra}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -552,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{info['device_name']}, torch {info['torch']}, seq {seq}, global batch {gb}")
         print(table(results))
+        for name, value in extra.items():
+            print(f"{name}: {json.dumps(value)}")
         print(f"unmeasured here: {info['unmeasured']}")
     return 0
 

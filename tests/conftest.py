@@ -18,7 +18,7 @@ SLURM_TIER = "tests/slurm/"
 BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
     "test_elastic", "test_verify", "test_verify_cli", "test_verify_moe", "test_planted_bugs",
     "test_resize_lost", "test_prepared_world", "test_migrate_lost", "test_inject_vote",
-    "test_migrate_group", "test_pool_local"))
+    "test_migrate_group", "test_pool_local", "test_device_routing"))
 
 SLURM_TIMEOUT_S = 600  # a Slurm test's least timeout (pyproject.toml's: 300 s)
 

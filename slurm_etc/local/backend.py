@@ -53,6 +53,7 @@ from ..coordinator.backend import (
 from ..coordinator.processes import AdoptedProcess, PolledProcess, process_start
 from ..coordinator.supervisor import Supervised, WorkerSupervisor
 from ..protocol import env as envvars
+from ..protocol.gpus import gpu_env, gpus_present
 from .preload import ForkedProcess, Preloader, forkable
 from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
 
@@ -204,8 +205,10 @@ class LocalBackend:
                                    f"{busy[spec.device]} runs there")
             todo.append(spec)
         threads = self._threads()
+        gpus = gpus_present()  # one GPU per worker where the node has them, as Slurm gives
         for spec in todo:
             env = {**os.environ, **threads, **action.env, **spec.env,
+                   **gpu_env(os.environ, spec.device.local, gpus=gpus),
                    envvars.VRANK: str(spec.vrank), envvars.GENERATION: str(action.generation),
                    envvars.NODE: spec.device.node, envvars.LOCAL_INDEX: str(spec.device.local),
                    envvars.DEVICE: str(spec.device)}

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slurm_etc.migrate.device import current, end_world
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc
@@ -407,6 +408,9 @@ def wrap_for_training(model: ModelDesc, config: ParallelConfig, gpt: Any, tf_con
     from megatron.core.transformer.module import Float16Module
 
     gpts = gpt if isinstance(gpt, list) else [gpt]
+    device = current().device
+    if device.type == "cuda":  # megatron's DDP puts its gradient buffers on the current GPU
+        gpts = [g.to(device) for g in gpts]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=model.mixed_precision,
         overlap_grad_reduce=False,
@@ -492,6 +496,22 @@ def teardown() -> None:
     logger.debug("destroyed megatron model parallel state and %d process groups", len(groups))
 
 
+def teardown_world() -> None:
+    """:func:`teardown` and the default group too: every process group of this process.
+    On a GPU all are aborted together (:func:`slurm_etc.migrate.device.end_world`: a
+    destroy waits for work a dead peer never completes), megatron's state reset."""
+    from megatron.core import parallel_state
+
+    if current().cuda:
+        end_world()
+        parallel_state.destroy_model_parallel()
+        gc.collect()
+        return
+    teardown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _train_step(state: TrainingState, *, seed: int, step: int, micro_batch: int, seq: int,
                 global_batch: int) -> float:
     """One optimizer step over the seeded global batch; returns its mean loss on every rank."""
@@ -538,7 +558,7 @@ def gpt_forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple
     """megatron ``forward_step_func``: next-token loss of one micro-batch."""
     tokens = next(data_iterator)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
     output = model(inputs, positions, None, labels=labels)
 
     def loss_func(per_token_loss: torch.Tensor) -> tuple:
@@ -555,7 +575,8 @@ def mean_loss(losses: list[dict], config: ParallelConfig) -> float:
     """
     from megatron.core import parallel_state
 
-    local = torch.zeros(1, dtype=torch.float64)
+    # a host scalar: over gloo, also on a GPU (the default group has both backends)
+    local = torch.zeros(1, dtype=torch.float64, device="cpu")
     if losses and parallel_state.is_pipeline_last_stage():
         local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
     dist.all_reduce(local)
@@ -588,7 +609,8 @@ def reinit_global_deterministic(gpt: Any, *, seed: int, num_layers: int) -> None
             std = scaled_std if sh.key.endswith(_OUTPUT_PROJECTIONS) else INIT_METHOD_STD
             layers = sh.global_offset[:sh.prepend_axis_num]
             generator = torch.Generator().manual_seed(_stable_seed(seed, sh.key, *layers))
-            full = torch.empty(layer_shape).normal_(0.0, std, generator=generator)
+            # drawn on the host from a seeded CPU generator: the same on every device
+            full = torch.empty(layer_shape, device="cpu").normal_(0.0, std, generator=generator)
             region = tuple(slice(o, o + n) for o, n in
                            zip(sh.global_offset[sh.prepend_axis_num:], sh.local_shape))
             sh.data.copy_(full[region].to(sh.data.dtype))

@@ -60,7 +60,7 @@ def _region(target: _Target, slots: list[Any], old_index: dict, kept_of: dict[in
             ) -> torch.Tensor | None:
     """The region of one new tensor that ``target`` (every byte of it) is copied to in the
     migration, as a view of ``target``'s dtype; None when it is not one contiguous region."""
-    esize = torch.empty((), dtype=target.dtype).element_size()
+    esize = target.dtype.itemsize
     total = target.numel * esize
     base, host = 0, None  # the region's first byte's address, a new tensor it lies in
     covered = 0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from slurm_etc.migrate.collector import collector_paused
+from slurm_etc.migrate.device import MemoryNeed, check_fits, current, end_world, free_bytes
 from slurm_etc.migrate.shards import LocalShard
 from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.plan import MigrationPlan
@@ -179,7 +180,7 @@ def _connect(plan: MigrationPlan, device: int, store: Store, tag: str,
                          "a lost device takes no part in the resize")
     options = options or MigrationOptions()
     seconds: dict[str, float] = {}
-    memory = PeakMemory(torch.device("cpu"))
+    memory = PeakMemory(current().device)
     if options.measure_memory:
         memory.start()
     t = time.perf_counter()
@@ -189,6 +190,11 @@ def _connect(plan: MigrationPlan, device: int, store: Store, tag: str,
     seconds["group"] = time.perf_counter() - t
     t = time.perf_counter()
     program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
+    try:
+        check_fits_beside(program, options, current().device)
+    except BaseException:
+        group.destroy()
+        raise
     program.warm()  # every step's operations worked out now, not in the pause
     # every rank's program checked against the others' now, so the pause's data phase puts
     # its first step on the wire with its first vote (no gate round trip in the pause)
@@ -204,6 +210,30 @@ def _connect(plan: MigrationPlan, device: int, store: Store, tag: str,
                    world_build=0.0, place=0.0)
     return PreparedResize(plan, device, store, tag, group, program, [], options, memory,
                           group_timeout_s, seconds, staging=staging)
+
+
+def check_fits_beside(program: Program, options: MigrationOptions,
+                      device: torch.device) -> None:
+    """Refuse before anything is allocated (one line, :class:`.device.DeviceMemoryError`) a
+    resize whose new shards, gradient buffers and staging exceed what ``device`` has free
+    beside the old state; nothing is checked on the CPU."""
+    from slurm_etc.migrate.executor import staging_bytes
+
+    free = free_bytes(device)
+    if free is None:
+        return
+    check_fits(memory_need(program, staging_bytes(program, options), free), str(device))
+
+
+def memory_need(program: Program, staging: int, free: int) -> MemoryNeed:
+    """What ``program`` allocates on its device before the old state is released: every new
+    shard not kept whole from the old state, gradient buffers the size of the new
+    parameters (megatron's DDP allocates them with the model), and ``staging``."""
+    destinations = sum(sp.numel * sp.itemsize for j, sp in enumerate(program.new_specs)
+                       if j not in program.kept)
+    grads = sum(sp.numel * sp.itemsize for sp in program.new_specs
+                if not sp.state_key.startswith("optimizer."))  # the model's own tensors
+    return MemoryNeed(destinations=destinations, grads=grads, staging=staging, free=free)
 
 
 def _allocate(prepared: PreparedResize, prefault: bool) -> None:
@@ -423,6 +453,7 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
             old_shards = (local_shards(state, catalog, relabel=prepared.relabel)
                           if state is not None else [])
             resume = resume_state(state) if state is not None else None
+        prepared.group.warm_up()  # NCCL's communicator: on this thread, not a preparation's
         transport = prepared.group.transport()
         new_resume = exchange_resume_state(plan, transport, device, resume)
         seconds["resume"] = time.perf_counter() - t
@@ -441,7 +472,10 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         if committed and prepared.group.members is None:  # backends of its own: shut
             # down beside the new layout's first steps, not dropped in the pause
             retire_backends(prepared.group.data, prepared.group.control)
-        prepared.group.destroy()
+        if committed:
+            prepared.group.destroy()
+        else:
+            prepared.group.abort()  # NCCL: a failed group is aborted, never destroyed
         if not committed and prepared.placed is not None:
             give_back(prepared.placed)  # memory of its own again, outside the new world
         if not committed and prepared.world is not None:
@@ -466,8 +500,9 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         cfg = plan.new.config
         if install_wait is not None:
             _wait_for_new_ranks(prepared, result, new_resume, install_wait)
-        dist.init_process_group("gloo", store=dist.PrefixStore(train_group_prefix(prepared.tag),
-                                                               prepared.store),
+        dist.init_process_group(current().world_backend,
+                                store=dist.PrefixStore(train_group_prefix(prepared.tag),
+                                                       prepared.store),
                                 rank=result.new_rank, world_size=cfg.world,
                                 timeout=_timedelta(prepared.group_timeout_s))
         seconds["train_group"] = time.perf_counter() - t
@@ -555,11 +590,9 @@ def _drop_training_groups() -> None:
     """Destroy every process group of this process (the default group included) and reset
     megatron's parallel state, in one go: cheaper than ``build.teardown`` (no per-group
     destroy, no garbage collection), for the moment when downtime counts."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_world()  # NCCL: aborted, all groups at once (a peer may be dead)
     parallel_state.destroy_model_parallel()
 
 

@@ -273,6 +273,11 @@ class _Target:
     def dtype(self) -> torch.dtype:
         return self.param.dtype if self.kind == "param" else torch.float32
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tensor lives (a parameter's device: its optimizer state is beside it)."""
+        return self.param.device if self.kind == "param" else self.opt.main.device
+
     def base(self) -> torch.Tensor | None:
         """The live tensor (None: no Adam state yet)."""
         if self.kind == "param":
@@ -310,15 +315,16 @@ class _Target:
         """Give the tensor's memory back until :meth:`adopt` puts another one in (an empty
         tensor stands in; an Adam moment is simply not created)."""
         if self.kind == "param":
-            self.param.data = torch.empty(0, dtype=self.param.dtype)
+            self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
         elif self.kind == FP32_PARAM:
-            self.opt.main.data = torch.empty(0, dtype=self.opt.main.dtype)
+            self.opt.main.data = torch.empty(0, dtype=self.opt.main.dtype,
+                                             device=self.opt.main.device)
 
     def allocate(self) -> None:
         """Fresh (uninitialised) Adam moment; every element is then written."""
         if self.base() is None:
             self.opt.inner.state[self.opt.main][self.kind] = torch.empty(
-                self.shape, dtype=torch.float32)
+                self.shape, dtype=torch.float32, device=self.opt.main.device)
 
 
 @dataclass(frozen=True)
@@ -476,11 +482,11 @@ def install_shards(state: TrainingState, catalog: Catalog, shards: Sequence[Loca
                                             _bits(by_key[sl.key].tensor)):
                 raise StateError(f"{sl.key} differs from the embedding it aliases")
         if resume is not None:
-            step = torch.tensor(float(resume.step), dtype=torch.float32)
             entries = {id(e.main): e for sl in slots if (e := sl.target.entry) is not None}
             for entry in entries.values():
-                entry.inner.state[entry.main]["step"] = step.clone()
-            torch.set_rng_state(torch.frombuffer(bytearray(resume.rng), dtype=torch.uint8))
+                st = entry.inner.state[entry.main]
+                st["step"] = _step_tensor(resume.step, st.get("step"))
+            torch.set_rng_state(_host_bytes(resume.rng))
     return {"tensors": len(slots), "adopted": adopted, "copied_bytes": copied}
 
 
@@ -563,7 +569,7 @@ def receive_into(state: TrainingState, catalog: Catalog, specs: Sequence[Any],
                 if j in kept:
                     out.append(None)
                     continue
-                t = torch.empty(sp.numel, dtype=sl.target.dtype)
+                t = torch.empty(sp.numel, dtype=sl.target.dtype, device=sl.target.device)
                 if prefault:
                     t.view(torch.uint8).zero_()
                 out.append(t)
@@ -610,11 +616,23 @@ def finish_install(state: TrainingState, dest: Destinations, shards: Sequence[Lo
 
 def set_resume(state: TrainingState, resume: ResumeState) -> None:
     """Install step (every parameter's Adam state) and the CPU generator."""
-    step = torch.tensor(float(resume.step), dtype=torch.float32)
     for sub in sub_optimizers(state.optimizer):
         for st in sub.optimizer.state.values():
-            st["step"] = step.clone()
-    torch.set_rng_state(torch.frombuffer(bytearray(resume.rng), dtype=torch.uint8))
+            st["step"] = _step_tensor(resume.step, st.get("step"))
+    torch.set_rng_state(_host_bytes(resume.rng))
+
+
+def _step_tensor(step: int, like: Any) -> torch.Tensor:
+    """Adam's step as a float32 tensor where the optimizer keeps it: beside the one it
+    replaces (a fused or capturable Adam keeps it on the GPU), else on the host (torch's
+    Adam)."""
+    device = like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
+    return torch.tensor(float(step), dtype=torch.float32, device=device)
+
+
+def _host_bytes(payload: bytes) -> torch.Tensor:
+    """``payload`` as a uint8 host tensor (a generator's state is one)."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -659,11 +677,10 @@ def optimizer_step(state: TrainingState) -> int:
 
 def set_optimizer_step(state: TrainingState, step: int) -> None:
     """Set the Adam step of every parameter's state on this rank."""
-    value = torch.tensor(float(step), dtype=torch.float32)
     for sub in sub_optimizers(state.optimizer):
         for st in sub.optimizer.state.values():
             if "step" in st:
-                st["step"] = value.clone()
+                st["step"] = _step_tensor(step, st["step"])
 
 
 def resume_state(state: TrainingState) -> ResumeState:

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from slurm_etc.migrate.device import current, end_group
 from slurm_etc.plan.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -180,11 +181,13 @@ class PreparedWorld:
 
 def start_world_group(size: int, rank: int, store: Any, *, name: str,
                       timeout_s: float = 300.0) -> Any:
-    """A gloo ``ProcessGroup`` of ``size`` ranks from ``store``, registered with torch (its
-    ranks are its own: the default group it becomes at a switch), whether or not this
-    process has a default group. Collective over its ranks."""
+    """A ``ProcessGroup`` of ``size`` ranks from ``store`` (gloo; on a GPU gloo and NCCL:
+    :mod:`slurm_etc.migrate.device`), registered with torch (its ranks are its own: the
+    default group it becomes at a switch), whether or not this process has a default group.
+    Collective over its ranks."""
     group, _store = c10d._new_process_group_helper(
-        size, rank, [], "gloo", store, group_name=c10d.GroupName(f"slurm-etc:{name}:world"),
+        size, rank, [], current().world_backend, store,
+        group_name=c10d.GroupName(f"slurm-etc:{name}:world"),
         timeout=timedelta(seconds=timeout_s), group_desc=f"slurm-etc world {name}")
     c10d._world.pg_group_ranks[group] = {r: r for r in range(size)}
     return group
@@ -228,7 +231,7 @@ def shutdown_retired() -> int:
 def _shut_down_retired() -> int:
     n = 0
     while _RETIRED:
-        _RETIRED.pop().shutdown()
+        end_group(_RETIRED.pop())
         n += 1
     return n
 

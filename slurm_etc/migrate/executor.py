@@ -505,6 +505,11 @@ def _staging_layout(prog: Program, options: MigrationOptions) -> tuple[tuple[int
     return (send_size, min(per_side, n_send)), (recv_size, min(per_side, n_recv))
 
 
+def staging_bytes(prog: Program, options: MigrationOptions) -> int:
+    """Bytes of the staging buffers :func:`allocate_staging` gives ``prog``."""
+    return sum(size * count for size, count in _staging_layout(prog, options))
+
+
 def allocate_staging(prog: Program, options: MigrationOptions, transport: Transport, *,
                      prefault: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The staging buffers ``prog`` packs into and receives into (two of each with
@@ -547,7 +552,7 @@ def _new_dtype(sp, options: MigrationOptions, default: torch.dtype | None = None
     """dtype of a new shard: requested in ``options.dtypes``, else ``default`` (a kept old
     shard's), else by itemsize; ValueError if its element size is not the catalog's."""
     dtype = (options.dtypes or {}).get(sp.state_key) or default or dtype_for(sp.itemsize)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size != sp.itemsize:
         raise ValueError(f"dtype {dtype} of {sp.state_key} has {size} bytes per element, the "
                          f"catalog says {sp.itemsize}")
@@ -820,6 +825,11 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
             run.local_copies()
         if run.failure is None:
             try:
+                _settle_device(run.transport.device)
+            except RuntimeError as exc:  # an asynchronous CUDA error: voted, not raised
+                run.fail("the device failed before the commit vote", exc)
+        if run.failure is None:
+            try:
                 faults.check(prog.group_rank, "commit")
             except Exception as exc:  # noqa: BLE001
                 run.fail("failed before the commit vote", exc)
@@ -849,7 +859,7 @@ def agree(transport: Transport, program: Program, timeout_s: float = 300.0) -> N
         ValueError: naming each rank's digest and chunk size when they differ.
     """
     mine = torch.tensor([program.digest, program.chunk_bytes, program.direct_min],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device="cpu")  # votes travel in host memory
     table = transport.allgather(mine.view(torch.uint8), timeout_s).view(torch.int64)
     rows = [tuple(int(x) for x in table[r]) for r in range(table.shape[0])]
     if len(set(rows)) > 1:
@@ -857,6 +867,14 @@ def agree(transport: Transport, program: Program, timeout_s: float = 300.0) -> N
                            for r, (d, c, m) in enumerate(rows))
         raise ValueError(f"the migration's ranks compiled different programs ({detail}): "
                          "they execute different plans or staging budgets")
+
+
+def _settle_device(device: torch.device) -> None:
+    """On a GPU, wait for every copy and unpack queued on the device (they run
+    asynchronously): an error among them surfaces here, before this rank votes to commit.
+    Nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _commit_vote(run: _Run, index: int, faults: FaultInjector,

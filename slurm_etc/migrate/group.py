@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .device import Compute, current
 from .program import group_devices
 from .transport import BackendTransport, TorchTransport
 
@@ -54,6 +55,8 @@ class MigrationGroup:
     members: tuple[int, ...] | None
     data: object
     control: object
+    accelerator: torch.device = torch.device("cpu")  # where the data group moves tensors
+    warm: bool = False
 
     @property
     def rank(self) -> int:
@@ -64,8 +67,29 @@ class MigrationGroup:
         """The executor's transport over these groups (staging on ``device``; default: CPU
         for gloo, the current CUDA device for NCCL)."""
         if self.members is None:
-            return BackendTransport(self.data, self.control)
+            return BackendTransport(self.data, self.control, self.accelerator)
         return TorchTransport(self.data, self.control, self.members, self.rank, device)
+
+    def warm_up(self) -> None:
+        """On NCCL, create the data group's communicator with one all-reduce over every
+        participant, so the executor's batched rounds may involve only some ranks (NCCL:
+        the first point-to-point call of a group must involve all its ranks otherwise).
+        Collective, on the thread that launches the device's work (NCCL needs the same order
+        of communicator creation and launches on every rank: never a preparation thread);
+        once. Nothing on gloo."""
+        if self.warm or self.accelerator.type != "cuda" or self.members is not None:
+            self.warm = True
+            return
+        self.data.allreduce([torch.zeros(1, device=self.accelerator)]).wait()  # type: ignore[attr-defined]
+        self.warm = True
+
+    def abort(self) -> None:
+        """Give the groups up after a failure: an NCCL communicator is aborted (never
+        destroyed: a destroy waits for work that a dead peer never completes), gloo's are
+        released as :meth:`destroy` does."""
+        if self.accelerator.type == "cuda" and self.data is not None and self.members is None:
+            self.data.abort()  # type: ignore[attr-defined]
+        self.destroy()
 
     def destroy(self) -> None:
         """Release both groups (after a transport failure they must not be reused)."""
@@ -135,28 +159,51 @@ def _warm_up(data) -> None:
     import torch.distributed as dist
 
     if str(dist.get_backend(data)) == "nccl":
-        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
-                        group=data)
+        dist.all_reduce(torch.zeros(1, device=current().device), group=data)
 
 
 def connect_migration_group(plan: MigrationPlan, device: int, store, *,
-                            timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> MigrationGroup:
-    """Connect the migration group of ``plan`` from a rendezvous ``store`` (gloo).
+                            timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                            compute: Compute | None = None) -> MigrationGroup:
+    """Connect the migration group of ``plan`` from a rendezvous ``store``.
 
     Every participant (``plan.participants``: old ∪ new minus lost devices) calls it
     (collective; it returns when all have connected); its rank is the position of
-    ``device`` among them. Lost devices do not call it. The groups are gloo
-    backends of their own: the default process group, if any, is neither needed nor touched,
-    so a running job connects while it trains and keeps its training groups until the pause.
+    ``device`` among them. Lost devices do not call it. The groups are backends of their
+    own: the default process group, if any, is neither needed nor touched, so a running job
+    connects while it trains and keeps its training groups until the pause. The control
+    group is gloo; the data group gloo on the CPU, NCCL on a GPU (``compute``: default this
+    process's, :func:`.device.current`), its communicator created lazily by
+    :meth:`MigrationGroup.warm_up` (this may run on a preparation thread: it launches
+    nothing on the device).
     """
     import torch.distributed as dist
 
+    compute = compute or current()
     devices = group_devices(plan)
     if device not in devices:
         raise ValueError(f"device {device} takes no part in this migration (devices {devices})")
     rank = devices.index(device)
     timeout = timedelta(seconds=timeout_s)
-    data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, len(devices), timeout)
+    data_store = dist.PrefixStore("data", store)
+    data = (_nccl_group(data_store, rank, len(devices), timeout, compute.device)
+            if compute.cuda else
+            dist.ProcessGroupGloo(data_store, rank, len(devices), timeout))
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, len(devices),
                                     timeout)
-    return MigrationGroup(devices, device, None, data, control)
+    return MigrationGroup(devices, device, None, data, control, compute.device)
+
+
+def _nccl_group(store, rank: int, size: int, timeout: timedelta, device: torch.device):
+    """A ``ProcessGroup`` over an NCCL backend of its own (registered nowhere in torch): the
+    wrapper gives the coalesced group calls (``_start_coalescing``) batched rounds need."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    backend = dist.ProcessGroupNCCL(store, rank, size, options)
+    group = dist.ProcessGroup(store, rank, size)
+    nccl = dist.ProcessGroup.BackendType.NCCL
+    group._set_default_backend(nccl)
+    group._register_backend(device, nccl, backend)
+    return group

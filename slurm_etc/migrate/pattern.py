@@ -85,7 +85,7 @@ def raw_pattern(plan: MigrationPlan, transport: Transport, device: int, *,
     recv = transport.empty(largest)
     send.fill_(1)
     recv.fill_(0)
-    token = torch.zeros(8, dtype=torch.uint8)
+    token = torch.zeros(8, dtype=torch.uint8, device="cpu")  # a vote: host memory
     out = []
     for _ in range(repeats):
         transport.allgather(token, timeout_s)

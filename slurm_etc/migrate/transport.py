@@ -180,7 +180,7 @@ class TorchTransport:
         self._data_rank = [dist.get_group_rank(data, g) for g in members]
         control_rank = [dist.get_group_rank(control, g) for g in members]
         # allgather output is in control-group rank order; map back to migration ranks
-        self._control_order = torch.tensor(control_rank, dtype=torch.long)
+        self._control_order = torch.tensor(control_rank, dtype=torch.long, device="cpu")
         if self._data_rank[rank] != data.rank() or control_rank[rank] != control.rank():
             raise ValueError(f"migration rank {rank} is global rank {members[rank]}, which is "
                              f"not this process (data group rank {data.rank()})")
@@ -206,6 +206,9 @@ class TorchTransport:
         except RuntimeError as exc:
             raise TransportError(f"posting {', '.join(what)} failed: {_first_line(exc)}") from exc
         nccl = self.backend == "nccl"
+        if len(works) != len(ops):  # NCCL coalesces the group call: one work for all
+            whole = "; ".join(what)
+            return [_TorchPending(works[-1], nccl, whole)] * len(ops)
         return [_TorchPending(w, nccl, d) for w, d in zip(works, what)]
 
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
@@ -213,7 +216,7 @@ class TorchTransport:
 
     def start_allgather(self, payload: torch.Tensor) -> PendingGather:
         n = payload.numel()
-        out = torch.empty(self.size * n, dtype=torch.uint8)
+        out = torch.empty(self.size * n, dtype=torch.uint8, device="cpu")
         try:
             work = self._dist.all_gather_single(out, payload.contiguous(),
                                                group=self.control, async_op=True)
@@ -223,28 +226,33 @@ class TorchTransport:
 
 
 class BackendTransport:
-    """torch.distributed transport over two gloo backends that no default group knows.
+    """torch.distributed transport over process groups that no default group knows.
 
-    ``ProcessGroupGloo(store, rank, size)`` objects are usable beside (and before) a default
-    group, so the migration group can be connected while training runs; their ranks are the
-    migration ranks. Gloo posts every send and receive on its own anyway, which is all that
-    ``batch_isend_irecv`` does on gloo.
+    Groups built straight from a store (``ProcessGroupGloo(store, rank, size)``; on a GPU a
+    ``ProcessGroup`` over a ``ProcessGroupNCCL`` backend for the data) are usable beside (and
+    before) a default group, so the migration group can be connected while training runs;
+    their ranks are the migration ranks. Gloo posts every send and receive on its own anyway,
+    which is all that ``batch_isend_irecv`` does on gloo. NCCL deadlocks on concurrent
+    point-to-point operations posted separately: every send and receive of a step goes in
+    one coalesced group call (``_start_coalescing`` / ``_end_coalescing``, what torch's
+    ``batch_isend_irecv`` does), and all of them complete with its one work.
     """
 
-    backend = "gloo"
-
-    def __init__(self, data, control) -> None:
+    def __init__(self, data, control, device: torch.device | str = "cpu") -> None:
         if data.rank() != control.rank() or data.size() != control.size():
             raise ValueError(f"data group is rank {data.rank()} of {data.size()}, control "
                              f"group rank {control.rank()} of {control.size()}")
         self.data, self.control = data, control
         self.rank, self.size = data.rank(), data.size()
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(int(nbytes), dtype=torch.uint8)
+        return torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
 
     def exchange(self, sends, recvs, tag: int) -> list[Pending]:
+        if self.backend == "nccl":
+            return self._exchange_batched(sends, recvs, tag)
         posted: dict[str, list[Pending]] = {"send": [], "receive": []}
         # receives first: a peer's sends find their buffers posted
         for kind, op, items, what in (("receive", self.data.recv, recvs, "from"),
@@ -260,12 +268,35 @@ class BackendTransport:
                 posted[kind].append(_TorchPending(work, False, desc))
         return posted["send"] + posted["receive"]
 
+    def _exchange_batched(self, sends, recvs, tag: int) -> list[Pending]:
+        """The step's operations in one NCCL group call; one work completes them all."""
+        what = ", ".join([f"send of {t.numel()} bytes to migration rank {p}" for p, t in sends]
+                         + [f"receive of {t.numel()} bytes from migration rank {p}"
+                            for p, t in recvs])
+        if not sends and not recvs:
+            return []
+        self.data._start_coalescing(self.device)
+        try:
+            for peer, tensor in sends:
+                self.data.send([tensor], peer, tag)
+            for peer, tensor in recvs:
+                self.data.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            self.data._end_coalescing(self.device)
+            raise TransportError(f"posting {what} failed: {_first_line(exc)}") from exc
+        try:
+            work = self.data._end_coalescing(self.device)
+        except RuntimeError as exc:
+            raise TransportError(f"posting {what} failed: {_first_line(exc)}") from exc
+        one = _TorchPending(work, True, what)
+        return [one] * (len(sends) + len(recvs))
+
     def allgather(self, payload: torch.Tensor, timeout_s: float) -> torch.Tensor:
         return self.start_allgather(payload).wait(timeout_s)
 
     def start_allgather(self, payload: torch.Tensor) -> PendingGather:
         n = payload.numel()
-        out = torch.empty(self.size * n, dtype=torch.uint8)
+        out = torch.empty(self.size * n, dtype=torch.uint8, device="cpu")
         try:
             work = self.control._allgather_base(out, payload.contiguous())
         except RuntimeError as exc:
@@ -344,7 +375,7 @@ class ThreadTransport:
         self._generation = 0
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(int(nbytes), dtype=torch.uint8)
+        return torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
 
     def exchange(self, sends, recvs, tag: int) -> list[Pending]:
         out: list[Pending] = []

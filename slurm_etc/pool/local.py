@@ -64,6 +64,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 from ..errors import InternalError
+from ..protocol.gpus import gpu_env, gpus_present
 
 if TYPE_CHECKING:
     from slurm_etc.protocol.store import StoreServer
@@ -121,13 +122,17 @@ class WorkerContext:
     objects: dict = field(default_factory=dict)
 
     def init_group(self, tag: str, rank: int, world: int) -> None:
-        """Start a gloo default group (destroying the current one) from the shared store."""
+        """Start a default group (destroying the current one) from the shared store: gloo,
+        and NCCL for CUDA tensors on a GPU (:mod:`slurm_etc.migrate.device`)."""
         import torch.distributed as dist
+
+        from slurm_etc.migrate.device import current
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        dist.init_process_group("gloo", store=dist.PrefixStore(tag, self.store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=self.timeout_s))
+        dist.init_process_group(current().world_backend, store=dist.PrefixStore(tag, self.store),
+                                rank=rank, world_size=world,
+                                timeout=timedelta(seconds=self.timeout_s))
 
     def drop(self) -> None:
         """Drop the live objects and megatron's groups, then the default group."""
@@ -242,6 +247,7 @@ def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid:
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(WORKER_ENV)
+    os.environ.update(gpu_env(environ, index, gpus=gpus_present()))  # worker i: GPU i
     os.chdir(cwd)
     sys.path[:] = path
     # Ctrl-C reaches the whole process group: let the parent decide when workers stop.
@@ -254,9 +260,11 @@ def _worker_main(index: int, size: int, port: int, conn: Connection, parent_pid:
 
     import torch
 
+    from slurm_etc.migrate import device
     from slurm_etc.protocol.store import StoreClient
 
     torch.set_num_threads(1)
+    device.use(device.select())
     for module in preload:
         importlib.import_module(module)
     store = StoreClient("127.0.0.1", port, secret, timeout=timedelta(seconds=timeout_s))

@@ -51,10 +51,10 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     numel = 1
     for s in shape:
         numel *= s
-    if numel * torch.empty(0, dtype=dt).element_size() != len(payload):
+    if numel * dt.itemsize != len(payload):
         raise BadValue(f"a {dtype} tensor of shape {shape[:8]} with {len(payload)} bytes")
     if not numel:
-        return torch.empty(shape, dtype=dt)
+        return torch.empty(shape, dtype=dt, device="cpu")  # a value off the wire: host
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dt).reshape(shape)
 
 

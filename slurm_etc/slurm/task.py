@@ -39,6 +39,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from slurm_etc.protocol.gpus import VISIBLE_GPUS, one_gpu
+
 MARK = "@slurm-etc"
 
 
@@ -52,24 +54,14 @@ def decode_payload(word: str) -> dict[str, Any]:
     return dict(json.loads(base64.urlsafe_b64decode(word.encode())))
 
 
-def pick_gpu(visible: str | None, local: int) -> str:
-    """The CUDA_VISIBLE_DEVICES of a worker on local device ``local``: entry ``local`` of
-    the step's list (``"0,1"``, ``"2,3"``), or ``local`` itself when Slurm set none."""
-    entries = [v for v in (visible or "").split(",") if v.strip()]
-    if not entries:
-        return str(local)
-    if local >= len(entries):
-        raise SystemExit(f"slurm-etc task: device {local} is not among this step's GPUs "
-                         f"(CUDA_VISIBLE_DEVICES={visible})")
-    return entries[local].strip()
-
-
 def worker_env(environ: Mapping[str, str], task: Mapping[str, Any]) -> dict[str, str]:
     """The worker's environment: the step's plus the task's variables and its one GPU."""
     env = dict(environ)
     env.update({str(k): str(v) for k, v in task.get("env", {}).items()})
-    env["CUDA_VISIBLE_DEVICES"] = pick_gpu(environ.get("CUDA_VISIBLE_DEVICES"),
-                                           int(task["local"]))
+    try:
+        env[VISIBLE_GPUS] = one_gpu(environ.get(VISIBLE_GPUS), int(task["local"]))
+    except ValueError as err:
+        raise SystemExit(f"slurm-etc task: {err}") from None
     return env
 
 

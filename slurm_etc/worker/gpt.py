@@ -33,7 +33,9 @@ class SeededTokens:
             raise IndexError(i)
         digest = hashlib.sha256(repr((self.seed, "sample", i)).encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        return torch.randint(0, self.vocab_size, (self.seq + 1,), generator=gen)
+        # a sample lives in host memory, as a data loader's do: the trainer moves each
+        # micro-batch to the worker's device
+        return torch.randint(0, self.vocab_size, (self.seq + 1,), generator=gen, device="cpu")
 
 
 def gpt_provider(model: ModelDesc) -> Any:

@@ -72,7 +72,7 @@ class Snapshot:
         out = []
         for key, lo, hi, s, dtype, off, numel in self.index:
             dt = getattr(torch, dtype)
-            size = numel * torch.empty(0, dtype=dt).element_size()
+            size = numel * dt.itemsize
             out.append(LocalShard(key, lo, hi, s, self.flat[off:off + size].view(dt)))
         return out
 
@@ -123,12 +123,14 @@ class PeerCopies:
         snap = self._take(step, shards, meta)
         self.own[step] = snap
         head = encode_value((snap.index, snap.meta))
-        ops, sizes = [], {w: torch.zeros(2, dtype=torch.int64) for w in self.wards}
-        mine = torch.tensor([len(head), snap.nbytes], dtype=torch.int64)
+        # copies live in host memory (another node's, off the device): gloo moves them
+        ops, sizes = [], {w: torch.zeros(2, dtype=torch.int64, device="cpu") for w in self.wards}
+        mine = torch.tensor([len(head), snap.nbytes], dtype=torch.int64, device="cpu")
         ops.append(dist.P2POp(dist.isend, mine, self.buddy))
         ops += [dist.P2POp(dist.irecv, sizes[w], w) for w in self.wards]
         _wait(dist.batch_isend_irecv(ops))
-        heads = {w: torch.empty(int(sizes[w][0]), dtype=torch.uint8) for w in self.wards}
+        heads = {w: torch.empty(int(sizes[w][0]), dtype=torch.uint8, device="cpu")
+                 for w in self.wards}
         flats = {w: self._buffer(w, int(sizes[w][1])) for w in self.wards}
         ops = [dist.P2POp(dist.isend, torch.frombuffer(bytearray(head), dtype=torch.uint8),
                           self.buddy),
@@ -229,7 +231,7 @@ class PeerCopies:
     def _recycled(self, nbytes: int) -> torch.Tensor:
         """A buffer of this size that prune dropped, else a new one."""
         free = self._free.get(nbytes)
-        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def _buffer(self, ward: int, nbytes: int) -> torch.Tensor:
         return self._recycled(nbytes)

@@ -61,6 +61,7 @@ from slurm_etc.megatron.build import (
 from slurm_etc.megatron.live import check_catalog, check_chunk_layers, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
 from slurm_etc.megatron.state import sub_optimizers
+from slurm_etc.migrate import device
 from slurm_etc.migrate.faults import KillSpec
 from slurm_etc.plan import Layout, MigrationPlan, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
@@ -358,6 +359,7 @@ class ElasticTrainer:
 
         if not torch.cuda.is_available():
             cpu_compat.install()
+        compute = device.use(device.select())
         # what this worker forks (megatron's checkpoint Manager, data loaders) ends with it
         children_die_with_me()
         self.proc = proc
@@ -374,8 +376,8 @@ class ElasticTrainer:
                 self._load_checkpoint(resume_from)
             self._first_generation = proc.generation
             _freeze_heap()
-            self._log("training %s on %d processes from step %d", proc.layout.config,
-                      proc.layout.config.world, self.step)
+            self._log("training %s on %d processes from step %d (on %s)", proc.layout.config,
+                      proc.layout.config.world, self.step, compute)
         else:
             while self.layout is None:  # a joining process; an aborted resize: the next one
                 first = self._first_order(proc)
@@ -440,11 +442,10 @@ class ElasticTrainer:
     def close(self) -> None:
         """Drop the state and this process's groups (after :meth:`run` returned)."""
         if dist.is_initialized():
-            from slurm_etc.megatron.build import teardown
+            from slurm_etc.megatron.build import teardown_world
 
             self.state = None
-            teardown()
-            dist.destroy_process_group()
+            teardown_world()
 
     # -- the checkpoint path (the reference a resize is held against) ----------------------
 
@@ -492,7 +493,9 @@ class ElasticTrainer:
         dp_rank = parallel_state.get_data_parallel_rank()
         ranges = microbatch_samples(self.consumed_samples, self.global_batch,
                                     self.micro_batch, cfg.dp, dp_rank)
-        batches = [self.collate([self._dataset[i] for i in r]) for r in ranges]
+        on = device.current().device
+        batches = [device.to_device(self.collate([self._dataset[i] for i in r]), on)
+                   for r in ranges]
         for chunk in state.model:
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
@@ -1436,16 +1439,14 @@ class ElasticTrainer:
                                    last: int) -> str:
         """Neither replicas nor peer copies: the new layout loads the last periodic
         checkpoint (every survivor leaves its old groups; the others exit)."""
-        from slurm_etc.megatron.build import teardown
+        from slurm_etc.megatron.build import teardown_world
 
         proc = self._proc()
         t0 = time.time()
         self._rebuilt_from[order.generation] = "checkpoint"
         self._forget_steps_after(step, order.generation, last)
         self.state, self.peers, self._held = None, None, None
-        teardown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_world()
         self.generation = order.generation
         if proc.vrank not in new.devices:
             self.layout = None
@@ -1472,6 +1473,8 @@ class ElasticTrainer:
         self._check_layout(config)
         if not parallel_state.model_parallel_is_initialized():
             initialize_parallel_state(config)
+        if device.current().cuda:
+            _seed_cuda_tracker(self.seed)
         # the interleaved schedule's micro-batch groups: megatron's default, pp (the value in
         # the template was derived from the template's pp; the chooser assumes pp too)
         tf = dataclasses.replace(
@@ -1572,7 +1575,8 @@ class ElasticTrainer:
 
     def _start_group(self, prefix: str, rank: int, world: int) -> None:
         proc = self._proc()
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, proc.store), rank=rank,
+        dist.init_process_group(device.current().world_backend,
+                                store=dist.PrefixStore(prefix, proc.store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=proc.timeout_s))
 
     # -- helpers ---------------------------------------------------------------------------
@@ -1654,6 +1658,20 @@ class _Preparation:
     new_catalog: Catalog | None = None
     prepared_s: float = 0.0
     world_s: float = 0.0
+
+
+def _seed_cuda_tracker(seed: int) -> None:
+    """On a GPU, megatron's CUDA RNG tracker (its model-parallel generator, forked for
+    dropout in tensor-parallel regions) needs states before the first forward: seeded once
+    as megatron's training does (``model_parallel_cuda_manual_seed``); a resize carries the
+    states over (``_rng_extras``). The device's default generator is left as it was."""
+    from megatron.core import tensor_parallel
+
+    if tensor_parallel.get_cuda_rng_tracker().get_states():
+        return
+    rng = torch.cuda.get_rng_state()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.cuda.set_rng_state(rng)
 
 
 def _rng_source(old: Layout, new: Layout, new_rank: int, plan: MigrationPlan, lost: frozenset[int]

@@ -23,11 +23,19 @@ def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 def test_cli_on_cpu_reports_every_check(tmp_path):
     proc = _run([str(SCRIPT), "--device", "cpu", "--models", "tiny,tiny-llama", "--steps", "2",
-                 "--staging-mib", "1", "--json", "--out", str(tmp_path)])
+                 "--staging-mib", "1", "--idle-s", "1", "--json", "--out", str(tmp_path)],
+                timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
     assert report["device"] == "cpu" and "NCCL between ranks" in report["unmeasured"]
+    # the product's own trainer in a worker process of its own, on the device it chose
+    trainer = report["trainer"]
+    assert trainer["device"] == "cpu" and trainer["backend"] == "gloo"
+    assert trainer["exits"] == ["done"] and len(trainer["losses"]) == 2 and trainer["finite"]
+    idle = report["store_idle"]
+    assert idle["connections_after_idle"] <= idle["connections_after_collective"] <= 2
+    assert report["preflight"]["free_bytes"] is None  # host memory is not checked
     assert [r["model"] for r in report["results"]] == ["tiny", "tiny-llama"]
     for r in report["results"]:
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])

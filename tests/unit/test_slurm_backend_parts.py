@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_etc.protocol.gpus import gpu_env, gpus_present, one_gpu
 from slurm_etc.slurm.backend import (
     clean_shrink,
     devices_of,
@@ -24,7 +25,7 @@ from slurm_etc.slurm.parsers import (
     parse_scontrol_jobs,
     parse_scontrol_partition,
 )
-from slurm_etc.slurm.task import MARK, decode_payload, encode_payload, pick_gpu, worker_env
+from slurm_etc.slurm.task import MARK, decode_payload, encode_payload, worker_env
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm" / "22.05.8"
 
@@ -68,10 +69,19 @@ def test_clean_shrink():
     assert devices_of(["a", "b"], 2)[-1].node == "b" and len(devices_of(["a"], 3)) == 3
 
 
-def test_pick_gpu_and_env():
-    assert pick_gpu("0,1", 1) == "1" and pick_gpu("2,3", 0) == "2" and pick_gpu(None, 3) == "3"
-    with pytest.raises(SystemExit, match="not among this step's GPUs"):
-        pick_gpu("0", 1)
+def test_one_gpu_per_worker_and_env(tmp_path):
+    assert one_gpu("0,1", 1) == "1" and one_gpu("2,3", 0) == "2" and one_gpu(None, 3) == "3"
+    with pytest.raises(ValueError, match="not among this node's GPUs"):
+        one_gpu("0", 1)
+    with pytest.raises(SystemExit, match="not among this node's GPUs"):
+        worker_env({"CUDA_VISIBLE_DEVICES": "0"}, {"vrank": 1, "local": 1})
+    # the local backend narrows only where the node has GPUs (a CPU worker's environment
+    # is left as it was: preloaded forks need it unchanged)
+    assert gpu_env({"CUDA_VISIBLE_DEVICES": "6,7"}, 1, gpus=True) == {"CUDA_VISIBLE_DEVICES": "7"}
+    assert gpu_env({}, 2, gpus=True) == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert gpu_env({"CUDA_VISIBLE_DEVICES": "6,7"}, 1, gpus=False) == {}
+    (tmp_path / "nvidiactl").touch()
+    assert gpus_present(str(tmp_path / "nvidiactl")) and not gpus_present(str(tmp_path / "x"))
     env = worker_env({"CUDA_VISIBLE_DEVICES": "4,5", "A": "x"},
                      {"vrank": 9, "local": 1, "env": {"SLURM_ETC_VRANK": "9"}})
     assert env == {"CUDA_VISIBLE_DEVICES": "5", "A": "x", "SLURM_ETC_VRANK": "9"}

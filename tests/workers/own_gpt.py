@@ -44,7 +44,7 @@ def model_provider(config, pre_process: bool, post_process: bool):
 def forward_step(data_iterator, model):
     tokens = next(data_iterator)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
     output = model(inputs, positions, None, labels=labels)
 
     def loss_func(per_token_loss):
