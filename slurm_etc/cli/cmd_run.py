@@ -181,13 +181,23 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               help="Local backend: workers that are 'python -m module' or 'python "
                    "script.py' fork from one process that imported torch and megatron-core "
                    "(seconds per worker saved); --no-preload: each starts cold.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve this job's metrics (OpenMetrics, /metrics) for Prometheus on this "
+                   "port (0: any free one, logged); off by default.")
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True, metavar="ADDR",
+              help="The address --metrics-port listens on.")
+@click.option("--srun-arg", "srun_args", multiple=True, metavar="ARG",
+              help="Slurm backend: an option added verbatim to every worker step's srun "
+                   "(repeatable; after the site's /etc/slurm-etc/srun-args and "
+                   "$SLURM_ETC_SRUN_ARGS), e.g. --srun-arg=--container-image=img.sqsh; "
+                   "never to the coordinator's own Slurm commands.")
 @click.argument("command", nargs=-1, required=True, type=Unbounded(
     "the worker's own command line, run as given: its arguments are the user's program's"))
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
         keep_checkpoints, checkpoint_dir, reattach_wait, join_timeout, progress_file, as_json,
-        preload, command):
+        preload, metrics_port, metrics_bind, srun_args, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -232,6 +242,9 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir,
                                 keep_checkpoints)
     policy = job_policy(policy_partition, account, policy_db)
+    if srun_args and script is not None:
+        raise ConfigError("--srun-arg adds options to the Slurm backend's worker steps; the "
+                          "local backend starts processes (use --backend slurm)")
     if script is not None:
         from ..local.backend import LocalBackend
 
@@ -242,7 +255,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
             from ..slurm.backend import SlurmBackend
         except ImportError:
             raise ConfigError("the Slurm backend is not available in this build") from None
-        be = SlurmBackend.from_environment(job_id=job_id, policy=policy)
+        be = SlurmBackend.from_environment(job_id=job_id, policy=policy, srun_args=srun_args)
         topology = be.topology
     # the job's own machinery, once all is checked
     from ..coordinator.job_model import provisional_job
@@ -266,7 +279,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     progress, progress_out = open_progress(progress_file)
     try:
         out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,
-                      bind=bind, advertise=advertise, progress=progress)
+                      bind=bind, advertise=advertise, progress=progress,
+                      metrics=(metrics_bind, metrics_port) if metrics_port is not None else None)
     finally:
         if progress_out is not None:
             progress_out.close()

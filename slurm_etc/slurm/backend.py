@@ -109,7 +109,7 @@ from slurm_etc.coordinator.supervisor import Supervised, WorkerSupervisor
 from slurm_etc.protocol import env as envvars
 
 from ..lifecycle import AllocationState
-from . import commands, parsers
+from . import commands, parsers, step_options
 from .client import CliSlurmClient, SlurmClient
 from .member import NOTICES
 from .model import BatchSpec, JobInfo, SlurmError, SlurmJobState, StepSpec, check_signal
@@ -212,8 +212,10 @@ class TaskSpec:
 
 def worker_step_spec(*, allocation: str, node: str, tasks: Sequence[TaskSpec],
                      argv: Sequence[str], python: str, ignore: Sequence[str] = ("USR2",),
-                     stop_signal: str = "TERM", error: str | None = None) -> StepSpec:
-    """The srun step of ``tasks`` (workers on one node of one allocation)."""
+                     stop_signal: str = "TERM", error: str | None = None,
+                     options: Sequence[str] = ()) -> StepSpec:
+    """The srun step of ``tasks`` (workers on one node of one allocation); ``options``: the
+    site's and the job's own srun options (:mod:`.step_options`), after the step's."""
     payload = {
         "argv": list(argv),
         "ignore": [check_signal(s) for s in ignore],
@@ -224,7 +226,7 @@ def worker_step_spec(*, allocation: str, node: str, tasks: Sequence[TaskSpec],
         job_id=allocation, nodes=1, ntasks=len(tasks), nodelist=(node,), overlap=True,
         label=True, error=error,
         # stdin to every task (stop/kill lines); one task ending leaves the others running.
-        extra=("--input=all", "--kill-on-bad-exit=0", "--wait=0"),
+        extra=("--input=all", "--kill-on-bad-exit=0", "--wait=0", *options),
         argv=(python, "-m", "slurm_etc.slurm.task", encode_payload(payload)),
     )
 
@@ -311,6 +313,8 @@ class SlurmBackend:
             ``<log_dir>/gen<G>-<node>-<allocation>.log``; None: the coordinator's stderr.
         recover: look for members of this anchor that a previous coordinator submitted.
         clock: unix seconds (deadlines); injectable for tests.
+        srun_options: added verbatim to every worker step's srun, never to the
+            coordinator's own Slurm commands (:mod:`.step_options`: containers, binding).
     """
 
     def __init__(self, run_dir: str | Path, *, anchor_job: str | None = None,
@@ -321,7 +325,8 @@ class SlurmBackend:
                  signal_lead_s: int = 120, grace_s: float | None = None,
                  notice_margin_s: float = 5.0, poll_interval_s: float = 2.0,
                  python: str = sys.executable, log_dir: str | Path | None = None,
-                 recover: bool = True, clock: Callable[[], float] = time.time) -> None:
+                 recover: bool = True, clock: Callable[[], float] = time.time,
+                 srun_options: Sequence[str] = ()) -> None:
         self.run_dir = Path(run_dir).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / NOTICES).mkdir(exist_ok=True)
@@ -342,6 +347,7 @@ class SlurmBackend:
         self.notice_margin_s = notice_margin_s
         self.poll_interval_s = poll_interval_s
         self.python = python
+        self.srun_options = step_options.check(srun_options, "srun options")
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._clock = clock
         self._grace_s = grace_s
@@ -377,7 +383,7 @@ class SlurmBackend:
 
     @classmethod
     def from_environment(cls, job_id: str | None = None, policy: Any = None,
-                         **kwargs: Any) -> "SlurmBackend":
+                         srun_args: Sequence[str] = (), **kwargs: Any) -> "SlurmBackend":
         """The backend of the coordinator running in the anchor's batch script.
 
         The anchor is ``SLURM_JOB_ID``. Members go to the admin policy's ``grow_partition``
@@ -386,7 +392,9 @@ class SlurmBackend:
         ``SLURM_ETC_NOTICE_SIGNAL`` (USR2); the policy's ``preempt_grace_s`` is the signal's
         lead time. The run directory (shared by every node) is ``SLURM_ETC_RUN_DIR``, else
         ``$SLURM_SUBMIT_DIR/.slurm-etc/<anchor>``; step logs go to its ``logs/``.
-        ``job_id`` (the coordinator's name of the job) is not the anchor's id.
+        ``job_id`` (the coordinator's name of the job) is not the anchor's id. Worker steps
+        get the site's srun options, ``SLURM_ETC_SRUN_ARGS`` and ``srun_args``
+        (:func:`.step_options.step_options`).
         """
         env = os.environ
         anchor = env.get("SLURM_JOB_ID")
@@ -405,6 +413,7 @@ class SlurmBackend:
             "notice_signal": env.get("SLURM_ETC_NOTICE_SIGNAL", "USR2"),
             "signal_lead_s": lead or 120,
             "log_dir": run_dir / "logs",
+            "srun_options": step_options.step_options(env, srun_args),
         }
         options.update(kwargs)
         return cls(run_dir, **options)
@@ -882,7 +891,7 @@ class SlurmBackend:
         spec = worker_step_spec(
             allocation=job_id, node=node, tasks=tasks, argv=action.argv, python=self.python,
             ignore=(self.notice_signal, *(("TERM",) if term_is_notice else ())),
-            stop_signal="INT" if term_is_notice else "TERM")
+            stop_signal="INT" if term_is_notice else "TERM", options=self.srun_options)
         cmd = commands.srun(spec)
         env = {**commands.step_environment(os.environ), **action.env}
         stdin = -1

@@ -110,7 +110,10 @@ def backend_for(anchor: str, tmp_path: Path, **kwargs) -> SlurmBackend:
 
 def test_grant_launch_stop_preempt(client, jobs, anchor, tmp_path):
     wait_free(client, ["n2", "n3", "n4"])
-    backend = backend_for(anchor, tmp_path)
+    # a site's or user's own srun options reach every worker step (containers: pyxis's
+    # --container-image; here --export, which the workers see)
+    backend = backend_for(anchor, tmp_path,
+                          srun_options=("--export=ALL,SLURM_ETC_STEP_MARK=from-srun",))
     try:
         drive = Driver(backend)
         ((_, first),) = drive.until("anchor grant", lambda e: isinstance(e, Grant), 5)
@@ -156,6 +159,7 @@ def test_grant_launch_stop_preempt(client, jobs, anchor, tmp_path):
             assert env["SLURM_ETC_VRANK"] == str(v) and env["SLURM_ETC_GENERATION"] == "1"
             assert env["SLURM_ETC_DEVICE"] == str(spec.device)
             assert env["SLURM_ETC_JOB"] == "j1" and env["OUT_DIR"] == str(out)
+            assert env["SLURM_ETC_STEP_MARK"] == "from-srun"  # the extra srun option
         assert "SLURM_CONF" in envs[1]
 
         # Long-running workers; stopping one leaves the other running.

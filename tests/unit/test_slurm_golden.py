@@ -63,6 +63,13 @@ CASES = {
     "srun_member_node_term": lambda: commands.srun(worker_step_spec(
         allocation="1240", node="gpu-a07", python=PY, ignore=("TERM",), stop_signal="INT",
         tasks=[TaskSpec(0, 0, {})], argv=["python", "train.py"])),
+    # A container site (pyxis/enroot): the site's and the job's srun options after the
+    # step's own, verbatim (slurm/step_options.py).
+    "srun_member_node_container": lambda: commands.srun(worker_step_spec(
+        allocation="1240", node="gpu-a07", python=PY, tasks=[TaskSpec(0, 0, {})],
+        argv=["python", "train.py"],
+        options=("--container-image=/shared/images/pytorch-25.11.sqsh",
+                 "--container-mounts=/shared:/shared", "--cpu-bind=none", "--mpi=pmix"))),
     "scancel_member": lambda: commands.scancel("1240"),
     "scancel_kill_step": lambda: commands.scancel_signal("1240.3", "KILL"),
     "scontrol_shrink_member": lambda: commands.scontrol_resize("1240", 1, cwd="/tmp/resize"),
