@@ -502,17 +502,24 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
                    "in neither argv nor the environment); or give --db @FILE, a file "
                    "holding the whole URL.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "openmetrics"]),
+              default="table", show_default=True,
+              help="openmetrics: the jobs as Prometheus metrics (slurm_etc_*), e.g. for "
+                   "node_exporter's textfile collector; json: as --json.")
 @click.option("--watch", type=Number(bounds.WATCH_S), is_flag=False,
               flag_value=DEFAULT_WATCH_S, default=None, metavar="[SECONDS]",
               help=f"Redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C.")
 @click.pass_context
 def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Path | None,
-           db_password_file: Path | None, as_json: bool, watch: float | None) -> None:
+           db_password_file: Path | None, as_json: bool, fmt: str,
+           watch: float | None) -> None:
     """Elastic jobs: layout and generation, devices and vranks per node, generations,
     migrations (bytes moved against the lower bound, pause), pending events. Without JOBID,
     one line per job; you see your own jobs (root and Slurm operators see all)."""
-    if watch is not None and as_json:
-        raise UserError("--watch redraws tables; leave it out to get --json once")
+    as_json = as_json or fmt == "json"
+    if watch is not None and (as_json or fmt == "openmetrics"):
+        raise UserError("--watch redraws tables; leave it out to get --json or "
+                        "--format openmetrics once")
     obj = ctx.obj or {}
     viewer = Viewer(obj.get("uid", os.getuid()), obj.get("sees_all_jobs", slurm_operator))
     clock: Callable[[], datetime] = obj.get("now", lambda: datetime.now(timezone.utc))
@@ -536,6 +543,11 @@ def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Pa
     if as_json:
         now = clock()
         click.echo(json.dumps({"jobs": [d.to_json(now) for d in found.jobs]}, indent=2))
+        return
+    if fmt == "openmetrics":
+        from ..metrics import openmetrics
+
+        click.echo(openmetrics(found.jobs, clock()), nl=False)
         return
     console = output_console()
     if watch is None:

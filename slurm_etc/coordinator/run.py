@@ -2,10 +2,11 @@
 around a backend, then the reconcile loop (:mod:`.loop`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from slurm_etc.protocol.store import StoreClient, StoreServer
 from slurm_etc.protocol.store import StoreError as RendezvousStoreError
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
+from slurm_etc.store.lease import take_lease
 
 from ..protocol.channel import ChannelError, CoordinatorChannel, create_secret, split_bind
 from .backend import Backend
@@ -29,14 +31,74 @@ def run_job(spec: JobSpec, backend: Backend, topology: ClusterTopology, *,
             advertise: str | None = None, secret_dir: Path | None = None,
             deadline_s: float | None = None,
             progress: Callable[[dict[str, Any]], None] | None = None,
-            crash: Callable[[str], None] | None = None) -> dict[str, Any]:
+            crash: Callable[[str], None] | None = None,
+            metrics: tuple[str, int] | None = None) -> dict[str, Any]:
     """Run the job to its end; returns ``{"state", "reaction_s", "db"}``.
 
-    The record is created before anything starts; the backend is closed (every worker
-    stopped) whatever happens. ``crash``: the coordinator's crash hook (a test's SIGKILL at
-    one of :data:`~slurm_etc.coordinator.loop.KILL_POINTS`; none by default).
+    The record is created before anything starts, once this coordinator holds the job's
+    lease (:mod:`slurm_etc.store.lease`: a second coordinator on a live job is refused in
+    one line, nothing written); the backend is closed (every worker stopped) whatever
+    happens. ``metrics``: (address, port) where the job's metrics are served while it runs
+    (:func:`slurm_etc.metrics.serve`; port 0: any free one, logged). ``crash``: the
+    coordinator's crash hook (a test's SIGKILL at one of
+    :data:`~slurm_etc.coordinator.loop.KILL_POINTS`; none by default).
     """
     store = _open_record(spec.job_id, db, state_dir)
+    try:  # before anything is written: a second coordinator on a live job is refused
+        lease = take_lease(store, spec.job_id)
+    except BaseException:
+        store.close()
+        raise
+    try:
+        with _metrics_served(store, spec.job_id, metrics):
+            return _coordinate(spec, backend, topology, store, backend_name=backend_name,
+                               bind=bind, advertise=advertise, secret_dir=secret_dir,
+                               deadline_s=deadline_s, progress=progress, crash=crash)
+    finally:
+        lease.release()
+
+
+@contextlib.contextmanager
+def _metrics_served(store: Any, job_id: str,
+                    where: tuple[str, int] | None) -> Iterator[None]:
+    """The job's metrics endpoint while the coordinator runs: each scrape reads the record
+    (a read-only connection of its own for a SQLite file: the scrape's thread is not the
+    coordinator's)."""
+    if where is None:
+        yield
+        return
+    from slurm_etc.metrics import serve
+    from slurm_etc.store.db import open_store_readonly
+
+    def read() -> list[Any]:
+        reader = open_store_readonly(store.path) if store.path is not None else store
+        try:
+            detail = record.job_detail(reader, job_id)
+        finally:
+            if reader is not store:
+                reader.close()
+        return [detail] if detail is not None else []
+
+    try:
+        server = serve(read, where[0], where[1])
+    except OSError as err:
+        raise StoreError(f"cannot serve metrics on {where[0]}:{where[1]}: "
+                         f"{err.strerror or err}") from None
+    logger.info("[job %s] metrics on http://%s:%d/metrics", job_id, where[0],
+                server.server_port)
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, store: Any, *,
+                backend_name: str, bind: str, advertise: str | None,
+                secret_dir: Path | None, deadline_s: float | None,
+                progress: Callable[[dict[str, Any]], None] | None,
+                crash: Callable[[str], None] | None) -> dict[str, Any]:
+    """:func:`run_job` once the record is open and its lease held."""
     known = record.job_detail(store, spec.job_id)
     refused = known and job_transition_error(spec.job_id, known.job.state, JobState.RUNNING)
     if refused:

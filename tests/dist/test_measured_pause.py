@@ -23,6 +23,7 @@ import pytest
 
 from slurm_etc.store import job_detail, list_jobs
 from slurm_etc.store.db import open_store_readonly
+from tests.unit.openmetrics_check import pause_histogram
 
 from .pause_check import (
     interrupted_steps,
@@ -170,3 +171,12 @@ def test_the_recorded_pause_is_the_gap_between_steps(tmp_path):
     assert [m["stall_seconds"] for m in as_json["migrations"]] == \
         [m.stall_seconds for m in detail.migrations]
     assert all(m["pause_measured"] for m in as_json["migrations"])
+
+    # the same record as Prometheus metrics (issue #44): the pause histogram counts the
+    # committed resizes, its sum their recorded pauses
+    scraped = subprocess.run([*CLI, "status", "--db", str(out / "demo.db"), "--format",
+                              "openmetrics"], capture_output=True, text=True, timeout=120,
+                             check=True)
+    pause = pause_histogram(scraped.stdout, job.job_id)
+    assert pause["count"] == len(committed)
+    assert abs(pause["sum"] - sum(m.pause_seconds for m in committed)) < 1e-9
