@@ -123,6 +123,7 @@ SCRIPT_EVENTS = Bound("events", 0, 100_000, "a scripted local cluster, one event
 LOAD = Bound("x the cluster", 0.0, 2.0, "offered load beyond twice the cluster is a queue",
              integer=False)
 SEED = Bound("seed", 0, 2 ** 64 - 1, "a 64-bit seed")
+PORT = Bound("port", 0, 65_535, "a TCP port (0: any free one)")
 GBPS = Bound("GB/s", 0.001, 100_000.0, "100 TB/s per device: 100x NVLink 5", integer=False)
 MEMORY_GIB = Bound("GiB", 0.001, 65_536.0, "64 TiB per device", integer=False)
 TFLOPS = Bound("TFLOP/s", 0.001, 1_000_000.0, "1 EFLOP/s per device", integer=False)

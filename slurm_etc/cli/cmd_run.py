@@ -181,12 +181,14 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               help="Local backend: workers that are 'python -m module' or 'python "
                    "script.py' fork from one process that imported torch and megatron-core "
                    "(seconds per worker saved); --no-preload: each starts cold.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+@click.option("--metrics-port", type=Number(bounds.PORT), default=None, metavar="PORT",
               help="Serve this job's metrics (OpenMetrics, /metrics) for Prometheus on this "
                    "port (0: any free one, logged); off by default.")
-@click.option("--metrics-bind", default="127.0.0.1", show_default=True, metavar="ADDR",
+@click.option("--metrics-bind", type=Text(), default="127.0.0.1", show_default=True,
+              metavar="ADDR",
               help="The address --metrics-port listens on.")
-@click.option("--srun-arg", "srun_args", multiple=True, metavar="ARG",
+@click.option("--srun-arg", "srun_args", type=Text(bounds.PATH_CHARS), multiple=True,
+              metavar="ARG",
               help="Slurm backend: an option added verbatim to every worker step's srun "
                    "(repeatable; after the site's /etc/slurm-etc/srun-args and "
                    "$SLURM_ETC_SRUN_ARGS), e.g. --srun-arg=--container-image=img.sqsh; "
