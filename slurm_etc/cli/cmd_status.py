@@ -485,6 +485,17 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
 # ---------------------------------------------------------------- command
 
 
+SORT_KEYS: dict[str, Callable[[JobDetail], Any]] = {
+    "job": lambda d: d.job.job_id,
+    "name": lambda d: (d.job.name, d.job.job_id),
+    "owner": lambda d: (d.job.owner_name, d.job.job_id),
+    "state": lambda d: (d.job.state, d.job.job_id),
+    "age": lambda d: (-d.job.updated_at.timestamp(), d.job.job_id),
+    "devices": lambda d: (-d.job.world_size, d.job.job_id),
+    "resizes": lambda d: (-sum(m.outcome == "committed" for m in d.migrations), d.job.job_id),
+}
+
+
 @click.command("status")
 @click.argument("job_id", required=False, metavar="[JOBID]", type=TextType())
 @click.option("--db", "db", envvar="SLURM_ETC_DB", metavar="PATH|URL|@FILE",
@@ -502,6 +513,9 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
                    "in neither argv nor the environment); or give --db @FILE, a file "
                    "holding the whole URL.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--sort", type=click.Choice(sorted(SORT_KEYS)), default="job", show_default=True,
+              help="Order of the jobs (newest updates first for age; most first for "
+                   "devices and resizes).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "openmetrics"]),
               default="table", show_default=True,
               help="openmetrics: the jobs as Prometheus metrics (slurm_etc_*), e.g. for "
@@ -511,7 +525,7 @@ def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:
               help=f"Redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C.")
 @click.pass_context
 def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Path | None,
-           db_password_file: Path | None, as_json: bool, fmt: str,
+           db_password_file: Path | None, as_json: bool, sort: str, fmt: str,
            watch: float | None) -> None:
     """Elastic jobs: layout and generation, devices and vranks per node, generations,
     migrations (bytes moved against the lower bound, pause), pending events. Without JOBID,
@@ -536,6 +550,7 @@ def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Pa
         found = gather(db, states, viewer, job_id)
         if job_id is not None and not found.jobs:
             raise UserError(f"no job {job_id} of yours in {found.where}")
+        found.jobs.sort(key=SORT_KEYS[sort])
         return found
 
     found = look()
@@ -557,6 +572,18 @@ def status(ctx: click.Context, job_id: str | None, db: str | None, state_dir: Pa
         console.print(render(found, job_id, clock()))
         return
     frames = obj.get("watch_frames")
+    if not console.is_terminal:  # a pipe or a log: each view whole, after a stamp line
+        console.print(render(found, job_id, clock()))
+        for _ in _count(frames):
+            time.sleep(watch)
+            now = clock()
+            try:
+                view: RenderableType = render(look(), job_id, now)
+            except UserError as exc:
+                view = Text(exc.format_message())
+            console.print(f"--- {now.isoformat(timespec='seconds')} ---")
+            console.print(view)
+        return
     with Live(render(found, job_id, clock()), console=console, auto_refresh=False) as live:
         try:
             for _ in _count(frames):

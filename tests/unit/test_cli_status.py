@@ -246,3 +246,25 @@ def test_parse_adminlevel_reads_only_the_users_line():
     assert not parse_adminlevel("alice|None\n", "alice")
     assert not parse_adminlevel("root|Administrator\n", "alice")
     assert not parse_adminlevel("", "alice")
+
+
+def test_sorted_as_asked(site_db):
+    # 201 is mine and never resized; 202 another user's with one committed resize
+    r = run(["--db", str(site_db), "--json", "--sort", "resizes"],
+            {"uid": ME, "sees_all_jobs": lambda uid: True})
+    assert r.exit_code == 0, r.output
+    assert [j["job_id"] for j in json.loads(r.stdout)["jobs"]] == ["202", "201"]
+    r = run(["--db", str(site_db), "--json", "--sort", "job"],
+            {"uid": ME, "sees_all_jobs": lambda uid: True})
+    assert [j["job_id"] for j in json.loads(r.stdout)["jobs"]] == ["201", "202"]
+    r = run(["--db", str(site_db), "--sort", "size"], {"uid": ME})
+    assert r.exit_code == 2 and "'size' is not one of" in r.output
+
+
+def test_watch_into_a_pipe_prints_each_view_whole(env):
+    # CliRunner's output is no terminal: no cursor movement, a stamp line before each redraw
+    r = run(["101", "--state-dir", str(env), "--watch", "0.2"], {"uid": ME, "watch_frames": 2})
+    assert r.exit_code == 0, r.output
+    assert "\x1b[" not in r.stdout
+    assert r.stdout.count("--- 2026-11-30T12:10:00+00:00 ---") == 2
+    assert r.stdout.count("generations") == 3  # the first view and two redraws, whole
