@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from slurm_etc.plan.model import PRESETS
-from slurm_etc.pool.local import LocalWorkers, WorkerError
+from slurm_etc.pool.local import LocalWorkers, WorkerError, WorkerTimeout
 from slurm_etc.worker.sequence import PRELOAD, ResizeSequence, parse_sequence, w_elastic
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -88,5 +88,8 @@ def test_the_count_catches_a_gate_never_open(pool):
 
 
 def test_a_gate_read_from_the_own_flag_alone_is_caught(pool):
-    with pytest.raises(WorkerError, match="did not reach step|timed out|failed"):
+    # the told rank agrees through the store alone while its peer trains on: it fails at
+    # its deadline, or the two hang on each other past the call's (this test runs last:
+    # the pool's processes are stopped after it)
+    with pytest.raises((WorkerError, WorkerTimeout)):
         _run(pool, plant="own-flag-only")
