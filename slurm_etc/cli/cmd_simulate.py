@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -21,6 +22,11 @@ from .params import Number, SafePath
 @click.option("--trace", "trace_path", type=SafePath(dir_okay=False),
               help="Replay this trace file (format: docs/allocator.md).")
 @click.option("--synthetic", is_flag=True, help="Generate a synthetic trace instead.")
+@click.option("--sacct", "sacct_path", type=SafePath(dir_okay=False, allow_dash=True),
+              help="Replay your site's history: `sacct -a -X -P --format=JobID,State,Submit,"
+                   "Start,End,NNodes,AllocTRES` output ('-': stdin); what happened, and the "
+                   "same GPU jobs with --jobs elastic jobs beside them (docs/simulate-history.md). "
+                   "--nodes/--gpus-per-node: the cluster (default: the history's peak).")
 @click.option("--nodes", default=256, show_default=True, type=Number(bounds.NODES, low=2),
               help="Synthetic: cluster nodes.")
 @click.option("--gpus-per-node", default=8, show_default=True,
@@ -40,15 +46,22 @@ from .params import Number, SafePath
 @click.option("--plot", "plot_path", type=SafePath(dir_okay=False),
               help="Write a PNG of occupancy and fragmentation over time.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_node: int,
+@click.pass_context
+def simulate_cmd(ctx: click.Context, trace_path: str | None, synthetic: bool,
+                 sacct_path: str | None, nodes: int, gpus_per_node: int,
                  jobs: int, hours: float, rigid_load: float, seed: int,
                  save_trace: str | None, plot_path: str | None, as_json: bool) -> None:
     """Replay grants, preemptions and failures on a simulated cluster, with slurm-etc's
     compact allocator and with a naive one (first-fit ranks, no compaction, identity
     placement), and compare occupancy, fragmentation, resizes and bytes migrated."""
-    if bool(trace_path) == synthetic:
-        raise UserError("give exactly one of --trace FILE or --synthetic")
-    if trace_path:
+    if sum((bool(trace_path), synthetic, bool(sacct_path))) != 1:
+        raise UserError("give exactly one of --trace FILE, --synthetic or --sacct FILE")
+    happened = None
+    if sacct_path:
+        given = ctx.get_parameter_source("nodes") is not click.core.ParameterSource.DEFAULT
+        trace, happened, source = _history(sacct_path, nodes if given else None,
+                                           gpus_per_node, jobs, seed)
+    elif trace_path:
         try:
             trace = load_trace(trace_path)
         except TraceError as exc:
@@ -71,12 +84,16 @@ def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_n
     elapsed = time.perf_counter() - start
     result = {"source": source, "events": len(trace.events), "sim_seconds": elapsed,
               **comparison(compact, naive)}
+    if happened is not None:
+        result = {**happened, **result, "elastic_gpu_hours": _elastic_gpu_hours(compact)}
     if plot_path:
         plot(compact, naive, plot_path, source)
         result["plot"] = plot_path
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
+    if happened is not None:
+        Console().print(_happened_table(result))
     table = Table(title=f"{source}: {len(trace.events)} events")
     table.add_column("", style="bold")
     table.add_column("slurm-etc (compact)", justify="right")
@@ -88,6 +105,76 @@ def simulate_cmd(trace_path: str | None, synthetic: bool, nodes: int, gpus_per_n
     console.print(_headline(result))
     click.echo(f"simulated both allocators in {elapsed:.1f} s"
                + (f"; plot written to {plot_path}" if plot_path else ""), err=True)
+
+
+def _history(path: str, nodes: int | None, gpus_per_node: int, jobs: int, seed: int
+             ) -> tuple[Any, dict, str]:
+    """The history's trace, what happened, and the source line."""
+    import math
+    import sys
+
+    from ..sim.history import (
+        HistoryError,
+        history_trace,
+        peak_gpus,
+        read_history,
+        what_happened,
+    )
+    from ..sim.trace import ClusterSpec
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it ({getattr(err, 'strerror', None) or err})"
+                        ) from None
+    try:
+        history = read_history(text, "stdin" if path == "-" else path)
+    except HistoryError as err:
+        raise UserError(str(err)) from None
+    if not history.gpu_jobs:
+        raise UserError(f"{path}: no GPU job ran in it ({history.cpu_jobs} CPU jobs, "
+                        f"{history.never_ran} that never ran): nothing to replay")
+    peak = peak_gpus(history)
+    if nodes is None:
+        nodes = max(2, math.ceil(peak / gpus_per_node))
+    cluster = ClusterSpec(nodes, gpus_per_node)
+    try:
+        bounds.check_product("the history's cluster", {"nodes": nodes,
+                                                       "gpus_per_node": gpus_per_node},
+                             bounds.DEVICES)
+        bounds.SIM_SECONDS.check("the history's span", max(j.end for j in history.gpu_jobs))
+    except bounds.BoundError as exc:
+        raise UserError(str(exc)) from None
+    happened = what_happened(history, nodes * gpus_per_node)
+    source = (f"history {path}: {happened['jobs']} GPU jobs over {happened['hours']:.1f} h on "
+              f"{nodes} nodes x {gpus_per_node} GPUs (peak {peak} GPUs held), {jobs} elastic "
+              "jobs beside them")
+    return history_trace(history, cluster, jobs, seed), happened, source
+
+
+def _elastic_gpu_hours(result: Any) -> float:
+    """GPU-hours the elastic jobs held in a simulation (its time series of held devices)."""
+    return float(result.summary.get("elastic_gpu_hours", 0.0))
+
+
+def _happened_table(r: dict) -> Table:
+    t = Table(title="what happened (the history as sacct gave it)")
+    t.add_column("", style="bold")
+    t.add_column("", justify="right")
+    for label, value in (
+            ("GPU jobs that ran", f"{r['jobs']:,}"),
+            ("CPU jobs, steps skipped, never ran",
+             f"{r['cpu_jobs']:,}, {r['steps_skipped']:,}, {r['never_ran']:,}"),
+            ("GPU-hours used / idle", f"{r['gpu_hours_used']:,.1f} / {r['gpu_hours_idle']:,.1f}"),
+            ("GPU utilization", f"{r['utilization']:.0%}"),
+            ("preempted jobs (their GPU-hours)",
+             f"{r['preempted_jobs']:,} ({r['preempted_gpu_hours']:,.1f})"),
+            ("queue wait median / p90", f"{r['queue_wait_median_s'] / 60:,.1f} / "
+                                        f"{r['queue_wait_p90_s'] / 60:,.1f} min"),
+            ("replayed: elastic jobs' GPU-hours (slurm-etc's allocator)",
+             f"{r['elastic_gpu_hours']:,.1f}")):
+        t.add_row(label, value)
+    return t
 
 
 def _headline(r: dict) -> str:

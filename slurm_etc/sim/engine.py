@@ -433,6 +433,7 @@ class Simulation:
             "hours": end / HOUR,
             "occupancy_pct": 100 * area["busy"] / up,
             "elastic_share_pct": 100 * area["elastic"] / up,
+            "elastic_gpu_hours": area["elastic"] / HOUR,
             "idle_held_gpus": area["idle_held"] / end,
             "partial_nodes": area["partial_nodes"] / end,
             "split_tp_groups": area["split_tp_groups"] / end,

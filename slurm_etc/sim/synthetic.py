@@ -91,6 +91,40 @@ def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
     G = gpus_per_node
     end = hours * HOUR
     cluster = ClusterSpec(nodes, G, nodes_per_switch)
+    elastic, policies = elastic_jobs(rng, jobs, nodes)
+    events: list[Event] = []
+    for k, t in enumerate(_poisson(rng, _rigid_rate(nodes, G, rigid_load), end)):
+        duration = round(min(0.5 * HOUR + rng.expovariate(1 / (2.0 * HOUR)), 6 * HOUR))
+        if rng.random() < 0.5:
+            events.append(Event(t, "submit", job=f"rigid-{k}", gpus=rng.choice((1, 2, 4)),
+                                duration=duration))
+        else:
+            events.append(Event(t, "submit", job=f"rigid-{k}", nodes=rng.randint(1, 8),
+                                duration=duration))
+    events += elastic_events(rng, elastic, end)
+    for t in _poisson(rng, _FAILS_PER_NODE_HOUR * nodes, end):
+        node = rng.randrange(nodes)
+        events.append(Event(t, "fail", node=node))
+        back = t + round(rng.uniform(1, 4) * HOUR)
+        if back < end:
+            events.append(Event(back, "recover", node=node))
+    events.sort(key=lambda e: e.t)
+    return Trace(cluster, elastic, tuple(events), end, policies)
+
+
+def _poisson(rng: random.Random, rate_per_hour: float, end: float):
+    """Event times (whole seconds: saved traces stay readable) of a Poisson stream."""
+    t = rng.expovariate(rate_per_hour) * HOUR
+    while t < end:
+        yield round(t)
+        t += rng.expovariate(rate_per_hour) * HOUR
+
+
+def elastic_jobs(rng: random.Random, jobs: int, nodes: int
+                 ) -> tuple[tuple[ElasticJobSpec, ...], tuple[tuple[Scope, ResizePolicy], ...]]:
+    """``jobs`` elastic jobs (models from ``JOB_MIX``, 4 nodes each, starting in the first
+    half hour) and the admin policies that bind them: what a synthetic trace and a
+    replayed history add to the rigid work (:func:`elastic_events` their events)."""
     elastic = tuple(
         ElasticJobSpec(name=f"elastic-{i}", model=JOB_MIX[i % len(JOB_MIX)][0],
                        global_batch=JOB_MIX[i % len(JOB_MIX)][1], nodes=4,
@@ -105,39 +139,24 @@ def synthetic_trace(nodes: int = 256, gpus_per_node: int = 8, jobs: int = 6,
                                                  max_resizes_per_hour=6)),
         (Scope("account", "ml-prod"), ResizePolicy(allowed_pp=(1, 2, 4, 8))),
     )
+    return elastic, policies
+
+
+def elastic_events(rng: random.Random, elastic: tuple[ElasticJobSpec, ...], end: float
+                   ) -> list[Event]:
+    """Each elastic job's grow and preemption events until ``end`` (the module docstring's
+    rates)."""
     events: list[Event] = []
-
-    def poisson(rate_per_hour: float):
-        t = rng.expovariate(rate_per_hour) * HOUR
-        while t < end:
-            yield round(t)  # whole seconds keep saved traces readable
-            t += rng.expovariate(rate_per_hour) * HOUR
-
-    for k, t in enumerate(poisson(_rigid_rate(nodes, G, rigid_load))):
-        duration = round(min(0.5 * HOUR + rng.expovariate(1 / (2.0 * HOUR)), 6 * HOUR))
-        if rng.random() < 0.5:
-            events.append(Event(t, "submit", job=f"rigid-{k}", gpus=rng.choice((1, 2, 4)),
-                                duration=duration))
-        else:
-            events.append(Event(t, "submit", job=f"rigid-{k}", nodes=rng.randint(1, 8),
-                                duration=duration))
     for j in elastic:
-        for t in poisson(60 / 25):
+        for t in _poisson(rng, 60 / 25, end):
             if t < j.start:
                 continue
             if rng.random() < 0.6:
                 events.append(Event(t, "grow", job=j.name, nodes=rng.randint(1, 4)))
             else:
                 events.append(Event(t, "grow", job=j.name, gpus=rng.choice((2, 4, 6))))
-        for t in poisson(1 / 1.5):
+        for t in _poisson(rng, 1 / 1.5, end):
             if t > j.start:
                 events.append(Event(t, "preempt", job=j.name, gpus=rng.choice((8, 16, 24, 32)),
                                     duration=round(rng.uniform(1, 3) * HOUR)))
-    for t in poisson(_FAILS_PER_NODE_HOUR * nodes):
-        node = rng.randrange(nodes)
-        events.append(Event(t, "fail", node=node))
-        back = t + round(rng.uniform(1, 4) * HOUR)
-        if back < end:
-            events.append(Event(back, "recover", node=node))
-    events.sort(key=lambda e: e.t)
-    return Trace(cluster, elastic, tuple(events), end, policies)
+    return events

@@ -135,7 +135,7 @@ def test_simulate_command_synthetic_saves_its_trace(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "give exactly one of --trace FILE or --synthetic"),
+    ([], "give exactly one of --trace FILE, --synthetic or --sacct FILE"),
     (["--synthetic", "--trace", "x.json"], "give exactly one"),
     (["--trace", "/nonexistent.json"], "trace file /nonexistent.json does not exist"),
 ])
