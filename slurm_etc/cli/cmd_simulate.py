@@ -158,6 +158,9 @@ def _elastic_gpu_hours(result: Any) -> float:
 
 
 def _happened_table(r: dict) -> Table:
+    def hours(x: float) -> str:  # a short history's GPU-hours still show
+        return f"{x:,.1f}" if x >= 10 else f"{x:.3f}"
+
     t = Table(title="what happened (the history as sacct gave it)")
     t.add_column("", style="bold")
     t.add_column("", justify="right")
@@ -165,14 +168,15 @@ def _happened_table(r: dict) -> Table:
             ("GPU jobs that ran", f"{r['jobs']:,}"),
             ("CPU jobs, steps skipped, never ran",
              f"{r['cpu_jobs']:,}, {r['steps_skipped']:,}, {r['never_ran']:,}"),
-            ("GPU-hours used / idle", f"{r['gpu_hours_used']:,.1f} / {r['gpu_hours_idle']:,.1f}"),
+            ("GPU-hours used / idle",
+             f"{hours(r['gpu_hours_used'])} / {hours(r['gpu_hours_idle'])}"),
             ("GPU utilization", f"{r['utilization']:.0%}"),
             ("preempted jobs (their GPU-hours)",
-             f"{r['preempted_jobs']:,} ({r['preempted_gpu_hours']:,.1f})"),
+             f"{r['preempted_jobs']:,} ({hours(r['preempted_gpu_hours'])})"),
             ("queue wait median / p90", f"{r['queue_wait_median_s'] / 60:,.1f} / "
                                         f"{r['queue_wait_p90_s'] / 60:,.1f} min"),
             ("replayed: elastic jobs' GPU-hours (slurm-etc's allocator)",
-             f"{r['elastic_gpu_hours']:,.1f}")):
+             hours(r['elastic_gpu_hours']))):
         t.add_row(label, value)
     return t
 
