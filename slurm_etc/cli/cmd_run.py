@@ -188,7 +188,7 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
               metavar="ADDR",
               help="The address --metrics-port listens on.")
 @click.option("--srun-arg", "srun_args", type=Text(bounds.PATH_CHARS), multiple=True,
-              metavar="ARG",
+              metavar="ARG", envvar="SLURM_ETC_RUN_SRUN_ARG",
               help="Slurm backend: an option added verbatim to every worker step's srun "
                    "(repeatable; after the site's /etc/slurm-etc/srun-args and "
                    "$SLURM_ETC_SRUN_ARGS), e.g. --srun-arg=--container-image=img.sqsh; "

@@ -230,9 +230,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("simulate-trace-null-nodes", ["simulate", "--trace", f"{M}/trace_null_nodes.json"],
      "nodes must be an integer, got None"),
     ("simulate-trace-directory", ["simulate", "--trace", f"{M}/adir"], "is a directory"),
-    ("simulate-neither", ["simulate"], "--trace FILE or --synthetic"),
+    ("simulate-neither", ["simulate"], "--trace FILE, --synthetic or --sacct FILE"),
     ("simulate-both", ["simulate", "--synthetic", "--trace", f"{M}/bad.json"],
-     "--trace FILE or --synthetic"),
+     "--trace FILE, --synthetic or --sacct FILE"),
     ("simulate-negative-nodes", ["simulate", "--synthetic", "--nodes", "-3"], "--nodes"),
     ("simulate-negative-hours", ["simulate", "--synthetic", "--hours", "-1"], "--hours"),
     # sizes past their bound and control characters (the whole class is walked in
