@@ -54,6 +54,7 @@ from slurm_etc.megatron.build import (
     TrainingState,
     batch_p2p_comm,
     initialize_parallel_state,
+    mean_loss,
     skip_tied_embedding_sync,
     wrap_for_training,
 )
@@ -310,9 +311,6 @@ class ElasticTrainer:
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
         self._rejoined = False  # reattached to a restarted coordinator in this agreement
-        # (generation, step, whether any rank held an order): carried by the step's own loss
-        # all-reduce, it lets the boundary after that step skip the store's agreement
-        self._gate: tuple[int, int, bool] | None = None
         # a committed layout not installed (a new rank died first): shards and resume state,
         # the trainer state and this rank's RNG extras, moved on by the next resize
         self._held: tuple[list, Any] | None = None
@@ -524,7 +522,7 @@ class ElasticTrainer:
         trained = time.time()
         lr = float(state.optimizer.param_groups[0]["lr"])
         try:
-            loss = self._reduce_loss(losses, cfg)
+            loss = mean_loss(losses, cfg)
         except RuntimeError:
             # the step is trained here (its gradients were reduced and applied); only the
             # reduce of its loss failed, a peer dead since: the step ended before the
@@ -534,37 +532,6 @@ class ElasticTrainer:
         ended = time.time()  # the step's work is done here (what follows only reports it)
         self._step_ended(started, ended, loss, lr, cfg, report=True)
         return loss
-
-    def _reduce_loss(self, losses: list[dict], cfg: ParallelConfig) -> float:
-        """The step's mean loss (:func:`~slurm_etc.megatron.build.mean_loss`) and, in the
-        same all-reduce, the gate of the step boundary after it: whether any rank holds an
-        order (or saw its store close: a coordinator died). Nobody: that boundary trains on
-        without asking the store anything (O(1) a rank, whatever the job's size); somebody:
-        every rank agrees through the store, as before (:meth:`_agree`). Every rank reads
-        the same sum, so all take the same path."""
-        from megatron.core import parallel_state
-
-        local = torch.zeros(2, dtype=torch.float64, device="cpu")  # host: over gloo
-        if losses and parallel_state.is_pipeline_last_stage():
-            local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
-        local[1] = 1.0 if self._holds_an_order() else 0.0
-        dist.all_reduce(local)
-        self._gate = (self.generation, self.step, bool(local[1] > 0))
-        return float(local[0]) / (cfg.dp * cfg.tp)
-
-    def _holds_an_order(self) -> bool:
-        """Whether this rank needs the store's agreement at the next boundary: an order is
-        pending (one of its own generation or older is done), or its store's connection
-        closed. Reads the channel without the silence check (an exception here, on some
-        ranks only, would split them)."""
-        proc = self.proc
-        if proc is None:
-            return False
-        self._drain_orders(proc)
-        if self._pending is not None and self._pending.generation <= self.generation:
-            self._pending = None
-        disconnected = getattr(proc.store, "disconnected", None)
-        return self._pending is not None or bool(disconnected and disconnected())
 
     def _step_ended(self, started: float, ended: float, loss: float, lr: float,
                     cfg: ParallelConfig, *, report: bool) -> None:
@@ -733,11 +700,6 @@ class ElasticTrainer:
             # its own copy, come by the channel while this process carried out the order a
             # peer's agreement told it of: done already, not a new order to agree on
             self._pending = None
-        gate, self._gate = self._gate, None
-        if gate == (self.generation, self.step, False):
-            # no rank held an order when the step ended (one come since is agreed on at the
-            # next boundary: it joins that step's gate); nothing asked of the store
-            return None
         rank = layout.devices.index(proc.vrank)
         names = GenerationKeys(proc.job, self.generation)
         keys = [names.agreement(self._attempt, self.step, r)
