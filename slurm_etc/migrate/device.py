@@ -211,24 +211,3 @@ def end_group(group: Any) -> None:
         group.abort()
     else:
         group.shutdown()
-
-
-def leave_groups(keep: Any = ()) -> int:
-    """Close the connections of every process group this process has registered (but
-    ``keep``: a new world prepared beside them), leaving them registered: a peer blocked on
-    this process in a collective fails at once instead of at the group's timeout, while
-    ranks and sizes can still be asked (``dist.get_rank(group)``). Gloo's are shut down,
-    NCCL's aborted (never destroyed: that waits for the dead). How many were closed."""
-    from torch.distributed import distributed_c10d as c10d
-
-    kept = {id(g) for g in keep}
-    closed = 0
-    for group in list(c10d._world.pg_map):
-        if id(group) in kept:
-            continue
-        try:
-            group.abort() if current().cuda else group.shutdown()
-        except RuntimeError:  # already closed, or a backend without the call
-            continue
-        closed += 1
-    return closed

@@ -416,19 +416,13 @@ class ElasticTrainer:
         """A collective failed (a peer died, e.g. its node failed). The step did not
         complete anywhere it failed, so this rank's state is the last step's. Wait for the
         coordinator's resize that names the dead; without one within the timeout, the
-        original error stands. The training groups stay registered until the resize has
-        read this rank's shards (megatron's sharded_state_dict asks them for tp/pp ranks),
-        but their connections close at once (:func:`~slurm_etc.migrate.device.leave_groups`):
-        a surviving peer blocked on this rank in another collective of the step fails now,
-        not at the group's timeout (it would wait for this rank's part for minutes, and this
-        rank for it in the resize)."""
+        original error stands. The training groups stay until the resize has read this
+        rank's shards (megatron's sharded_state_dict asks them for tp/pp ranks); a
+        surviving peer still blocked on this rank in another collective fails at the
+        group's timeout."""
         proc = self._proc()
         if self._failed_at is None:  # the first failure: the step in flight ended there
             self._failed_at = time.time()
-            prep = self._preparing
-            keep = prep.prepared.world.groups if (prep is not None and prep.prepared is not None
-                                                  and prep.prepared.world is not None) else []
-            device.leave_groups(keep)
         self._log("a collective failed after step %d at unix %.6f (%s); waiting for the "
                   "coordinator", self.step, self._failed_at,
                   str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
