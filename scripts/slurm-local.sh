@@ -23,7 +23,7 @@
 #   preempt scavenge jobs). PreemptType=preempt/partition_prio with preempt_send_user_signal,
 #   so a member submitted with --signal=[B:]SIG@T gets SIG when it is preempted.
 # Accounting: slurmdbd + MariaDB (repeated `scontrol update JobId=.. NumNodes=..` needs it on
-#   22.05), AccountingStorageEnforce=associations; cluster `slurmetc`, account `slurmetc`,
+#   22.05), AccountingStorageEnforce=associations,limits,qos; cluster `slurmetc`, account `slurmetc`,
 #   users root (and $SUDO_USER) are registered.
 #
 # `up` installs missing Debian packages (apt-get update only when something is missing),

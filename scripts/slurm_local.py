@@ -257,7 +257,8 @@ def write_config(p: Paths, params: dict) -> None:
         f"AccountingStoragePort={port['slurmdbd']}",
         # Connections to slurmdbd take their munge socket from here, not from AuthInfo.
         f"AccountingStoragePass={p.munge_socket}",
-        "AccountingStorageEnforce=associations",
+        # limits,qos: slurmctld enforces association and QOS limits (`slurm-etc policy apply`).
+        "AccountingStorageEnforce=associations,limits,qos",
         "AccountingStorageTRES=gres/gpu",
         "JobCompType=jobcomp/none",
         # 1: a node DOWN for not responding returns when its slurmd registers; one set DOWN

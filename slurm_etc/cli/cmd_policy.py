@@ -1,4 +1,5 @@
-"""`slurm-etc policy show|set|unset`: admin resize policies per partition or account.
+"""`slurm-etc policy show|set|unset`: admin resize policies per partition or account
+(`apply|check`, the limits Slurm enforces: cmd_policy_enforce.py).
 
 Anyone may read policies; only root or a Slurm Operator/Administrator may change them.
 Who is asking comes from the process's real uid (``os.getuid()`` -> ``pwd.getpwuid``),

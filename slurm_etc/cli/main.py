@@ -69,6 +69,7 @@ def _register() -> None:
         cmd_demo,
         cmd_plan,
         cmd_policy,
+        cmd_policy_enforce,
         cmd_run,
         cmd_simulate,
         cmd_status,
@@ -76,6 +77,8 @@ def _register() -> None:
     )
 
     cli.add_command(cmd_plan.plan)
+    cmd_policy.policy.add_command(cmd_policy_enforce.apply)
+    cmd_policy.policy.add_command(cmd_policy_enforce.check)
     cli.add_command(cmd_policy.policy)
     cli.add_command(cmd_simulate.simulate_cmd)
     cli.add_command(cmd_status.status)

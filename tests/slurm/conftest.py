@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_etc.slurm import CliSlurmClient, SlurmRunner
+from slurm_etc.slurm import BatchSpec, CliSlurmClient, SlurmRunner
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "slurm-local.sh"
@@ -94,3 +94,17 @@ def jobs(client):
     yield submitted
     for job_id in submitted:
         subprocess.run(["scancel", job_id], capture_output=True)
+
+
+@pytest.fixture
+def anchor(client, jobs, tmp_path) -> str:
+    """A running 1-node anchor job on n1 (main), as the elastic job's batch script has."""
+    from .test_client import running, wait_for, wait_free
+
+    wait_free(client, ["n1"])
+    job = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="anchor",
+                                partition="main", nodes=1, gpus_per_node=2, exclusive=True,
+                                nodelist=("n1",), output=str(tmp_path / "anchor-%j.out")))
+    jobs.append(job)
+    wait_for(running(client, job), "anchor RUNNING")
+    return job

@@ -33,7 +33,7 @@ from slurm_etc.coordinator.backend import (
 from slurm_etc.slurm import BatchSpec, NodeAdminState, SlurmJobState
 from slurm_etc.slurm.backend import SlurmBackend, member_job_name
 
-from .test_client import partition, running, wait_for, wait_free
+from .test_client import partition, wait_for, wait_free
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,17 +90,6 @@ def inside_anchor(anchor: str) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-@pytest.fixture
-def anchor(client, jobs, tmp_path) -> str:
-    wait_free(client, ["n1"])
-    job = client.submit(BatchSpec(script="#!/bin/sh\nsleep 600\n", name="anchor",
-                                partition="main", nodes=1, gpus_per_node=2, exclusive=True,
-                                nodelist=("n1",), output=str(tmp_path / "anchor-%j.out")))
-    jobs.append(job)
-    wait_for(running(client, job), "anchor RUNNING")
-    return job
 
 
 def backend_for(anchor: str, tmp_path: Path, **kwargs) -> SlurmBackend:
