@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from slurm_etc.migrate.connections import opened_during
 from slurm_etc.migrate.device import current, end_group
 from slurm_etc.plan.config import ParallelConfig
 
@@ -139,6 +140,9 @@ class PreparedWorld:
     group_count: int
     state: Any = None
     seconds: dict = field(default_factory=dict)
+    # the TCP connections its groups opened (gloo): kept open when the live world's groups
+    # are left after a failed collective (migrate/connections.py)
+    sockets: set[int] = field(default_factory=set)
 
     def switch(self) -> None:
         """Make this world the live one: ``W`` becomes the default group and megatron's
@@ -301,7 +305,8 @@ def start_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
     before = {id(g) for g in world.pg_map}
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    group = start_world_group(config.world, rank, store, name=name, timeout_s=timeout_s)
+    with opened_during() as sockets:
+        group = start_world_group(config.world, rank, store, name=name, timeout_s=timeout_s)
     seconds["group"] = time.perf_counter() - t
     try:
         c10d._update_default_pg(group)
@@ -309,11 +314,12 @@ def start_world(config: ParallelConfig, rank: int, store: Any, *, name: str,
         set_megatron_globals({})
         t = time.perf_counter()
         # every degree (ep, vpp, cp too): a MoE layout's experts are cut by its ep group
-        initialize_parallel_state(config, timeout_s)
+        with opened_during() as more:
+            initialize_parallel_state(config, timeout_s)
         seconds["megatron_groups"] = time.perf_counter() - t
         groups = [g for g in world.pg_map if id(g) not in before]
         prepared = PreparedWorld(config, rank, group, groups, megatron_globals(),
-                                 world.group_count, None, seconds)
+                                 world.group_count, None, seconds, sockets | more)
     except BaseException:
         new = [g for g in list(world.pg_map) if id(g) not in before]
         _restore(saved_default, saved_count, saved_megatron)
@@ -340,7 +346,9 @@ def build_world(prepared: PreparedWorld, build: Callable[[ParallelConfig], Any])
         set_megatron_globals(prepared.megatron)
         rng = torch.get_rng_state()  # the old layout's generator goes on untouched
         try:
-            prepared.state = build(prepared.config)
+            with opened_during() as sockets:
+                prepared.state = build(prepared.config)
+            prepared.sockets |= sockets
         finally:
             torch.set_rng_state(rng)
         prepared.groups += [g for g in world.pg_map if id(g) not in before]

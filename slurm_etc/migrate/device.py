@@ -25,12 +25,13 @@ process at the watchdog timeout.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slurm_etc.migrate import connections
 from slurm_etc.plan.errors import ConfigError
 
 # torch's ProcessGroupNCCL reads it when a communicator is created: set before any
@@ -211,3 +212,31 @@ def end_group(group: Any) -> None:
         group.abort()
     else:
         group.shutdown()
+
+
+def leave_groups(keep: Any = (), *, base: Collection[int] = (),
+                 spare_ports: Collection[int] = (), keep_sockets: Collection[int] = ()) -> int:
+    """Close the connections of every process group this process has registered (but
+    ``keep``: a new world prepared beside them), leaving them registered: a peer blocked on
+    this process in a collective fails at once instead of at the group's timeout, while
+    ranks and sizes can still be asked (``dist.get_rank(group)``). NCCL's are aborted (never
+    destroyed: that waits for the dead); gloo, which has no abort, gets its TCP connections
+    shut down (:mod:`~slurm_etc.migrate.connections`: those opened since ``base``, less the
+    coordinator's ``spare_ports`` and the kept world's ``keep_sockets``). How many groups
+    (NCCL) or connections (gloo) were closed."""
+    if not current().cuda:
+        return connections.close_group_connections(base, spare_ports=spare_ports,
+                                                    keep=keep_sockets)
+    from torch.distributed import distributed_c10d as c10d
+
+    kept = {id(g) for g in keep}
+    closed = 0
+    for group in list(c10d._world.pg_map):
+        if id(group) in kept:
+            continue
+        try:
+            group.abort()
+        except RuntimeError:  # already closed, or a backend without the call
+            continue
+        closed += 1
+    return closed

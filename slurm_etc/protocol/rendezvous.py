@@ -32,8 +32,9 @@ class GenerationKeys:
         """The training process group's rendezvous prefix."""
         return train_group_prefix(self.prefix)
 
-    def agreement(self, attempt: int, step: int, rank: int) -> str:
-        """Rank ``rank``'s vote on step ``step`` (attempt > 0: after an aborted resize)."""
+    def agreement(self, attempt: int, step: int, rank: int | str) -> str:
+        """Rank ``rank``'s key in the agreement on step ``step`` (attempt > 0: after an
+        aborted resize); ``decided`` and ``arrived`` are the step's decision and count."""
         base = f"{self.prefix}/agree" + (f".{attempt}" if attempt else "")
         return f"{base}/{step}/{rank}"
 

@@ -157,6 +157,7 @@ class StoreServer:
         self._wakers: dict[str, set[_Waiter]] = {}  # by wake key
         self._blocked: set[_Waiter] = set()
         self.refused = 0  # requests refused for a bound
+        self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
         self._ctx = zmq.Context()
         self._zap = ZapGuard(self._ctx, {self._keys.client_public})
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -192,9 +193,11 @@ class StoreServer:
         return self._handshakes.refused
 
     def stats(self) -> dict[str, int]:
-        """Keys held, bytes held (keys + values), requests refused for a bound."""
+        """Keys held, bytes held (keys + values), requests refused for a bound, requests
+        served."""
         with self._lock:
-            return {"keys": len(self._data), "bytes": self._bytes, "refused": self.refused}
+            return {"keys": len(self._data), "bytes": self._bytes, "refused": self.refused,
+                    "requests": self.requests}
 
     def retire_generations(self, below: int) -> int:
         """Delete every key of this job's generations ``< below`` (``<job>/g<N>/...`` and
@@ -271,6 +274,7 @@ class StoreServer:
         except (msgspec.DecodeError, RecursionError) as e:
             self._reply(routing, Reply(0, "bad", error=str(e)[:200]))
             return
+        self.requests += 1
         try:
             reply = self._apply(routing, req)
         except _Refused as r:
@@ -497,16 +501,28 @@ class StoreClient(dist.Store):
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()  # checked out by a request in flight
         self._generation = 0  # one more at each close / repoint
-        self._ids = 0
+        self._ids = 0  # requests sent, the id of the last
 
     def __repr__(self) -> str:
         return f"StoreClient({_bracket(self.host)}:{self.port})"
+
+    @property
+    def requests(self) -> int:
+        """Requests this client has sent."""
+        return self._ids
 
     @property
     def open_connections(self) -> int:
         """Connections this client holds open: idle, and in use by requests in flight."""
         with self._lock:
             return len(self._idle) + len(self._busy)
+
+    def disconnected(self) -> bool:
+        """Whether an idle connection saw the store close it (its process died: a
+        coordinator SIGKILLed) since its last request; asks nothing of the store. The
+        event stays queued: the next request on that connection fails at once."""
+        with self._lock:
+            return any(conn.monitor.poll(0) for conn in self._idle)
 
     # -- transport -------------------------------------------------------------------------
 

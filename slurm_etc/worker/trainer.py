@@ -32,6 +32,7 @@ is refused before anything moves.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import inspect
@@ -54,14 +55,13 @@ from slurm_etc.megatron.build import (
     TrainingState,
     batch_p2p_comm,
     initialize_parallel_state,
-    mean_loss,
     skip_tied_embedding_sync,
     wrap_for_training,
 )
 from slurm_etc.megatron.live import check_catalog, check_chunk_layers, model_desc_of
 from slurm_etc.megatron.resize import InstallInterrupted
 from slurm_etc.megatron.state import sub_optimizers
-from slurm_etc.migrate import device
+from slurm_etc.migrate import connections, device
 from slurm_etc.migrate.faults import KillSpec
 from slurm_etc.plan import Layout, MigrationPlan, ParallelConfig, Topology, plan_migration
 from slurm_etc.plan.catalog import Catalog, build_catalog
@@ -311,6 +311,10 @@ class ElasticTrainer:
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
         self._rejoined = False  # reattached to a restarted coordinator in this agreement
+        # (generation, step, whether any rank held an order): carried by the step's own loss
+        # all-reduce, it lets the boundary after that step skip the store's agreement
+        self._gate: tuple[int, int, bool] | None = None
+        self._base_sockets: frozenset[int] = frozenset()
         # a committed layout not installed (a new rank died first): shards and resume state,
         # the trainer state and this rank's RNG extras, moved on by the next resize
         self._held: tuple[list, Any] | None = None
@@ -348,6 +352,9 @@ class ElasticTrainer:
         ``proc.reattach_wait_s``). The trained state stays in ``self.state`` until
         :meth:`close`.
         """
+        # the sockets before any process group (the coordinator's, the user's own): never
+        # closed when this rank leaves failed groups
+        self._base_sockets = connections.snapshot()
         try:
             return self._run(proc, resume_from)
         except CoordinatorLost as lost:
@@ -416,13 +423,23 @@ class ElasticTrainer:
         """A collective failed (a peer died, e.g. its node failed). The step did not
         complete anywhere it failed, so this rank's state is the last step's. Wait for the
         coordinator's resize that names the dead; without one within the timeout, the
-        original error stands. The training groups stay until the resize has read this
-        rank's shards (megatron's sharded_state_dict asks them for tp/pp ranks); a
-        surviving peer still blocked on this rank in another collective fails at the
-        group's timeout."""
+        original error stands. The training groups stay registered until the resize has
+        read this rank's shards (megatron's sharded_state_dict asks them for tp/pp ranks),
+        but their connections close at once (:func:`~slurm_etc.migrate.device.leave_groups`):
+        a surviving peer blocked on this rank in another collective of the step fails now,
+        not at the group's timeout (it would wait for this rank's part for minutes, and this
+        rank for it in the resize)."""
         proc = self._proc()
         if self._failed_at is None:  # the first failure: the step in flight ended there
             self._failed_at = time.time()
+            prep = self._preparing
+            kept = (prep.prepared.world if prep is not None and prep.prepared is not None
+                    else None)
+            closed = device.leave_groups(kept.groups if kept is not None else (),
+                                         base=self._base_sockets,
+                                         spare_ports=self._coordinator_ports(proc),
+                                         keep_sockets=kept.sockets if kept is not None else ())
+            logger.debug("left the failed groups: %d closed", closed)
         self._log("a collective failed after step %d at unix %.6f (%s); waiting for the "
                   "coordinator", self.step, self._failed_at,
                   str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
@@ -516,7 +533,7 @@ class ElasticTrainer:
         trained = time.time()
         lr = float(state.optimizer.param_groups[0]["lr"])
         try:
-            loss = mean_loss(losses, cfg)
+            loss = self._reduce_loss(losses, cfg)
         except RuntimeError:
             # the step is trained here (its gradients were reduced and applied); only the
             # reduce of its loss failed, a peer dead since: the step ended before the
@@ -526,6 +543,37 @@ class ElasticTrainer:
         ended = time.time()  # the step's work is done here (what follows only reports it)
         self._step_ended(started, ended, loss, lr, cfg, report=True)
         return loss
+
+    def _reduce_loss(self, losses: list[dict], cfg: ParallelConfig) -> float:
+        """The step's mean loss (:func:`~slurm_etc.megatron.build.mean_loss`) and, in the
+        same all-reduce, the gate of the step boundary after it: whether any rank holds an
+        order (or saw its store close: a coordinator died). Nobody: that boundary trains on
+        without asking the store anything (O(1) a rank, whatever the job's size); somebody:
+        every rank agrees through the store, as before (:meth:`_agree`). Every rank reads
+        the same sum, so all take the same path."""
+        from megatron.core import parallel_state
+
+        local = torch.zeros(2, dtype=torch.float64, device="cpu")  # host: over gloo
+        if losses and parallel_state.is_pipeline_last_stage():
+            local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+        local[1] = 1.0 if self._holds_an_order() else 0.0
+        dist.all_reduce(local)
+        self._gate = (self.generation, self.step, bool(local[1] > 0))
+        return float(local[0]) / (cfg.dp * cfg.tp)
+
+    def _holds_an_order(self) -> bool:
+        """Whether this rank needs the store's agreement at the next boundary: an order is
+        pending (one of its own generation or older is done), or its store's connection
+        closed. Reads the channel without the silence check (an exception here, on some
+        ranks only, would split them)."""
+        proc = self.proc
+        if proc is None:
+            return False
+        self._drain_orders(proc)
+        if self._pending is not None and self._pending.generation <= self.generation:
+            self._pending = None
+        disconnected = getattr(proc.store, "disconnected", None)
+        return self._pending is not None or bool(disconnected and disconnected())
 
     def _step_ended(self, started: float, ended: float, loss: float, lr: float,
                     cfg: ParallelConfig, *, report: bool) -> None:
@@ -678,13 +726,14 @@ class ElasticTrainer:
             self._pending = order
 
     def _agree(self) -> Order | None:
-        """At a step boundary, every rank of the layout learns the newest order any of them
-        holds (one rank being told is enough).
+        """At a step boundary, every rank of the layout learns the same order, one that a
+        rank holds (one rank being told is enough), or that there is none.
 
-        Through the rendezvous store rather than a collective: each rank writes what it
-        holds under this step's key and waits for the others' keys while it keeps reading
-        its own orders. A peer that died never writes; the coordinator's resize naming the
-        dead then ends the wait on every survivor, which no blocked collective could."""
+        Asked of the store only after a step whose gate (its loss all-reduce) said some rank
+        holds an order: O(1) requests a rank then (:meth:`_arrive`: the first order proposed
+        is the decision), none at all otherwise. Through the store rather than a collective:
+        a peer that died never arrives, and the coordinator's resize naming the dead ends the
+        wait on every survivor, which no blocked collective could."""
         proc = self._proc()
         layout = self.layout
         if layout is None:
@@ -694,22 +743,29 @@ class ElasticTrainer:
             # its own copy, come by the channel while this process carried out the order a
             # peer's agreement told it of: done already, not a new order to agree on
             self._pending = None
+        gate, self._gate = self._gate, None
+        if gate == (self.generation, self.step, False):
+            # no rank held an order when the step ended (one come since is agreed on at the
+            # next boundary: it joins that step's gate); nothing asked of the store
+            return None
         rank = layout.devices.index(proc.vrank)
         names = GenerationKeys(proc.job, self.generation)
-        keys = [names.agreement(self._attempt, self.step, r)
-                for r in range(layout.config.world)]
-        mine = ENCODER.encode(self._pending) if self._pending else b"-"
+        own = names.agreement(self._attempt, self.step, rank)
+        decided = names.agreement(self._attempt, self.step, "decided")
         # every peer read the key of step - 2 before the step after it could start
         stale = names.agreement(self._attempt, self.step - 2, rank) if self.step >= 2 else ""
+        arrive = (decided, names.agreement(self._attempt, self.step, "arrived"),
+                  layout.config.world)
+        self._arrive(*arrive)
         deadline = time.monotonic() + proc.timeout_s
-        # the store answers when the keys are there (one round trip); each slice, orders
+        # the store answers when the decision is there (one round trip); each slice, orders
         # are looked at
-        while (values := self._agree_slice(keys[rank], mine, stale, keys)) is None:
+        while (values := self._agree_slice(own, b"-", stale, [decided])) is None:
             if self._rejoined:
                 # reattached to a restarted coordinator: its store is new, and this rank
-                # writes there once what it holds now (the new coordinator's order, if any)
+                # arrives there once with what it holds now (the new coordinator's order)
                 self._rejoined = False
-                mine = ENCODER.encode(self._pending) if self._pending else b"-"
+                self._arrive(*arrive)
                 deadline = time.monotonic() + proc.timeout_s
             self._take_orders()
             if self._names_the_dead(self._pending):
@@ -718,8 +774,32 @@ class ElasticTrainer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
-        self._pending = None
-        return newest_order(values, self.generation, self._aborted)
+        order = newest_order(values, self.generation, self._aborted)
+        held = self._pending
+        if held is None or (order is not None and held.generation <= order.generation) \
+                or held.generation in self._aborted:
+            self._pending = None
+        # else: newer than the decision (another rank's proposal came first); it opens the
+        # gate of the next boundary, where it is decided
+        return order
+
+    def _arrive(self, decided: str, arrived: str, world: int) -> None:
+        """This rank's part of a step's decision, O(1) requests whatever the job's size: it
+        proposes the order it holds (the first proposal is the decision: compare-and-set),
+        then counts itself in; the last rank in closes the decision with "no order" where
+        nobody proposed one. A store that stopped answering (its coordinator died) is waited
+        out and the part done again on the restarted one."""
+        proc = self._proc()
+        while True:
+            try:
+                if self._pending is not None:
+                    proc.store.compare_set(decided, b"", ENCODER.encode(self._pending))
+                if proc.store.add(arrived, 1) == world:
+                    proc.store.compare_set(decided, b"", b"-")
+                return
+            except StoreUnreachable as err:
+                self._await_restart(err)
+                self._rejoined = False
 
     def _agree_slice(self, own: str, mine: bytes, stale: str, keys: list[str]
                      ) -> list[bytes] | None:
@@ -1572,6 +1652,18 @@ class ElasticTrainer:
             lr_warmup_steps=s.warmup_steps * gb, lr_decay_steps=max(decay, 1) * gb,
             lr_decay_style=s.decay_style, start_wd=s.start_wd, end_wd=s.end_wd,
             wd_incr_steps=max(decay, 1) * gb, wd_incr_style=s.wd_incr_style)
+
+    @staticmethod
+    def _coordinator_ports(proc: WorkerProcess) -> set[int]:
+        """The ports of the coordinator's channel and store (as they are now: a restarted
+        coordinator's store may have moved), whose connections a rank leaving its groups
+        keeps."""
+        ports = {getattr(proc.store, "port", None)}
+        address = getattr(proc.control, "address", None)
+        if isinstance(address, str) and ":" in address:
+            with contextlib.suppress(ValueError):
+                ports.add(int(address.rsplit(":", 1)[1]))
+        return {p for p in ports if isinstance(p, int)}
 
     def _start_group(self, prefix: str, rank: int, world: int) -> None:
         proc = self._proc()
