@@ -59,9 +59,7 @@ from slurm_etc.protocol.env import (
 )
 from slurm_etc.protocol.messages import (
     ENCODER,
-    HEARTBEAT_S,
     Exited,
-    Heartbeat,
     Hello,
     ModelBuilt,
     ModelReport,
@@ -136,8 +134,8 @@ class JobSpec:
         env: extra environment for every worker.
         recovery: peer copies and periodic checkpoints the workers keep (passed to them),
             from which a loss that no replica covers is rebuilt.
-        reattach_wait_s: how long a worker that hears nothing from this coordinator (a
-            heartbeat every HEARTBEAT_S) waits for it before it exits.
+        reattach_wait_s: how long a worker whose link to this coordinator is down (libzmq's
+            heartbeats every HEARTBEAT_S keep it up) waits for it before it exits.
         join_timeout_s: how long a launched worker has to say Hello; one that does not, or
             exits before, never joined (see :meth:`Coordinator._never_joined`). A joiner of
             a grow also has it, from its launch, to say Ready (warmed up); one that does not
@@ -243,7 +241,6 @@ class Coordinator:
         self.ending: str | None = None
         self._stop_sent = False
         self._dead_since: float | None = None  # since when no worker of the layout lives
-        self._beat_at = 0.0  # when the last heartbeat went out
         # launched workers that have not said Hello yet: vrank -> (generation, launched at)
         self.unjoined: dict[int, tuple[int, float]] = {}
         self.first_layout = False  # the layout is the first one launched (nothing committed)
@@ -320,7 +317,6 @@ class Coordinator:
                 if self.cancelled is not None:
                     return self._end(JobState.CANCELLED, self.cancelled)
                 self.journal.retry()
-                self._beat_workers()
                 # status tells a live coordinator from a lost one by this (at most 1/30 s)
                 record.heartbeat(self.store, self.spec.job_id)
                 # the workers first: a step they report can fire a scripted cluster's events
@@ -350,19 +346,6 @@ class Coordinator:
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end(JobState.FAILED, str(err))
-
-    def _beat_workers(self) -> None:
-        """Every HEARTBEAT_S, tell every running worker that this coordinator lives (a
-        worker that hears nothing for its reattach wait exits: workers never outlive
-        their coordinator for long, on any backend)."""
-        now = time.monotonic()
-        if now - self._beat_at < HEARTBEAT_S:
-            return
-        self._beat_at = now
-        running = [v for v, w in self.backend.workers().items() if w.running]
-        if running:
-            self.channel.broadcast(Heartbeat(self.spec.job_id, self.channel.generation),
-                                   running)
 
     def _stop_training(self) -> None:
         """The backend ended training and no resize is in flight: Stop the layout's

@@ -76,6 +76,7 @@ from typing import Final, Literal, TypeAlias
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from slurm_etc.protocol.keys import (
     HandshakeWatch,
@@ -86,9 +87,9 @@ from slurm_etc.protocol.keys import (
 )
 from slurm_etc.protocol.messages import (
     ENCODER,
+    HEARTBEAT_S,
     REPORT_DECODER,
     Abort,
-    Heartbeat,
     Hello,
     Order,
     Report,
@@ -186,7 +187,7 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
         return f"{self.store_host}:{self.store_port}"
 
 
-ToWorker: TypeAlias = Resize | Stop | Abort | Welcome | Heartbeat
+ToWorker: TypeAlias = Resize | Stop | Abort | Welcome
 
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 _TO_WORKER_DECODER = msgspec.msgpack.Decoder(ToWorker)
@@ -795,8 +796,10 @@ class WorkerChannel:
         self._outbox: deque[list[bytes]] = deque()
         self._delivered: set[Order] = set()
         self._welcome: Welcome | None = None
-        self.heard_at = time.monotonic()  # the last authenticated message from the coordinator
+        self._heard = time.monotonic()  # the last authenticated message, or the link's end
+        self._linked = False  # a CURVE session with the coordinator is up (libzmq's heartbeats)
         self._lock = threading.Lock()
+        self._watch_lock = threading.Lock()
         self._closed = False
         self.dropped = 0
         self._ctx = zmq.Context()
@@ -807,6 +810,15 @@ class WorkerChannel:
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
+            # liveness without a message per worker from the coordinator's Python loop:
+            # libzmq pings every HEARTBEAT_S and the coordinator's I/O thread answers; no
+            # answer within three drops the link (and a dead coordinator's closes at once)
+            ivl = int(HEARTBEAT_S * 1000)
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+            self._link = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             if address.startswith("tcp://["):
                 self._sock.setsockopt(zmq.IPV6, 1)
             self._sock.connect(address)
@@ -846,6 +858,29 @@ class WorkerChannel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def heard_at(self) -> float:
+        """When the coordinator was last known alive (monotonic): now while the link to it
+        is up, a CURVE session that libzmq's heartbeats keep (the coordinator's I/O thread
+        answers them: nothing per worker in its Python loop); else its last message or the
+        link's end, whichever came later. A coordinator killed closes the link at once; one
+        whose process hangs but lives still answers (its job's time limit bounds it)."""
+        self._watch()
+        return time.monotonic() if self._linked else self._heard
+
+    def _watch(self) -> None:
+        """Take the link's events (up: a handshake succeeded; down: disconnected)."""
+        with self._watch_lock:
+            if self._closed:
+                return
+            while self._link.poll(0):
+                event = recv_monitor_message(self._link)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._linked = True
+                elif event == zmq.EVENT_DISCONNECTED and self._linked:
+                    self._linked = False
+                    self._heard = max(self._heard, time.monotonic())
 
     @property
     def generation(self) -> int:
@@ -958,6 +993,9 @@ class WorkerChannel:
         with self._lock:
             self._flush()
         self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        with self._watch_lock:
+            self._sock.disable_monitor()
+            self._link.close(linger=0)
         self._sock.close()
         self._ctx.term()
 
@@ -996,9 +1034,7 @@ class WorkerChannel:
         except Exception as e:  # noqa: BLE001 - a peer must never crash a worker
             self._rejects.note("internal", f"{type(e).__name__} while checking a message")
             return
-        self.heard_at = time.monotonic()
-        if isinstance(message, Heartbeat):
-            return
+        self._heard = time.monotonic()
         if isinstance(message, Welcome):
             self._welcome = message
             return

@@ -92,15 +92,6 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True
 Order = Resize | Stop | Abort
 
 
-class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
-    """The coordinator is alive (sent every HEARTBEAT_S to every running worker). Not an
-    order: the channel only notes when it last heard from the coordinator, and a worker
-    that hears nothing holds, then exits after its reattach wait (``REATTACH_WAIT``)."""
-
-    job: str
-    generation: int
-
-
 class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True,
             omit_defaults=True):
     """A worker started and joined the control channel, or (``step`` >= 0) one that lost

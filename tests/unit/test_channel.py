@@ -41,6 +41,7 @@ from slurm_etc.protocol.channel import (
 from slurm_etc.protocol.keys import ZapGuard, curve_keys, make_client, make_server
 from slurm_etc.protocol.messages import (
     ENCODER,
+    HEARTBEAT_S,
     Abort,
     Control,
     Exited,
@@ -709,3 +710,26 @@ def test_closed_channels_fail_cleanly(coordinator: CoordinatorChannel, key: byte
     with pytest.raises(ChannelError, match="closed"):
         coordinator.recv(0.1)
     assert coordinator.send(0, Stop(JOB, 0)) is False
+
+
+def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes) -> None:
+    """No message from the coordinator for longer than three heartbeat intervals: the worker
+    still knows it lives (libzmq's pings, answered by its I/O thread); killed (its channel
+    closed), the worker's silence starts at once. Before, the coordinator's loop signed and
+    sent a Heartbeat to every worker every HEARTBEAT_S."""
+    coord = CoordinatorChannel(JOB, key, "127.0.0.1", rendezvous=("127.0.0.1", 29500))
+    w = worker(coord, key)
+    try:
+        join(coord, w)
+        time.sleep(3 * HEARTBEAT_S + 1.0)
+        assert coord.recv(0.01) is None  # nothing sent either way meanwhile
+        assert time.monotonic() - w.heard_at < 0.5, "the link lapsed without messages"
+        coord.close()
+        deadline = time.monotonic() + 3 * HEARTBEAT_S
+        while time.monotonic() - w.heard_at < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        silent = time.monotonic() - w.heard_at
+        assert 1.0 <= silent <= 2.0, silent  # from the close, not from the last message
+    finally:
+        w.close(linger_s=0)
+        coord.close()
