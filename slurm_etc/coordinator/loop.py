@@ -565,8 +565,9 @@ class Coordinator:
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
-                    if event.request is not None:
-                        self.growing = 0
+                    if event.request == f"grow-{self.requests}":
+                        self.growing = 0  # the current request is met (not an older one
+                        # a restarted backend announces again with what it holds)
                     seen.append(self._observed(
                         "grant", event, f"{len(event.devices)} devices "
                         f"({', '.join(event.nodes)})", state="granted",

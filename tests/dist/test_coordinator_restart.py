@@ -9,6 +9,9 @@ restarted one finds none alive and launches the first layout again.
 ``test_killed_mid_training_reattaches_the_live_workers``: real training (megatron-core
 ``tiny`` on two processes), the coordinator SIGKILLed mid-training and started again; its
 workers live on, are reattached, and train on from their step.
+``test_killed_after_a_grow_reattaches_the_joiners_too``: the same after the job grew from 2
+to 4 workers (the joiners on devices granted after the start, every worker forked from the
+preloader, as under ``slurm-etc run``): all four are reattached.
 
 Oracles, sharing no code with the coordinator: the record read with plain sqlite3, the
 backend's own log of every request and release (tests/dist/restart_driver.py), /proc, the
@@ -59,12 +62,12 @@ def _workers_of(job: str) -> list[int]:
     return sorted(pids)
 
 
-def _reattach_run(out: Path, job: str) -> subprocess.Popen[str]:
+def _reattach_run(out: Path, job: str, *extra: str) -> subprocess.Popen[str]:
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(COORDINATOR_INJECT, None)
-    return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS)],
-                            env=env, stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS),
+                             *extra], env=env, stdout=subprocess.PIPE, text=True,
                             stderr=open(out / f"driver-{time.monotonic_ns()}.log", "w"))
 
 
@@ -168,6 +171,106 @@ def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None
     assert len(reattached) == 1 and "reattached 2 live worker(s) of generation 0" in \
         reattached[0][0], reattached
     assert state == "finished"
+
+
+def _launched(db: Path) -> dict[int, tuple[int, int]]:
+    """vrank -> (generation, pid) of every worker the record says was launched."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT json_extract(payload, '$.vrank'), json_extract(payload, "
+                           "'$.generation'), json_extract(payload, '$.pid') FROM events "
+                           "WHERE kind = 'launch' ORDER BY id").fetchall()
+    finally:
+        con.close()
+    return {v: (g, pid) for v, g, pid in rows}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+GROW_AT, GROWN_KILL_AT = 5, 20
+
+
+def grow_kill_restart(tmp: Path, *plant: str) -> None:
+    """Grow 2 -> 4 at step GROW_AT, SIGKILL the coordinator once generation 1 trained to
+    GROWN_KILL_AT, start it again on the same record: every worker reattached, training goes
+    on from the step it reached (``plant``: the driver's planted bug)."""
+    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}"
+    extra = (str(GROW_AT), "preload", *plant)
+    first = _reattach_run(out, job, *extra)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not any(p["generation"] >= 1 and p["step"] >= GROWN_KILL_AT
+                      for p in _heard(out)):
+            assert first.poll() is None, "the first coordinator ended on its own"
+            assert time.monotonic() < deadline, "no training step after the grow"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        killed_step = max(p["step"] for p in _heard(out))
+        launched = _launched(out / "job.db")
+        pids = [pid for _g, pid in launched.values()]
+        assert {v: g for v, (g, _p) in launched.items()} == {0: 0, 1: 0, 2: 1, 3: 1}, launched
+        time.sleep(2.0)
+        assert all(_alive(pid) for pid in pids), "a worker died with its coordinator"
+        second = _reattach_run(out, job, *extra)
+        try:
+            stdout, _ = second.communicate(timeout=600)
+        finally:
+            if second.poll() is None:
+                second.kill()
+        logs = "".join(p.read_text() for p in sorted(out.glob("driver-*.log")))
+        assert second.returncode == 0, logs[-4000:]
+        assert json.loads(stdout.strip().splitlines()[-1]) == \
+            {"state": "finished", "step": STEPS}
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    restarted = logs[logs.rfind("coordinator restarted"):].splitlines()[0]
+    assert "reattached 4 live worker(s) of generation 1" in restarted, restarted
+    # the restarted coordinator heard only steps after the kill (nothing trained again)
+    runs: dict[int, list[int]] = {}
+    for p in _heard(out):
+        runs.setdefault(p["run"], []).append(p["step"])
+    assert len(runs) == 2, runs.keys()
+    before, after = runs.values()
+    assert max(before) == killed_step and min(after) > killed_step, (before, after)
+    assert max(after) == STEPS
+    # each of the four processes trained its steps once, none again after the restart
+    for log in sorted((out / "workers").glob("gen*-vrank*.log")):
+        text = log.read_text()
+        steps = [int(m) for m in re.findall(r"\] step (\d+) loss", text)]
+        assert steps == list(range(steps[0], STEPS + 1)), (log.name, steps[:3], steps[-3:])
+        assert "reattached to the coordinator" in text, (log.name, text[-2000:])
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        gens = con.execute("SELECT number, last_step FROM generations").fetchall()
+        launches = con.execute("SELECT count(*) FROM events WHERE kind = 'launch'"
+                               ).fetchone()[0]
+        grants = con.execute("SELECT count(*) FROM events WHERE kind = 'grant'").fetchone()[0]
+    finally:
+        con.close()
+    assert gens == [(0, gens[0][1]), (1, STEPS)], gens  # no generation opened again
+    assert launches == 4 and grants == 2, (launches, grants)  # nothing launched or granted again
+
+
+@pytest.mark.timeout(900)  # a real training grown and restarted, on a loaded machine
+def test_killed_after_a_grow_reattaches_the_joiners_too(tmp_path: Path) -> None:
+    """Issue #43: SIGKILL the coordinator of a job that grew from 2 to 4 workers (the joiners
+    on devices granted after the start) and start it again on the same job and record: the
+    local backend takes up the cluster the killed one left (the grant held again), all four
+    workers are reattached, and training goes on from the step it reached, not from step 1.
+    With the kept cluster not taken up (the driver's ``forget`` plant) the joiners' devices
+    are not held, vranks 2 and 3 are not adopted, and the job starts again: caught."""
+    grow_kill_restart(tmp_path)
 
 
 def _kill_orphans(job: str) -> int:
