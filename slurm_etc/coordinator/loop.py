@@ -22,6 +22,11 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
   survivor stands in for each lost rank) or load the last checkpoint, and the steps trained
   since are recorded as lost and trained again. Otherwise the job stops with one line
   saying so.
+* with nothing training and nothing that can come (no device the model fits, every worker
+  gone, no node request the cluster can still grant), the job ends failed after
+  ``give_up_after_s`` with one line saying why and what would help; while a request that
+  can be met is pending it waits, and the job's reason in the record (``status``) says for
+  what (:mod:`.outlook`).
 """
 from __future__ import annotations
 
@@ -76,7 +81,7 @@ from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
-from . import devices, job_model, reconcile, resume
+from . import devices, job_model, outlook, reconcile, resume
 from .backend import (
     Backend,
     BackendError,
@@ -112,6 +117,8 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 # (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
 # not hold raises no event.
 PARTITION_REREAD_S = 60.0
+# How often the loop asks whether a job with nothing training has anything to wait for.
+OUTLOOK_EVERY_S = 1.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 # where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
@@ -150,6 +157,8 @@ class JobSpec:
             theirs.
         model_label: where ``job.model`` came from, for the one line of a mismatch
             (``--model tiny``).
+        give_up_after_s: how long the job waits with nothing training and no node request
+            that can be met pending before it ends failed (:mod:`.outlook`).
         order_after_joined: order the old layout of a resize only once every joiner said
             Ready: it trains on while they start and warm up aside (import, connect), and a
             joiner that never gets ready pauses nobody (docs/zero-stall.md). False: at once,
@@ -185,6 +194,7 @@ class JobSpec:
     batch_from_workers: bool = False
     micro_batch_given: bool = False
     model_label: str = "--model"
+    give_up_after_s: float = outlook.DEFAULT_GIVE_UP_AFTER_S
 
 
 class Coordinator:
@@ -243,6 +253,12 @@ class Coordinator:
         self.ending: str | None = None
         self._stop_sent = False
         self._dead_since: float | None = None  # since when no worker of the layout lives
+        # the outlook of a job with nothing training (outlook.py): since when it is
+        # stranded, what the record's reason says of it, when it was last asked
+        self._stranded_since: float | None = None
+        self._outlook_said: str | None = None
+        self._outlook_at = 0.0
+        self.paused: str | None = None  # the last decision's Pause reason (none: None)
         self._beat_at = 0.0  # when the last heartbeat went out
         # launched workers that have not said Hello yet: vrank -> (generation, launched at)
         self.unjoined: dict[int, tuple[int, float]] = {}
@@ -334,7 +350,7 @@ class Coordinator:
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
                     return self._end(JobState.FINISHED, f"trained to step {self.step}")
-                dead = self._nothing_left()
+                dead = self._nothing_left() or self._outlook()
                 if dead is not None:
                     logger.error("job %s stops: %s", self.spec.job_id, dead)
                     return self._end(JobState.FAILED, dead)
@@ -407,6 +423,67 @@ class Coordinator:
         return (f"every worker of generation {self.generation} exited ({codes}) at step "
                 f"{self.step} and nothing is pending: nothing left to train (the workers' "
                 "logs say why)")
+
+    def _outlook(self) -> str | None:
+        """Whether a job with nothing training has anything left to wait for (asked every
+        OUTLOOK_EVERY_S, :func:`outlook.outlook`): what it waits for, or since when it is
+        stranded, goes into the record's reason (``status``) when it changes; the line the
+        job fails with once stranded past ``give_up_after_s``, else None."""
+        now = time.monotonic()
+        if now < self._outlook_at + OUTLOOK_EVERY_S:
+            return None
+        self._outlook_at = now
+        wall = self.clock()
+        got = outlook.outlook(self._prospects(wall), self._stranded_since, wall,
+                              self.spec.give_up_after_s)
+        said: str | None
+        match got:
+            case outlook.GiveUp():
+                return got.line
+            case outlook.Stranded():
+                self._stranded_since = got.since
+                said = got.what
+            case outlook.Waits():
+                self._stranded_since = None
+                said = got.what
+            case _:
+                self._stranded_since = None
+                said = None
+        if said != self._outlook_said:
+            if said is not None:
+                logger.warning("job %s: %s", self.spec.job_id, said)
+            elif self._outlook_said is not None:
+                logger.info("job %s: training again", self.spec.job_id)
+            self._outlook_said = said
+            self.journal.write(record.set_job_state, self.spec.job_id, JobState.RUNNING,
+                               reason=None if said is None else said[:250])
+        return None
+
+    def _prospects(self, wall: float) -> outlook.Prospects:
+        """What the job could go on with now (the inputs of :func:`outlook.outlook`). A
+        layout's worker the backend never reported counts as alive (it may be starting);
+        the loop over the layout ends at its first live worker."""
+        workers = self.backend.workers()
+        training = self.layout is not None and any(
+            (w := workers.get(v)) is None or w.running for v in self.layout.devices)
+        if training or self.inflight is not None or self._event_ids or \
+                self.ending is not None:
+            return outlook.Prospects(busy=True)
+        if not self.held:
+            why = "the job holds no device"
+        elif self.paused is not None:
+            why = f"paused: {self.paused}"
+        elif self.layout is not None:
+            why = f"every worker of generation {self.generation} exited"
+        else:
+            why = "no layout started on the devices held"
+        met: Any = getattr(self.backend, "request_can_be_met", None)
+        key = f"grow-{self.requests}"
+        since = (None if self.request_sent_at is None
+                 else wall - (time.monotonic() - self.request_sent_at))
+        return outlook.Prospects(busy=False, idle_why=why, request_nodes=self.growing,
+                                 request_met=bool(met(key)) if met and self.growing else True,
+                                 request_since=since)
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):
@@ -901,6 +978,7 @@ class Coordinator:
             self.dirty = True  # decided once the workers said their model (_model_built)
             return
         decision = decide(self._snapshot(), self.spec.policy)
+        was_paused, self.paused = self.paused, None
         text = " | ".join(decision.lines())
         if text != self.reason:
             self.reason = text
@@ -945,7 +1023,9 @@ class Coordinator:
                         self.crash("after-request")
                         self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
-                    logger.warning("paused: %s", action.reason)
+                    if was_paused != action.reason:  # said once, not at every decision
+                        logger.warning("paused: %s", action.reason)
+                    self.paused = action.reason
         if self.inflight is None:
             self._stop_idle("no resize takes them in")
             self._release_now()

@@ -171,6 +171,15 @@ class LocalBackend:
             logger.info("[local] withdrew request %s%s", action.key,
                         f": {action.reason}" if action.reason else "")
 
+    def request_can_be_met(self, key: str) -> bool:
+        """Whether the scripted cluster can still grant the pending request ``key`` while
+        the job trains nothing: only where it grants requests (``grant_requests``) and
+        enough whole nodes are free (scripted grants fire at training steps, and gone
+        nodes never come back)."""
+        nodes = dict(self._resources.pending_requests).get(key)
+        return bool(nodes and self.script.grant_requests
+                    and len(self._resources.free_nodes()) >= nodes)
+
     def release(self, action: ReleaseDevices) -> None:
         released = self._resources.release(action.devices)
         self._save()

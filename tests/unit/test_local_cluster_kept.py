@@ -119,3 +119,14 @@ def test_a_restarted_backend_holds_the_grants_and_adopts_the_joiners(
         joiner.kill()
         joiner.wait()
 
+
+def test_a_request_the_scripted_cluster_can_still_grant(tmp_path: Path) -> None:
+    """What the coordinator's outlook asks: only where the script grants requests and the
+    nodes are free (scripted grants need training steps)."""
+    granting = LocalBackend(script_from_dict({**SCRIPT, "events": []}))
+    granting._resources.request("grow-1", 9)  # more than the cluster has: pending
+    assert not granting.request_can_be_met("grow-1")
+    assert not granting.request_can_be_met("grow-7")  # not pending
+    waiting = LocalBackend(script_from_dict({**SCRIPT, "grant_requests": False}))
+    waiting._resources.request("grow-1", 1)
+    assert not waiting.request_can_be_met("grow-1")
