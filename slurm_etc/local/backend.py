@@ -112,6 +112,8 @@ class LocalBackend:
         self._threads_said = False
         self._state_file: Path | None = None  # keep_state
         self._saved = -1  # the resources' version written there last
+        self._save_failed = False  # the last write failed (said once; retried each second)
+        self._save_retry_at = 0.0
         self._take_events()  # the anchor's Grant comes first
 
     @classmethod
@@ -339,9 +341,11 @@ class LocalBackend:
     # -- internals --------------------------------------------------------------------
     def _save(self) -> None:
         """Write the cluster's state where :meth:`keep_state` said, if it changed since the
-        last write (a new file renamed over the old: a kill mid-write leaves the old one)."""
+        last write (a new file renamed over the old: a kill mid-write leaves the old one); a
+        write that fails (a full disk) is one warning, and tried again a second later."""
         path = self._state_file
-        if path is None or self._resources.version == self._saved:
+        if path is None or self._resources.version == self._saved or (
+                self._save_failed and time.monotonic() < self._save_retry_at):
             return
         data = json.dumps(self._resources.state(), separators=(",", ":")).encode()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -352,8 +356,21 @@ class LocalBackend:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:
-            raise BackendError(f"cannot keep the local cluster's state in {path}: "
-                               f"{e.strerror}") from None
+            # training goes on (as the record's writes wait out a full disk); written at the
+            # next try once there is room; a restart meanwhile takes up the last one kept
+            if not self._save_failed:
+                logger.warning("[local] cannot keep the cluster's state in %s (%s): a "
+                               "coordinator restarted now would not hold what the job was "
+                               "granted since; trying again each second", path, e.strerror)
+            self._save_failed, self._save_retry_at = True, time.monotonic() + 1.0
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return
+        if self._save_failed:
+            logger.info("[local] the cluster's state is kept in %s again", path)
+        self._save_failed = False
         self._saved = self._resources.version
 
     def _fork(self, argv: Sequence[str], env: Mapping[str, str], log: Path | None,
