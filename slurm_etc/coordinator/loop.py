@@ -272,6 +272,15 @@ class Coordinator:
             micro_batch_given=spec.micro_batch_given, model_label=spec.model_label)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
         self.reattached = False  # the layout is a killed coordinator's, taken up again
+        # its members found dead at the restart: failed once the backend holds their
+        # devices again (a grant whole again would otherwise clear the failure)
+        self.dead_at_reattach: dict[Device, int] = {}
+        self.found_dead: frozenset[int] = frozenset()  # those vranks (no process to watch)
+        # whether a worker of the reattached layout said Hello to this coordinator, and the
+        # devices failed because a worker died (not lost by the backend): a reattached
+        # layout none of whose workers came back starts again (_start_again)
+        self.came_back = False
+        self.exit_failed: set[Device] = set()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
         # the job started again without them)
@@ -411,13 +420,18 @@ class Coordinator:
             return None
         workers = self.backend.workers()
         states = [workers.get(v) for v in self.layout.devices]
-        if any(w is None or w.running for w in states):
+        if any((w is None and v not in self.found_dead) or (w is not None and w.running)
+               for v, w in zip(self.layout.devices, states)):
             self._dead_since = None
             return None
         now = time.monotonic()
         if self._dead_since is None:
             self._dead_since = now
         if now - self._dead_since < DEAD_GRACE_S:
+            return None
+        if self.reattached and not self.came_back:
+            self._start_again(f"none of the {len(self.layout.devices)} worker(s) of "
+                              f"generation {self.generation} came back after the restart")
             return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
         return (f"every worker of generation {self.generation} exited ({codes}) at step "
@@ -465,7 +479,8 @@ class Coordinator:
         the loop over the layout ends at its first live worker."""
         workers = self.backend.workers()
         training = self.layout is not None and any(
-            (w := workers.get(v)) is None or w.running for v in self.layout.devices)
+            ((w := workers.get(v)) is None and v not in self.found_dead)
+            or (w is not None and w.running) for v in self.layout.devices)
         if training or self.inflight is not None or self._event_ids or \
                 self.ending is not None:
             return outlook.Prospects(busy=True)
@@ -517,14 +532,17 @@ class Coordinator:
     def _reattach(self, got: record.ResumePoint) -> bool:
         """Take up the workers of the killed coordinator: the processes recorded at their
         launch (:meth:`_record_launch`) that the backend finds still running, the same ones
-        (pid and start time). Only when every worker of the open generation is alive: the
+        (pid and start time). Where some worker of the open generation is alive: the
         layout, vranks and step come from the record, the workers say Hello again to this
         coordinator (it binds the address they look at, see run.py) and train on from the
-        step they are at; nothing is relaunched, no step is trained twice. A resize in
+        step they are at; nothing is relaunched, no step is trained twice. Its members found
+        dead are a loss: their devices count as failed (once held again) and the first
+        decision resizes around them, as after a node lost without grace (from a replica,
+        or rebuilt from peer copies or a checkpoint, the lost steps trained again). A resize in
         flight at the kill was closed as aborted by the recovery (its commit vote goes
         through the rendezvous store, which died with the coordinator): its joiners that
-        live are stopped, and the workers drop its order when they reattach. With some
-        worker of the layout dead, or a commit past the open generation recorded and not
+        live are stopped, and the workers drop its order when they reattach. With no
+        worker of the layout alive, or a commit past the open generation recorded and not
         acted on (the workers left the layout the record has), every live one is stopped
         and False is returned: the first layout starts again (from the newest checkpoint).
         A backend without ``adopt`` (Slurm, for now) reattaches nothing."""
@@ -543,9 +561,11 @@ class Coordinator:
         if isinstance(got_up, resume.Refuse):
             perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
                                               "the layout cannot be reattached whole"))
-            logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "
-                           "alive; stopping the %d live worker(s) and starting again",
-                           ", ".join(map(str, got_up.missing)) or "-", got_up.generation,
+            logger.warning("coordinator restarted: generation %d cannot be taken up (%s); "
+                           "stopping the %d live worker(s) and starting again",
+                           got_up.generation,
+                           f"none of its vranks {', '.join(map(str, got_up.missing))} alive"
+                           if got_up.missing else "its workers moved on past the record",
                            len(alive))
             return False
         gen, members, config = got_up.generation, got_up.layout.devices, got_up.layout.config
@@ -556,13 +576,20 @@ class Coordinator:
         self.reattached = True
         # joiners of the aborted resize: nothing takes them in
         self.idle = set(got_up.idle)
-        self._await_hello(members, gen)
-        summary = (f"reattached {len(members)} live worker(s) of generation {gen} "
+        live = [v for v in members if v not in got_up.dead]
+        self._await_hello(live, gen)
+        self.dead_at_reattach = {got_up.vranks[v]: v for v in got_up.dead}
+        self.found_dead = got_up.dead
+        summary = (f"reattached {len(live)} live worker(s) of generation {gen} "
                    f"({config}) at step {self.step}")
+        if got_up.dead:
+            summary += (f"; vrank(s) {', '.join(map(str, sorted(got_up.dead)))} dead: lost, "
+                        "the layout resizes around them")
         eid = self.journal.write(record.record_event, self.spec.job_id, "reattach",
                                  source="coordinator",
                                  key=f"reattach:g{gen}:{os.getpid()}:{time.time():.3f}",
-                                 payload={"summary": summary, "vranks": list(members)})
+                                 payload={"summary": summary, "vranks": live,
+                                          "dead": sorted(got_up.dead)})
         self.journal.write(record.mark_event_handled, eid, "reattached")
         logger.warning("coordinator restarted: %s (%d events pending, %d migrations aborted)",
                        summary, len(got.pending_events), len(got.aborted))
@@ -692,6 +719,8 @@ class Coordinator:
                             f"{event.returncode}"))
                         self._worker_died(event, now)
             self.dirty = True
+        if self.dead_at_reattach:
+            self._reattached_dead()
         if any(o.kind in ("preempt-notice", "loss") for o in seen):
             for effect in reconcile.supersede(self.inflight, time.monotonic()):
                 self._perform(effect)
@@ -701,6 +730,41 @@ class Coordinator:
             self._event_ids += ids if isinstance(ids, list) else [ids]  # or a Deferred
             for o in seen:
                 logger.info("event: %s %s", o.kind, o.payload["summary"])
+
+    def _reattached_dead(self) -> None:
+        """Members of the reattached layout found dead at the restart, on devices the
+        backend holds again: failed now, a loss the next decision resizes around."""
+        held = [d for d in self.dead_at_reattach if d in self.held]
+        if not held:
+            return
+        for d in held:
+            logger.warning("vrank %d of generation %d was found dead at the restart: %s "
+                           "counts as failed", self.dead_at_reattach.pop(d), self.generation, d)
+        self.holdings = devices.failed(self.holdings, held, self.clock())
+        self.exit_failed |= set(held)
+        self.dirty = True
+
+    def _start_again(self, why: str) -> None:
+        """The reattached layout's workers are all gone and none came back to this
+        coordinator (e.g. blocked in a collective on a dead peer past their reattach
+        wait): nothing of their state survives, so the first layout starts again from the
+        newest checkpoint, as after a restart that found none alive. The devices failed
+        only because their workers died are whole again."""
+        gen = self.generation
+        logger.warning("coordinator restarted: %s; starting again", why)
+        self.journal.write(record.close_generation, self.spec.job_id, gen, reason=why[:250],
+                           last_step=self.step, last_loss=self.loss)
+        whole = self.exit_failed
+        self.holdings = replace(self.holdings, layout=None, vranks={}, step=0, loss=None,
+                                lost=self.lost - whole, leaving=frozenset(),
+                                notices={d: n for d, n in self.notices.items()
+                                         if d not in whole})
+        self.restart_generation = max(gen, self.last_generation) + 1
+        self.last_generation = self.admit_from = self.restart_generation
+        self.reattached, self.found_dead, self.exit_failed = False, frozenset(), set()
+        self.dead_at_reattach, self.unjoined, self.idle = {}, {}, set()
+        self._dead_since = None
+        self.dirty = True
 
     def _worker_died(self, event: WorkerExited, now: float) -> None:
         """A worker of the layout or of the resize in flight died unexplained (no loss, no
@@ -713,6 +777,7 @@ class Coordinator:
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [event.device], now)
+        self.exit_failed.add(event.device)
 
     def _unjoined(self, vrank: int, generation: int) -> bool:
         """Whether the process of ``vrank`` launched for ``generation`` ended (or is given
@@ -782,6 +847,7 @@ class Coordinator:
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [device], self.clock())
+        self.exit_failed.add(device)
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -829,6 +895,7 @@ class Coordinator:
                     if self.unjoined.get(vrank, (report.generation + 1,))[0] <= \
                             report.generation:  # not a Hello of a process before it
                         del self.unjoined[vrank]
+                        self.came_back = True
                     self._tell_joiner(vrank)
                     self._order_when_joined()
                 case Ready():

@@ -195,11 +195,21 @@ def _alive(pid: int) -> bool:
 GROW_AT, GROWN_KILL_AT = 5, 20
 
 
-def grow_kill_restart(tmp: Path, *plant: str) -> None:
+def _holding(out: Path, vranks: int) -> bool:
+    """Whether every worker's log says it holds for a restarted coordinator (at a step
+    boundary, not inside a collective)."""
+    logs = list((out / "workers").glob("gen*-vrank*.log"))
+    return len(logs) == vranks and all("holding for a restarted coordinator" in log.read_text()
+                                        for log in logs)
+
+
+def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None) -> None:
     """Grow 2 -> 4 at step GROW_AT, SIGKILL the coordinator once generation 1 trained to
     GROWN_KILL_AT, start it again on the same record: every worker reattached, training goes
-    on from the step it reached (``plant``: the driver's planted bug)."""
-    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}"
+    on from the step it reached (``plant``: the driver's planted bug). ``lose``: that
+    vrank's process group is SIGKILLed too while the coordinator is away (once every worker
+    holds): the three others are reattached and the layout resizes around it."""
+    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}-{lose}"
     extra = (str(GROW_AT), "preload", *plant)
     first = _reattach_run(out, job, *extra)
     pids: list[int] = []
@@ -218,6 +228,13 @@ def grow_kill_restart(tmp: Path, *plant: str) -> None:
         assert {v: g for v, (g, _p) in launched.items()} == {0: 0, 1: 0, 2: 1, 3: 1}, launched
         time.sleep(2.0)
         assert all(_alive(pid) for pid in pids), "a worker died with its coordinator"
+        if lose is not None:
+            until = time.monotonic() + 60
+            while not _holding(out, 4):
+                assert time.monotonic() < until, "the workers do not hold"
+                time.sleep(0.1)
+            os.killpg(launched[lose][1], signal.SIGKILL)
+            time.sleep(0.5)
         second = _reattach_run(out, job, *extra)
         try:
             stdout, _ = second.communicate(timeout=600)
@@ -235,7 +252,11 @@ def grow_kill_restart(tmp: Path, *plant: str) -> None:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
     restarted = logs[logs.rfind("coordinator restarted"):].splitlines()[0]
-    assert "reattached 4 live worker(s) of generation 1" in restarted, restarted
+    if lose is not None:
+        assert "reattached 3 live worker(s) of generation 1" in restarted, restarted
+        assert f"vrank(s) {lose} dead: lost" in restarted, restarted
+    else:
+        assert "reattached 4 live worker(s) of generation 1" in restarted, restarted
     # the restarted coordinator heard only steps after the kill (nothing trained again)
     runs: dict[int, list[int]] = {}
     for p in _heard(out):
@@ -248,7 +269,14 @@ def grow_kill_restart(tmp: Path, *plant: str) -> None:
     for log in sorted((out / "workers").glob("gen*-vrank*.log")):
         text = log.read_text()
         steps = [int(m) for m in re.findall(r"\] step (\d+) loss", text)]
-        assert steps == list(range(steps[0], STEPS + 1)), (log.name, steps[:3], steps[-3:])
+        if lose is not None and log.name.endswith(f"vrank{lose}.log"):
+            assert steps == list(range(steps[0], steps[-1] + 1)) and steps[-1] <= killed_step + 2
+            continue
+        if lose is not None and log.name.startswith("gen1-"):
+            # the other joiner: left the job at the resize around the dead one, or trains on
+            assert steps == list(range(steps[0], steps[-1] + 1)), (log.name, steps)
+        else:
+            assert steps == list(range(steps[0], STEPS + 1)), (log.name, steps[:3], steps[-3:])
         assert "reattached to the coordinator" in text, (log.name, text[-2000:])
     con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
     try:
@@ -258,8 +286,21 @@ def grow_kill_restart(tmp: Path, *plant: str) -> None:
         grants = con.execute("SELECT count(*) FROM events WHERE kind = 'grant'").fetchone()[0]
     finally:
         con.close()
-    assert gens == [(0, gens[0][1]), (1, STEPS)], gens  # no generation opened again
     assert launches == 4 and grants == 2, (launches, grants)  # nothing launched or granted again
+    if lose is None:
+        assert gens == [(0, gens[0][1]), (1, STEPS)], gens  # no generation opened again
+        return
+    # the loss: one resize from generation 1 around the dead vrank, committed, and the
+    # layout after it trains to the end (nothing started again from step 1)
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        resizes = con.execute("SELECT from_generation, to_generation, outcome FROM migrations "
+                              "WHERE from_generation >= 1").fetchall()
+        first = con.execute("SELECT first_step FROM generations WHERE number = 2").fetchone()
+    finally:
+        con.close()
+    assert resizes == [(1, 2, "committed")], resizes
+    assert gens[-1] == (2, STEPS) and first is not None and first[0] >= killed_step, (gens, first)
 
 
 @pytest.mark.timeout(900)  # a real training grown and restarted, on a loaded machine
@@ -271,6 +312,17 @@ def test_killed_after_a_grow_reattaches_the_joiners_too(tmp_path: Path) -> None:
     With the kept cluster not taken up (the driver's ``forget`` plant) the joiners' devices
     are not held, vranks 2 and 3 are not adopted, and the job starts again: caught."""
     grow_kill_restart(tmp_path)
+
+
+@pytest.mark.timeout(900)  # as above
+def test_a_worker_dead_at_the_restart_is_a_loss_not_a_start_again(tmp_path: Path) -> None:
+    """Issue #43: the same grown job, and one of its joiners (vrank 3) SIGKILLed while the
+    coordinator is away: the restarted coordinator reattaches the three that live, counts
+    vrank 3's device as failed, and the first decision resizes around it (a dp replica holds
+    its shards) as after a node lost without grace; training goes on from the step reached,
+    never from step 1. Before: "vrank(s) 3 of generation 1 are not alive; stopping the 3
+    live worker(s) and starting again"."""
+    grow_kill_restart(tmp_path, lose=3)
 
 
 def _kill_orphans(job: str) -> int:
