@@ -12,6 +12,9 @@ workers live on, are reattached, and train on from their step.
 ``test_killed_after_a_grow_reattaches_the_joiners_too``: the same after the job grew from 2
 to 4 workers (the joiners on devices granted after the start, every worker forked from the
 preloader, as under ``slurm-etc run``): all four are reattached.
+``test_a_worker_dead_at_the_restart_is_a_loss_not_a_start_again``: one of those joiners
+SIGKILLed while the coordinator is away: the three others are reattached and the layout
+resizes around the dead one.
 
 Oracles, sharing no code with the coordinator: the record read with plain sqlite3, the
 backend's own log of every request and release (tests/dist/restart_driver.py), /proc, the
