@@ -15,6 +15,7 @@ import click
 from .. import bounds
 from ..alloc.chooser import Hardware
 from ..alloc.hardware import FIELDS, PROFILES, hardware_from
+from ..coordinator.outlook import DEFAULT_GIVE_UP_AFTER_S
 from ..plan import load_model
 from ..plan.errors import ConfigError
 from ..protocol.env import DEFAULT_REATTACH_WAIT_S
@@ -170,6 +171,12 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                    "control channel). One that exits or stays silent before never joins: "
                    "in the first layout the job fails with one line; a joiner's resize ends "
                    "without pausing anyone.")
+@click.option("--give-up-after", type=Number(bounds.SECONDS, low=1),
+              default=DEFAULT_GIVE_UP_AFTER_S, show_default=True, metavar="SECONDS",
+              help="How long the job waits with nothing to train on (no device its model "
+                   "fits, every worker gone) and no node request that can still be met "
+                   "before it ends failed, with one line saying why. A pending request "
+                   "that can be met keeps it waiting (status says for what).")
 @click.option("--progress", "progress_file", envvar="SLURM_ETC_RUN_PROGRESS",
               type=SafePath(dir_okay=False, path_type=Path),
               help="Append one JSON line per training step (step, loss, lr, layout, "
@@ -198,8 +205,8 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
 def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, micro_batch,
         distributed_optimizer, policy_partition, account, policy_db, job_id, name, db,
         state_dir, bind, advertise, timeout_s, hardware, peer_copy_every, checkpoint_every,
-        keep_checkpoints, checkpoint_dir, reattach_wait, join_timeout, progress_file, as_json,
-        preload, metrics_port, metrics_bind, srun_args, command):
+        keep_checkpoints, checkpoint_dir, reattach_wait, join_timeout, give_up_after,
+        progress_file, as_json, preload, metrics_port, metrics_bind, srun_args, command):
     """Coordinate one elastic job: COMMAND is the worker (a training script ending in
     ``slurm_etc.worker.entry.run_worker``), started once per device. Generations,
     migrations, events and decisions are logged on stderr as they happen.
@@ -268,7 +275,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     spec = JobSpec(job_id, name, tuple(command), job, policy,
                    replace(figures, gpus_per_node=topology.gpus_per_node), timeout_s,
                    recovery=recovery, reattach_wait_s=reattach_wait,
-                   join_timeout_s=float(join_timeout), model_from_workers=model is None,
+                   join_timeout_s=float(join_timeout),
+                   give_up_after_s=float(give_up_after), model_from_workers=model is None,
                    batch_from_workers=global_batch is None,
                    micro_batch_given=global_batch is None and micro_batch_given,
                    model_label=f"--model {model_spec}")

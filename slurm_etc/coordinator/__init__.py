@@ -2,6 +2,8 @@
 
 * :mod:`.loop`: the reconcile loop (observe the backend and the workers, decide, act);
 * :mod:`.reconcile`: its decisions on a resize (planning, settlement) as pure functions;
+  :mod:`.resume`: what a restarted coordinator takes up; :mod:`.outlook`: whether a job
+  with nothing training has anything left to wait for (pure);
 * :mod:`.journal`: the job's record written in order, off the loop's thread;
 * :mod:`.pause`: the pause each resize cost, measured from the workers' step times;
 * :mod:`.backend`: the backend seam (events in, actions out, the ``Backend`` protocol);

@@ -22,6 +22,11 @@ from :func:`slurm_etc.policy.decide` under the job's policy. One generation at a
   survivor stands in for each lost rank) or load the last checkpoint, and the steps trained
   since are recorded as lost and trained again. Otherwise the job stops with one line
   saying so.
+* with nothing training and nothing that can come (no device the model fits, every worker
+  gone, no node request the cluster can still grant), the job ends failed after
+  ``give_up_after_s`` with one line saying why and what would help; while a request that
+  can be met is pending it waits, and the job's reason in the record (``status``) says for
+  what (:mod:`.outlook`).
 """
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
 
-from . import devices, job_model, reconcile, resume
+from . import devices, job_model, outlook, reconcile, resume
 from .backend import (
     Backend,
     BackendError,
@@ -110,6 +115,8 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 # (at once after a loss): one sinfo a minute at most, while a node DOWN that this job does
 # not hold raises no event.
 PARTITION_REREAD_S = 60.0
+# How often the loop asks whether a job with nothing training has anything to wait for.
+OUTLOOK_EVERY_S = 1.0
 # What a worker that never joined most likely got wrong.
 NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 # where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
@@ -148,6 +155,8 @@ class JobSpec:
             theirs.
         model_label: where ``job.model`` came from, for the one line of a mismatch
             (``--model tiny``).
+        give_up_after_s: how long the job waits with nothing training and no node request
+            that can be met pending before it ends failed (:mod:`.outlook`).
         order_after_joined: order the old layout of a resize only once every joiner said
             Ready: it trains on while they start and warm up aside (import, connect), and a
             joiner that never gets ready pauses nobody (docs/zero-stall.md). False: at once,
@@ -183,6 +192,7 @@ class JobSpec:
     batch_from_workers: bool = False
     micro_batch_given: bool = False
     model_label: str = "--model"
+    give_up_after_s: float = outlook.DEFAULT_GIVE_UP_AFTER_S
 
 
 class Coordinator:
@@ -241,6 +251,12 @@ class Coordinator:
         self.ending: str | None = None
         self._stop_sent = False
         self._dead_since: float | None = None  # since when no worker of the layout lives
+        # the outlook of a job with nothing training (outlook.py): since when it is
+        # stranded, what the record's reason says of it, when it was last asked
+        self._stranded_since: float | None = None
+        self._outlook_said: str | None = None
+        self._outlook_at = 0.0
+        self.paused: str | None = None  # the last decision's Pause reason (none: None)
         # launched workers that have not said Hello yet: vrank -> (generation, launched at)
         self.unjoined: dict[int, tuple[int, float]] = {}
         self.first_layout = False  # the layout is the first one launched (nothing committed)
@@ -253,6 +269,15 @@ class Coordinator:
             micro_batch_given=spec.micro_batch_given, model_label=spec.model_label)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
         self.reattached = False  # the layout is a killed coordinator's, taken up again
+        # its members found dead at the restart: failed once the backend holds their
+        # devices again (a grant whole again would otherwise clear the failure)
+        self.dead_at_reattach: dict[Device, int] = {}
+        self.found_dead: frozenset[int] = frozenset()  # those vranks (no process to watch)
+        # whether a worker of the reattached layout said Hello to this coordinator, and the
+        # devices failed because a worker died (not lost by the backend): a reattached
+        # layout none of whose workers came back starts again (_start_again)
+        self.came_back = False
+        self.exit_failed: set[Device] = set()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
         # the job started again without them)
@@ -330,7 +355,7 @@ class Coordinator:
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
                     return self._end(JobState.FINISHED, f"trained to step {self.step}")
-                dead = self._nothing_left()
+                dead = self._nothing_left() or self._outlook()
                 if dead is not None:
                     logger.error("job %s stops: %s", self.spec.job_id, dead)
                     return self._end(JobState.FAILED, dead)
@@ -378,7 +403,8 @@ class Coordinator:
             return None
         workers = self.backend.workers()
         states = [workers.get(v) for v in self.layout.devices]
-        if any(w is None or w.running for w in states):
+        if any((w is None and v not in self.found_dead) or (w is not None and w.running)
+               for v, w in zip(self.layout.devices, states)):
             self._dead_since = None
             return None
         now = time.monotonic()
@@ -386,10 +412,76 @@ class Coordinator:
             self._dead_since = now
         if now - self._dead_since < DEAD_GRACE_S:
             return None
+        if self.reattached and not self.came_back:
+            self._start_again(f"none of the {len(self.layout.devices)} worker(s) of "
+                              f"generation {self.generation} came back after the restart")
+            return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
         return (f"every worker of generation {self.generation} exited ({codes}) at step "
                 f"{self.step} and nothing is pending: nothing left to train (the workers' "
                 "logs say why)")
+
+    def _outlook(self) -> str | None:
+        """Whether a job with nothing training has anything left to wait for (asked every
+        OUTLOOK_EVERY_S, :func:`outlook.outlook`): what it waits for, or since when it is
+        stranded, goes into the record's reason (``status``) when it changes; the line the
+        job fails with once stranded past ``give_up_after_s``, else None."""
+        now = time.monotonic()
+        if now < self._outlook_at + OUTLOOK_EVERY_S:
+            return None
+        self._outlook_at = now
+        wall = self.clock()
+        got = outlook.outlook(self._prospects(wall), self._stranded_since, wall,
+                              self.spec.give_up_after_s)
+        said: str | None
+        match got:
+            case outlook.GiveUp():
+                return got.line
+            case outlook.Stranded():
+                self._stranded_since = got.since
+                said = got.what
+            case outlook.Waits():
+                self._stranded_since = None
+                said = got.what
+            case _:
+                self._stranded_since = None
+                said = None
+        if said != self._outlook_said:
+            if said is not None:
+                logger.warning("job %s: %s", self.spec.job_id, said)
+            elif self._outlook_said is not None:
+                logger.info("job %s: training again", self.spec.job_id)
+            self._outlook_said = said
+            self.journal.write(record.set_job_state, self.spec.job_id, JobState.RUNNING,
+                               reason=None if said is None else said[:250])
+        return None
+
+    def _prospects(self, wall: float) -> outlook.Prospects:
+        """What the job could go on with now (the inputs of :func:`outlook.outlook`). A
+        layout's worker the backend never reported counts as alive (it may be starting);
+        the loop over the layout ends at its first live worker."""
+        workers = self.backend.workers()
+        training = self.layout is not None and any(
+            ((w := workers.get(v)) is None and v not in self.found_dead)
+            or (w is not None and w.running) for v in self.layout.devices)
+        if training or self.inflight is not None or self._event_ids or \
+                self.ending is not None:
+            return outlook.Prospects(busy=True)
+        if not self.held:
+            why = "the job holds no device"
+        elif self.paused is not None:
+            why = f"paused: {self.paused}"
+        elif self.layout is not None:
+            why = f"every worker of generation {self.generation} exited"
+        else:
+            why = "no layout started on the devices held"
+        met: Any = getattr(self.backend, "request_can_be_met", None)
+        key = f"grow-{self.requests}"
+        since = (None if self.request_sent_at is None
+                 else wall - (time.monotonic() - self.request_sent_at))
+        return outlook.Prospects(busy=False, idle_why=why, request_nodes=self.growing,
+                                 request_met=bool(met(key)) if met and self.growing else True,
+                                 request_since=since)
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):
@@ -423,14 +515,17 @@ class Coordinator:
     def _reattach(self, got: record.ResumePoint) -> bool:
         """Take up the workers of the killed coordinator: the processes recorded at their
         launch (:meth:`_record_launch`) that the backend finds still running, the same ones
-        (pid and start time). Only when every worker of the open generation is alive: the
+        (pid and start time). Where some worker of the open generation is alive: the
         layout, vranks and step come from the record, the workers say Hello again to this
         coordinator (it binds the address they look at, see run.py) and train on from the
-        step they are at; nothing is relaunched, no step is trained twice. A resize in
+        step they are at; nothing is relaunched, no step is trained twice. Its members found
+        dead are a loss: their devices count as failed (once held again) and the first
+        decision resizes around them, as after a node lost without grace (from a replica,
+        or rebuilt from peer copies or a checkpoint, the lost steps trained again). A resize in
         flight at the kill was closed as aborted by the recovery (its commit vote goes
         through the rendezvous store, which died with the coordinator): its joiners that
-        live are stopped, and the workers drop its order when they reattach. With some
-        worker of the layout dead, or a commit past the open generation recorded and not
+        live are stopped, and the workers drop its order when they reattach. With no
+        worker of the layout alive, or a commit past the open generation recorded and not
         acted on (the workers left the layout the record has), every live one is stopped
         and False is returned: the first layout starts again (from the newest checkpoint).
         A backend without ``adopt`` (Slurm, for now) reattaches nothing."""
@@ -449,9 +544,11 @@ class Coordinator:
         if isinstance(got_up, resume.Refuse):
             perform(self.backend, StopWorkers(tuple(sorted(alive)), 5.0,
                                               "the layout cannot be reattached whole"))
-            logger.warning("coordinator restarted: vrank(s) %s of generation %d are not "
-                           "alive; stopping the %d live worker(s) and starting again",
-                           ", ".join(map(str, got_up.missing)) or "-", got_up.generation,
+            logger.warning("coordinator restarted: generation %d cannot be taken up (%s); "
+                           "stopping the %d live worker(s) and starting again",
+                           got_up.generation,
+                           f"none of its vranks {', '.join(map(str, got_up.missing))} alive"
+                           if got_up.missing else "its workers moved on past the record",
                            len(alive))
             return False
         gen, members, config = got_up.generation, got_up.layout.devices, got_up.layout.config
@@ -462,13 +559,20 @@ class Coordinator:
         self.reattached = True
         # joiners of the aborted resize: nothing takes them in
         self.idle = set(got_up.idle)
-        self._await_hello(members, gen)
-        summary = (f"reattached {len(members)} live worker(s) of generation {gen} "
+        live = [v for v in members if v not in got_up.dead]
+        self._await_hello(live, gen)
+        self.dead_at_reattach = {got_up.vranks[v]: v for v in got_up.dead}
+        self.found_dead = got_up.dead
+        summary = (f"reattached {len(live)} live worker(s) of generation {gen} "
                    f"({config}) at step {self.step}")
+        if got_up.dead:
+            summary += (f"; vrank(s) {', '.join(map(str, sorted(got_up.dead)))} dead: lost, "
+                        "the layout resizes around them")
         eid = self.journal.write(record.record_event, self.spec.job_id, "reattach",
                                  source="coordinator",
                                  key=f"reattach:g{gen}:{os.getpid()}:{time.time():.3f}",
-                                 payload={"summary": summary, "vranks": list(members)})
+                                 payload={"summary": summary, "vranks": live,
+                                          "dead": sorted(got_up.dead)})
         self.journal.write(record.mark_event_handled, eid, "reattached")
         logger.warning("coordinator restarted: %s (%d events pending, %d migrations aborted)",
                        summary, len(got.pending_events), len(got.aborted))
@@ -548,8 +652,9 @@ class Coordinator:
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
-                    if event.request is not None:
-                        self.growing = 0
+                    if event.request == f"grow-{self.requests}":
+                        self.growing = 0  # the current request is met (not an older one
+                        # a restarted backend announces again with what it holds)
                     seen.append(self._observed(
                         "grant", event, f"{len(event.devices)} devices "
                         f"({', '.join(event.nodes)})", state="granted",
@@ -597,6 +702,8 @@ class Coordinator:
                             f"{event.returncode}"))
                         self._worker_died(event, now)
             self.dirty = True
+        if self.dead_at_reattach:
+            self._reattached_dead()
         if any(o.kind in ("preempt-notice", "loss") for o in seen):
             for effect in reconcile.supersede(self.inflight, time.monotonic()):
                 self._perform(effect)
@@ -606,6 +713,41 @@ class Coordinator:
             self._event_ids += ids if isinstance(ids, list) else [ids]  # or a Deferred
             for o in seen:
                 logger.info("event: %s %s", o.kind, o.payload["summary"])
+
+    def _reattached_dead(self) -> None:
+        """Members of the reattached layout found dead at the restart, on devices the
+        backend holds again: failed now, a loss the next decision resizes around."""
+        held = [d for d in self.dead_at_reattach if d in self.held]
+        if not held:
+            return
+        for d in held:
+            logger.warning("vrank %d of generation %d was found dead at the restart: %s "
+                           "counts as failed", self.dead_at_reattach.pop(d), self.generation, d)
+        self.holdings = devices.failed(self.holdings, held, self.clock())
+        self.exit_failed |= set(held)
+        self.dirty = True
+
+    def _start_again(self, why: str) -> None:
+        """The reattached layout's workers are all gone and none came back to this
+        coordinator (e.g. blocked in a collective on a dead peer past their reattach
+        wait): nothing of their state survives, so the first layout starts again from the
+        newest checkpoint, as after a restart that found none alive. The devices failed
+        only because their workers died are whole again."""
+        gen = self.generation
+        logger.warning("coordinator restarted: %s; starting again", why)
+        self.journal.write(record.close_generation, self.spec.job_id, gen, reason=why[:250],
+                           last_step=self.step, last_loss=self.loss)
+        whole = self.exit_failed
+        self.holdings = replace(self.holdings, layout=None, vranks={}, step=0, loss=None,
+                                lost=self.lost - whole, leaving=frozenset(),
+                                notices={d: n for d, n in self.notices.items()
+                                         if d not in whole})
+        self.restart_generation = max(gen, self.last_generation) + 1
+        self.last_generation = self.admit_from = self.restart_generation
+        self.reattached, self.found_dead, self.exit_failed = False, frozenset(), set()
+        self.dead_at_reattach, self.unjoined, self.idle = {}, {}, set()
+        self._dead_since = None
+        self.dirty = True
 
     def _worker_died(self, event: WorkerExited, now: float) -> None:
         """A worker of the layout or of the resize in flight died unexplained (no loss, no
@@ -618,6 +760,7 @@ class Coordinator:
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [event.device], now)
+        self.exit_failed.add(event.device)
 
     def _unjoined(self, vrank: int, generation: int) -> bool:
         """Whether the process of ``vrank`` launched for ``generation`` ended (or is given
@@ -687,6 +830,7 @@ class Coordinator:
         elif not in_layout:
             return
         self.holdings = devices.failed(self.holdings, [device], self.clock())
+        self.exit_failed.add(device)
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -734,6 +878,7 @@ class Coordinator:
                     if self.unjoined.get(vrank, (report.generation + 1,))[0] <= \
                             report.generation:  # not a Hello of a process before it
                         del self.unjoined[vrank]
+                        self.came_back = True
                     self._tell_joiner(vrank)
                     self._order_when_joined()
                 case Ready():
@@ -883,6 +1028,7 @@ class Coordinator:
             self.dirty = True  # decided once the workers said their model (_model_built)
             return
         decision = decide(self._snapshot(), self.spec.policy)
+        was_paused, self.paused = self.paused, None
         text = " | ".join(decision.lines())
         if text != self.reason:
             self.reason = text
@@ -927,7 +1073,9 @@ class Coordinator:
                         self.crash("after-request")
                         self.journal.write(record.mark_event_handled, eid, "sent")
                 case Pause():
-                    logger.warning("paused: %s", action.reason)
+                    if was_paused != action.reason:  # said once, not at every decision
+                        logger.warning("paused: %s", action.reason)
+                    self.paused = action.reason
         if self.inflight is None:
             self._stop_idle("no resize takes them in")
             self._release_now()

@@ -3,13 +3,17 @@
 A coordinator killed mid-training leaves its workers running. Restarted on the same record, it
 finds the open generation (layout, vranks, the step it reached), the workers recorded at their
 launch (pid and start time, :func:`launched`), and asks the backend which of them still run
-(``adopt``: the same processes, not a reused pid). :func:`reattach` then decides: every
+(``adopt``: the same processes, not a reused pid). :func:`reattach` then decides: some
 worker of the open generation alive, and no commit recorded past it (a commit the killed
 coordinator did not act on: the workers left the layout the record has), gives
-:class:`Reattach` — the layout taken up whole, the step it is at, the live workers outside it
-(joiners of the resize the restart closed as aborted) to stop. Anything else gives
-:class:`Refuse`: every live worker is stopped and the first layout starts again (from the
-newest checkpoint). The loop performs either (``Coordinator._reattach``).
+:class:`Reattach` — the layout taken up, the step it is at, its members found dead (a loss:
+their devices count as failed and the first decision resizes around them, from a replica or
+rebuilt from peer copies or a checkpoint with the lost steps trained again, as after a node
+lost without grace), the live workers outside it (joiners of the resize the restart closed
+as aborted) to stop. Anything else (no member alive, a commit past it, a member's process
+of a later generation) gives :class:`Refuse`: every live worker is stopped and the first
+layout starts again (from the newest checkpoint). The loop performs either
+(``Coordinator._reattach``).
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Reattach:
-    """Take up the open generation whole: its layout on ``vranks``, from ``step`` (and the
-    last loss recorded); ``idle``: live workers outside the layout, to stop."""
+    """Take up the open generation: its layout on ``vranks``, from ``step`` (and the last
+    loss recorded); ``idle``: live workers outside the layout, to stop; ``dead``: members of
+    the layout not alive, lost."""
 
     generation: int
     layout: Layout
@@ -38,12 +43,13 @@ class Reattach:
     step: int
     loss: float | None
     idle: frozenset[int]
+    dead: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
 class Refuse:
-    """The open generation cannot be taken up whole (``missing``: its vranks not alive);
-    every live worker stops and the job starts again."""
+    """The open generation cannot be taken up (``missing``: its vranks not alive, all of
+    them where no other reason applies); every live worker stops and the job starts again."""
 
     generation: int
     missing: tuple[int, ...]
@@ -83,11 +89,11 @@ def reattach(detail: JobDetail, gen: GenerationInfo, workers: Mapping[int, Worke
     missing = tuple(sorted(set(members) - set(alive)))
     moved_on = any(m.outcome == ResizeOutcome.COMMITTED and m.to_generation > gen.number
                    for m in detail.migrations)
-    if not members or missing or moved_on or any(workers[v].generation > gen.number
-                                                 for v in members):
+    if not members or len(missing) == len(members) or moved_on or any(
+            workers[v].generation > gen.number for v in members if v in alive):
         return Refuse(gen.number, missing)
     text = gen.layout
     config = ParallelConfig.parse(text.replace(",dist-opt", ""), "dist-opt" in text)
     return Reattach(gen.number, Layout(config, members), {v: d for _r, v, d in here},
                     max(gen.last_step or 0, gen.first_step or 0), gen.last_loss,
-                    frozenset(set(alive) - set(members)))
+                    frozenset(set(alive) - set(members)), frozenset(missing))

@@ -104,6 +104,11 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
     if refused:
         store.close()
         raise record.RecordError(f"{refused}; nothing was written")
+    # a backend whose cluster lives in this process (the local one) keeps its state beside
+    # the record; a coordinator restarted on the job takes it up (what was granted is held)
+    keep = getattr(backend, "keep_state", None)
+    if keep is not None:
+        keep(cluster_state_path(store, spec.job_id), resume=known is not None)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
@@ -163,6 +168,20 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
     if got:
         out["signal"] = got[0]
     return out
+
+
+def cluster_state_path(store: Any, job_id: str) -> Path:
+    """Where a backend keeps the state of a cluster it simulates: beside the job's SQLite
+    record (``<job>.db`` -> ``<job>.db.cluster.json``); for a record behind a URL, beside
+    the default node-local one."""
+    from slurm_etc.store.location import default_local_db, private_dir
+
+    if getattr(store, "path", None):
+        where = Path(store.path)
+    else:
+        where = default_local_db(job_id)
+        private_dir(where.parent)
+    return where.with_name(f"{where.name}.cluster.json")
 
 
 def _bind_channel(store: Any, job_id: str, secret: Any, bind: str, advertise: str | None,

@@ -11,6 +11,12 @@ reports are the :class:`~slurm_etc.coordinator.supervisor.WorkerSupervisor`'s, t
 Slurm backend's; this backend is its mechanism (the ``do_*`` methods: signal, kill, poll one
 process group).
 
+The simulated cluster outlives its coordinator, as a Slurm cluster does: with
+:meth:`LocalBackend.keep_state` (``run_job`` passes a file beside the job's record) its state
+is written after every change, and a coordinator restarted on the job takes it up: the
+devices granted before the kill (a grow's joiners run there) are held again and their
+workers adopted (:meth:`LocalBackend.adopt`), the script goes on from where it was.
+
 How the coordinator's loop drives it (the loop stays in control; the backend never calls
 back)::
 
@@ -26,6 +32,7 @@ back)::
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -36,6 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+from slurm_etc import bounds
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
 
@@ -102,6 +110,10 @@ class LocalBackend:
         self._events: list[BackendEvent] = []
         self._closed = False
         self._threads_said = False
+        self._state_file: Path | None = None  # keep_state
+        self._saved = -1  # the resources' version written there last
+        self._save_failed = False  # the last write failed (said once; retried each second)
+        self._save_retry_at = 0.0
         self._take_events()  # the anchor's Grant comes first
 
     @classmethod
@@ -138,6 +150,7 @@ class LocalBackend:
         self._take_events()
         self._reap(now)
         out, self._events = self._events, []
+        self._save()
         return out
 
     def on_step(self, step: int) -> None:
@@ -145,20 +158,33 @@ class LocalBackend:
         workers on the lost devices at once)."""
         self._resources.on_step(step, self._clock())
         self._take_events()
+        self._save()
 
     def request(self, action: RequestNodes) -> None:
         self._resources.request(action.key, action.nodes)
+        self._save()
         logger.info("[local] request %s for %d node(s)%s", action.key, action.nodes,
                     f": {action.reason}" if action.reason else "")
 
     def cancel_request(self, action: CancelRequest) -> None:
         """A request of the scripted cluster not granted yet is dropped."""
         if self._resources.withdraw(action.key):
+            self._save()
             logger.info("[local] withdrew request %s%s", action.key,
                         f": {action.reason}" if action.reason else "")
 
+    def request_can_be_met(self, key: str) -> bool:
+        """Whether the scripted cluster can still grant the pending request ``key`` while
+        the job trains nothing: only where it grants requests (``grant_requests``) and
+        enough whole nodes are free (scripted grants fire at training steps, and gone
+        nodes never come back)."""
+        nodes = dict(self._resources.pending_requests).get(key)
+        return bool(nodes and self.script.grant_requests
+                    and len(self._resources.free_nodes()) >= nodes)
+
     def release(self, action: ReleaseDevices) -> None:
         released = self._resources.release(action.devices)
+        self._save()
         for w in self._running_on(set(released)):
             logger.warning("[local] vrank %d still runs on released device %s",
                            w.vrank, w.state.device)
@@ -268,6 +294,36 @@ class LocalBackend:
                         w.generation, w.device, w.pid)
         return out
 
+    def keep_state(self, path: Path, *, resume: bool) -> None:
+        """Keep the simulated cluster's state in ``path`` (owner-only; rewritten whole after
+        every change), from now on. ``resume``: a coordinator restarted on the job takes up
+        the state kept there by the one before it (what it was granted, what is gone or
+        under notice, pending requests, how far the script played), in place of the fresh
+        cluster this backend started with; a file missing, of another script, or
+        unreadable is one warning, and the cluster starts afresh. Called before the first
+        :meth:`poll` (the restored grants are its first events) and before :meth:`adopt`
+        (whose workers run on the devices held)."""
+        self._state_file = Path(path)
+        if resume:
+            try:
+                kept = json.loads(bounds.read_capped(path))
+                if not isinstance(kept, dict):
+                    raise ValueError("it is not a JSON object")
+                self._resources.resume(kept)
+            except FileNotFoundError:
+                logger.warning("[local] no cluster state kept at %s: the scripted cluster "
+                               "starts afresh (what the job was granted is not held)", path)
+            except (OSError, ValueError, bounds.BoundError) as e:
+                logger.warning("[local] the cluster state kept at %s is not taken up (%s): "
+                               "the scripted cluster starts afresh", path,
+                               getattr(e, "strerror", None) or e)
+            else:
+                self._events = []  # the fresh anchor's Grant: announced again with the rest
+                logger.info("[local] took up the cluster kept at %s: holding %s", path,
+                            ",".join(str(d) for d in self._resources.held) or "nothing")
+        self._saved = -1
+        self._save()
+
     def close(self) -> None:
         """Stop every worker still running: SIGTERM, then SIGKILL after CLOSE_GRACE_S."""
         if self._closed:
@@ -283,6 +339,40 @@ class LocalBackend:
             self._preloader.close()
 
     # -- internals --------------------------------------------------------------------
+    def _save(self) -> None:
+        """Write the cluster's state where :meth:`keep_state` said, if it changed since the
+        last write (a new file renamed over the old: a kill mid-write leaves the old one); a
+        write that fails (a full disk) is one warning, and tried again a second later."""
+        path = self._state_file
+        if path is None or self._resources.version == self._saved or (
+                self._save_failed and time.monotonic() < self._save_retry_at):
+            return
+        data = json.dumps(self._resources.state(), separators=(",", ":")).encode()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            # training goes on (as the record's writes wait out a full disk); written at the
+            # next try once there is room; a restart meanwhile takes up the last one kept
+            if not self._save_failed:
+                logger.warning("[local] cannot keep the cluster's state in %s (%s): a "
+                               "coordinator restarted now would not hold what the job was "
+                               "granted since; trying again each second", path, e.strerror)
+            self._save_failed, self._save_retry_at = True, time.monotonic() + 1.0
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return
+        if self._save_failed:
+            logger.info("[local] the cluster's state is kept in %s again", path)
+        self._save_failed = False
+        self._saved = self._resources.version
+
     def _fork(self, argv: Sequence[str], env: Mapping[str, str], log: Path | None,
               common: Mapping[str, str]) -> ForkedProcess | None:
         """The worker forked from the preloader, where it can be (else None); ``common``:

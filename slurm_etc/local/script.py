@@ -49,6 +49,12 @@ options::
 * ``grant_requests`` (default false): when true, the coordinator's requests are granted as
   soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
 
+The cluster's state (who holds which device, what is gone or under notice, the requests
+pending, how far the script played, the events not yet handed over) is plain data
+(:meth:`ScriptedResources.state`), which the local backend keeps in a file beside the job's
+record: a coordinator restarted on the job takes the cluster up where the killed one left it
+(:meth:`ScriptedResources.resume`), as a Slurm cluster outlives the coordinator of a job on it.
+
 A script is checked once when loaded by playing it without a coordinator: names must exist,
 counts must be available, the anchor is never preempted or lost. A problem is one line,
 e.g. ``events.json: event 3: node n7 does not exist (nodes: n0..n3)`` (events count from 1).
@@ -389,6 +395,7 @@ class ScriptedResources:
         self._gone: dict[Device, str] = {}           # preempted or failed: device -> why
         self._noticed: dict[Device, float] = {}      # held, under notice: device -> deadline
         self._alloc_order: dict[str, int] = {}
+        self._granted_for: dict[str, str | None] = {}  # allocation -> the request it met
         self._next_alloc = 0
         self._pending: list[tuple[str, int]] = []     # requests waiting: (key, nodes)
         self._keys: set[str] = set()
@@ -398,6 +405,7 @@ class ScriptedResources:
         self._undelivered = False  # a group fired and no tick (poll) came since
         self._ended = False  # EndTraining went out
         self._out: list[BackendEvent] = []
+        self.version = 0  # bumped at every change of the state (:meth:`state`)
         self._grant(script.anchor_devices, None)
 
     # -- observed state ----------------------------------------------------------------
@@ -437,6 +445,8 @@ class ScriptedResources:
 
     def drain(self) -> list[BackendEvent]:
         out, self._out = self._out, []
+        if out:
+            self.version += 1
         return out
 
     # -- inputs --------------------------------------------------------------------------
@@ -447,6 +457,8 @@ class ScriptedResources:
         ``settled_steps``, steps not reported since the last report (trained while a resize
         was in flight) push the remaining events back by as many. Once every event fired,
         and the last group was handed over, ``end_step`` ends training."""
+        if step > self._step:
+            self.version += 1
         if self.script.settled_steps and 0 <= self._step < step - 1:
             self._lag += step - 1 - self._step
         self._step = max(self._step, step)
@@ -489,6 +501,7 @@ class ScriptedResources:
         """Note a request for ``nodes`` whole nodes (a key seen before is ignored)."""
         if key in self._keys:
             return
+        self.version += 1
         self._keys.add(key)
         self._pending.append((key, nodes))
 
@@ -497,12 +510,14 @@ class ScriptedResources:
         kept = [(k, n) for k, n in self._pending if k != key]
         dropped = len(kept) != len(self._pending)
         self._pending = kept
+        self.version += dropped
         return dropped
 
     def release(self, devices: Iterable[Device]) -> list[Device]:
         """Give devices back; returns those that were held (the others are ignored).
         Devices under a preemption notice go to the preemptor, the rest become free."""
         released = sorted({d for d in devices if d in self._owner}, key=self._order)
+        self.version += bool(released)
         for d in released:
             del self._owner[d]
             if self._noticed.pop(d, None) is not None:
@@ -511,6 +526,7 @@ class ScriptedResources:
 
     def fire(self, event: ScriptedEvent, now: float) -> None:
         """Apply one scripted event."""
+        self.version += 1
         if event.kind == "grant":
             self._fire_grant(event)
         elif event.kind == "preempt":
@@ -523,6 +539,70 @@ class ScriptedResources:
             self._take(held, "failure")
             for d in devices:
                 self._gone.setdefault(d, "failure")
+
+    # -- kept across a coordinator's restart ------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The cluster's state as JSON-able data (what :meth:`resume` takes up): the script
+        it plays, who holds what, what is gone or under notice, requests, how far the script
+        played, and the events not handed over yet."""
+        return {
+            "script": _fingerprint(self.script),
+            "owner": {str(d): a for d, a in self._owner.items()},
+            "gone": {str(d): why for d, why in self._gone.items()},
+            "noticed": {str(d): t for d, t in self._noticed.items()},
+            "allocations": [[a, self._granted_for.get(a)] for a in
+                            sorted(self._alloc_order, key=self._alloc_order.__getitem__)],
+            "pending": [[k, n] for k, n in self._pending], "keys": sorted(self._keys),
+            "fired": self._fired, "step": self._step, "lag": self._lag, "ended": self._ended,
+            "out": [_event_data(e) for e in self._out],
+        }
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Take up the cluster where ``state`` (from :meth:`state`, by an earlier coordinator
+        of the job) left it. What it holds is announced again, as its first events: a
+        :class:`Grant` per allocation still held (the anchor first), a
+        :class:`PreemptNotice` per notice still running; then the losses and the end of
+        training that fired and were not handed over.
+
+        Raises:
+            ValueError: ``state`` is of another script, or malformed (one line); nothing
+                changed.
+        """
+        if state.get("script") != _fingerprint(self.script):
+            raise ValueError("it was kept for another events script or cluster")
+        try:
+            owner = {_device(k): str(a) for k, a in state["owner"].items()}
+            gone = {_device(k): str(why) for k, why in state["gone"].items()}
+            noticed = {_device(k): float(t) for k, t in state["noticed"].items()}
+            allocs = [(str(a), None if r is None else str(r)) for a, r in state["allocations"]]
+            pending = [(str(k), int(n)) for k, n in state["pending"]]
+            keys = {str(k) for k in state["keys"]}
+            fired, step, lag = int(state["fired"]), int(state["step"]), int(state["lag"])
+            ended = bool(state["ended"])
+            undelivered = [e for e in map(_event_of, state["out"])
+                           if isinstance(e, (Loss, EndTraining))]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"it is malformed ({e.__class__.__name__}: {e})") from None
+        order = {a: i for i, (a, _r) in enumerate(allocs)}
+        if not 0 <= fired <= len(self.script.events) or set(owner.values()) - set(order) \
+                or not set(owner) | set(gone) <= set(self._all) or set(noticed) - set(owner):
+            raise ValueError("it names devices, allocations or events the script does not "
+                             "have")
+        self._owner, self._gone, self._noticed = owner, gone, noticed
+        self._alloc_order, self._granted_for = order, dict(allocs)
+        self._next_alloc = max((int(a[1:]) for a in order if a[1:].isdigit()), default=-1) + 1
+        self._pending, self._keys = pending, keys
+        self._fired, self._step, self._lag, self._ended = fired, step, lag, ended
+        self._undelivered = False
+        self._out = [Grant(a, devs, self._granted_for.get(a))
+                     for a, devs in self._by_allocation(owner)]
+        by_notice: dict[float, list[Device]] = {}
+        for d, t in noticed.items():
+            by_notice.setdefault(t, []).append(d)
+        for t, devs in sorted(by_notice.items()):
+            self._out += [PreemptNotice(a, ds, t) for a, ds in self._by_allocation(devs)]
+        self._out += undelivered
+        self.version += 1
 
     # -- internals -----------------------------------------------------------------------
     def _short(self, event: ScriptedEvent, msg: str) -> None:
@@ -607,7 +687,9 @@ class ScriptedResources:
 
     def _grant(self, devices: Iterable[Device], request: str | None) -> None:
         alloc = f"a{self._next_alloc}"
+        self.version += 1
         self._alloc_order[alloc] = self._next_alloc
+        self._granted_for[alloc] = request
         self._next_alloc += 1
         devs = tuple(sorted(devices, key=self._order))
         for d in devs:
@@ -628,6 +710,7 @@ class ScriptedResources:
             self._out.append(PreemptNotice(alloc, devs, deadline))
 
     def _take(self, devices: Sequence[Device], cause: Literal["failure", "preempted"]) -> None:
+        self.version += bool(devices)
         groups = self._by_allocation(devices)
         for d in devices:
             del self._owner[d]
@@ -635,3 +718,41 @@ class ScriptedResources:
             self._gone[d] = cause
         for alloc, devs in groups:
             self._out.append(Loss(alloc, devs, cause))
+
+
+def _fingerprint(script: EventsScript) -> dict[str, Any]:
+    """What a kept state must match to be taken up: the cluster and the events."""
+    return {"source": script.source, "nodes": list(script.topology.nodes),
+            "gpus_per_node": script.topology.gpus_per_node,
+            "initial_nodes": script.initial_nodes,
+            "events": [str(e) for e in script.events]}
+
+
+def _device(name: str) -> Device:
+    node, local = name.rsplit(":", 1)
+    return Device(node, int(local))
+
+
+def _event_data(event: BackendEvent) -> dict[str, Any]:
+    data: dict[str, Any] = {"kind": type(event).__name__}
+    for key in ("allocation", "request", "deadline", "cause", "reason"):
+        if hasattr(event, key):
+            data[key] = getattr(event, key)
+    data["devices"] = [str(d) for d in getattr(event, "devices", ())]
+    return data
+
+
+def _event_of(data: Mapping[str, Any]) -> BackendEvent | None:
+    """An event from :func:`_event_data` (None: a kind not kept)."""
+    devices = tuple(_device(d) for d in data.get("devices", ()))
+    match data["kind"]:
+        case "Grant":
+            return Grant(str(data["allocation"]), devices, data.get("request"))
+        case "PreemptNotice":
+            return PreemptNotice(str(data["allocation"]), devices, float(data["deadline"]))
+        case "Loss":
+            return Loss(str(data["allocation"]), devices,
+                        "preempted" if data.get("cause") == "preempted" else "failure")
+        case "EndTraining":
+            return EndTraining(str(data["reason"]))
+    return None

@@ -5,7 +5,12 @@ coordinator hears of is appended to ``<dir>/progress.jsonl`` with this process's
 JSON's repr of the float: bit for bit); the workers log to ``<dir>/workers`` (appended, so
 a reattached worker's lines follow its first ones).
 
-    python reattach_driver.py <dir> <job id> <train steps>
+    python reattach_driver.py <dir> <job id> <train steps> [<grow at step> [preload] [forget]]
+
+With ``<grow at step>`` (> 0) the cluster has a second node of two devices, granted by the
+script at that step (the job grows from 2 to 4 workers); ``preload``: the workers fork from
+the preloader, as under ``slurm-etc run``; ``forget`` plants a bug: the backend does not
+take up the cluster state kept by the coordinator before it (what it was granted).
 """
 from __future__ import annotations
 
@@ -16,20 +21,33 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from slurm_etc.local.demo import demo_spec
-from slurm_etc.local.script import script_from_options
-from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.demo import demo_spec
+from slurm_etc.local.script import script_from_dict, script_from_options
 from slurm_etc.plan.model import PRESETS
+
+
+class Forgetful(LocalBackend):
+    """The planted bug: a restarted coordinator's cluster starts afresh."""
+
+    def keep_state(self, path: Path, *, resume: bool) -> None:
+        super().keep_state(path, resume=False)
 
 
 def main() -> int:
     out, job, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    grow_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    preload, forget = "preload" in sys.argv[5:], "forget" in sys.argv[5:]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     spec = demo_spec(job, PRESETS["tiny"], steps)
     spec = replace(spec, env={**spec.env, "SLURM_ETC_JOB": job})
-    backend = LocalBackend(script_from_options(1, 2), log_dir=out / "workers")
+    script = (script_from_dict({"nodes": 2, "gpus_per_node": 2, "initial_nodes": 1,
+                                "events": [{"at_step": grow_at, "grant": 1}]})
+              if grow_at > 0 else script_from_options(1, 2))
+    backend = (Forgetful if forget else LocalBackend)(script, log_dir=out / "workers",
+                                                      preload=preload)
     seen = (out / "progress.jsonl").open("a", buffering=1)
 
     def progress(p: dict) -> None:

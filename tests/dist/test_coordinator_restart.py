@@ -9,6 +9,12 @@ restarted one finds none alive and launches the first layout again.
 ``test_killed_mid_training_reattaches_the_live_workers``: real training (megatron-core
 ``tiny`` on two processes), the coordinator SIGKILLed mid-training and started again; its
 workers live on, are reattached, and train on from their step.
+``test_killed_after_a_grow_reattaches_the_joiners_too``: the same after the job grew from 2
+to 4 workers (the joiners on devices granted after the start, every worker forked from the
+preloader, as under ``slurm-etc run``): all four are reattached.
+``test_a_worker_dead_at_the_restart_is_a_loss_not_a_start_again``: one of those joiners
+SIGKILLed while the coordinator is away: the three others are reattached and the layout
+resizes around the dead one.
 
 Oracles, sharing no code with the coordinator: the record read with plain sqlite3, the
 backend's own log of every request and release (tests/dist/restart_driver.py), /proc, the
@@ -59,12 +65,12 @@ def _workers_of(job: str) -> list[int]:
     return sorted(pids)
 
 
-def _reattach_run(out: Path, job: str) -> subprocess.Popen[str]:
+def _reattach_run(out: Path, job: str, *extra: str) -> subprocess.Popen[str]:
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(COORDINATOR_INJECT, None)
-    return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS)],
-                            env=env, stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS),
+                             *extra], env=env, stdout=subprocess.PIPE, text=True,
                             stderr=open(out / f"driver-{time.monotonic_ns()}.log", "w"))
 
 
@@ -168,6 +174,158 @@ def test_killed_mid_training_reattaches_the_live_workers(tmp_path: Path) -> None
     assert len(reattached) == 1 and "reattached 2 live worker(s) of generation 0" in \
         reattached[0][0], reattached
     assert state == "finished"
+
+
+def _launched(db: Path) -> dict[int, tuple[int, int]]:
+    """vrank -> (generation, pid) of every worker the record says was launched."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT json_extract(payload, '$.vrank'), json_extract(payload, "
+                           "'$.generation'), json_extract(payload, '$.pid') FROM events "
+                           "WHERE kind = 'launch' ORDER BY id").fetchall()
+    finally:
+        con.close()
+    return {v: (g, pid) for v, g, pid in rows}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+GROW_AT, GROWN_KILL_AT = 5, 20
+
+
+def _holding(out: Path, vranks: int) -> bool:
+    """Whether every worker's log says it holds for a restarted coordinator (at a step
+    boundary, not inside a collective)."""
+    logs = list((out / "workers").glob("gen*-vrank*.log"))
+    return len(logs) == vranks and all("holding for a restarted coordinator" in log.read_text()
+                                        for log in logs)
+
+
+def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None) -> None:
+    """Grow 2 -> 4 at step GROW_AT, SIGKILL the coordinator once generation 1 trained to
+    GROWN_KILL_AT, start it again on the same record: every worker reattached, training goes
+    on from the step it reached (``plant``: the driver's planted bug). ``lose``: that
+    vrank's process group is SIGKILLed too while the coordinator is away (once every worker
+    holds): the three others are reattached and the layout resizes around it."""
+    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}-{lose}"
+    extra = (str(GROW_AT), "preload", *plant)
+    first = _reattach_run(out, job, *extra)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while not any(p["generation"] >= 1 and p["step"] >= GROWN_KILL_AT
+                      for p in _heard(out)):
+            assert first.poll() is None, "the first coordinator ended on its own"
+            assert time.monotonic() < deadline, "no training step after the grow"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        killed_step = max(p["step"] for p in _heard(out))
+        launched = _launched(out / "job.db")
+        pids = [pid for _g, pid in launched.values()]
+        assert {v: g for v, (g, _p) in launched.items()} == {0: 0, 1: 0, 2: 1, 3: 1}, launched
+        time.sleep(2.0)
+        assert all(_alive(pid) for pid in pids), "a worker died with its coordinator"
+        if lose is not None:
+            until = time.monotonic() + 60
+            while not _holding(out, 4):
+                assert time.monotonic() < until, "the workers do not hold"
+                time.sleep(0.1)
+            os.killpg(launched[lose][1], signal.SIGKILL)
+            time.sleep(0.5)
+        second = _reattach_run(out, job, *extra)
+        try:
+            stdout, _ = second.communicate(timeout=600)
+        finally:
+            if second.poll() is None:
+                second.kill()
+        logs = "".join(p.read_text() for p in sorted(out.glob("driver-*.log")))
+        assert second.returncode == 0, logs[-4000:]
+        assert json.loads(stdout.strip().splitlines()[-1]) == \
+            {"state": "finished", "step": STEPS}
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    restarted = logs[logs.rfind("coordinator restarted"):].splitlines()[0]
+    if lose is not None:
+        assert "reattached 3 live worker(s) of generation 1" in restarted, restarted
+        assert f"vrank(s) {lose} dead: lost" in restarted, restarted
+    else:
+        assert "reattached 4 live worker(s) of generation 1" in restarted, restarted
+    # the restarted coordinator heard only steps after the kill (nothing trained again)
+    runs: dict[int, list[int]] = {}
+    for p in _heard(out):
+        runs.setdefault(p["run"], []).append(p["step"])
+    assert len(runs) == 2, runs.keys()
+    before, after = runs.values()
+    assert max(before) == killed_step and min(after) > killed_step, (before, after)
+    assert max(after) == STEPS
+    # each of the four processes trained its steps once, none again after the restart
+    for log in sorted((out / "workers").glob("gen*-vrank*.log")):
+        text = log.read_text()
+        steps = [int(m) for m in re.findall(r"\] step (\d+) loss", text)]
+        if lose is not None and log.name.endswith(f"vrank{lose}.log"):
+            assert steps == list(range(steps[0], steps[-1] + 1)) and steps[-1] <= killed_step + 2
+            continue
+        if lose is not None and log.name.startswith("gen1-"):
+            # the other joiner: left the job at the resize around the dead one, or trains on
+            assert steps == list(range(steps[0], steps[-1] + 1)), (log.name, steps)
+        else:
+            assert steps == list(range(steps[0], STEPS + 1)), (log.name, steps[:3], steps[-3:])
+        assert "reattached to the coordinator" in text, (log.name, text[-2000:])
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        gens = con.execute("SELECT number, last_step FROM generations").fetchall()
+        launches = con.execute("SELECT count(*) FROM events WHERE kind = 'launch'"
+                               ).fetchone()[0]
+        grants = con.execute("SELECT count(*) FROM events WHERE kind = 'grant'").fetchone()[0]
+    finally:
+        con.close()
+    assert launches == 4 and grants == 2, (launches, grants)  # nothing launched or granted again
+    if lose is None:
+        assert gens == [(0, gens[0][1]), (1, STEPS)], gens  # no generation opened again
+        return
+    # the loss: one resize from generation 1 around the dead vrank, committed, and the
+    # layout after it trains to the end (nothing started again from step 1)
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        resizes = con.execute("SELECT from_generation, to_generation, outcome FROM migrations "
+                              "WHERE from_generation >= 1").fetchall()
+        first = con.execute("SELECT first_step FROM generations WHERE number = 2").fetchone()
+    finally:
+        con.close()
+    assert resizes == [(1, 2, "committed")], resizes
+    assert gens[-1] == (2, STEPS) and first is not None and first[0] >= killed_step, (gens, first)
+
+
+@pytest.mark.timeout(900)  # a real training grown and restarted, on a loaded machine
+def test_killed_after_a_grow_reattaches_the_joiners_too(tmp_path: Path) -> None:
+    """Issue #43: SIGKILL the coordinator of a job that grew from 2 to 4 workers (the joiners
+    on devices granted after the start) and start it again on the same job and record: the
+    local backend takes up the cluster the killed one left (the grant held again), all four
+    workers are reattached, and training goes on from the step it reached, not from step 1.
+    With the kept cluster not taken up (the driver's ``forget`` plant) the joiners' devices
+    are not held, vranks 2 and 3 are not adopted, and the job starts again: caught."""
+    grow_kill_restart(tmp_path)
+
+
+@pytest.mark.timeout(900)  # as above
+def test_a_worker_dead_at_the_restart_is_a_loss_not_a_start_again(tmp_path: Path) -> None:
+    """Issue #43: the same grown job, and one of its joiners (vrank 3) SIGKILLed while the
+    coordinator is away: the restarted coordinator reattaches the three that live, counts
+    vrank 3's device as failed, and the first decision resizes around it (a dp replica holds
+    its shards) as after a node lost without grace; training goes on from the step reached,
+    never from step 1. Before: "vrank(s) 3 of generation 1 are not alive; stopping the 3
+    live worker(s) and starting again"."""
+    grow_kill_restart(tmp_path, lose=3)
 
 
 def _kill_orphans(job: str) -> int:
@@ -283,8 +441,14 @@ def test_killed_and_restarted(tmp_path: Path, point: str) -> None:
     assert committed[:len(committed_before)] == committed_before  # a commit stays one
     if point == "after-commit-record":
         # killed after writing the commit: it stays committed (not re-run, not aborted);
-        # the restarted coordinator starts the first layout again and grows once more
-        assert in_flight == 0 and len(committed_before) == 1 and len(committed) == 2
+        # the restarted coordinator's backend still holds the granted node (the local
+        # cluster kept beside the record), so the first layout starts again on both nodes:
+        # no second grow (before the cluster was kept, it grew once more)
+        assert in_flight == 0 and len(committed_before) == 1 and len(committed) == 1
+    elif point == "after-order":
+        # the grow in flight is closed as aborted; its node is still held, and the first
+        # layout starts again on both nodes (no migration)
+        assert committed_before == [] and committed == []
     elif point == "after-request":
         # the open request is sent again at the restart, before the first layout starts:
         # granted at once here, the job starts on both nodes (no migration) or grows once

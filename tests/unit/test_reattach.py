@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -175,8 +176,9 @@ class _AdoptingBackend(HandDrivenBackend):
 def test_a_restarted_coordinator_finds_the_recorded_launches(tmp_path: Path,
                                                             alive: set[int]) -> None:
     """The launches recorded by one coordinator (one transaction, handled at once) are what
-    the next one hands the backend to adopt; a whole layout alive is reattached at the
-    recorded step, a layout missing a worker is not (the live one is stopped)."""
+    the next one hands the backend to adopt; the layout is reattached at the recorded step,
+    whole or missing a worker (issue #43: the dead one is a loss, its device failed once
+    held; nobody is stopped)."""
     backend = _AdoptingBackend(alive)
     with coordinator_over(tmp_path, JOB, backend, training=TrainingJob(PRESETS["tiny"], 8, 1),
                           policy=EffectivePolicy(grow=False), hardware=DEMO_HARDWARE,
@@ -201,4 +203,44 @@ def test_a_restarted_coordinator_finds_the_recorded_launches(tmp_path: Path,
             assert (again.step, again.generation, again.reattached) == (7, 0, True)
             assert backend.stopped == []
         else:
-            assert not took and again.layout is None and backend.stopped == [(0,)]
+            assert took and again.layout is not None and again.layout.devices == (0, 1)
+            assert again.dead_at_reattach == {Device("n0", 1): 1} and backend.stopped == []
+            assert again.unjoined.keys() == {0}  # the dead one is not waited for
+
+
+@pytest.mark.parametrize("came_back", [False, True])
+def test_a_reattached_layout_none_of_whose_workers_came_back_starts_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, came_back: bool) -> None:
+    """Vrank 1 found dead at the restart, vrank 0 reattached; vrank 0 then exits too. Had it
+    never said Hello again (it was blocked in a collective on the dead one past its
+    reattach wait), nothing of the state survives: the first layout starts again on a new
+    generation (the devices failed by the deaths whole again), as a restart that found none
+    alive. Had it come back, its exit is the job's end like any other."""
+    import slurm_etc.coordinator.loop as loop
+
+    monkeypatch.setattr(loop, "DEAD_GRACE_S", 0.0)
+    backend = _AdoptingBackend({0})
+    with coordinator_over(tmp_path, JOB, backend, training=TrainingJob(PRESETS["tiny"], 8, 1),
+                          policy=EffectivePolicy(grow=False), hardware=DEMO_HARDWARE,
+                          backend_name="local") as (first, _db):
+        vranks = {v: Device("n0", v) for v in (0, 1)}
+        record.open_generation(first.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
+                               first_step=0)
+        record.record_progress(first.store, JOB, 0, last_step=7, last_loss=5.5)
+        first._record_launch(0, (0, 1))
+        again = Coordinator(first.spec, backend, first.store, first.channel, first.topology)
+        again._recover()
+        assert again.reattached and again.found_dead == {1}
+        backend.pending = [loop.Grant("a0", tuple(vranks.values()))]
+        again._observe_backend()
+        again._event_ids.clear()  # decided (the grant)
+        assert again.lost == {Device("n0", 1)} and again.exit_failed == {Device("n0", 1)}
+        again.came_back = came_back
+        backend.states = {0: replace(backend.states[0], returncode=UNKNOWN_EXIT)}
+        said = again._nothing_left()  # no grace (DEAD_GRACE_S 0)
+        if came_back:
+            assert said is not None and "every worker of generation 0 exited" in said
+            return
+        assert said is None and again.layout is None and not again.reattached
+        assert (again.restart_generation, again.step, again.lost) == (1, 0, frozenset())
+        assert again.dirty and again.admit_from == 1

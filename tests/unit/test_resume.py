@@ -83,13 +83,26 @@ def test_a_dead_member_a_commit_not_acted_on_or_a_newer_process_refuses():
     d = detail(events=LAUNCHES)
     g = open_generation(d)
     workers = launched(d.events)
-    assert reattach(d, g, workers, {0, 4}) == Refuse(2, (1,))
+    assert reattach(d, g, workers, {4}) == Refuse(2, (0, 1))  # no member alive
     moved = detail(events=LAUNCHES, migrations=[migration(3, "committed")])
     assert reattach(moved, g, workers, {0, 1}) == Refuse(2, ())
     assert isinstance(reattach(detail(events=LAUNCHES, migrations=[migration(3, "aborted")]),
                                g, workers, {0, 1}), Reattach)  # an abort moved nobody
     newer = {**workers, 1: replace(workers[1], generation=3)}  # vrank 1 went on to 3
     assert reattach(d, g, newer, {0, 1}) == Refuse(2, ())
+
+
+def test_a_dead_member_is_a_loss_the_live_ones_are_taken_up():
+    """Issue #43: workers found dead are a loss (rebuild, replay), never a restart from
+    step 1 while a member lives."""
+    d = detail(events=LAUNCHES)
+    g = open_generation(d)
+    got = reattach(d, g, launched(d.events), {0, 4})
+    assert isinstance(got, Reattach)
+    assert got.layout.devices == (0, 1) and got.dead == {1} and got.idle == {4}
+    assert (got.step, got.vranks[1]) == (30, Device("n0", 1))  # its device: failed
+    whole = reattach(d, g, launched(d.events), {0, 1})
+    assert isinstance(whole, Reattach) and whole.dead == frozenset()
 
 
 def test_distributed_optimizer_layouts_and_no_open_generation():

@@ -1,0 +1,165 @@
+"""A coordinator with nothing training ends the job after a bound unless devices can still
+come (issue #43): the pure rules (coordinator/outlook.py) as a table, then the real
+Coordinator (SQLite record, control channel) over a hand-driven backend whose only devices
+are lost: it fails with one line after the bound, or waits while a request that can be met
+is pending, and the record's reason (what `slurm-etc status` shows) says for what."""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_etc.alloc.chooser import TrainingJob
+from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator.backend import Grant, Loss
+from slurm_etc.coordinator.outlook import (
+    DEFAULT_GIVE_UP_AFTER_S,
+    GiveUp,
+    GoesOn,
+    Prospects,
+    Stranded,
+    Waits,
+    outlook,
+)
+from slurm_etc.local.demo import DEMO_HARDWARE
+from slurm_etc.plan.model import PRESETS
+from slurm_etc.policy.rules import EffectivePolicy
+
+from .coordinator_harness import RecordingBackend, coordinator_over
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+T0, BOUND = 1_000_000.0, 600.0
+IDLE = "paused: no parallel configuration of tiny fits 0 devices"
+
+# (prospects, since, now) -> the outcome's kind and a fragment of its text
+CASES: list[tuple[str, Prospects, float | None, float, type, str]] = [
+    ("a worker trains", Prospects(busy=True), None, T0, GoesOn, ""),
+    ("busy resets a stranded clock", Prospects(busy=True), T0 - 10_000, T0, GoesOn, ""),
+    ("a request that can be met: waits",
+     Prospects(False, IDLE, request_nodes=2, request_met=True, request_since=T0 - 50),
+     None, T0, Waits, "waiting for 2 node(s) requested at"),
+    ("... for as long as it takes",
+     Prospects(False, IDLE, request_nodes=2, request_met=True), T0 - 10 * BOUND, T0, Waits,
+     IDLE),
+    ("nothing pending: stranded from now", Prospects(False, IDLE), None, T0, Stranded,
+     "no node request that can be met is pending"),
+    ("stranded, within the bound", Prospects(False, IDLE), T0 - BOUND + 1, T0, Stranded,
+     "fails at"),
+    ("stranded past the bound: gives up", Prospects(False, IDLE), T0 - BOUND, T0, GiveUp,
+     "nothing to train on for 600 s (--give-up-after 600) and no node request that can be "
+     "met is pending: give the job devices"),
+    ("a request that cannot be met counts for nothing",
+     Prospects(False, IDLE, request_nodes=3, request_met=False), T0 - BOUND, T0, GiveUp,
+     "its request for 3 node(s) cannot be met"),
+    ("the line says what would help", Prospects(False, "the job holds no device"),
+     T0 - BOUND - 5, T0, GiveUp, "run it again; the job holds no device"),
+]
+
+
+@pytest.mark.parametrize("name, prospects, since, now, kind, text", CASES,
+                         ids=[c[0] for c in CASES])
+def test_outlook_table(name: str, prospects: Prospects, since: float | None, now: float,
+                       kind: type, text: str) -> None:
+    got = outlook(prospects, since, now, BOUND)
+    assert isinstance(got, kind), got
+    said = getattr(got, "what", None) or getattr(got, "line", "")
+    assert text in said, said
+    assert "\n" not in said
+
+
+def test_stranded_keeps_its_start_and_ends_at_the_bound() -> None:
+    first = outlook(Prospects(False, IDLE), None, T0, BOUND)
+    assert isinstance(first, Stranded) and (first.since, first.ends_at) == (T0, T0 + BOUND)
+    later = outlook(Prospects(False, IDLE), first.since, T0 + 30, BOUND)
+    assert isinstance(later, Stranded) and later.what == first.what  # status: no churn
+    assert DEFAULT_GIVE_UP_AFTER_S == 600.0
+
+
+# ------------------------------------------------------------ through the real Coordinator
+
+TOPO = ClusterTopology(2, ("n0", "n1"))
+ANCHOR = (Device("n0", 0), Device("n0", 1))
+
+
+class LostAnchor(RecordingBackend):
+    """The anchor is granted and lost before anything starts; ``can_meet``: the answer to
+    ``request_can_be_met`` (None: the backend has no such hook, as Slurm's)."""
+
+    def __init__(self, can_meet: bool | None) -> None:
+        super().__init__(TOPO)
+        self.pending = [Grant("a0", ANCHOR), Loss("a0", ANCHOR, "failure")]
+        if can_meet is not None:
+            self.request_can_be_met = lambda key: can_meet  # type: ignore[method-assign]
+
+
+def _run(tmp_path: Path, backend: Any, grow: bool, deadline_s: float) -> tuple[str, Any]:
+    job = f"outlook-{grow}-{getattr(backend, 'request_can_be_met', None) is not None}"
+    with coordinator_over(tmp_path, job, backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=grow, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local",
+                          give_up_after_s=1.5) as (coordinator, db):
+        state = coordinator.run(deadline_s=deadline_s)
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT state, reason FROM jobs").fetchone()
+        finally:
+            con.close()
+    return state, row
+
+
+def test_nothing_to_wait_for_ends_the_job_failed_with_one_line(tmp_path: Path) -> None:
+    """No device left and no growth allowed: failed after the bound (not paused forever),
+    the reason one line saying why and what would help."""
+    state, (recorded, reason) = _run(tmp_path, LostAnchor(None), grow=False, deadline_s=30)
+    assert (state, recorded) == ("failed", "failed")
+    assert reason.startswith("nothing to train on for ") and "--give-up-after 1.5" in reason
+    assert "give the job devices its model fits" in reason
+    assert "no parallel configuration" in reason
+    assert "\n" not in reason
+
+
+def test_a_request_that_cannot_be_met_ends_it_too(tmp_path: Path) -> None:
+    backend = LostAnchor(False)
+    state, (_recorded, reason) = _run(tmp_path, backend, grow=True, deadline_s=30)
+    assert state == "failed" and backend.requested, backend.requested
+    assert "cannot be met" in reason, reason
+
+
+def test_a_request_that_can_be_met_keeps_it_waiting_and_status_says_for_what(
+        tmp_path: Path) -> None:
+    """A pending member request the cluster can grant: the job waits past the bound (the
+    run's own deadline ends it here), its recorded reason naming the request."""
+    backend = LostAnchor(True)
+    state, (recorded, reason) = _run(tmp_path, backend, grow=True, deadline_s=4.0)
+    assert state == "timeout" and backend.requested
+    assert reason.startswith("no end within")  # the deadline's line, recorded at the end
+
+
+def test_the_waiting_reason_is_in_the_record_while_it_waits(tmp_path: Path) -> None:
+    backend = LostAnchor(True)
+    seen: list[Any] = []
+    with coordinator_over(tmp_path, "outlook-status", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=True, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local",
+                          give_up_after_s=1.0) as (coordinator, db):
+        real = coordinator._outlook
+
+        def spy() -> str | None:
+            out = real()
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                seen.append(con.execute("SELECT state, reason FROM jobs").fetchone())
+            finally:
+                con.close()
+            return out
+
+        coordinator._outlook = spy  # type: ignore[method-assign]
+        assert coordinator.run(deadline_s=3.5) == "timeout"
+    waiting = [r for s, r in seen if s == "running" and r]
+    assert waiting and waiting[-1].startswith("waiting for 1 node(s) requested at"), seen
+    assert "no parallel configuration" in waiting[-1]
