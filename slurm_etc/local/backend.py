@@ -63,7 +63,7 @@ from ..coordinator.supervisor import Supervised, WorkerSupervisor
 from ..protocol import env as envvars
 from ..protocol.gpus import gpu_env, gpus_present
 from .preload import ForkedProcess, Preloader, forkable
-from .script import EventsScript, ScriptedEvent, ScriptedResources, load_script
+from .script import EventsScript, ScriptedEvent, ScriptedResources
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +115,6 @@ class LocalBackend:
         self._save_failed = False  # the last write failed (said once; retried each second)
         self._save_retry_at = 0.0
         self._take_events()  # the anchor's Grant comes first
-
-    @classmethod
-    def from_file(cls, path: str | Path, **kwargs: object) -> "LocalBackend":
-        """A backend for the script at ``path`` (raises ScriptError with one clear line)."""
-        return cls(load_script(path), **kwargs)  # type: ignore[arg-type]
 
     def __enter__(self) -> "LocalBackend":
         return self

@@ -132,11 +132,6 @@ class ParallelConfig:
         """Index among the expert_dp ranks holding the same expert shard."""
         return self.dp_cp_rank(rank) // self.ep
 
-    def mp_class(self, rank: int) -> int:
-        """Index t + tp * p of the model-parallel shard a rank holds."""
-        t, _, p = self.coords(rank)
-        return t + self.tp * p
-
     def validate_for(self, model: ModelDesc, devices: int | None = None) -> None:
         """Raise ConfigError, one line with the numbers and the fix, if this cannot run
         ``model`` (megatron-core's own rules for tp, pp, vpp, cp and ep)."""

@@ -90,11 +90,6 @@ class RegionTable:
         return ranks[order].astype(np.int64), rows[order].astype(np.int64)
 
 
-def stage_layers(num_layers: int, pp: int, p: int) -> tuple[int, int]:
-    per = num_layers // pp
-    return p * per, (p + 1) * per
-
-
 def chunk_layers(num_layers: int, pp: int, vpp: int, p: int, chunk: int) -> tuple[int, int]:
     """Layers of virtual chunk ``chunk`` of pipeline rank ``p``: megatron-core's
     ``get_transformer_layer_offset`` (chunk c of rank p is the (c * pp + p)-th slice)."""

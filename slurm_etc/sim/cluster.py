@@ -25,9 +25,6 @@ class SimCluster:
         self.free_on: dict[str, int] = {n: self.G for n in topology.nodes}
         self.down: set[str] = set()
 
-    def held_by(self, owner: str) -> list[Device]:
-        return [d for d, o in self.owner.items() if o == owner]
-
     def place(self, gpus: int | None = None, nodes: int | None = None) -> list[Device] | None:
         """Free devices for a request, or None if it does not fit now."""
         if nodes is not None:
