@@ -372,6 +372,11 @@ class Coordinator:
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end(JobState.FAILED, str(err))
 
+    @property
+    def _request_key(self) -> str:
+        """The key of the newest node request (``grow-<n>``): the backend's, the record's."""
+        return f"grow-{self.requests}"
+
     def _stop_training(self) -> None:
         """The backend ended training and no resize is in flight: Stop the layout's
         workers (once); each finishes its step and exits, and the job ends finished when
@@ -476,7 +481,7 @@ class Coordinator:
         else:
             why = "no layout started on the devices held"
         met: Any = getattr(self.backend, "request_can_be_met", None)
-        key = f"grow-{self.requests}"
+        key = self._request_key
         since = (None if self.request_sent_at is None
                  else wall - (time.monotonic() - self.request_sent_at))
         return outlook.Prospects(busy=False, idle_why=why, request_nodes=self.growing,
@@ -585,7 +590,7 @@ class Coordinator:
         return hello.step < 0 or hello.trained >= self.admit_from
 
     def _resend_open_request(self, request: record.OpenRequest | None) -> None:
-        if request is None or request.key != f"grow-{self.requests}":
+        if request is None or request.key != self._request_key:
             return
         key, nodes = request.key, request.nodes
         refusal = self._refuse_restored(nodes)
@@ -652,7 +657,7 @@ class Coordinator:
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
-                    if event.request == f"grow-{self.requests}":
+                    if event.request == self._request_key:
                         self.growing = 0  # the current request is met (not an older one
                         # a restarted backend announces again with what it holds)
                     seen.append(self._observed(
@@ -677,7 +682,7 @@ class Coordinator:
                     self.ending = self.ending or event.reason
                     continue  # the job's end says it (nothing for a decision)
                 case RequestFailed():
-                    if event.request == f"grow-{self.requests}":
+                    if event.request == self._request_key:
                         self.growing = 0  # the current request is over: ask again if need be
                     seen.append(self._observed(
                         "request-failed", event, f"request {event.request} ended without a "
@@ -1049,7 +1054,7 @@ class Coordinator:
                     self.release_later |= set(action.devices)
                 case WithdrawRequest():
                     if self.growing:
-                        perform(self.backend, CancelRequest(f"grow-{self.requests}",
+                        perform(self.backend, CancelRequest(self._request_key,
                                                             action.reason))
                         self.growing, self.request_sent_at = 0, None
                         self.journal.write(
@@ -1060,7 +1065,7 @@ class Coordinator:
                     if not self.growing:
                         self.requests += 1
                         self.growing = action.nodes
-                        request = RequestNodes(action.nodes, f"grow-{self.requests}",
+                        request = RequestNodes(action.nodes, self._request_key,
                                                action.reason)
                         # recorded before it is sent: a restarted coordinator's keys
                         # continue after it (a duplicate key would be the same request)
