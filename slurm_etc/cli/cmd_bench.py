@@ -283,24 +283,30 @@ def control(ranks_spec, step_s, steady_steps, steady_s, resizes, ranks_per_host,
             raise UserError(f"bench control: {problem}")
     show = progress_printer(not as_json)
     level = logging.getLogger().getEffectiveLevel()
-    runs = []
+    runs: list[dict] = []
+    failed = []
     for b in benches:
         show(f"{b.ranks} ranks: starting ({b.hosts} host process(es))")
         try:
             runs.append(run_control(b, log_level=level))
-        except ControlBenchError as err:
-            raise run_failed(err) from None
-        r = runs[-1]
-        show(f"{b.ranks} ranks: {r['state']} after {r['wall_s']:.0f} s")
+            show(f"{b.ranks} ranks: {runs[-1]['state']} after {runs[-1]['wall_s']:.0f} s")
+        except ControlBenchError as err:  # said in the output; the next size still runs
+            runs.append({"ranks": b.ranks, "state": "failed", "error": str(err)[:600]})
+            failed.append(f"{b.ranks} ranks: {str(err)[:300]}")
+            show(failed[-1])
     out: dict = {"runs": runs}
-    if len(runs) > 1:
-        out["fit"] = {key: fit_power(runs, key) for key in (
+    measured = [r for r in runs if "error" not in r]
+    if len(measured) > 1:
+        out["fit"] = {key: fit_power(measured, key) for key in (
             "step_control_ms", "coordinator_cpu_s_per_s", "coordinator_messages_per_step",
             "coordinator_rss_mib", "record_bytes")}
     if as_json:
         click.echo(json.dumps(out, indent=2))
-        return
-    _render_control(out, Console())
+    else:
+        _render_control(out, Console())
+    if failed:
+        raise run_failed(RuntimeError(f"bench control: {len(failed)} of {len(runs)} run(s) "
+                                      f"failed; {failed[0]}"))
 
 
 def _render_control(out: dict, console: Console) -> None:
@@ -310,6 +316,9 @@ def _render_control(out: dict, console: Console) -> None:
                 "shrink", "loss", "peak RSS", "record", "job"):
         t.add_column(col, justify="right")
     for r in out["runs"]:
+        if "error" in r:
+            t.add_row(f"{r['ranks']:,}", *["-"] * 8, "failed")
+            continue
         rs = r["resize_control_s"]
         t.add_row(f"{r['ranks']:,}", _fmt(r["step_control_ms"], " ms"),
                   _fmt(r["coordinator_cpu_s_per_s"], " s/s"),
@@ -319,6 +328,8 @@ def _render_control(out: dict, console: Console) -> None:
                   r["state"])
     console.print(t)
     for r in out["runs"]:
+        if "error" in r:
+            console.print(f"{r['ranks']:,} ranks: {r['error']}")
         for phase, d in r.get("resizes", {}).items():
             if d["outcome"] != "committed":
                 console.print(f"{r['ranks']:,} ranks, {phase}: {d['outcome']}"

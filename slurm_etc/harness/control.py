@@ -85,6 +85,8 @@ class ControlBench:
         ranks_per_host: simulated ranks per host process (threads).
         model, global_batch: what the job trains (the chooser and the planner use it).
         timeout_s: the coordinator's deadline for the whole run.
+        worker_timeout_s: the job's worker timeout (a rank's agreement and a resize's bound:
+            unanswered for twice this, the coordinator aborts a resize).
     """
 
     ranks: int
@@ -99,6 +101,7 @@ class ControlBench:
     model: str = "small"
     global_batch: int = 0  # 0: a multiple of every dp the run can choose
     timeout_s: float = 600.0
+    worker_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.ranks < 16 or self.ranks % GPUS_PER_NODE:
@@ -273,6 +276,8 @@ class SimRank:
         self._resumed_due = False
         self._joined = False
         self.failure = ""  # why the rank failed (a line), empty while it did not
+        self.restarts = 0  # times the store went unanswered past the client's grace
+        self._aborted: set[int] = set()
         self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------
@@ -373,7 +378,7 @@ class SimRank:
         from slurm_etc.protocol.messages import Abort
 
         while (order := self.channel.poll()) is not None:
-            if order.generation <= self.generation:
+            if order.generation <= self.generation or order.generation in self._aborted:
                 continue
             if isinstance(order, Abort):
                 if self._pending is not None and self._pending.generation == order.generation:
@@ -386,7 +391,7 @@ class SimRank:
         """The trainer's step agreement (``ElasticTrainer._agree``), its exact request."""
         from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER, Resize
         from slurm_etc.protocol.rendezvous import GenerationKeys
-        from slurm_etc.protocol.store import Woken, agree_step
+        from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
 
         layout = self.layout
         assert layout is not None  # agreed steps have one
@@ -400,8 +405,14 @@ class SimRank:
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._check()
-            got = agree_step(self.store, keys[rank], mine, stale, keys, 0.05,
-                             wake=names.lost, seen=self._woken_by)
+            try:
+                got = agree_step(self.store, keys[rank], mine, stale, keys, 0.05,
+                                 wake=names.lost, seen=self._woken_by)
+            except StoreUnreachable:
+                self._await_restart()
+                mine = ENCODER.encode(self._pending) if self._pending else b"-"
+                deadline = time.monotonic() + self.timeout_s
+                continue
             if isinstance(got, Woken):
                 self._woken_by = got.value
                 order = ORDER_DECODER.decode(got.value)
@@ -419,8 +430,36 @@ class SimRank:
                                    f"{self.timeout_s} s")
         self._pending = None
         orders = [o for o in (ORDER_DECODER.decode(v) for v in got if v != b"-")
-                  if o.generation > self.generation]
+                  if o.generation > self.generation and o.generation not in self._aborted]
         return max(orders, key=lambda o: o.generation) if orders else None
+
+    def _await_restart(self) -> None:
+        """What the trainer does when the store leaves a request unanswered past the
+        client's grace (``ElasticTrainer._await_restart``): it takes its coordinator for
+        dead, drops the resize it held as aborted, says Hello again each second until a
+        coordinator answers, points the store client at the store of the Welcome, says
+        its model again and agrees on."""
+        from slurm_etc.protocol.messages import ModelBuilt, Resize, Stop
+
+        self.restarts += 1
+        if isinstance(self._pending, Resize):
+            self._aborted.add(self._pending.generation)
+        self._pending = None
+        next_hello = 0.0
+        while True:
+            self._check()
+            if time.monotonic() >= next_hello:
+                self.channel.rejoin(self.step, self.generation)
+                next_hello = time.monotonic() + 1.0
+            time.sleep(0.05)
+            self._take_orders()
+            if isinstance(self._pending, Stop):
+                raise RuntimeError("the restarted coordinator does not take this rank up")
+            welcome = self.channel.rendezvous
+            if welcome is not None:
+                break
+        self.store.repoint(welcome.store_host, welcome.store_port)
+        self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
 
     def _step_ended(self, started: float, ended: float) -> None:
         from slurm_etc.protocol.messages import Progress, Resumed
@@ -506,6 +545,7 @@ def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
         pass
     shared = _Shared(ranks)
     ranks_: dict[int, SimRank] = {}
+    restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
     ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
     control: dict[int, list[tuple[int, int, float]]] = {}
 
@@ -536,6 +576,7 @@ def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
                 old = ranks_.get(vrank)
                 if old is not None:
                     control.setdefault(vrank, []).extend(old.control)
+                    restarts += old.restarts
                 r = SimRank(shared, vrank, generation, env, model, step_s, done)
                 ranks_[vrank] = r
                 r.thread.start()
@@ -549,12 +590,13 @@ def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
             for r in ranks_.values():
                 r.thread.join(10)
                 control.setdefault(r.vrank, []).extend(r.control)
+                restarts += r.restarts
             while True:
                 try:
                     conn.send(ended.get_nowait())
                 except queue.Empty:
                     break
-            conn.send(("control", control, failures))
+            conn.send(("control", control, failures, restarts))
             return
 
 
@@ -598,6 +640,7 @@ class SimCluster:
         self.control: dict[int, list[tuple[int, int, float]]] = {}
         self.hosts_done = 0
         self.rank_failures: dict[str, int] = {}
+        self.rank_restarts = 0
         self.failures: list[str] = []
 
     # -- the scenario -------------------------------------------------------------------
@@ -679,6 +722,7 @@ class SimCluster:
                     self.control.update(msg[1])
                     for kind, n in msg[2].items():
                         self.rank_failures[kind] = self.rank_failures.get(kind, 0) + n
+                    self.rank_restarts += msg[3]
                     self.hosts_done += 1
         return out
 
@@ -842,7 +886,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
 
         def sample() -> dict[str, float]:
             # every thread of this process: the loop, the store's, zmq's I/O threads
-            return {"t": time.monotonic(), "cpu": time.process_time(),
+            return {"t": time.monotonic(), "cpu": time.process_time(), "rss": _rss_bytes(),
                     "channel_in": channel.received, "channel_out": channel.sent,
                     "store_requests": rendezvous.requests, "store_replies": rendezvous.replies,
                     "store_reply_bytes": rendezvous.reply_bytes}
@@ -853,7 +897,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                        # (no peer copies to rebuild from in a simulation)
                        EffectivePolicy(grow=False, allowed_tp=(1,), allowed_pp=(1,)),
                        Hardware(gpus_per_node=GPUS_PER_NODE),
-                       worker_timeout_s=bench.timeout_s, prepare_while_training=False)
+                       worker_timeout_s=bench.worker_timeout_s, prepare_while_training=False)
         coordinator = Coordinator(spec, cluster, store, channel, cluster.topology,
                                   post=lambda k, v: poster.set(k, v))
         cluster.coordinator = coordinator
@@ -918,9 +962,12 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
     job = migrations.pop() if migrations and "job" in migrations[-1] else {}
     out: dict[str, Any] = {"ranks": bench.ranks, "state": state, "wall_s": round(wall, 2)}
     if "at1" not in w:
-        raise ControlBenchError(f"the steady window never closed (the job ended {state} "
-                                f"after {wall:.0f} s in phase {cluster.phase}: "
-                                f"{job.get('reason', '')})")
+        failed = "; ".join(f"{n} simulated rank(s) failed: {kind}"
+                           for kind, n in cluster.rank_failures.items())
+        raise ControlBenchError(f"the steady window never closed: the job ended {state} "
+                                f"after {wall:.0f} s in phase {cluster.phase} "
+                                f"({failed or 'no rank failed'}); "
+                                f"{job.get('reason', '')[:160]}")
     steps = w["step1"] - w["step0"]
     seconds = w["at1"]["t"] - w["at0"]["t"]
     counts = _counted(w["at0"], w["at1"], steps)
@@ -957,11 +1004,19 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
                    "step_s": round(seconds / steps, 3),
                    "messages_per_step": {k: round(v, 1) for k, v in counts.items()},
                    "store_reply_mb_per_step": round(reply_mb, 2),
+                   "coordinator_rss_mib_at_end": round(w["at1"]["rss"] / 2**20, 1),
                    "boundaries_timed": len(control)},
         "resizes": detail,
+        "migrations": migrations,
         "job": job,
         "coordinator_rss_mib_before_run": round(rss_before / 2**20, 1),
+        # a rank's store request unanswered past the client's 10 s grace: it held as the
+        # trainer does for a restarted coordinator (Hello, a new Welcome, repoint)
+        "rank_store_timeouts": cluster.rank_restarts,
         "problems": list(cluster.failures) + [
+            f"{cluster.rank_restarts} time(s) a rank's store request went unanswered past "
+            f"the client's grace (it held for a restarted coordinator, as the trainer does)"
+            for _ in range(1 if cluster.rank_restarts else 0)] + [
             f"{n} simulated rank(s) failed: {kind}" for kind, n in cluster.rank_failures.items()],
         "bench": asdict(bench),
     })
