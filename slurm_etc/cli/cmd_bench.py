@@ -216,6 +216,9 @@ def _ranks_list(text: str) -> list[int]:
 @click.option("--step-s", default=0.05, show_default=True,
               type=Number(bounds.SECONDS, low=0.001),
               help="A simulated training step's length (a sleep).")
+@click.option("--warm-steps", default=3, show_default=True,
+              type=Number(bounds.STEPS, low=1),
+              help="Steps trained before the steady window opens (the first ones join).")
 @click.option("--steady-steps", default=10, show_default=True,
               type=Number(bounds.STEPS, low=2),
               help="Steps in the steady window (at least --steady-s long).")
@@ -231,8 +234,8 @@ def _ranks_list(text: str) -> list[int]:
               type=Number(bounds.SECONDS, low=10),
               help="Each run's deadline (the coordinator's).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
-def control(ranks_spec, step_s, steady_steps, steady_s, resizes, ranks_per_host, timeout_s,
-            as_json):
+def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ranks_per_host,
+            timeout_s, as_json):
     """The control path at N ranks: the real coordinator, simulated ranks.
 
     \b
@@ -271,7 +274,8 @@ def control(ranks_spec, step_s, steady_steps, steady_s, resizes, ranks_per_host,
 
     ranks = _ranks_list(ranks_spec)
     try:
-        benches = [ControlBench(n, step_s=step_s, steady_steps=steady_steps,
+        benches = [ControlBench(n, step_s=step_s, warm_steps=warm_steps,
+                                steady_steps=steady_steps,
                                 steady_min_s=steady_s, resizes=resizes,
                                 ranks_per_host=ranks_per_host, timeout_s=timeout_s)
                    for n in ranks]

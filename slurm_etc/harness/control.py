@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_etc import bounds
+from slurm_etc.errors import InternalError
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ COORDINATOR_FDS_SPARE = 256
 # mailboxes, the store connection's monitor pair)
 FDS_PER_SIM_RANK = 8
 EXTRAPOLATE_TO = 131_072
+# how long the job may take to end once the scenario ended it, before the bench cancels it
+END_GRACE_S = 60.0
 
 
-class ControlBenchError(RuntimeError):
+class ControlBenchError(InternalError, RuntimeError):
     """The benchmark could not run (one line says why)."""
 
 
@@ -289,6 +292,8 @@ class SimRank:
             code = self._run()
         except _Halted:
             code = -9 if self.halt.kind == "kill" else -15
+        except _Lost:
+            self._exit("coordinator-lost")
         except StoreUnreachable as err:
             # a real trainer holds here as if its coordinator had died (_await_restart) and
             # drops the order it held as aborted; a simulated rank ends (counted)
@@ -453,8 +458,8 @@ class SimRank:
                 next_hello = time.monotonic() + 1.0
             time.sleep(0.05)
             self._take_orders()
-            if isinstance(self._pending, Stop):
-                raise RuntimeError("the restarted coordinator does not take this rank up")
+            if isinstance(self._pending, Stop):  # the trainer's CoordinatorLost: it exits
+                raise _Lost()
             welcome = self.channel.rendezvous
             if welcome is not None:
                 break
@@ -527,8 +532,13 @@ class SimRank:
         return 0
 
 
-class _Halted(Exception):
-    pass
+class _Halted(InternalError):
+    """A simulated rank was stopped or killed (its backend's StopWorkers, a lost node)."""
+
+
+class _Lost(InternalError):
+    """Told to stop while holding for a restarted coordinator (the trainer's
+    ``CoordinatorLost``): the rank says it exits and ends."""
 
 
 def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
@@ -655,7 +665,7 @@ class SimCluster:
                 time.monotonic() - self.window["at0"]["t"] >= b.steady_min_s:
             self.window.update(step1=step, at1=self.sample())
             if not b.resizes:
-                self.phase = "end"
+                self.phase, self._event_at = "end", time.monotonic()
                 self.events.append(EndTraining("the steady window is measured"))
                 return
             self._next("grow", step, Grant("a2", tuple(d for n in self.grown
@@ -674,11 +684,12 @@ class SimCluster:
                             if w.device in devices and w.running])
                 self._next("loss", step, Loss("a1", devices, "failure"))
             else:
-                self.phase = "end"
+                self.phase, self._event_at = "end", time.monotonic()
                 self.events.append(EndTraining("the scenario played out"))
 
     def _next(self, phase: str, step: int, event: Any) -> None:
-        self.spans[phase] = {"at0": self.sample()}
+        self.spans[phase] = {"at0": self.sample(),
+                             "generation": self.coordinator.last_generation}
         self.phase = phase
         self.events.append(event)
         self._event_at = time.monotonic()
@@ -708,6 +719,10 @@ class SimCluster:
         from slurm_etc.coordinator.backend import WorkerExited
 
         out, self.events = self.events, []
+        if self.phase == "end" and time.monotonic() - self._event_at > END_GRACE_S:
+            # every figure is taken; a job whose ranks failed after its training was ended
+            # waits for its deadline (its failures' events are never decided on): cut it
+            self.coordinator.cancel(f"bench: the scenario ended {END_GRACE_S:.0f} s ago")
         for conn in self.hosts:
             while conn.poll(0):
                 msg = conn.recv()
@@ -976,16 +991,15 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
                if g == 0 and w["step0"] <= step < w["step1"]]
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
-    rest = list(migrations)
     for phase in ("grow", "shrink", "loss"):
         if phase not in cluster.spans:
             continue
         span = cluster.spans[phase]
         moved = _counted(span["at0"], span["at1"], 1)
-        # the migration this phase's event started (the first one recorded after it)
-        m = rest.pop(0) if rest else None
-        ok = m is not None and m["outcome"] == "committed" and \
-            cluster.resizes.get(phase, {}).get("committed", False)
+        # the migration this phase's event started: the first to a generation after the
+        # newest one ordered when the event was handed over
+        m = next((m for m in migrations if m["to"] > span["generation"]), None)
+        ok = m is not None and m["outcome"] == "committed"
         resize_s[phase] = round(m["seconds"], 3) if ok and m else None
         detail[phase] = {
             "outcome": m["outcome"] if m else "none",
