@@ -314,21 +314,21 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
 
 
 def _render_control(out: dict, console: Console) -> None:
-    t = Table(title="bench control: the real coordinator, simulated ranks (medians; "
-                    "resizes: order to commit)")
-    for col in ("ranks", "step control", "coordinator CPU", "messages / step", "grow",
-                "shrink", "loss", "peak RSS", "record", "job"):
+    t = Table(title="bench control: the real coordinator, simulated ranks (step control: "
+                    "a rank's median; resizes: order to commit)")
+    for col in ("ranks", "step ctl ms", "coord. CPU s/s", "msgs / step", "grow s",
+                "shrink s", "loss s", "peak RSS MiB", "record", "job"):
         t.add_column(col, justify="right")
     for r in out["runs"]:
         if "error" in r:
             t.add_row(f"{r['ranks']:,}", *["-"] * 8, "failed")
             continue
         rs = r["resize_control_s"]
-        t.add_row(f"{r['ranks']:,}", _fmt(r["step_control_ms"], " ms"),
-                  _fmt(r["coordinator_cpu_s_per_s"], " s/s"),
+        t.add_row(f"{r['ranks']:,}", _fmt(r["step_control_ms"]),
+                  _fmt(r["coordinator_cpu_s_per_s"]),
                   f"{r['coordinator_messages_per_step']:,.0f}",
-                  *(_fmt(rs.get(k), " s") for k in ("grow", "shrink", "loss")),
-                  _fmt(r["coordinator_rss_mib"], " MiB", 0), human_bytes(r["record_bytes"]),
+                  *(_fmt(rs.get(k)) for k in ("grow", "shrink", "loss")),
+                  _fmt(r["coordinator_rss_mib"], "", 0), human_bytes(r["record_bytes"]),
                   r["state"])
     console.print(t)
     for r in out["runs"]:
@@ -342,5 +342,5 @@ def _render_control(out: dict, console: Console) -> None:
             console.print(f"{r['ranks']:,} ranks: {p}")
     for key, f in out.get("fit", {}).items():
         if f:
-            console.print(f"{key} ~ ranks^{f['exponent']}: at 131,072 ranks "
-                          f"{f['at_131072']:,}")
+            console.print(f"{key} ~ ranks^{f['exponent']} (fitted): at 131,072 ranks "
+                          f"{f['at_131072']:,.4g}")

@@ -688,8 +688,7 @@ class SimCluster:
                 self.events.append(EndTraining("the scenario played out"))
 
     def _next(self, phase: str, step: int, event: Any) -> None:
-        self.spans[phase] = {"at0": self.sample(),
-                             "generation": self.coordinator.last_generation}
+        self.spans[phase] = {"at0": self.sample(), "wall": time.time()}
         self.phase = phase
         self.events.append(event)
         self._event_at = time.monotonic()
@@ -962,12 +961,20 @@ def _migrations(db: Path) -> list[dict[str, Any]]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = con.execute("SELECT from_generation, to_generation, outcome, measured_seconds, "
-                           "error FROM migrations ORDER BY id").fetchall()
+                           "error, started_at FROM migrations ORDER BY id").fetchall()
         job = con.execute("SELECT state, reason FROM jobs").fetchone()
     finally:
         con.close()
-    return [{"from": a, "to": b, "outcome": o, "seconds": s, "error": (e or "")[:300]}
-            for a, b, o, s, e in rows] + [{"job": job[0], "reason": (job[1] or "")[:300]}]
+    return [{"from": a, "to": b, "outcome": o, "seconds": s, "error": (e or "")[:300],
+             "started": _epoch(t)}
+            for a, b, o, s, e, t in rows] + [{"job": job[0], "reason": (job[1] or "")[:300]}]
+
+
+def _epoch(stamp: str) -> float:
+    """A record's naive-UTC timestamp as unix seconds."""
+    from datetime import datetime, timezone
+
+    return datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
 
 
 def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
@@ -991,14 +998,15 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
                if g == 0 and w["step0"] <= step < w["step1"]]
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
-    for phase in ("grow", "shrink", "loss"):
-        if phase not in cluster.spans:
-            continue
+    phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
+    for i, phase in enumerate(phases):
         span = cluster.spans[phase]
         moved = _counted(span["at0"], span["at1"], 1)
-        # the migration this phase's event started: the first to a generation after the
-        # newest one ordered when the event was handed over
-        m = next((m for m in migrations if m["to"] > span["generation"]), None)
+        # the migration this phase's event started: the first recorded after the event and
+        # before the next phase's (a resize of the coordinator's own between them, e.g.
+        # dropping ranks that died, is not the event's)
+        until = cluster.spans[phases[i + 1]]["wall"] if i + 1 < len(phases) else math.inf
+        m = next((m for m in migrations if span["wall"] <= m["started"] < until), None)
         ok = m is not None and m["outcome"] == "committed"
         resize_s[phase] = round(m["seconds"], 3) if ok and m else None
         detail[phase] = {
