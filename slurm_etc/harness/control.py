@@ -393,7 +393,9 @@ class SimRank:
                 self._pending = order
 
     def _agree(self) -> Any:
-        """The trainer's step agreement (``ElasticTrainer._agree``), its exact request."""
+        """The trainer's step agreement (``ElasticTrainer._agree`` as of 648be8a, before the
+        step gate of #42 part 2), its exact request: one per rank per step boundary naming
+        every rank's key. A trainer that changes it changes this with it."""
         from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER, Resize
         from slurm_etc.protocol.rendezvous import GenerationKeys
         from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
