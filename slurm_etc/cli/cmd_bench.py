@@ -1,4 +1,5 @@
-"""`slurm-etc bench migrate`: the in-place resize against megatron's checkpoint path.
+"""`slurm-etc bench migrate`: the in-place resize against megatron's checkpoint path;
+`slurm-etc bench control`: the control path at N simulated ranks (slurm_etc/harness/control.py).
 
 Both paths run side by side in one invocation on this machine (local processes, gloo on
 127.0.0.1): downtime of each as a wall-clock span (first rank paused to last rank ready),
@@ -20,6 +21,7 @@ from rich.table import Table
 from .. import bounds
 from .cmd_plan import human_bytes
 from .cmd_verify import progress_printer, run_failed, transition_from_options
+from .errors import UserError
 from .params import Layout, Number, Text
 
 TARGETS = {
@@ -185,3 +187,160 @@ def migrate(model_spec, from_spec, to_spec, distributed_optimizer, param_dtype, 
         click.echo(json.dumps(summary, indent=2, default=json_default))
     else:
         render(summary, Console())
+
+
+def _ranks_list(text: str) -> list[int]:
+    """``256,1024`` as ranks, each a multiple of 8 of at least 16 within the devices bound
+    (one line naming the part that is wrong, exit 2)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().replace("_", "")
+        try:
+            n = int(part, 10)
+        except ValueError:
+            raise UserError(f"--ranks: {part!r} is not a number of ranks (e.g. "
+                            "--ranks 256,1024)") from None
+        problem = bounds.DEVICES.problem(n)
+        if problem is not None:
+            raise UserError(f"--ranks: {problem}")
+        if n < 16 or n % 8:
+            raise UserError(f"--ranks: {n} is not a multiple of 8 of at least 16 (N/8 "
+                            "simulated nodes of 8 devices)")
+        out.append(n)
+    return out
+
+
+@bench.command("control")
+@click.option("--ranks", "ranks_spec", required=True, type=Text(bounds.LINE_CHARS),
+              help="Simulated ranks, one run each: N[,N...] (multiples of 8).")
+@click.option("--step-s", default=0.05, show_default=True,
+              type=Number(bounds.SECONDS, low=0.001),
+              help="A simulated training step's length (a sleep).")
+@click.option("--warm-steps", default=3, show_default=True,
+              type=Number(bounds.STEPS, low=1),
+              help="Steps trained before the steady window opens (the first ones join).")
+@click.option("--steady-steps", default=10, show_default=True,
+              type=Number(bounds.STEPS, low=2),
+              help="Steps in the steady window (at least --steady-s long).")
+@click.option("--steady-s", default=6.0, show_default=True, type=Number(bounds.SECONDS),
+              help="The steady window's least length (it holds heartbeats).")
+@click.option("--resizes/--no-resizes", default=True, show_default=True,
+              help="After the steady window: a grow by an eighth of the nodes, a preemption "
+                   "shrink and a node loss.")
+@click.option("--ranks-per-host", default=512, show_default=True,
+              type=Number(bounds.PROCESSES, low=8),
+              help="Simulated ranks (threads) per host process.")
+@click.option("--timeout-s", default=600.0, show_default=True,
+              type=Number(bounds.SECONDS, low=10),
+              help="Each run's deadline (the coordinator's).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ranks_per_host,
+            timeout_s, as_json):
+    """The control path at N ranks: the real coordinator, simulated ranks.
+
+    \b
+    Real: the coordinator (reconcile loop, policy, vrank allocator, planner), its SQLite
+    record, the control channel (CURVE, signed envelopes), the rendezvous store it hosts,
+    heartbeats; each simulated rank holds its own channel and store connection and says,
+    through the worker-side classes, what a worker says (Hello, ModelBuilt, Progress from
+    rank 0, Ready, Resized, Resumed, Exited), with the trainer's exact per-step agreement.
+    Simulated: the cluster (N/8 nodes of 8 devices and an eighth more for the grow; its
+    grant, preemption notice and node loss come at scripted steps), the ranks' processes
+    (threads, --ranks-per-host per process, one zmq context each), training (a step is a
+    sleep of --step-s) and every collective among ranks (the step's all-reduce, the
+    migration's groups and data phase, the new world): skipped, costing nothing. A resize's
+    ranks still publish and read the trainer state and take the commit decision through the
+    store. Resizes are not prepared beside training.
+
+    \b
+    Printed per run: step_control_ms (a rank's median control time per step boundary:
+    orders read, agreement, Progress; on this machine's shared cores it includes waiting
+    for the CPU other ranks use), coordinator_cpu_s_per_s (the coordinator process's CPU
+    seconds per wall second in the steady window), coordinator_messages_per_step (channel
+    reports in and messages out, store requests and replies), resize_control_s (each
+    resize's order to commit as the coordinator records it; no data phase, no world
+    building), coordinator_rss_mib (its process's peak) and record_bytes (the SQLite
+    record). With two sizes or more, a power law fitted to each and extrapolated to
+    131,072 ranks. A size this machine cannot hold (two connections per rank at the
+    coordinator, its open-file limit) is refused in one line before anything runs.
+    """
+    from ..harness.control import (
+        ControlBench,
+        ControlBenchError,
+        descriptor_problem,
+        fit_power,
+        run_control,
+    )
+
+    ranks = _ranks_list(ranks_spec)
+    try:
+        benches = [ControlBench(n, step_s=step_s, warm_steps=warm_steps,
+                                steady_steps=steady_steps,
+                                steady_min_s=steady_s, resizes=resizes,
+                                ranks_per_host=ranks_per_host, timeout_s=timeout_s)
+                   for n in ranks]
+    except ControlBenchError as err:
+        raise UserError(str(err)) from None
+    for b in benches:  # all refused before any runs: a size that cannot run costs nothing
+        problem = descriptor_problem(b)
+        if problem is not None:
+            raise UserError(f"bench control: {problem}")
+    show = progress_printer(not as_json)
+    level = logging.getLogger().getEffectiveLevel()
+    runs: list[dict] = []
+    failed = []
+    for b in benches:
+        show(f"{b.ranks} ranks: starting ({b.hosts} host process(es))")
+        try:
+            runs.append(run_control(b, log_level=level))
+            show(f"{b.ranks} ranks: {runs[-1]['state']} after {runs[-1]['wall_s']:.0f} s")
+        except ControlBenchError as err:  # said in the output; the next size still runs
+            runs.append({"ranks": b.ranks, "state": "failed", "error": str(err)[:600]})
+            failed.append(f"{b.ranks} ranks: {str(err)[:300]}")
+            show(failed[-1])
+    out: dict = {"runs": runs}
+    measured = [r for r in runs if "error" not in r]
+    if len(measured) > 1:
+        out["fit"] = {key: fit_power(measured, key) for key in (
+            "step_control_ms", "coordinator_cpu_s_per_s", "coordinator_messages_per_step",
+            "coordinator_rss_mib", "record_bytes")}
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        _render_control(out, Console())
+    if failed:
+        raise run_failed(RuntimeError(f"bench control: {len(failed)} of {len(runs)} run(s) "
+                                      f"failed; {failed[0]}"))
+
+
+def _render_control(out: dict, console: Console) -> None:
+    t = Table(title="bench control: the real coordinator, simulated ranks (step control: "
+                    "a rank's median; resizes: order to commit)")
+    for col in ("ranks", "step ctl ms", "coord. CPU s/s", "msgs / step", "grow s",
+                "shrink s", "loss s", "peak RSS MiB", "record", "job"):
+        t.add_column(col, justify="right")
+    for r in out["runs"]:
+        if "error" in r:
+            t.add_row(f"{r['ranks']:,}", *["-"] * 8, "failed")
+            continue
+        rs = r["resize_control_s"]
+        t.add_row(f"{r['ranks']:,}", _fmt(r["step_control_ms"]),
+                  _fmt(r["coordinator_cpu_s_per_s"]),
+                  f"{r['coordinator_messages_per_step']:,.0f}",
+                  *(_fmt(rs.get(k)) for k in ("grow", "shrink", "loss")),
+                  _fmt(r["coordinator_rss_mib"], "", 0), human_bytes(r["record_bytes"]),
+                  r["state"])
+    console.print(t)
+    for r in out["runs"]:
+        if "error" in r:
+            console.print(f"{r['ranks']:,} ranks: {r['error']}")
+        for phase, d in r.get("resizes", {}).items():
+            if d["outcome"] != "committed":
+                console.print(f"{r['ranks']:,} ranks, {phase}: {d['outcome']}"
+                              + (f": {d['error']}" if d["error"] else ""))
+        for p in r.get("problems", []):
+            console.print(f"{r['ranks']:,} ranks: {p}")
+    for key, f in out.get("fit", {}).items():
+        if f:
+            console.print(f"{key} ~ ranks^{f['exponent']} (fitted): at 131,072 ranks "
+                          f"{f['at_131072']:,.4g}")

@@ -778,12 +778,16 @@ class WorkerChannel:
         secret: the job's secret (:func:`load_secret` of ``SLURM_ETC_SECRET_FILE``).
         generation: the generation the worker was launched into; orders of older
             generations are dropped, and the generation follows accepted orders.
+        context: a zmq context to open the socket in, which the caller owns (many
+            simulated workers in one process share one: ``slurm-etc bench control``);
+            None (a real worker): one of its own, terminated by :meth:`close`.
     """
 
     def __init__(self, job: str, vrank: int, address: str, secret: bytes | JobSecret, *,
                  generation: int = 0, window_s: float = DEFAULT_WINDOW_S,
                  queue_limit: int = DEFAULT_QUEUE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.job = job
         self.vrank = vrank
         self.address = address
@@ -802,7 +806,8 @@ class WorkerChannel:
         self._watch_lock = threading.Lock()
         self._closed = False
         self.dropped = 0
-        self._ctx = zmq.Context()
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
             make_client(self._sock, curve_keys(_key_of(secret), "channel"))
@@ -997,7 +1002,8 @@ class WorkerChannel:
             self._sock.disable_monitor()
             self._link.close(linger=0)
         self._sock.close()
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
     # -- internals (called with the lock held) ----------------------------------------
     def _flush(self) -> None:

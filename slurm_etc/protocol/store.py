@@ -487,15 +487,19 @@ class StoreClient(dist.Store):
         host, port: the server's address (the coordinator's Welcome).
         secret: the job's secret bytes.
         timeout: default bound of blocking requests.
+        context: a zmq context to open the connections in, which the caller owns (many
+            simulated workers in one process share one: ``slurm-etc bench control``);
+            None (a real worker): one of its own.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, *,
-                 timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+                 timeout: timedelta = _DEFAULT_TIMEOUT,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         super().__init__()
         self.host, self.port = host, port
         self._keys: CurveKeys = curve_keys(secret, "store")
         self._timeout = timeout
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context() if context is None else context
         self._local = threading.local()  # per thread: what its last wait fetched
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []

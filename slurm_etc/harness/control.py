@@ -1,0 +1,1130 @@
+"""``slurm-etc bench control``: the control path of one job at N ranks, the coordinator real,
+the ranks simulated.
+
+**Real** (the code a job runs): the coordinator (:class:`~slurm_etc.coordinator.loop.
+Coordinator`, its reconcile loop, policy, vrank allocator and planner), its SQLite record,
+the control channel (CURVE, HMAC envelopes), the rendezvous store it hosts, the heartbeats,
+and on the ranks' side the worker's end of both: every simulated rank holds its own
+:class:`~slurm_etc.protocol.channel.WorkerChannel` and its own
+:class:`~slurm_etc.protocol.store.StoreClient` connection, and says what a worker says
+(Hello, ModelBuilt, Progress from rank 0, Ready, Resized, Resumed, Exited) as the messages of
+:mod:`slurm_etc.protocol.messages`, and agrees at every step boundary with the trainer's
+exact request (``agree_step`` over every rank's key of the step, the stale key of step - 2,
+the wake key that names the dead; :meth:`ElasticTrainer._agree`).
+
+**Simulated**: the cluster (a backend of N/8 nodes of 8 devices, plus an eighth more for the
+grow, whose grants, preemption notice and node loss come at scripted points); the workers'
+processes (ranks are threads, up to ``ranks_per_host`` of them in each of several host
+processes, all sharing one zmq context per process); training (a step is a sleep of
+``step_s``); every collective among ranks (the step's all-reduce, the migration group's
+rendezvous, the data phase, the new world's groups, the commit vote's all-gather) is
+skipped: it costs nothing here, and the resize times exclude it. Of a resize the ranks do
+what goes through the coordinator's store: old rank 0 publishes the trainer state and when
+its last step ended, joiners wait for it, every rank of the new layout takes the commit
+decision (compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`), then each
+reports. Resizes are not prepared beside training (the agreed step carries it out).
+
+What the machine limits: on 2 cores the ranks' threads, the coordinator and its store share
+the CPUs, so a rank's step control time includes waiting for the CPU the other ranks use;
+``step_control_ms`` is an upper bound of what a rank on its own node would pay, and the
+coordinator's figures (its own process) are what one core of a coordinator node pays
+for a job of that size. A coordinator holds two connections per rank (channel and store):
+the open-file limit (:func:`descriptor_problem`) bounds N.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from slurm_etc import bounds
+from slurm_etc.errors import InternalError
+
+logger = logging.getLogger(__name__)
+
+JOB = "bench-control"
+GPUS_PER_NODE = 8
+# descriptors a coordinator needs beyond its two connections per rank (SQLite, zmq's own
+# mailboxes and listeners, the interpreter's)
+COORDINATOR_FDS_SPARE = 256
+# descriptors one simulated rank costs its host process (two TCP connections, the sockets'
+# mailboxes, the store connection's monitor pair)
+FDS_PER_SIM_RANK = 8
+EXTRAPOLATE_TO = 131_072
+# how long the job may take to end once the scenario ended it, before the bench cancels it
+END_GRACE_S = 60.0
+
+
+class ControlBenchError(InternalError, RuntimeError):
+    """The benchmark could not run (one line says why)."""
+
+
+@dataclass(frozen=True)
+class ControlBench:
+    """One run of the control benchmark.
+
+    Attributes:
+        ranks: simulated ranks (a multiple of 8: N/8 nodes of 8 devices).
+        step_s: a training step's length (a sleep).
+        warm_steps: steps trained before the steady window opens.
+        steady_steps: steps in the steady window (what the steady figures average over).
+        steady_min_s: the window's least length in seconds (it holds heartbeats: one to every
+            rank each ``HEARTBEAT_S``).
+        settle_steps: steps trained after each resize before the next event.
+        resizes: drive the grow, the preemption shrink and the node loss after the window.
+        grace_s: the preemption notice's grace.
+        ranks_per_host: simulated ranks per host process (threads).
+        model, global_batch: what the job trains (the chooser and the planner use it).
+        timeout_s: the coordinator's deadline for the whole run.
+        worker_timeout_s: the job's worker timeout (a rank's agreement and a resize's bound:
+            unanswered for twice this, the coordinator aborts a resize).
+    """
+
+    ranks: int
+    step_s: float = 0.05
+    warm_steps: int = 3
+    steady_steps: int = 10
+    steady_min_s: float = 6.0
+    settle_steps: int = 2
+    resizes: bool = True
+    grace_s: float = 600.0
+    ranks_per_host: int = 512
+    model: str = "small"
+    global_batch: int = 0  # 0: a multiple of every dp the run can choose
+    timeout_s: float = 600.0
+    worker_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.ranks < 16 or self.ranks % GPUS_PER_NODE:
+            raise ControlBenchError(f"--ranks {self.ranks}: give a multiple of "
+                                    f"{GPUS_PER_NODE} of at least 16 (N/8 nodes of "
+                                    f"{GPUS_PER_NODE} devices)")
+
+    @property
+    def nodes(self) -> int:
+        return self.ranks // GPUS_PER_NODE
+
+    @property
+    def grow_nodes(self) -> int:
+        """An eighth of the nodes (at least one)."""
+        return max(1, self.nodes // 8)
+
+    @property
+    def batch(self) -> int:
+        if self.global_batch:
+            return self.global_batch
+        # every dp the grow, the shrink and the loss can give divides it (where that fits
+        # the batch bound; else the loss's layout may leave some devices out)
+        grown = self.ranks + GPUS_PER_NODE * self.grow_nodes
+        every = math.lcm(self.ranks, grown, self.ranks - GPUS_PER_NODE)
+        every = every if every <= bounds.BATCH.high else math.lcm(self.ranks, grown)
+        # 64 sequences a rank at least: compute outweighs the gradients' all-reduce in the
+        # chooser's estimate, so it takes every device offered
+        return every * max(1, -(-64 * self.ranks // every))
+
+    @property
+    def hosts(self) -> int:
+        most = self.ranks + GPUS_PER_NODE * self.grow_nodes
+        return max(1, -(-most // self.ranks_per_host))
+
+
+def descriptor_problem(bench: ControlBench) -> str | None:
+    """Why this machine cannot hold ``bench``'s connections (one line), or None. Raises the
+    soft open-file limit to the hard one on the way (as the coordinator process would)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            hard = soft
+    most = bench.ranks + GPUS_PER_NODE * bench.grow_nodes * bench.resizes
+    need = 2 * most + COORDINATOR_FDS_SPARE
+    if hard != resource.RLIM_INFINITY and need > hard:
+        fit = (hard - COORDINATOR_FDS_SPARE) // 2
+        fit = (fit * 8 // 9 if bench.resizes else fit) // GPUS_PER_NODE * GPUS_PER_NODE
+        return (f"{bench.ranks:,} ranks need about {need:,} open files in the coordinator's "
+                f"process (a control-channel and a store connection per rank, "
+                f"{most:,} ranks{' at the grow' if bench.resizes else ''}), over this "
+                f"machine's hard limit of {hard:,} per process; the most it runs is "
+                f"{fit:,} ranks{'' if bench.resizes else ' without resizes'}")
+    per_host = bench.ranks_per_host * FDS_PER_SIM_RANK + COORDINATOR_FDS_SPARE
+    if hard != resource.RLIM_INFINITY and per_host > hard:
+        return (f"{bench.ranks_per_host} simulated ranks per host process need about "
+                f"{per_host:,} open files, over the hard limit of {hard:,}: give fewer "
+                f"--ranks-per-host")
+    return None
+
+
+# --------------------------------------------------------------------------- the ranks
+
+
+@dataclass
+class _Halt:
+    """Why a simulated rank must end now: ``kill`` (its node was lost: it says nothing, as a
+    killed process) or ``stop`` (StopWorkers: SIGTERM)."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    kind: str = ""
+
+    def set(self, kind: str) -> None:
+        self.kind = self.kind or kind
+        self.event.set()
+
+
+class _Shared:
+    """What the ranks of one host process share: the zmq context, parsed layouts, the
+    secret, and the list of a step's agreement keys (every rank's request names the same
+    keys; building them once per process saves the simulation N times that work, which a
+    real rank does once for itself)."""
+
+    def __init__(self, ranks: int) -> None:
+        import zmq
+
+        self.ctx: Any = zmq.Context(io_threads=1)
+        self.ctx.set(zmq.MAX_SOCKETS, max(1024, FDS_PER_SIM_RANK * ranks + 64))
+        self._lock = threading.Lock()
+        self._layouts: dict[str, Any] = {}
+        self._keys: dict[tuple[int, int, int], list[str]] = {}
+        self._secrets: dict[str, Any] = {}
+        self._ranks: dict[int, dict[int, int]] = {}
+
+    def secret(self, path: str) -> Any:
+        from slurm_etc.protocol.channel import load_secret
+
+        with self._lock:
+            if path not in self._secrets:
+                self._secrets[path] = load_secret(path)
+            return self._secrets[path]
+
+    def layout(self, text: str) -> Any:
+        """The layout of a worker's environment (``LAYOUT``), parsed once per process."""
+        from slurm_etc.protocol.messages import parse_layout
+
+        with self._lock:
+            if text not in self._layouts:
+                self._layouts[text] = parse_layout(text)
+            return self._layouts[text]
+
+    def layout_of(self, spec: Any) -> Any:
+        """The Layout of an order's LayoutSpec, one object per process (ranks are found in
+        it by identity: hashing a 16k-device tuple per step would be the simulation's
+        cost, not a rank's)."""
+        key = f"{spec.config},{spec.distributed_optimizer}@{hash(spec.devices)}"
+        with self._lock:
+            got = self._layouts.get(key)
+            if got is None or tuple(got.devices) != tuple(spec.devices):
+                got = self._layouts[key] = spec.layout()
+            return got
+
+    def rank_of(self, layout: Any, vrank: int) -> int:
+        with self._lock:
+            index = self._ranks.get(id(layout))
+            if index is None:
+                index = self._ranks[id(layout)] = {v: i for i, v in enumerate(layout.devices)}
+            return index[vrank]
+
+    def agreement_keys(self, job: str, generation: int, step: int, world: int) -> list[str]:
+        from slurm_etc.protocol.rendezvous import GenerationKeys
+
+        key = (generation, step, world)
+        with self._lock:
+            got = self._keys.get(key)
+            if got is None:
+                names = GenerationKeys(job, generation)
+                got = [names.agreement(0, step, r) for r in range(world)]
+                if len(self._keys) > 64:
+                    self._keys.clear()
+                self._keys[key] = got
+            return got
+
+
+class SimRank:
+    """One simulated rank: the worker's side of the control path, training nothing.
+
+    ``control`` collects ``(generation, step, seconds)`` of every step boundary: from the end
+    of a step's work (the sleep) to the start of the next (orders read, the agreement,
+    rank 0's Progress)."""
+
+    def __init__(self, shared: _Shared, vrank: int, generation: int, env: Mapping[str, str],
+                 model: Any, step_s: float, done: Callable[[int, int, int, bool], None]
+                 ) -> None:
+        from slurm_etc.protocol import env as envvars
+
+        self.shared, self.vrank, self.launched_in = shared, vrank, generation
+        self.job = env[envvars.JOB]
+        self.address = env[envvars.COORDINATOR]
+        self.secret = shared.secret(env[envvars.SECRET_FILE])
+        self.timeout_s = float(env.get(envvars.TIMEOUT, "300"))
+        self.layout = shared.layout(env[envvars.LAYOUT]) if env.get(envvars.LAYOUT) else None
+        self.generation = generation
+        self.model, self.step_s, self.done = model, step_s, done
+        self.halt = _Halt()
+        self.step = 0
+        self.control: list[tuple[int, int, float]] = []
+        self._pending: Any = None
+        self._woken_by = b""
+        self._last_ended: float | None = None
+        self._resumed_due = False
+        self._joined = False
+        self.failure = ""  # why the rank failed (a line), empty while it did not
+        self.restarts = 0  # times the store went unanswered past the client's grace
+        self._aborted: set[int] = set()
+        self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
+
+    # -- the thread ---------------------------------------------------------------------
+    def _main(self) -> None:
+        from slurm_etc.protocol.store import StoreUnreachable
+
+        code = 0
+        try:
+            code = self._run()
+        except _Halted:
+            code = -9 if self.halt.kind == "kill" else -15
+        except _Lost:
+            self._exit("coordinator-lost")
+        except StoreUnreachable as err:
+            # a real trainer holds here as if its coordinator had died (_await_restart) and
+            # drops the order it held as aborted; a simulated rank ends (counted)
+            self.failure = f"store unanswered: {str(err)[:120]}"
+            code = 1
+        except Exception as err:  # noqa: BLE001 - a rank's failure is its exit code
+            self.failure = f"{type(err).__name__}: {str(err)[:120]}"
+            code = 1
+        finally:
+            channel, store = getattr(self, "channel", None), getattr(self, "store", None)
+            try:
+                if channel is not None:
+                    # a killed rank's reports die with it; a stopped one's Exited leaves
+                    channel.close(linger_s=0 if self.halt.kind == "kill" else 0.5)
+                if store is not None:
+                    store.close()
+            except Exception:  # noqa: BLE001 - closing what a dead rank held
+                pass
+        self.done(self.vrank, self.launched_in, code, bool(self.halt.kind))
+
+    def _check(self) -> None:
+        if self.halt.event.is_set():
+            raise _Halted()
+
+    def _run(self) -> int:
+        from slurm_etc.protocol.channel import WorkerChannel
+        from slurm_etc.protocol.messages import ModelBuilt, Resize, Stop
+        from slurm_etc.protocol.store import StoreClient
+
+        self.channel = WorkerChannel(self.job, self.vrank, self.address, self.secret,
+                                     generation=self.generation, context=self.shared.ctx)
+        welcome = self._join()
+        self.store = StoreClient(welcome.store_host, welcome.store_port, self.secret.key,
+                                 context=self.shared.ctx)
+        if self.layout is None:  # a joiner: its first order brings it in
+            order = self._first_order()
+            if isinstance(order, Stop):
+                return self._exit("stopped")
+            if self._resize(order) == "left":
+                return 0
+        self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
+        while True:
+            self._check()
+            t0 = time.perf_counter()
+            order = self._agree()
+            if order is None:
+                self.control.append((self.generation, self.step, time.perf_counter() - t0))
+                started = time.time()
+                if self.halt.event.wait(self.step_s):
+                    raise _Halted()
+                self.step += 1
+                self._step_ended(started, time.time())
+                continue
+            if isinstance(order, Stop):
+                return self._exit("stopped")
+            if isinstance(order, Resize) and self._resize(order) == "left":
+                return 0
+
+    def _join(self) -> Any:
+        from slurm_etc.protocol.channel import ChannelError
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._check()
+            try:
+                return self.channel.join(min(5.0, max(0.1, deadline - time.monotonic())),
+                                         host=f"sim-{os.getpid()}")
+            except ChannelError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _first_order(self) -> Any:
+        from slurm_etc.protocol.messages import Ready, Resize, Stop
+
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            self._check()
+            order = self.channel.wait(0.2)
+            if isinstance(order, Stop) or (isinstance(order, Resize)
+                                           and self.vrank in order.new.devices):
+                if isinstance(order, Resize):  # warmed up at once: nothing to import
+                    self.channel.report(Ready(self.job, order.generation, self.vrank, 0.0))
+                return order
+        raise TimeoutError(f"vrank {self.vrank}: no order to join within {self.timeout_s} s")
+
+    def _take_orders(self) -> None:
+        from slurm_etc.protocol.messages import Abort
+
+        while (order := self.channel.poll()) is not None:
+            if order.generation <= self.generation or order.generation in self._aborted:
+                continue
+            if isinstance(order, Abort):
+                if self._pending is not None and self._pending.generation == order.generation:
+                    self._pending = None
+                continue
+            if self._pending is None or order.generation >= self._pending.generation:
+                self._pending = order
+
+    def _agree(self) -> Any:
+        """The trainer's step agreement (``ElasticTrainer._agree`` as of 648be8a, before the
+        step gate of #42 part 2), its exact request: one per rank per step boundary naming
+        every rank's key. A trainer that changes it changes this with it."""
+        from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER, Resize
+        from slurm_etc.protocol.rendezvous import GenerationKeys
+        from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
+
+        layout = self.layout
+        assert layout is not None  # agreed steps have one
+        self._take_orders()
+        rank = self.shared.rank_of(layout, self.vrank)
+        names = GenerationKeys(self.job, self.generation)
+        keys = self.shared.agreement_keys(self.job, self.generation, self.step,
+                                          layout.config.world)
+        mine = ENCODER.encode(self._pending) if self._pending else b"-"
+        stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._check()
+            try:
+                got = agree_step(self.store, keys[rank], mine, stale, keys, 0.05,
+                                 wake=names.lost, seen=self._woken_by)
+            except StoreUnreachable:
+                self._await_restart()
+                mine = ENCODER.encode(self._pending) if self._pending else b"-"
+                deadline = time.monotonic() + self.timeout_s
+                continue
+            if isinstance(got, Woken):
+                self._woken_by = got.value
+                order = ORDER_DECODER.decode(got.value)
+                if order.generation > self.generation:
+                    self._pending = order
+            elif got is not None:
+                break
+            self._take_orders()
+            p = self._pending
+            if isinstance(p, Resize) and p.lost and self.shared.layout_of(p.old) is layout:
+                self._pending = None
+                return p
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vrank {self.vrank}: step {self.step} not agreed within "
+                                   f"{self.timeout_s} s")
+        self._pending = None
+        orders = [o for o in (ORDER_DECODER.decode(v) for v in got if v != b"-")
+                  if o.generation > self.generation and o.generation not in self._aborted]
+        return max(orders, key=lambda o: o.generation) if orders else None
+
+    def _await_restart(self) -> None:
+        """What the trainer does when the store leaves a request unanswered past the
+        client's grace (``ElasticTrainer._await_restart``): it takes its coordinator for
+        dead, drops the resize it held as aborted, says Hello again each second until a
+        coordinator answers, points the store client at the store of the Welcome, says
+        its model again and agrees on."""
+        from slurm_etc.protocol.messages import ModelBuilt, Resize, Stop
+
+        self.restarts += 1
+        if isinstance(self._pending, Resize):
+            self._aborted.add(self._pending.generation)
+        self._pending = None
+        next_hello = 0.0
+        while True:
+            self._check()
+            if time.monotonic() >= next_hello:
+                self.channel.rejoin(self.step, self.generation)
+                next_hello = time.monotonic() + 1.0
+            time.sleep(0.05)
+            self._take_orders()
+            if isinstance(self._pending, Stop):  # the trainer's CoordinatorLost: it exits
+                raise _Lost()
+            welcome = self.channel.rendezvous
+            if welcome is not None:
+                break
+        self.store.repoint(welcome.store_host, welcome.store_port)
+        self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
+
+    def _step_ended(self, started: float, ended: float) -> None:
+        from slurm_etc.protocol.messages import Progress, Resumed
+
+        layout = self.layout
+        assert layout is not None  # trained steps have one
+        if self.shared.rank_of(layout, self.vrank) == 0:
+            self.channel.report(Progress(self.job, self.generation, self.vrank, self.step,
+                                         1.0, 1e-4, self.step * 8, str(layout.config),
+                                         started, ended))
+        if self._resumed_due:
+            self._resumed_due = False
+            self.channel.report(Resumed(self.job, self.generation, self.vrank, self.step,
+                                        started, self._last_ended, joined=self._joined))
+        self._last_ended = ended
+
+    def _resize(self, order: Any) -> str:
+        """The resize's control part (module doc): what goes through the store, then the
+        report; the collectives (migration group, data phase, new world) are skipped."""
+        from slurm_etc.lifecycle import ProcessOutcome
+        from slurm_etc.migrate.decision import CommitDecision
+        from slurm_etc.protocol.messages import Resized
+        from slurm_etc.protocol.rendezvous import GenerationKeys, commit_decision
+
+        keys = GenerationKeys(self.job, order.generation)
+        old, new = self.shared.layout_of(order.old), self.shared.layout_of(order.new)
+        t0 = time.perf_counter()
+        if self.layout is not None:
+            publisher = next(v for v in old.devices if v not in set(order.lost))
+            if self.vrank == publisher:
+                self.store.set(keys.trainer, str(self.step).encode())
+                self.store.set(keys.last_ended, repr(self._last_ended or time.time()).encode())
+        if self.vrank not in new.devices:
+            self.channel.report(Resized(self.job, order.generation, self.vrank,
+                                        ProcessOutcome.LEFT, self.step))
+            self._exit("left", order.generation)
+            return "left"
+        if self.layout is None:  # a joiner: the trainer state the old layout published
+            deadline = time.monotonic() + self.timeout_s
+            from slurm_etc.protocol.store import wait_for_keys
+
+            while not wait_for_keys(self.store, [keys.trainer, keys.last_ended], 0.5):
+                self._check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vrank {self.vrank}: no trainer state of generation "
+                                       f"{order.generation}")
+            self.step = int(self.store.get(keys.trainer))
+            self._last_ended = float(self.store.get(keys.last_ended))
+            self._joined = True
+        else:
+            self._joined = False
+        committed = CommitDecision(self.store, commit_decision(keys.prefix))(True)
+        outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
+        self.layout, self.generation = new, order.generation
+        self._resumed_due = True
+        self.channel.report(Resized(self.job, order.generation, self.vrank, outcome,
+                                    self.step, pause_seconds=time.perf_counter() - t0))
+        return "stay"
+
+    def _exit(self, why: str, generation: int | None = None) -> int:
+        from slurm_etc.protocol.messages import Exited
+
+        self.channel.report(Exited(self.job, self.generation if generation is None
+                                   else generation, self.vrank, why, self.step))
+        return 0
+
+
+class _Halted(InternalError):
+    """A simulated rank was stopped or killed (its backend's StopWorkers, a lost node)."""
+
+
+class _Lost(InternalError):
+    """Told to stop while holding for a restarted coordinator (the trainer's
+    ``CoordinatorLost``): the rank says it exits and ends."""
+
+
+def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
+    """A host process: runs the simulated ranks the backend launches on its nodes.
+
+    Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
+    ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
+    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, s)...]})`` at quit."""
+    logging.basicConfig(level=logging.WARNING)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+    shared = _Shared(ranks)
+    ranks_: dict[int, SimRank] = {}
+    restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
+    ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    control: dict[int, list[tuple[int, int, float]]] = {}
+
+    failures: dict[str, int] = {}
+
+    def done(vrank: int, generation: int, code: int, stopped: bool) -> None:
+        ended.put(("exited", vrank, generation, code, stopped))
+        why = ranks_[vrank].failure if vrank in ranks_ else ""
+        if why:
+            kind = why.split(":")[0]
+            if kind not in failures:
+                logger.warning("simulated vrank %d failed: %s (said once per host)", vrank,
+                               why)
+            failures[kind] = failures.get(kind, 0) + 1
+
+    while True:
+        while True:
+            try:
+                conn.send(ended.get_nowait())
+            except queue.Empty:
+                break
+        if not conn.poll(0.02):
+            continue
+        msg = conn.recv()
+        if msg[0] == "launch":
+            _, generation, workers = msg
+            for vrank, env in workers:
+                old = ranks_.get(vrank)
+                if old is not None:
+                    control.setdefault(vrank, []).extend(old.control)
+                    restarts += old.restarts
+                r = SimRank(shared, vrank, generation, env, model, step_s, done)
+                ranks_[vrank] = r
+                r.thread.start()
+        elif msg[0] in ("stop", "kill"):
+            for v in msg[1]:
+                if v in ranks_:
+                    ranks_[v].halt.set(msg[0])
+        elif msg[0] == "quit":
+            for r in ranks_.values():
+                r.halt.set("stop")
+            for r in ranks_.values():
+                r.thread.join(10)
+                control.setdefault(r.vrank, []).extend(r.control)
+                restarts += r.restarts
+            while True:
+                try:
+                    conn.send(ended.get_nowait())
+                except queue.Empty:
+                    break
+            conn.send(("control", control, failures, restarts))
+            return
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+class SimCluster:
+    """The backend seam over a simulated cluster: N/8 nodes hold the job, an eighth more is
+    granted for the grow; launches and stops go to the host processes; the scenario (steady
+    window, grow, preemption shrink, node loss, end) advances at the steps the coordinator
+    reports (``on_step`` comes only while it is settled)."""
+
+    def __init__(self, bench: ControlBench, hosts: Sequence[Connection],
+                 sample: Callable[[], dict[str, float]]) -> None:
+        from slurm_etc.alloc.topology import ClusterTopology, Device
+
+        self.bench = bench
+        total = bench.nodes + bench.grow_nodes
+        self.topology = ClusterTopology(GPUS_PER_NODE, tuple(f"n{i}" for i in range(total)))
+        self.hosts = hosts
+        self.sample = sample
+        self.coordinator: Any = None
+        self._devices = {n: tuple(Device(n, k) for k in range(GPUS_PER_NODE))
+                         for n in self.topology.nodes}
+        from slurm_etc.coordinator.backend import Grant
+
+        first, rest = self.topology.nodes[0], self.topology.nodes[1:bench.nodes]
+        self.events: list[Any] = [Grant("a0", self._devices[first]),
+                                  Grant("a1", tuple(d for n in rest for d in self._devices[n]))]
+        self.grown = tuple(self.topology.nodes[bench.nodes:])
+        self._workers: dict[int, Any] = {}
+        self._host_of: dict[int, int] = {}
+        self.phase = "warm"
+        self.window: dict[str, Any] = {}
+        self.resizes: dict[str, dict[str, Any]] = {}
+        # per resize: the counters when its event was handed over and when it committed
+        self.spans: dict[str, dict[str, Any]] = {}
+        self._event_at: float = 0.0
+        self._resizes_before = 0
+        self._event_step = 0
+        self.control: dict[int, list[tuple[int, int, float]]] = {}
+        self.hosts_done = 0
+        self.rank_failures: dict[str, int] = {}
+        self.rank_restarts = 0
+        self.failures: list[str] = []
+
+    # -- the scenario -------------------------------------------------------------------
+    def on_step(self, step: int) -> None:
+        from slurm_etc.coordinator.backend import EndTraining, Grant, Loss, PreemptNotice
+
+        b = self.bench
+        if self.phase == "warm" and step >= b.warm_steps:
+            self.window = {"step0": step, "at0": self.sample()}
+            self.phase = "steady"
+        elif self.phase == "steady" and step >= self.window["step0"] + b.steady_steps and \
+                time.monotonic() - self.window["at0"]["t"] >= b.steady_min_s:
+            self.window.update(step1=step, at1=self.sample())
+            if not b.resizes:
+                self.phase, self._event_at = "end", time.monotonic()
+                self.events.append(EndTraining("the steady window is measured"))
+                return
+            self._next("grow", step, Grant("a2", tuple(d for n in self.grown
+                                                      for d in self._devices[n])))
+        elif self.phase in ("grow", "shrink", "loss"):
+            if not self._settled(step):
+                return
+            if self.phase == "grow":
+                self._next("shrink", step, PreemptNotice(
+                    "a2", tuple(d for n in self.grown for d in self._devices[n]),
+                    time.time() + b.grace_s))
+            elif self.phase == "shrink":
+                lost = self.topology.nodes[b.nodes - 1]
+                devices = self._devices[lost]
+                self._kill([v for v, w in self._workers.items()
+                            if w.device in devices and w.running])
+                self._next("loss", step, Loss("a1", devices, "failure"))
+            else:
+                self.phase, self._event_at = "end", time.monotonic()
+                self.events.append(EndTraining("the scenario played out"))
+
+    def _next(self, phase: str, step: int, event: Any) -> None:
+        self.spans[phase] = {"at0": self.sample(), "wall": time.time()}
+        self.phase = phase
+        self.events.append(event)
+        self._event_at = time.monotonic()
+        self._event_step = step
+        self._resizes_before = len(self.coordinator.resize_times)
+
+    def _settled(self, step: int) -> bool:
+        """The resize of the current phase committed and ``settle_steps`` trained since
+        (or, without a resize, as many steps went by: recorded as none)."""
+        c = self.coordinator
+        got = self.resizes.get(self.phase)
+        if got is None:
+            if len(c.resize_times) > self._resizes_before:
+                got = self.resizes[self.phase] = {"step": step, "committed": True}
+                self.spans[self.phase]["at1"] = self.sample()
+            elif step >= self._event_step + 4 * self.bench.settle_steps + 4:
+                got = self.resizes[self.phase] = {"step": step, "committed": False}
+                self.failures.append(f"{self.phase}: no resize committed")
+            else:
+                return False
+        return bool(step >= got["step"] + self.bench.settle_steps)
+
+    # -- Backend ------------------------------------------------------------------------
+    def poll(self) -> list[Any]:
+        from dataclasses import replace
+
+        from slurm_etc.coordinator.backend import WorkerExited
+
+        out, self.events = self.events, []
+        if self.phase == "end" and time.monotonic() - self._event_at > END_GRACE_S:
+            # every figure is taken; a job whose ranks failed after its training was ended
+            # waits for its deadline (its failures' events are never decided on): cut it
+            self.coordinator.cancel(f"bench: the scenario ended {END_GRACE_S:.0f} s ago")
+        for conn in self.hosts:
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "exited":
+                    _, vrank, gen, code, stopped = msg
+                    w = self._workers.get(vrank)
+                    if w is None or w.generation != gen or not w.running:
+                        continue
+                    self._workers[vrank] = replace(w, returncode=code)
+                    out.append(WorkerExited(vrank, gen, w.device, code, stopped))
+                elif msg[0] == "control":
+                    self.control.update(msg[1])
+                    for kind, n in msg[2].items():
+                        self.rank_failures[kind] = self.rank_failures.get(kind, 0) + n
+                    self.rank_restarts += msg[3]
+                    self.hosts_done += 1
+        return out
+
+    def request(self, action: Any) -> None:
+        pass
+
+    def release(self, action: Any) -> None:
+        running = [v for v, w in self._workers.items()
+                   if w.device in set(action.devices) and w.running]
+        self._kill(running)
+
+    def launch(self, action: Any) -> None:
+        from slurm_etc.coordinator.backend import WorkerState
+        from slurm_etc.protocol import env as envvars
+
+        by_host: dict[int, list[tuple[int, dict[str, str]]]] = {}
+        for spec in action.workers:
+            w = self._workers.get(spec.vrank)
+            if w is not None and w.running:
+                continue
+            env = {**action.env, **spec.env, envvars.VRANK: str(spec.vrank),
+                   envvars.GENERATION: str(action.generation), envvars.DEVICE: str(spec.device)}
+            host = self._host(spec.device)
+            by_host.setdefault(host, []).append((spec.vrank, env))
+            self._host_of[spec.vrank] = host
+            self._workers[spec.vrank] = WorkerState(spec.vrank, action.generation, spec.device,
+                                                    pid=1_000_000 + host)
+        for host, workers in by_host.items():
+            self.hosts[host].send(("launch", action.generation, workers))
+
+    def _host(self, device: Any) -> int:
+        per_host = max(1, self.bench.ranks_per_host // GPUS_PER_NODE)
+        return min(self.topology.nodes.index(device.node) // per_host, len(self.hosts) - 1)
+
+    def stop(self, action: Any) -> None:
+        self._send("stop", action.vranks)
+
+    def _kill(self, vranks: Sequence[int]) -> None:
+        self._send("kill", vranks)
+
+    def _send(self, what: str, vranks: Sequence[int]) -> None:
+        from dataclasses import replace
+
+        by_host: dict[int, list[int]] = {}
+        for v in vranks:
+            w = self._workers.get(v)
+            if w is None or not w.running:
+                continue
+            self._workers[v] = replace(w, stopping=True)
+            by_host.setdefault(self._host_of[v], []).append(v)
+        for host, vs in by_host.items():
+            self.hosts[host].send((what, vs))
+
+    def workers(self) -> Mapping[int, Any]:
+        return self._workers
+
+    def close(self) -> None:
+        self._send("stop", [v for v, w in self._workers.items() if w.running])
+
+
+# --------------------------------------------------------------------------- the coordinator
+
+
+def _counting_channel(base: type) -> type:
+    class CountingChannel(base):
+        """The coordinator's channel, counting what it receives and sends."""
+
+        received = 0
+        sent = 0
+
+        def recv(self, timeout_s: float) -> Any:
+            got = super().recv(timeout_s)
+            if got is not None:
+                self.received += 1
+            return got
+
+        def send(self, vrank: int, message: Any) -> bool:
+            self.sent += 1
+            return bool(super().send(vrank, message))
+
+    return CountingChannel
+
+
+def _counting_store(base: type) -> type:
+    class CountingStore(base):
+        """The rendezvous store, counting the requests it handles and the replies it sends."""
+
+        requests = 0
+        replies = 0
+        reply_bytes = 0  # the values the replies carry (what grows with the job)
+
+        def _handle(self, frames: list[bytes]) -> None:
+            self.requests += 1
+            super()._handle(frames)
+
+        def _reply(self, routing: bytes, reply: Any) -> None:
+            self.replies += 1
+            self.reply_bytes += sum(len(v) for v in reply.values)
+            super()._reply(routing, reply)
+
+    return CountingStore
+
+
+# (channel class, store class) -> the same, counting otherwise: a planted miscount
+# (slurm_etc.testing.bench_plants); None: the counters as they are
+Counters = Callable[[type, type], tuple[type, type]]
+
+
+def _coordinator_main(bench: ControlBench, out: Connection, log_level: int,
+                      counters: Counters | None) -> None:
+    """One run, in a process of its own (its CPU, RSS and descriptors are the coordinator's):
+    the hosts, the coordinator over the simulated cluster, then the figures."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        out.send(("ok", _run(bench, counters)))
+    except BaseException as err:  # noqa: BLE001 - said in one line by the parent
+        logger.debug("bench control failed", exc_info=True)
+        out.send(("error", f"{type(err).__name__}: {err}"))
+
+
+def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
+    from slurm_etc.alloc.chooser import Hardware, TrainingJob
+    from slurm_etc.coordinator.loop import Coordinator, JobSpec
+    from slurm_etc.plan import load_model
+    from slurm_etc.policy.rules import EffectivePolicy
+    from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
+    from slurm_etc.protocol.messages import ModelReport
+    from slurm_etc.protocol.store import StoreClient, StoreServer
+    from slurm_etc.store import jobs as record
+
+    problem = descriptor_problem(bench)
+    if problem is not None:
+        raise ControlBenchError(problem)
+    desc = load_model(bench.model)
+    training = TrainingJob(desc, bench.batch, 1, False)
+    report = ModelReport.of(desc, training.global_batch, training.micro_batch)
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(bench.hosts)]
+    per_host = bench.ranks_per_host
+    hosts = [ctx.Process(target=_host_main, args=(child, report, bench.step_s, per_host),
+                         daemon=True, name=f"bench-control-host-{i}")
+             for i, (_, child) in enumerate(pipes)]
+    for h in hosts:
+        h.start()
+    rss_before = _rss_bytes()
+    with tempfile.TemporaryDirectory(prefix="etc-bench-control-") as tmp:
+        db = Path(tmp) / "job.db"
+        store = record.open_job_store(JOB, db=db, state_dir=Path(tmp) / "state")
+        record.create_job(store, JOB, name="bench", owner_uid=os.getuid(),
+                          owner_name="bench", backend="local", model=desc.name)
+        secret = create_secret(JOB, Path(tmp) / "secrets")
+        channel_cls, store_cls = _counting_channel(CoordinatorChannel), \
+            _counting_store(StoreServer)
+        if counters is not None:
+            channel_cls, store_cls = counters(channel_cls, store_cls)
+        rendezvous = store_cls(secret.key, "127.0.0.1", job=JOB)
+        channel = channel_cls(
+            JOB, secret, "127.0.0.1", on_commit=rendezvous.retire_generations)
+        channel.set_rendezvous("127.0.0.1", rendezvous.port)
+        poster = StoreClient("127.0.0.1", rendezvous.port, secret.key)
+
+        def sample() -> dict[str, float]:
+            # every thread of this process: the loop, the store's, zmq's I/O threads
+            return {"t": time.monotonic(), "cpu": time.process_time(), "rss": _rss_bytes(),
+                    "channel_in": channel.received, "channel_out": channel.sent,
+                    "store_requests": rendezvous.requests, "store_replies": rendezvous.replies,
+                    "store_reply_bytes": rendezvous.reply_bytes}
+
+        cluster = SimCluster(bench, [parent for parent, _ in pipes], sample)
+        spec = JobSpec(JOB, "bench", ("simulated-rank",), training,
+                       # data-parallel layouts only: a node lost is covered by its replicas
+                       # (no peer copies to rebuild from in a simulation)
+                       EffectivePolicy(grow=False, allowed_tp=(1,), allowed_pp=(1,)),
+                       Hardware(gpus_per_node=GPUS_PER_NODE),
+                       worker_timeout_s=bench.worker_timeout_s, prepare_while_training=False)
+        coordinator = Coordinator(spec, cluster, store, channel, cluster.topology,
+                                  post=lambda k, v: poster.set(k, v))
+        cluster.coordinator = coordinator
+        t0 = time.monotonic()
+        state, ended = "failed", sample()
+        try:
+            state = coordinator.run(deadline_s=bench.timeout_s)
+        finally:
+            wall, ended = time.monotonic() - t0, sample()
+            cluster.close()
+            for parent, _ in pipes:
+                try:
+                    parent.send(("quit",))
+                except OSError:
+                    pass
+            until = time.monotonic() + 60
+            while cluster.hosts_done < len(hosts) and time.monotonic() < until:
+                cluster.poll()
+                time.sleep(0.05)
+            cluster.poll()
+            for h in hosts:
+                h.join(10)
+                if h.is_alive():
+                    h.kill()
+            poster.close()
+            channel.close()
+            rendezvous.close()
+            migrations = _migrations(db)
+            store.close()
+        record_bytes = sum(p.stat().st_size for p in Path(tmp).glob("job.db*"))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for span in cluster.spans.values():
+        span.setdefault("at1", ended)
+    return _figures(bench, cluster, state, wall, migrations, record_bytes, peak_kib,
+                    rss_before)
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _migrations(db: Path) -> list[dict[str, Any]]:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT from_generation, to_generation, outcome, measured_seconds, "
+                           "error, started_at FROM migrations ORDER BY id").fetchall()
+        job = con.execute("SELECT state, reason FROM jobs").fetchone()
+    finally:
+        con.close()
+    return [{"from": a, "to": b, "outcome": o, "seconds": s, "error": (e or "")[:300],
+             "started": _epoch(t)}
+            for a, b, o, s, e, t in rows] + [{"job": job[0], "reason": (job[1] or "")[:300]}]
+
+
+def _epoch(stamp: str) -> float:
+    """A record's naive-UTC timestamp as unix seconds."""
+    from datetime import datetime, timezone
+
+    return datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
+
+
+def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
+             migrations: list[dict[str, Any]], record_bytes: int, peak_kib: int,
+             rss_before: int) -> dict[str, Any]:
+    w = cluster.window
+    job = migrations.pop() if migrations and "job" in migrations[-1] else {}
+    out: dict[str, Any] = {"ranks": bench.ranks, "state": state, "wall_s": round(wall, 2)}
+    if "at1" not in w:
+        failed = "; ".join(f"{n} simulated rank(s) failed: {kind}"
+                           for kind, n in cluster.rank_failures.items())
+        raise ControlBenchError(f"the steady window never closed: the job ended {state} "
+                                f"after {wall:.0f} s in phase {cluster.phase} "
+                                f"({failed or 'no rank failed'}); "
+                                f"{job.get('reason', '')[:160]}")
+    steps = w["step1"] - w["step0"]
+    seconds = w["at1"]["t"] - w["at0"]["t"]
+    counts = _counted(w["at0"], w["at1"], steps)
+    reply_mb = counts.pop("store_reply_bytes") / 1e6
+    control = [s for per in cluster.control.values() for (g, step, s) in per
+               if g == 0 and w["step0"] <= step < w["step1"]]
+    resize_s: dict[str, float | None] = {}
+    detail: dict[str, Any] = {}
+    phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
+    for i, phase in enumerate(phases):
+        span = cluster.spans[phase]
+        moved = _counted(span["at0"], span["at1"], 1)
+        # the migration this phase's event started: the first recorded after the event and
+        # before the next phase's (a resize of the coordinator's own between them, e.g.
+        # dropping ranks that died, is not the event's)
+        until = cluster.spans[phases[i + 1]]["wall"] if i + 1 < len(phases) else math.inf
+        m = next((m for m in migrations if span["wall"] <= m["started"] < until), None)
+        ok = m is not None and m["outcome"] == "committed"
+        resize_s[phase] = round(m["seconds"], 3) if ok and m else None
+        detail[phase] = {
+            "outcome": m["outcome"] if m else "none",
+            "error": m["error"] if m else "",
+            "event_to_settled_s": round(span["at1"]["t"] - span["at0"]["t"], 2),
+            "messages": round(sum(v for k, v in moved.items() if k != "store_reply_bytes")),
+            "store_reply_mb": round(moved["store_reply_bytes"] / 1e6, 1)}
+    out.update({
+        "step_control_ms": round(1e3 * statistics.median(control), 2) if control else None,
+        "coordinator_cpu_s_per_s": round((w["at1"]["cpu"] - w["at0"]["cpu"]) / seconds, 3),
+        "coordinator_messages_per_step": round(sum(counts.values()), 1),
+        "resize_control_s": resize_s,
+        "coordinator_rss_mib": round(peak_kib / 1024, 1),
+        "record_bytes": record_bytes,
+        "steady": {"steps": steps, "seconds": round(seconds, 2),
+                   "step_s": round(seconds / steps, 3),
+                   "messages_per_step": {k: round(v, 1) for k, v in counts.items()},
+                   "store_reply_mb_per_step": round(reply_mb, 2),
+                   "coordinator_rss_mib_at_end": round(w["at1"]["rss"] / 2**20, 1),
+                   "boundaries_timed": len(control)},
+        "resizes": detail,
+        "migrations": migrations,
+        "job": job,
+        "coordinator_rss_mib_before_run": round(rss_before / 2**20, 1),
+        # a rank's store request unanswered past the client's 10 s grace: it held as the
+        # trainer does for a restarted coordinator (Hello, a new Welcome, repoint)
+        "rank_store_timeouts": cluster.rank_restarts,
+        "problems": list(cluster.failures) + [
+            f"{cluster.rank_restarts} time(s) a rank's store request went unanswered past "
+            f"the client's grace (it held for a restarted coordinator, as the trainer does)"
+            for _ in range(1 if cluster.rank_restarts else 0)] + [
+            f"{n} simulated rank(s) failed: {kind}" for kind, n in cluster.rank_failures.items()],
+        "bench": asdict(bench),
+    })
+    return out
+
+
+def _counted(a: Mapping[str, float], b: Mapping[str, float], per: int) -> dict[str, float]:
+    """The counters' growth from sample ``a`` to ``b``, divided by ``per``."""
+    return {k: (b[k] - a[k]) / per for k in ("channel_in", "channel_out", "store_requests",
+                                             "store_replies", "store_reply_bytes")}
+
+
+def run_control(bench: ControlBench, *, log_level: int = logging.WARNING,
+                counters: Counters | None = None) -> dict[str, Any]:
+    """One run in a fresh process (its figures; ControlBenchError with one line when it
+    could not run). ``counters``: a module-level function (it travels to the process by
+    name) that changes how messages are counted: a test's planted miscount."""
+    problem = descriptor_problem(bench)
+    if problem is not None:
+        raise ControlBenchError(problem)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_coordinator_main, args=(bench, child, log_level, counters),
+                       name=f"bench-control-{bench.ranks}")
+    proc.start()
+    try:
+        if not parent.poll(bench.timeout_s + 180):
+            raise ControlBenchError(f"{bench.ranks} ranks: no result within "
+                                    f"{bench.timeout_s + 180:.0f} s")
+        kind, got = parent.recv()
+    except EOFError:
+        raise ControlBenchError(f"{bench.ranks} ranks: the coordinator's process died "
+                                f"(exit {proc.exitcode})") from None
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if kind != "ok":
+        raise ControlBenchError(f"{bench.ranks} ranks: {got}")
+    return dict(got)
+
+
+def check_run(run: Mapping[str, Any]) -> list[str]:
+    """What is wrong with one run's figures (empty: sane). Every rank sends one agreement
+    request per step boundary at least, answered once, and rank 0 one Progress: a count
+    below that is a miscount."""
+    n = run["ranks"]
+    bad = []
+    per = run["steady"]["messages_per_step"]
+    # the window opens and closes at rank 0's Progress as the coordinator reads it: the
+    # other ranks' requests at its edges fall on either side
+    if per["store_requests"] < n * 0.8:
+        bad.append(f"store requests per step {per['store_requests']} < ranks {n}")
+    if abs(per["store_replies"] - per["store_requests"]) > 0.05 * per["store_requests"] + 1:
+        bad.append(f"store replies {per['store_replies']} per step differ from requests "
+                   f"{per['store_requests']}")
+    if per["channel_in"] < 0.9:
+        bad.append(f"channel reports per step {per['channel_in']} < 1 (rank 0's Progress)")
+    total = sum(per.values())
+    if abs(total - run["coordinator_messages_per_step"]) > 0.5:
+        bad.append(f"messages per step {run['coordinator_messages_per_step']} != the sum of "
+                   f"its parts {total:.1f}")
+    if not run["step_control_ms"] or run["step_control_ms"] <= 0:
+        bad.append(f"step_control_ms {run['step_control_ms']}")
+    if not 0 < run["coordinator_cpu_s_per_s"] <= (os.cpu_count() or 1) * 1.1:
+        bad.append(f"coordinator_cpu_s_per_s {run['coordinator_cpu_s_per_s']}")
+    if run["record_bytes"] <= 0 or run["coordinator_rss_mib"] <= 0:
+        bad.append("record or RSS not measured")
+    for phase, s in run["resize_control_s"].items():
+        if s is None or s <= 0:
+            bad.append(f"resize {phase}: {s}")
+    bad += run.get("problems", [])
+    return bad
+
+
+def fit_power(runs: Sequence[Mapping[str, Any]], key: str) -> dict[str, float] | None:
+    """``key`` ~ a * ranks^b by least squares in log-log over ``runs`` (two at least), and its
+    value extrapolated to 131,072 ranks."""
+    pts = [(math.log(r["ranks"]), math.log(r[key])) for r in runs if r.get(key)]
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        return None
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    a = math.exp(my - b * mx)
+    return {"a": a, "exponent": round(b, 3),
+            f"at_{EXTRAPOLATE_TO}": round(a * EXTRAPOLATE_TO ** b, 3)}

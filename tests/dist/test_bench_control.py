@@ -1,0 +1,65 @@
+"""``slurm-etc bench control`` at 16 ranks: the JSON the issue asks for, with sane values, and
+planted miscounts of the coordinator's messages caught by its check; a size past the
+machine's open-file limit refused in one line before anything runs."""
+from __future__ import annotations
+
+import json
+import resource
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_etc.cli.main import cli
+from slurm_etc.harness.control import ControlBench, check_run, run_control
+from slurm_etc.testing import bench_plants
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+FAST = ["--step-s", "0.05", "--steady-steps", "10", "--steady-s", "2.5", "--timeout-s", "120"]
+KEYS = {"ranks", "step_control_ms", "coordinator_cpu_s_per_s", "coordinator_messages_per_step",
+        "resize_control_s", "coordinator_rss_mib", "record_bytes"}
+
+
+def test_bench_control_json_at_16_ranks():
+    got = CliRunner().invoke(cli, ["bench", "control", "--ranks", "16", "--json", *FAST])
+    assert got.exit_code == 0, got.output
+    out = json.loads(got.stdout)
+    (run,) = out["runs"]
+    assert KEYS <= set(run)
+    assert run["ranks"] == 16 and run["state"] == "finished"
+    assert set(run["resize_control_s"]) == {"grow", "shrink", "loss"}
+    assert check_run(run) == []
+    # every rank agrees once a step (16 requests at least, each answered once), rank 0
+    # reports one Progress; heartbeats (16 every 2 s) are the rest
+    per = run["steady"]["messages_per_step"]
+    assert per["channel_in"] == pytest.approx(1.0, abs=0.1)
+    assert 16 * 0.8 <= per["store_requests"] <= 16 * 3
+    assert 0 < run["step_control_ms"] < 1000
+    assert 0 < run["coordinator_cpu_s_per_s"] < 2.2
+    for phase in ("grow", "shrink", "loss"):
+        assert 0 < run["resize_control_s"][phase] < 30, phase
+        assert run["resizes"][phase]["outcome"] == "committed"
+    # one migration each: the grow, the preemption shrink, the node loss
+    assert [(m["from"], m["to"], m["outcome"]) for m in run["migrations"]] == [
+        (0, 1, "committed"), (1, 2, "committed"), (2, 3, "committed")]
+    assert run["record_bytes"] > 0 and run["coordinator_rss_mib"] > 0
+
+
+@pytest.mark.parametrize("plant", [bench_plants.store_requests_half_counted,
+                                   bench_plants.store_replies_uncounted])
+def test_planted_miscount_is_caught(plant):
+    run = run_control(ControlBench(16, steady_min_s=2.5, resizes=False, timeout_s=120),
+                      counters=plant)
+    problems = check_run(run)
+    assert any("store re" in p for p in problems), (plant.__name__, problems,
+                                                    run["steady"])
+
+
+def test_too_many_ranks_for_the_open_file_limit_is_one_line():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 2 * 131_072:
+        pytest.skip(f"no open-file limit under 131,072 ranks here (hard {hard})")
+    got = CliRunner().invoke(cli, ["bench", "control", "--ranks", "131072"])
+    assert got.exit_code == 2
+    lines = [x for x in got.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "open files" in lines[0] and "Traceback" not in got.output
