@@ -824,15 +824,11 @@ def _counting_channel(base: type) -> type:
 
 def _counting_store(base: type) -> type:
     class CountingStore(base):
-        """The rendezvous store, counting the requests it handles and the replies it sends."""
+        """The rendezvous store, counting the replies it sends (it counts the requests it
+        serves itself: ``requests``)."""
 
-        requests = 0
         replies = 0
         reply_bytes = 0  # the values the replies carry (what grows with the job)
-
-        def _handle(self, frames: list[bytes]) -> None:
-            self.requests += 1
-            super()._handle(frames)
 
         def _reply(self, routing: bytes, reply: Any) -> None:
             self.replies += 1
