@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-GROUP_TIMEOUT_S = 15
+GROUP_TIMEOUT_S = 30
 
 
 def _free_port() -> int:
@@ -81,8 +81,8 @@ def test_peers_blocked_on_a_leaving_rank_fail_at_once(world):
     what, shut = got.pop(world - 1)
     assert what == "left" and shut >= 2 * (world - 1), shut  # its pairs of both groups
     for rank, (what, seconds) in got.items():
-        # blocked since ~1 s before the leave: they fail within seconds, not the 15 s timeout
-        assert what == "failed" and seconds < 6.0, (rank, what, seconds)
+        # blocked since ~1 s before the leave: they fail within seconds, not the 30 s timeout; loaded machines take seconds
+        assert what == "failed" and seconds < GROUP_TIMEOUT_S / 2, (rank, what, seconds)
 
 
 def test_without_closing_the_peers_wait_out_the_timeout():
