@@ -17,7 +17,8 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   A key seen before submits nothing. The member's batch script is
   ``python -m slurm_etc.slurm.member``: it waits and turns the notice signal (or SIGTERM)
   into a file in the run directory's ``notices/`` at once.
-- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``;
+- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``
+  (its batch shell writes a start file into ``notices/``: Slurm is asked at once);
   a member ending before it ran (cancelled, failed, refused while PENDING) ->
   ``RequestFailed(key, <member job id>, <state>)``.
 - **preemption**: a notice file (written within a second of the signal) ->
@@ -70,12 +71,13 @@ timeout; a failed action raises :class:`BackendError` with one line; a failed qu
 ``poll`` reads the notice directory and the steps' output on every call and asks Slurm only
 when the pure policy of :mod:`.cadence` says so: in steady state one full query every
 ``steady_poll_s`` (30 s: one squeue of all of the job's allocations by job id, one sinfo,
-which also answers :meth:`SlurmBackend.usable_nodes`); while a member request pends or a
-member is under a preemption notice, a squeue of those members every ``poll_interval_s``
-(2 s); a full query at once when a worker is killed by a signal nobody here sent or a member
-got SIGTERM. One allocation is asked with ``scontrol show job`` (two RPCs; squeue of one job
-costs three). It blocks only for a Slurm query (bounded by the client's timeout). What
-squeue and sinfo say is decided by the pure functions of :mod:`.observe`
+which also answers :meth:`SlurmBackend.usable_nodes`); a member under a preemption notice
+every ``poll_interval_s`` (2 s); a pending member every 2 s at first, then less often the
+longer it pends (every 30 s after two minutes), and at once when its batch shell writes its
+start file (the grant); a full query at once when a worker is killed by a signal nobody here
+sent or a member got SIGTERM. One allocation is asked with ``scontrol show job`` (two RPCs;
+squeue of one job costs three). It blocks only for a Slurm query (bounded by the client's
+timeout). What squeue and sinfo say is decided by the pure functions of :mod:`.observe`
 (:func:`~.observe.observe_allocation`, :func:`~.observe.observe_nodes`); this class carries
 their results out. A pending member's Reason is logged once per change, in words
 (:func:`~.observe.pending_gloss`).
@@ -119,7 +121,7 @@ from slurm_etc.protocol import env as envvars
 from ..lifecycle import AllocationState
 from . import cadence, commands, parsers, step_options
 from .client import CliSlurmClient, SlurmClient
-from .member import NOTICES
+from .member import NOTICES, STARTED
 from .model import (
     BatchSpec,
     JobInfo,
@@ -275,11 +277,16 @@ class _Alloc(AllocationFacts):
     noticed: bool = False  # a PreemptNotice was sent for it (true still once it ended)
     released: set[Device] = field(default_factory=set)
     pending: str | None = None  # squeue's Reason while it pends, as last logged
+    since: float = 0.0  # when it was submitted or found (monotonic)
 
     @property
     def in_flux(self) -> bool:
         """Its state in Slurm is about to change: pending, or under a preemption notice."""
         return self.state in (AllocationState.REQUESTED, AllocationState.PREEMPTING)
+
+    @property
+    def pending_member(self) -> bool:
+        return self.state is AllocationState.REQUESTED and not self.anchor
 
     def view(self, held: Mapping[Device, str]) -> AllocationView:
         return AllocationView(self.job_id, self.key, self.state, self.nodes, self.noticed,
@@ -333,7 +340,8 @@ class SlurmBackend:
         grace_s: seconds from notice to loss (default: the member partition's GraceTime).
         notice_margin_s: taken off the grace in a notice's deadline.
         poll_interval_s: the least time between two Slurm queries in :meth:`poll` while a
-            member request pends or a member is under a notice (:mod:`.cadence`).
+            member is under a notice or a member request has just been submitted
+            (:mod:`.cadence`).
         steady_poll_s: the least time between two full queries (every allocation and the
             nodes' states) otherwise (:data:`.cadence.STEADY_POLL_S`).
         python: the interpreter for the member script and the task wrapper (default: this
@@ -571,7 +579,8 @@ class SlurmBackend:
         job_id = self._act(lambda: self.client.submit(spec),
                            f"request {action.key!r} ({action.nodes} node(s))")
         self._keys[action.key] = job_id
-        self._allocs[job_id] = _Alloc(job_id, action.key)  # in flux: asked every poll_interval_s
+        # in flux: asked often at first, then less (cadence.Flux), at once on its start file
+        self._allocs[job_id] = _Alloc(job_id, action.key, since=self._monotonic())
         logger.info("[slurm] request %s: member job %s for %d node(s) in %s%s", action.key,
                     job_id, action.nodes, self.member_partition or "the default partition",
                     f": {action.reason}" if action.reason else "")
@@ -794,15 +803,19 @@ class SlurmBackend:
             if key is None or key in self._keys:
                 continue
             self._keys[key] = j.job_id
-            self._allocs[j.job_id] = _Alloc(j.job_id, key)
+            self._allocs[j.job_id] = _Alloc(j.job_id, key, since=self._monotonic())
             logger.info("[slurm] found member %s of request %s (%s)", j.job_id, key,
                         j.slurm_state)
 
     def _query_if_due(self) -> None:
         """The query :func:`.cadence.next_ask` says is due now, if any; SIGTERM files read
         before a full query are confirmed (or not) by it."""
-        ask = cadence.next_ask(self.cadence, self._cadence, self._monotonic(),
-                               in_flux=any(a.in_flux for a in self._allocs.values()))
+        now = self._monotonic()
+        pending = [now - a.since for a in self._allocs.values() if a.pending_member]
+        flux = cadence.Flux(
+            noticed=any(a.state is AllocationState.PREEMPTING for a in self._allocs.values()),
+            pending_s=min(pending) if pending else None)
+        ask = cadence.next_ask(self.cadence, self._cadence, now, flux)
         if ask is None:
             return
         if not ask.full:
@@ -962,6 +975,11 @@ class SlurmBackend:
             a = self._allocs.get(m.group(1))
             if a is None or a.gone:
                 self._seen_notices.add(name)
+                continue
+            if m.group(3) == STARTED:  # its batch shell started: the grant, ask Slurm now
+                self._seen_notices.add(name)
+                if a.state is AllocationState.REQUESTED:
+                    self._cadence = cadence.hurry(self._cadence, self._monotonic())
                 continue
             if a.state is AllocationState.REQUESTED:
                 continue  # signalled before we saw it running: handled once granted

@@ -15,8 +15,13 @@ Slurm. The rules, in the order :func:`next_ask` applies them:
   backend asks for one: :func:`hurry`): one squeue of every live allocation of the job (the
   anchor and its members by job id) and one sinfo (its nodes' states; the coordinator's
   count of usable nodes is answered from it too).
-- **in flux** (a member request pending, a member under a preemption notice): one squeue of
-  those allocations only, every ``fast_s``.
+- **in flux** (:class:`Flux`): a squeue of those allocations only: every ``fast_s`` while a
+  member is under a preemption notice (its grace runs); while a member request pends, when a
+  quarter of the time it has pended has passed since the last query (``fast_s`` for its first
+  seconds, ``steady_s`` after two minutes): a grant is seen within a third of the wait for
+  it, and at once where the member's batch shell says it started (its start file, written
+  by :mod:`.member`; the backend then asks for a full query), so a request that waits an
+  hour for nodes costs what steady state costs.
 - otherwise nothing.
 
 A failure that is not "busy" (a parse error, an unexpected exit) is retried after ``fast_s``,
@@ -42,6 +47,8 @@ STEADY_POLL_S = 30.0
 # The fast interval while a resize is pending (the backend's poll_interval_s; the 2 s every
 # query used before this policy).
 FAST_POLL_S = 2.0
+# A pending member request is asked about every 1/PENDING_SLOWDOWN of the time it has pended.
+PENDING_SLOWDOWN = 4.0
 # Back-off after "busy": the first wait, and the longest.
 BACKOFF_BASE_S = 2.0
 BACKOFF_CAP_S = 120.0
@@ -89,18 +96,43 @@ class Cadence:
 
 
 @dataclass(frozen=True)
+class Flux:
+    """What of the job is in flux in Slurm.
+
+    Attributes:
+        noticed: a member is under a preemption notice (its grace runs).
+        pending_s: how long the youngest pending member request has pended; None: none.
+    """
+
+    noticed: bool = False
+    pending_s: float | None = None
+
+    def interval(self, cadence: Cadence) -> float | None:
+        """Seconds between two queries of the allocations in flux; None: nothing is."""
+        if self.noticed:
+            return cadence.fast_s
+        if self.pending_s is not None:
+            return min(cadence.steady_s,
+                       max(cadence.fast_s, self.pending_s / PENDING_SLOWDOWN))
+        return None
+
+
+STEADY = Flux()
+
+
+@dataclass(frozen=True)
 class PollState:
     """Where the policy stands (times on the backend's monotonic clock).
 
     Attributes:
         full_due: the next full query is due at this time (0: at once).
-        fast_due: the next query of the allocations in flux is due at this time.
+        last_ask: when the last query was made (None: never).
         retry_at: nothing is asked before this time (backing off).
         busy: busy answers in a row.
     """
 
     full_due: float = 0.0
-    fast_due: float = 0.0
+    last_ask: float | None = None
     retry_at: float = 0.0
     busy: int = 0
 
@@ -114,14 +146,16 @@ class Ask:
     why: str
 
 
-def next_ask(cadence: Cadence, state: PollState, now: float, *, in_flux: bool) -> Ask | None:
+def next_ask(cadence: Cadence, state: PollState, now: float, flux: Flux = STEADY
+             ) -> Ask | None:
     """The query due at ``now``, or None (see the module's rules)."""
     if now < state.retry_at:
         return None
     if now >= state.full_due:
         return Ask(True, "steady" if state.busy == 0 else "retry after busy")
-    if in_flux and now >= state.fast_due:
-        return Ask(False, "in flux")
+    interval = flux.interval(cadence)
+    if interval is not None and (state.last_ask is None or now >= state.last_ask + interval):
+        return Ask(False, "notice" if flux.noticed else "pending")
     return None
 
 
@@ -131,12 +165,12 @@ def answered(cadence: Cadence, state: PollState, now: float, ask: Ask, outcome: 
     (``jitter`` in [0, 1], for a busy answer's wait)."""
     if outcome is Outcome.ANSWERED:
         return PollState(full_due=now + cadence.steady_s if ask.full else state.full_due,
-                         fast_due=now + cadence.fast_s, retry_at=0.0, busy=0)
+                         last_ask=now, retry_at=0.0, busy=0)
     if outcome is Outcome.BUSY:
         busy = state.busy + 1
-        return replace(state, fast_due=now + cadence.fast_s, busy=busy,
+        return replace(state, last_ask=now, busy=busy,
                        retry_at=now + cadence.backoff_s(busy, jitter))
-    return replace(state, fast_due=now + cadence.fast_s, retry_at=now + cadence.fast_s)
+    return replace(state, last_ask=now, retry_at=now + cadence.fast_s)
 
 
 def hurry(state: PollState, at: float) -> PollState:

@@ -21,14 +21,17 @@ from slurm_etc.slurm import NodeState, parsers
 from slurm_etc.slurm import backend as slurm_backend
 from slurm_etc.slurm.backend import SlurmBackend
 from slurm_etc.slurm.cadence import (
+    STEADY,
     Ask,
     Cadence,
+    Flux,
     Outcome,
     PollState,
     answered,
     hurry,
     next_ask,
 )
+from slurm_etc.slurm.member import STARTED, write_notice
 from slurm_etc.slurm.model import Command, SlurmError
 from slurm_etc.slurm.observe import pending_gloss
 from slurm_etc.testing.fake_slurm import FakeSlurmClient
@@ -38,14 +41,20 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 C = Cadence(steady_s=30.0, fast_s=2.0, backoff_base_s=2.0, backoff_cap_s=120.0)
 
 
-def run(state: PollState, start: float, end: float, *, in_flux: bool = False,
-        outcome: Outcome = Outcome.ANSWERED, tick: float = 0.1) -> tuple[PollState, list]:
-    """The policy as the backend's loop applies it, every ``tick`` from start to end:
-    the asks made, with their time."""
+NOTICED = Flux(noticed=True)
+
+
+def run(state: PollState, start: float, end: float, *, flux: Flux = STEADY,
+        pending_since: float | None = None, outcome: Outcome = Outcome.ANSWERED,
+        tick: float = 0.1) -> tuple[PollState, list]:
+    """The policy as the backend's loop applies it, every ``tick`` from start to end (a
+    request pending since ``pending_since``, else ``flux``): the asks made, with their time."""
     asks = []
     t = start
     while t < end:
-        ask = next_ask(C, state, t, in_flux=in_flux)
+        if pending_since is not None:
+            flux = Flux(pending_s=t - pending_since)
+        ask = next_ask(C, state, t, flux)
         if ask is not None:
             asks.append((round(t, 1), ask))
             state = answered(C, state, t, ask, outcome, jitter=0.0)
@@ -61,8 +70,8 @@ def test_steady_asks_one_full_query_every_steady_interval():
     assert all(a.full for _, a in asks)
 
 
-def test_in_flux_asks_the_allocations_in_flux_every_fast_interval_and_full_still_steady():
-    _, asks = run(PollState(), 0.0, 61.0, in_flux=True)
+def test_under_notice_asks_the_allocations_in_flux_every_fast_interval_and_full_still_steady():
+    _, asks = run(PollState(), 0.0, 61.0, flux=NOTICED)
     full = [t for t, a in asks if a.full]
     fast = [t for t, a in asks if not a.full]
     assert full == [0.0, 30.0, 60.0]
@@ -71,15 +80,27 @@ def test_in_flux_asks_the_allocations_in_flux_every_fast_interval_and_full_still
     assert all(b - a <= 2.0 + 1e-9 for a, b in zip(times, times[1:]))
 
 
+def test_a_pending_request_is_asked_about_every_quarter_of_its_wait():
+    state, asks = run(PollState(), 0.0, 600.0, pending_since=0.0)
+    times = [t for t, _ in asks]
+    fast = [t for t, a in asks if not a.full]
+    assert [t for t in fast if t < 10] == [2.0, 4.0, 6.0, 8.0]  # 2 s while young
+    # then a quarter of the wait so far between two asks: a grant at g is seen by g * 4/3
+    assert all(b - a <= max(2.0, b / 4) + 0.1 + 1e-9 for a, b in zip(times, times[1:]))
+    assert fast[4:] == [10.7, 14.3, 19.1, 25.5, 40.0, 53.4, 80.0], fast
+    # after two minutes no more than the full queries themselves (every 30 s)
+    assert times[-16:] == [120.0 + 30 * i for i in range(16)], times
+
+
 def test_flux_ends_and_the_steady_interval_comes_back():
-    state, asks = run(PollState(), 0.0, 10.0, in_flux=True)
+    state, asks = run(PollState(), 0.0, 10.0, flux=NOTICED)
     assert len(asks) == 5  # 0, 2, 4, 6, 8
     state, asks = run(state, 10.0, 40.0)
     assert [t for t, _ in asks] == [30.0]  # 30 s after the last full one, not after 8.0
 
 
 def test_busy_backs_off_exponentially_up_to_the_cap_and_an_answer_resets():
-    state, asks = run(PollState(), 0.0, 600.0, in_flux=True, outcome=Outcome.BUSY)
+    state, asks = run(PollState(), 0.0, 600.0, flux=NOTICED, outcome=Outcome.BUSY)
     times = [t for t, _ in asks]
     gaps = [round(b - a, 1) for a, b in zip(times, times[1:])]
     assert gaps[:7] == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 120.0]
@@ -87,11 +108,11 @@ def test_busy_backs_off_exponentially_up_to_the_cap_and_an_answer_resets():
     # a full query that was refused stays due: the first try after the wait is a full one
     assert all(a.full for _, a in asks)
     t = times[-1] + 120.0
-    ask = next_ask(C, state, t, in_flux=True)
+    ask = next_ask(C, state, t, NOTICED)
     assert ask is not None and ask.full and ask.why == "retry after busy"
     state = answered(C, state, t, ask, Outcome.ANSWERED)
     assert state.busy == 0 and state.retry_at == 0.0 and state.full_due == t + 30.0
-    assert next_ask(C, state, t + 2.0, in_flux=True) == Ask(False, "in flux")
+    assert next_ask(C, state, t + 2.0, NOTICED) == Ask(False, "notice")
 
 
 def test_jitter_takes_up_to_half_off_the_wait():
@@ -108,13 +129,13 @@ def test_other_failures_are_retried_after_the_fast_interval_without_backing_off(
 
 def test_hurry_asks_a_full_query_early_but_never_while_backing_off():
     state = answered(C, PollState(), 0.0, Ask(True, "steady"), Outcome.ANSWERED)
-    assert next_ask(C, state, 5.0, in_flux=False) is None
+    assert next_ask(C, state, 5.0) is None
     state = hurry(state, 5.0)
-    assert next_ask(C, state, 5.0, in_flux=False) == Ask(True, "steady")
+    assert next_ask(C, state, 5.0) == Ask(True, "steady")
     assert hurry(state, 50.0).full_due == 5.0  # never later than it was
     busy = answered(C, state, 5.0, Ask(True, "steady"), Outcome.BUSY, jitter=0.0)
-    assert next_ask(C, hurry(busy, 5.5), 5.5, in_flux=True) is None
-    assert next_ask(C, hurry(busy, 5.5), 7.0, in_flux=True) == Ask(True, "retry after busy")
+    assert next_ask(C, hurry(busy, 5.5), 5.5, NOTICED) is None
+    assert next_ask(C, hurry(busy, 5.5), 7.0, NOTICED) == Ask(True, "retry after busy")
 
 
 def test_cadence_refuses_a_steady_interval_shorter_than_the_fast_one():
@@ -216,7 +237,7 @@ def test_backend_steady_one_scontrol_and_one_sinfo_per_steady_interval(fake, clo
     assert backend.usable_nodes() == 4 and queries(fake, start) == got
 
 
-def test_backend_polls_fast_only_while_a_request_pends(fake, clock, backend, caplog):
+def test_backend_polls_fast_only_while_a_request_pends(fake, clock, backend, caplog, tmp_path):
     drive(backend, clock, 1.0)
     start = len(fake.calls)
     backend.request(RequestNodes(1, "g1"))
@@ -226,21 +247,24 @@ def test_backend_polls_fast_only_while_a_request_pends(fake, clock, backend, cap
         fake._set(member, reason="QOSMaxNodePerUserLimit")
         drive(backend, clock, 10.0)
     pending = queries(fake, start)
-    # every 2 s, the pending member alone (one id: scontrol); no sinfo in between
-    assert pending.count(("scontrol-show-job", member)) == 10, pending
-    assert ("sinfo",) not in pending and len(pending) == 10, pending
+    # the pending member alone (one id: scontrol), no sinfo: every 2 s while it is young,
+    # then every quarter of its wait: at 1, 3, 5, 7, 9.5, 13 and 17.5 s of its 20 s
+    assert pending == [("scontrol-show-job", member)] * 7, pending
     lines = [r.getMessage() for r in caplog.records if "pending" in r.getMessage()]
     assert lines == ["[slurm] member request g1 pending: Resources (waiting for free nodes)",
                      "[slurm] member request g1 pending: QOSMaxNodePerUserLimit (held by "
                      "Slurm: QOS limit)"], lines
     assert backend.pending_reasons == {"g1": "QOSMaxNodePerUserLimit"}
     fake.start(member, ["n2"])
-    events = drive(backend, clock, 2.0)
+    assert not [e for e in drive(backend, clock, 2.0) if isinstance(e, Grant)]  # not asked yet
+    # its batch shell starts and writes its start file: the backend asks Slurm at once
+    write_notice(tmp_path, member, "0", STARTED, time.time())
+    events = backend.poll() + backend.poll()
     assert [e for e in events if isinstance(e, Grant)] == [
         Grant(member, (Device("n2", 0), Device("n2", 1)), "g1")]
     # granted: steady again, one full query (both jobs: one squeue, and sinfo) per 30 s
     start = len(fake.calls)
-    drive(backend, clock, 60.0)
+    drive(backend, clock, 60.5)
     assert queries(fake, start) == [("squeue", fake.anchor, member), ("sinfo",)] * 2, \
         queries(fake, start)
 
