@@ -162,8 +162,10 @@ def main() -> int:
             backend.request(RequestNodes(1, "grow-1", "bench"))
             run(args.pending_s)
             client.cancel(blockers[others[0]])
-            run(None, until_grant=True)
+            grant_s = run(None, until_grant=True)
             resize = summary(sdiag_by_type(), time.monotonic() - t0)
+            # from the blocker's cancel (its node free) to the Grant event
+            resize["grant_after_free_s"] = round(grant_s, 2)
         finally:
             if backend is not None:
                 backend.close()
@@ -179,6 +181,8 @@ def main() -> int:
     for name, phase in (("steady", steady), ("resize (request pending -> grant)", resize)):
         print(f"{name}: {phase['seconds']:.0f} s, {phase['rpcs']} RPCs = "
               f"{phase['rpcs_per_min']:.1f}/min ({phase['queries_per_min']:.1f}/min queries)")
+        if "grant_after_free_s" in phase:
+            print(f"    grant seen {phase['grant_after_free_s']:.2f} s after a node was freed")
         for k, v in phase["by_type"].items():
             print(f"    {k:<28} {v:>5}  {v * 60.0 / phase['seconds']:7.1f}/min")
     return 0
