@@ -17,7 +17,8 @@ anchor job's batch script (the policy's minimum, in a normal partition); this ba
   A key seen before submits nothing. The member's batch script is
   ``python -m slurm_etc.slurm.member``: it waits and turns the notice signal (or SIGTERM)
   into a file in the run directory's ``notices/`` at once.
-- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``;
+- **grants**: a member reaching RUNNING -> ``Grant(<member job id>, devices, request=key)``
+  (its batch shell writes a start file into ``notices/``: Slurm is asked at once);
   a member ending before it ran (cancelled, failed, refused while PENDING) ->
   ``RequestFailed(key, <member job id>, <state>)``.
 - **preemption**: a notice file (written within a second of the signal) ->
@@ -64,20 +65,29 @@ with SIGTERM ignored, are stopped with SIGINT instead, and die by SIGKILL at the
 
 Every Slurm command goes through the :class:`~slurm_etc.slurm.client.SlurmClient` with a
 timeout; a failed action raises :class:`BackendError` with one line; a failed query in
-:meth:`SlurmBackend.poll` is logged and retried at the next interval.
+:meth:`SlurmBackend.poll` is logged and retried, later and later while Slurm says it is busy
+(rate limited, timed out, unreachable).
 
-``poll`` queries Slurm at most every ``poll_interval_s`` (one squeue for the job's
-allocations, one sinfo for its nodes) and reads the notice directory and the steps' output
-on every call; it blocks only for a Slurm query (bounded by the client's timeout). What
-squeue and sinfo say is decided by the pure functions of :mod:`.observe`
+``poll`` reads the notice directory and the steps' output on every call and asks Slurm only
+when the pure policy of :mod:`.cadence` says so: in steady state one full query every
+``steady_poll_s`` (30 s: one squeue of all of the job's allocations by job id, one sinfo,
+which also answers :meth:`SlurmBackend.usable_nodes`); a member under a preemption notice
+every ``poll_interval_s`` (2 s); a pending member every 2 s at first, then less often the
+longer it pends (every 30 s after two minutes), and at once when its batch shell writes its
+start file (the grant); a full query at once when a worker is killed by a signal nobody here
+sent or a member got SIGTERM. One allocation is asked with ``scontrol show job`` (two RPCs;
+squeue of one job costs three). It blocks only for a Slurm query (bounded by the client's
+timeout). What squeue and sinfo say is decided by the pure functions of :mod:`.observe`
 (:func:`~.observe.observe_allocation`, :func:`~.observe.observe_nodes`); this class carries
-their results out.
+their results out. A pending member's Reason is logged once per change, in words
+(:func:`~.observe.pending_gloss`).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
@@ -109,10 +119,18 @@ from slurm_etc.coordinator.supervisor import Supervised, WorkerSupervisor
 from slurm_etc.protocol import env as envvars
 
 from ..lifecycle import AllocationState
-from . import commands, parsers, step_options
+from . import cadence, commands, parsers, step_options
 from .client import CliSlurmClient, SlurmClient
-from .member import NOTICES
-from .model import BatchSpec, JobInfo, SlurmError, SlurmJobState, StepSpec, check_signal
+from .member import NOTICES, STARTED
+from .model import (
+    BatchSpec,
+    JobInfo,
+    NodeInfo,
+    SlurmError,
+    SlurmJobState,
+    StepSpec,
+    check_signal,
+)
 from .observe import (
     AllocationFacts,
     AllocationView,
@@ -122,6 +140,7 @@ from .observe import (
     devices_of,
     observe_allocation,
     observe_nodes,
+    pending_gloss,
     preempt_notice,
 )
 from .runner import SlurmRunner
@@ -143,6 +162,9 @@ STOPPING_WAIT_S = KILL_BACKSTOP_S + 5.0
 EXIT_HOLD_S = 5.0
 # Under the run directory: each step's stdout file and stdin FIFO.
 STEP_FILES = "steps"
+# How soon Slurm is asked again after a signal it sent (a worker killed, a member's SIGTERM):
+# Slurm may show the job RUNNING for a moment after its signal.
+LOOK_AGAIN_S = 0.5
 
 
 # --------------------------------------------------------------------------- pure builders
@@ -254,6 +276,17 @@ class _Alloc(AllocationFacts):
     state: AllocationState = AllocationState.REQUESTED
     noticed: bool = False  # a PreemptNotice was sent for it (true still once it ended)
     released: set[Device] = field(default_factory=set)
+    pending: str | None = None  # squeue's Reason while it pends, as last logged
+    since: float = 0.0  # when it was submitted or found (monotonic)
+
+    @property
+    def in_flux(self) -> bool:
+        """Its state in Slurm is about to change: pending, or under a preemption notice."""
+        return self.state in (AllocationState.REQUESTED, AllocationState.PREEMPTING)
+
+    @property
+    def pending_member(self) -> bool:
+        return self.state is AllocationState.REQUESTED and not self.anchor
 
     def view(self, held: Mapping[Device, str]) -> AllocationView:
         return AllocationView(self.job_id, self.key, self.state, self.nodes, self.noticed,
@@ -306,7 +339,11 @@ class SlurmBackend:
         signal_lead_s: the ``@<seconds>`` of ``--signal`` (before the time limit).
         grace_s: seconds from notice to loss (default: the member partition's GraceTime).
         notice_margin_s: taken off the grace in a notice's deadline.
-        poll_interval_s: the least time between two Slurm queries in :meth:`poll`.
+        poll_interval_s: the least time between two Slurm queries in :meth:`poll` while a
+            member is under a notice or a member request has just been submitted
+            (:mod:`.cadence`).
+        steady_poll_s: the least time between two full queries (every allocation and the
+            nodes' states) otherwise (:data:`.cadence.STEADY_POLL_S`).
         python: the interpreter for the member script and the task wrapper (default: this
             one; it must exist at the same path on every node).
         log_dir: each step's stderr (the workers' output, ``--label``ed) goes to
@@ -315,6 +352,8 @@ class SlurmBackend:
         clock: unix seconds (deadlines); injectable for tests.
         srun_options: added verbatim to every worker step's srun, never to the
             coordinator's own Slurm commands (:mod:`.step_options`: containers, binding).
+        monotonic: the clock of the query cadence; injectable for tests.
+        jitter: a number in [0, 1) per busy answer (spreads the back-off); injectable.
     """
 
     def __init__(self, run_dir: str | Path, *, anchor_job: str | None = None,
@@ -323,10 +362,14 @@ class SlurmBackend:
                  member_account: str | None = None, member_time: str | None = None,
                  member_extra: Sequence[str] = (), notice_signal: str = "USR2",
                  signal_lead_s: int = 120, grace_s: float | None = None,
-                 notice_margin_s: float = 5.0, poll_interval_s: float = 2.0,
+                 notice_margin_s: float = 5.0,
+                 poll_interval_s: float = cadence.FAST_POLL_S,
+                 steady_poll_s: float = cadence.STEADY_POLL_S,
                  python: str = sys.executable, log_dir: str | Path | None = None,
                  recover: bool = True, clock: Callable[[], float] = time.time,
-                 srun_options: Sequence[str] = ()) -> None:
+                 srun_options: Sequence[str] = (),
+                 monotonic: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[], float] = random.random) -> None:
         self.run_dir = Path(run_dir).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / NOTICES).mkdir(exist_ok=True)
@@ -345,7 +388,12 @@ class SlurmBackend:
         self.notice_signal = check_signal(notice_signal)
         self.signal_lead_s = signal_lead_s
         self.notice_margin_s = notice_margin_s
-        self.poll_interval_s = poll_interval_s
+        try:
+            self.cadence = cadence.Cadence(steady_s=steady_poll_s, fast_s=poll_interval_s)
+        except ValueError as e:
+            raise BackendError(f"Slurm backend: {e}") from None
+        self._monotonic = monotonic
+        self._jitter = jitter
         self.python = python
         self.srun_options = step_options.check(srun_options, "srun options")
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -363,8 +411,10 @@ class SlurmBackend:
         self._seen_notices: set[str] = set()
         # SIGTERM files (notice signal not TERM) waiting for a query: job id -> signal time
         self._term_notices: dict[str, float] = {}
-        self._next_query = 0.0
+        self._cadence = cadence.PollState()
         self._last_error: str | None = None
+        # the last sinfo of a full query (monotonic time, nodes): usable_nodes answers from it
+        self._nodes_seen: tuple[float, list[NodeInfo]] | None = None
         self._closed = False
         self._threads_said = False
         self._topology: ClusterTopology | None = None
@@ -419,14 +469,31 @@ class SlurmBackend:
         return cls(run_dir, **options)
 
     @property
+    def poll_interval_s(self) -> float:
+        """Seconds between two queries while a member pends or is under a notice."""
+        return self.cadence.fast_s
+
+    @property
+    def steady_poll_s(self) -> float:
+        """Seconds between two full queries in steady state."""
+        return self.cadence.steady_s
+
+    @property
+    def pending_reasons(self) -> Mapping[str, str | None]:
+        """Request key -> squeue's Reason, for each member still pending (as last seen)."""
+        return {a.key: a.pending for a in self._allocs.values()
+                if a.key is not None and a.state is AllocationState.REQUESTED}
+
+    @property
     def topology(self) -> ClusterTopology:
         """The nodes this job may ever hold, in Slurm's order: those of the anchor's and the
-        member partition with at least ``gpus_per_node`` GPUs (asked once), and the anchor's
+        member partition with at least ``gpus_per_node`` GPUs (read once), and the anchor's
         own. No switch topology (Slurm's topology.conf is not read)."""
         if self._topology is None:
             wanted = {p for p in (self._anchor_partition, self.member_partition) if p}
             try:
-                nodes = self.client.nodes()
+                # a full query's sinfo lists every node: no need to ask again
+                nodes = self._nodes_seen[1] if self._nodes_seen else self.client.nodes()
             except SlurmError as e:
                 raise BackendError(f"cannot list the cluster's nodes: {e}") from None
             names = [n.name for n in nodes if n.gpus >= self.gpus_per_node
@@ -438,15 +505,20 @@ class SlurmBackend:
 
     def usable_nodes(self) -> int | None:
         """How many of :attr:`topology`'s nodes this job can hold now: those Slurm would
-        start a job on (not DOWN, DRAIN, FAIL, not responding) and those it holds. Asked
-        anew on every call (one sinfo; the coordinator bounds the rate); None when Slurm
-        does not answer."""
+        start a job on (not DOWN, DRAIN, FAIL, not responding) and those it holds. From the
+        last full query's sinfo when it is younger than ``steady_poll_s`` (the coordinator
+        asks after a loss, which a query just found, and every minute), else one sinfo;
+        None when Slurm does not answer."""
         names = set(self.topology.nodes)
-        try:
-            nodes = self.client.nodes()
-        except SlurmError as e:
-            logger.warning("[slurm] cannot count the partition's usable nodes: %s", e)
-            return None
+        seen = self._nodes_seen
+        if seen is not None and self._monotonic() - seen[0] < self.cadence.steady_s:
+            nodes = seen[1]
+        else:
+            try:
+                nodes = self.client.nodes()
+            except SlurmError as e:
+                logger.warning("[slurm] cannot count the partition's usable nodes: %s", e)
+                return None
         held = {d.node for d in self._held}
         return len({n.name for n in nodes if n.name in names and (n.usable or n.name in held)}
                    | (held & names))
@@ -485,13 +557,7 @@ class SlurmBackend:
     # -- Backend ----------------------------------------------------------------------
     def poll(self) -> list[BackendEvent]:
         now = self._clock()
-        if time.monotonic() >= self._next_query:
-            self._next_query = time.monotonic() + self.poll_interval_s
-            waiting, self._term_notices = self._term_notices, {}
-            if self._query():
-                self._confirm_term_notices(waiting)
-            else:
-                self._term_notices = {**waiting, **self._term_notices}
+        self._query_if_due()
         self._read_notices()
         self._read_steps(now)
         out, self._events = self._events, []
@@ -513,8 +579,8 @@ class SlurmBackend:
         job_id = self._act(lambda: self.client.submit(spec),
                            f"request {action.key!r} ({action.nodes} node(s))")
         self._keys[action.key] = job_id
-        self._allocs[job_id] = _Alloc(job_id, action.key)
-        self._next_query = 0.0  # look for the grant at the next poll
+        # in flux: asked often at first, then less (cadence.Flux), at once on its start file
+        self._allocs[job_id] = _Alloc(job_id, action.key, since=self._monotonic())
         logger.info("[slurm] request %s: member job %s for %d node(s) in %s%s", action.key,
                     job_id, action.nodes, self.member_partition or "the default partition",
                     f": {action.reason}" if action.reason else "")
@@ -528,7 +594,6 @@ class SlurmBackend:
             return
         self._act(functools.partial(self.client.cancel, a.job_id),
                   f"withdraw request {action.key}")
-        self._next_query = 0.0
         logger.info("[slurm] withdrew request %s (scancel of pending member %s)%s",
                     action.key, a.job_id, f": {action.reason}" if action.reason else "")
 
@@ -637,7 +702,7 @@ class SlurmBackend:
         Slurm first, so that their devices count as held. The step's stdout file is read
         again from its start (its step id, the exits so far), its FIFO opened again for
         stops."""
-        self._query()
+        self._query(cadence.Ask(True, "adopt"))
         steps: dict[tuple[int, int], list[WorkerState]] = {}
         for w in recorded:
             current = self._workers.get(w.vrank)
@@ -738,31 +803,87 @@ class SlurmBackend:
             if key is None or key in self._keys:
                 continue
             self._keys[key] = j.job_id
-            self._allocs[j.job_id] = _Alloc(j.job_id, key)
+            self._allocs[j.job_id] = _Alloc(j.job_id, key, since=self._monotonic())
             logger.info("[slurm] found member %s of request %s (%s)", j.job_id, key,
                         j.slurm_state)
 
-    def _query(self) -> bool:
-        """One squeue + sinfo: grants, losses, notices by PreemptTime. False if Slurm did
-        not answer."""
-        live = [a for a in self._allocs.values() if not a.gone]
-        if not live:
-            return True
+    def _query_if_due(self) -> None:
+        """The query :func:`.cadence.next_ask` says is due now, if any; SIGTERM files read
+        before a full query are confirmed (or not) by it."""
+        now = self._monotonic()
+        pending = [now - a.since for a in self._allocs.values() if a.pending_member]
+        flux = cadence.Flux(
+            noticed=any(a.state is AllocationState.PREEMPTING for a in self._allocs.values()),
+            pending_s=min(pending) if pending else None)
+        ask = cadence.next_ask(self.cadence, self._cadence, now, flux)
+        if ask is None:
+            return
+        if not ask.full:
+            self._query(ask)
+            return
+        waiting, self._term_notices = self._term_notices, {}
+        if self._query(ask):
+            self._confirm_term_notices(waiting)
+        else:
+            self._term_notices = {**waiting, **self._term_notices}
+
+    def _query(self, ask: cadence.Ask) -> bool:
+        """Grants, losses, notices by PreemptTime: a full query asks Slurm about every live
+        allocation (one squeue, or scontrol for one) and its nodes (one sinfo), another only
+        about the allocations in flux. False if Slurm did not answer."""
+        now = self._monotonic()
+        live = [a for a in self._allocs.values() if not a.gone and (ask.full or a.in_flux)]
         try:
-            jobs = {j.job_id: j for j in self.client.jobs([a.job_id for a in live])}
-            held_nodes = list(dict.fromkeys(d.node for d in self._held))
-            nodes = self.client.nodes(held_nodes) if held_nodes else []
+            jobs = self._jobs([a.job_id for a in live])
+            nodes = self.client.nodes() if ask.full and self._held else None
         except SlurmError as e:
-            if str(e) != self._last_error:
-                logger.warning("[slurm] query failed (retrying every %.1f s): %s",
-                               self.poll_interval_s, e)
-            self._last_error = str(e)
+            self._query_failed(now, ask, e)
             return False
+        if self._cadence.busy:
+            logger.info("[slurm] Slurm answers again (after %d busy answer(s))",
+                        self._cadence.busy)
+        self._cadence = cadence.answered(self.cadence, self._cadence, now, ask,
+                                         cadence.Outcome.ANSWERED)
         self._last_error = None
+        logger.debug("[slurm] %s query (%s): %d job(s)%s", "full" if ask.full else "fast",
+                     ask.why, len(live), "" if nodes is None else f", {len(nodes)} node(s)")
         for a in live:
             self._observe(a, jobs.get(a.job_id))
-        self._carry_out(*observe_nodes(self._held, nodes))
+        if nodes is not None:
+            self._nodes_seen = (now, nodes)
+            self._carry_out(*observe_nodes(self._held, nodes))
         return True
+
+    def _jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """What Slurm says of ``job_ids``: one squeue, or ``scontrol show job`` for one id
+        (two RPCs where squeue of one job costs three on 22.05)."""
+        if not job_ids:
+            return {}
+        if len(job_ids) == 1:
+            job = self.client.job(job_ids[0])
+            return {job.job_id: job} if job is not None else {}
+        return {j.job_id: j for j in self.client.jobs(job_ids)}
+
+    def _query_failed(self, now: float, ask: cadence.Ask, e: SlurmError) -> None:
+        """One line per kind of failure: a busy Slurm backs off (:mod:`.cadence`), said
+        once until it answers again; another failure is retried after poll_interval_s,
+        said once per distinct error."""
+        busy = e.timed_out or parsers.is_busy(f"{e.stderr}\n{e.stdout}")
+        self._cadence = cadence.answered(
+            self.cadence, self._cadence, now, ask,
+            cadence.Outcome.BUSY if busy else cadence.Outcome.FAILED, self._jitter())
+        wait = self._cadence.retry_at - now
+        if busy and self._cadence.busy == 1:
+            logger.warning("[slurm] query failed, Slurm is busy: asking again in %.0f s, then "
+                           "less often (at most every %.0f s) until it answers: %s", wait,
+                           self.cadence.backoff_cap_s, e)
+        elif busy:
+            logger.debug("[slurm] still busy (%d): next query in %.0f s", self._cadence.busy,
+                         wait)
+        elif str(e) != self._last_error:
+            logger.warning("[slurm] query failed (retrying every %.1f s): %s",
+                           self.cadence.fast_s, e)
+        self._last_error = str(e)
 
     def _confirm_term_notices(self, waiting: dict[str, float]) -> None:
         """SIGTERM files read before this query: a notice if the member still runs whole
@@ -782,6 +903,12 @@ class SlurmBackend:
         # the member partition's GraceTime is asked (once) only where a notice can come
         grace = (self.grace_s if job is not None and job.preempt_time is not None
                  and not a.anchor else None)
+        if a.state is AllocationState.REQUESTED and job is not None \
+                and job.state is SlurmJobState.PENDING and (job.reason or "") != a.pending:
+            a.pending = job.reason or ""
+            gloss = pending_gloss(job.reason)
+            logger.info("[slurm] member request %s pending: %s%s", a.key, job.reason or "None",
+                        f" ({gloss})" if gloss else "")
         self._apply(a, observe_allocation(a.view(self._held), job,
                                           gpus_per_node=self.gpus_per_node, grace_s=grace,
                                           notice_margin_s=self.notice_margin_s),
@@ -849,6 +976,11 @@ class SlurmBackend:
             if a is None or a.gone:
                 self._seen_notices.add(name)
                 continue
+            if m.group(3) == STARTED:  # its batch shell started: the grant, ask Slurm now
+                self._seen_notices.add(name)
+                if a.state is AllocationState.REQUESTED:
+                    self._cadence = cadence.hurry(self._cadence, self._monotonic())
+                continue
             if a.state is AllocationState.REQUESTED:
                 continue  # signalled before we saw it running: handled once granted
             self._seen_notices.add(name)
@@ -858,6 +990,8 @@ class SlurmBackend:
                 since = self._clock()
             if m.group(3) == "TERM" and self.notice_signal != "TERM":
                 self._term_notices.setdefault(a.job_id, since)  # see _confirm_term_notices
+                # the full query that tells a notice from a loss, soon
+                self._cadence = cadence.hurry(self._cadence, self._monotonic() + LOOK_AGAIN_S)
             else:
                 self._notice(a, since, f"SIG{m.group(3)} in its batch shell")
 
@@ -945,16 +1079,18 @@ class SlurmBackend:
                       and w.handle.code in (None, -signal.SIGTERM, -signal.SIGKILL)]
         if any(t.hold_until is None for t in unexpected):
             # Killed by a signal nobody here sent: Slurm's (the end of a preemption grace, a
-            # node lost...). Ask Slurm now, so that the Loss comes first and the exit counts
-            # as stopped, as it would had the loss been seen first.
-            self._next_query = time.monotonic() + self.poll_interval_s
-            self._query()
+            # node lost...). Ask Slurm now (unless it said it is busy), so that the Loss
+            # comes first and the exit counts as stopped, as it would had the loss been seen
+            # first.
+            self._cadence = cadence.hurry(self._cadence, self._monotonic())
+            self._query_if_due()
         held_back = {id(t) for t in unexpected}
         for t in unexpected:
             if t.hold_until is None:
                 t.hold_until = now + EXIT_HOLD_S
+        if unexpected:
             # Slurm may show the job RUNNING for a moment after its signal: look again soon.
-            self._next_query = min(self._next_query, time.monotonic() + 0.5)
+            self._cadence = cadence.hurry(self._cadence, self._monotonic() + LOOK_AGAIN_S)
 
         def hold(w: _Worker) -> bool:  # held back for the Loss that explains it
             return (id(w.handle) in held_back and not w.state.stopping

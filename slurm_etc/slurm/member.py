@@ -11,7 +11,10 @@ to the coordinator, at once:
   then rename), with the job, the signal and the time; the coordinator's backend polls that
   directory. A shared filesystem directory works wherever the coordinator runs (the anchor's
   batch host is another node than the member's) and needs no open port;
-- every 30 s it asks Slurm whether the anchor job still runs, and ends when it does not: a
+- when it starts it writes ``<job>.<restart>.START.json`` there: the backend asks Slurm
+  about the grant at once, instead of polling a pending member often;
+- every 30 s it asks Slurm whether the anchor job still runs (``scontrol show job``: two
+  RPCs), and ends when it does not: a
   coordinator killed before it could cancel its members leaves no allocation behind;
 - a SIGTERM after the notice is the end of the grace: it exits (the node is freed at once,
   not KillWait later). A SIGTERM with no notice before it: it asks Slurm (every second until
@@ -34,6 +37,8 @@ import time
 from pathlib import Path
 
 NOTICES = "notices"
+# The "signal" name of the file a member writes when its batch shell starts (not a signal).
+STARTED = "START"
 # How long an unexplained SIGTERM (Slurm neither shows a cancel nor a preemption) is asked about.
 UNEXPLAINED_TERM_S = 60.0
 
@@ -85,10 +90,11 @@ def anchor_gone(anchor: str, timeout: float = 10.0) -> bool:
     from .runner import SlurmRunner
 
     try:
-        found = CliSlurmClient(SlurmRunner(timeout=timeout)).jobs([anchor])
+        # scontrol show job: two RPCs where squeue of one job costs three
+        job = CliSlurmClient(SlurmRunner(timeout=timeout)).job(anchor)
     except SlurmError:
         return False
-    return not found or found[0].state.finished
+    return job is None or job.state.finished
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(notice_sig, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    write_notice(args.run_dir, job_id, restart, STARTED, time.time())
     print(f"slurm-etc member {job_id}: holding {os.environ.get('SLURM_JOB_NODELIST', '?')} "
           f"for the coordinator; notices go to {args.run_dir / NOTICES}", flush=True)
     next_check = time.monotonic() + args.anchor_check_s

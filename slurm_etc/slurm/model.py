@@ -24,6 +24,7 @@ class SlurmError(InternalError, RuntimeError):
         self.returncode = returncode
         self.stderr = stderr
         self.stdout = stdout
+        self.timed_out = what is not None and what.startswith("timed out")
         cmd = " ".join(self.argv)
         detail = " | ".join(line.strip() for line in stderr.strip().splitlines() if line.strip())
         if what is None:

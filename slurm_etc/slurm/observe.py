@@ -249,3 +249,31 @@ def _lose(view: AllocationView, devices: Sequence[Device],
     left = tuple(d for d in view.held if d not in devices)
     return Observation(replace(view, held=left), (Loss(view.job_id, devices, cause),),
                        (KillWorkersOn(view.job_id, devices, why),))
+
+
+# squeue's Reason for a pending job, in words (by prefix, the first that matches): a limit
+# is the site's (Slurm holds the job whatever is free), the others wait for nodes or a time.
+_PENDING_GLOSS = (
+    ("QOS", "held by Slurm: QOS limit"),
+    ("Assoc", "held by Slurm: account/association limit"),
+    ("Partition", "held by Slurm: partition limit"),
+    ("ReqNodeNotAvail", "the nodes it needs are down, drained or reserved"),
+    ("Reservation", "waiting for a reservation"),
+    ("Resources", "waiting for free nodes"),
+    ("Priority", "jobs of higher priority go first"),
+    ("Dependency", "waiting for a dependency"),
+    ("BeginTime", "not before its begin time"),
+    ("JobHeld", "held (scontrol release)"),
+    ("Licenses", "waiting for licenses"),
+)
+
+
+def pending_gloss(reason: str | None) -> str:
+    """squeue's Reason for a pending member in words (``QOSMaxNodePerUserLimit`` ->
+    ``held by Slurm: QOS limit``); ``""`` where there is nothing to add."""
+    if not reason:
+        return "not yet scheduled"
+    for prefix, words in _PENDING_GLOSS:
+        if reason.startswith(prefix):
+            return words
+    return ""

@@ -248,3 +248,20 @@ _INVALID_JOB = "invalid job id"
 def is_unknown_job(stderr: str) -> bool:
     """Slurm's answer for a job id it does not know (never existed, or aged out)."""
     return _INVALID_JOB in stderr.lower()
+
+
+# What Slurm's clients print when slurmctld is busy or out of reach: its rate limit
+# (``rl_enable``, 23.02+: "Rate limit exceeded, please retry momentarily"; the client itself
+# sleeps and retries, so a rate-limited command mostly ends by our timeout instead), EAGAIN,
+# socket timeouts, a controller that does not answer.
+_BUSY = ("rate limit", "resource temporarily unavailable", "socket timed out",
+         "unable to contact slurm controller", "connection refused",
+         "transport endpoint is not connected", "slurmctld is not responding",
+         "please retry")
+
+
+def is_busy(output: str) -> bool:
+    """Slurm's answer (a command's stderr/stdout) says slurmctld is busy or unreachable: ask
+    again later, less often."""
+    low = output.lower()
+    return any(s in low for s in _BUSY)

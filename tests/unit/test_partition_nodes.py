@@ -42,7 +42,7 @@ def test_slurm_backend_counts_the_nodes_a_request_can_still_get(tmp_path: Path) 
     fake = FakeSlurmClient(nodes=("n1", "n2", "n3", "n4", "n5"))
     fake.anchor = fake.add_job("anchor", nodes=["n1"], gpus_per_node=2)
     backend = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
-                           notice_margin_s=5)
+                           steady_poll_s=0, notice_margin_s=5)
     try:
         backend.poll()
         assert len(backend.topology.nodes) == 5 and backend.usable_nodes() == 5

@@ -43,7 +43,7 @@ def fake():
 @pytest.fixture
 def backend(fake, tmp_path):
     b = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
-                     notice_margin_s=5)
+                     steady_poll_s=0, notice_margin_s=5)
     yield b
     b.close()
 
@@ -158,7 +158,8 @@ def test_recovery_of_members_by_comment(fake, backend, tmp_path):
     member = backend.members["gen 2=grow"]
     fake.start(member, ["n3"])
     fake.add_job("someone-else")
-    again = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0)
+    again = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
+                         steady_poll_s=0)
     assert again.members == {"gen 2=grow": member}
     assert again.poll() == [Grant(fake.anchor, d("n1", 0, 1)),
                             Grant(member, d("n3", 0, 1), "gen 2=grow")]
@@ -233,7 +234,7 @@ def test_sigterm_of_a_member_still_running_is_a_notice(fake, backend, tmp_path):
 
 def test_sigterm_is_the_notice_where_configured(fake, tmp_path):
     b = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
-                     notice_margin_s=5, notice_signal="TERM")
+                     steady_poll_s=0, notice_margin_s=5, notice_signal="TERM")
     try:
         member = _running_member(fake, b, ["n3"])
         write_notice(tmp_path, member, "0", "TERM", time.time())

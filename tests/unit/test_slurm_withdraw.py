@@ -36,7 +36,7 @@ def fake():
 @pytest.fixture
 def backend(fake, tmp_path):
     b = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
-                     notice_margin_s=5)
+                     steady_poll_s=0, notice_margin_s=5)
     yield b
     b.close()
 

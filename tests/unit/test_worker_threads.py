@@ -103,7 +103,7 @@ def _srun_payload(fake, tmp_path, monkeypatch, environ: dict[str, str]) -> dict:
     for k, v in environ.items():
         monkeypatch.setenv(k, v)
     b = SlurmBackend(tmp_path, anchor_job=fake.anchor, client=fake, poll_interval_s=0,
-                     notice_margin_s=5)
+                     steady_poll_s=0, notice_margin_s=5)
     try:
         b.poll()
         monkeypatch.setattr(slurm_backend.subprocess, "Popen", Srun)
