@@ -484,9 +484,10 @@ class Coordinator:
         key = self._request_key
         since = (None if self.request_sent_at is None
                  else wall - (time.monotonic() - self.request_sent_at))
+        held: Mapping[str, str | None] = getattr(self.backend, "pending_reasons", {})
         return outlook.Prospects(busy=False, idle_why=why, request_nodes=self.growing,
                                  request_met=bool(met(key)) if met and self.growing else True,
-                                 request_since=since)
+                                 request_since=since, request_held=held.get(key) or "")
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):

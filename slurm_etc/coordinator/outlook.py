@@ -39,6 +39,8 @@ class Prospects:
         request_met: whether the cluster can still grant that request.
         request_since: when it was sent (unix seconds; None: not known, e.g. sent again at
             a restart).
+        request_held: why the cluster holds it, as the backend last saw (Slurm's pending
+            Reason, e.g. ``QOSMaxNodePerUserLimit``: a limit ``policy apply`` set); "": none.
     """
 
     busy: bool
@@ -46,6 +48,7 @@ class Prospects:
     request_nodes: int = 0
     request_met: bool = True
     request_since: float | None = None
+    request_held: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ def outlook(p: Prospects, since: float | None, now: float, bound_s: float) -> Ou
     if p.request_nodes and p.request_met:
         return Waits(f"waiting for {p.request_nodes} node(s) requested"
                      + (f" at {_clock(p.request_since)}" if p.request_since else "")
+                     + (f" (pending: {p.request_held})" if p.request_held else "")
                      + f": {why}")
     start = now if since is None else since
     request = (f"its request for {p.request_nodes} node(s) cannot be met" if p.request_nodes

@@ -8,6 +8,7 @@ Everything is taken off again at the end (other tests share the cluster).
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def pending_reason(client, job_id: str) -> str | None:
     return job.reason if job.state is SlurmJobState.PENDING else None
 
 
-def test_slurm_holds_members_past_the_policy(client, jobs, anchor, tmp_path):
+def test_slurm_holds_members_past_the_policy(client, jobs, anchor, tmp_path, caplog):
     db = tmp_path / "policies.db"
     wait_free(client, ["n2", "n3", "n4"])
     try:
@@ -77,6 +78,15 @@ def test_slurm_holds_members_past_the_policy(client, jobs, anchor, tmp_path):
             held = wait_for(lambda: pending_reason(client, backend.members["m3"]),
                             "m3 held", 15)
             assert held == "QOSMaxNodePerUserLimit", held
+            # the coordinator's backend says why Slurm holds it, in one line
+
+            def seen() -> str | None:
+                backend.poll()
+                return backend.pending_reasons.get("m3")
+            with caplog.at_level(logging.INFO, logger="slurm_etc.slurm.backend"):
+                assert wait_for(seen, "the backend sees m3 held", 20) == held
+            assert "member request m3 pending: QOSMaxNodePerUserLimit (held by Slurm: QOS " \
+                   "limit)" in caplog.text, caplog.text
             idle = [n.name for n in client.nodes() if n.state is NodeState.IDLE]
             assert idle, "a node must be free for the hold to be Slurm's limit"
         finally:

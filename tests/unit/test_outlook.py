@@ -54,6 +54,9 @@ CASES: list[tuple[str, Prospects, float | None, float, type, str]] = [
     ("a request that cannot be met counts for nothing",
      Prospects(False, IDLE, request_nodes=3, request_met=False), T0 - BOUND, T0, GiveUp,
      "its request for 3 node(s) cannot be met"),
+    ("a request Slurm holds for a limit says so",
+     Prospects(False, IDLE, request_nodes=2, request_held="QOSMaxNodePerUserLimit"), None, T0,
+     Waits, "requested (pending: QOSMaxNodePerUserLimit): paused"),
     ("the line says what would help", Prospects(False, "the job holds no device"),
      T0 - BOUND - 5, T0, GiveUp, "run it again; the job holds no device"),
 ]
