@@ -452,12 +452,17 @@ def choose_config(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
                   max_nodes: int | None = None,
                   tp_in_node: bool = True,
                   migration_cost: Callable[[ParallelConfig], int] | None = None,
+                  survives_loss: Callable[[ParallelConfig], bool] | None = None,
                   tolerance: float = TOLERANCE) -> Choice:
     """The best configuration for the devices (see module docstring).
 
     Args:
         migration_cost: bytes the planner would move to reach a configuration (None: a
             first start, nothing to move). Asked only for the near-equal candidates.
+        survives_loss: whether a configuration, placed as it would be, keeps a copy of
+            every shard when any one node is lost (:func:`survives_node_loss`). Of the
+            near-equal candidates those that do come first (then the fewest bytes); asked
+            only when there are several.
         tolerance: relative throughput gap under which candidates count as near-equal.
         Other arguments as for ``candidates``.
 
@@ -474,15 +479,39 @@ def choose_config(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
             f"pp {_fmt(allowed_pp)}; beyond dp/tp/pp: {_fmt_names(job.supports)})")
     top = cands[0].tokens_per_s
     near = [c for c in cands if c.tokens_per_s >= (1 - tolerance) * top]
-    if migration_cost is not None and len(near) > 1:
+    by_bytes = migration_cost is not None and len(near) > 1
+    if by_bytes:
+        assert migration_cost is not None
         near = [Candidate(c.config, c.tokens_per_s, c.memory_bytes, migration_cost(c.config))
                 for c in near]
         near.sort(key=lambda c: (c.moved_bytes, -c.tokens_per_s, c.config))
-        why = (f"{near[0].config} is within {tolerance:.0%} of the best throughput and moves "
-               f"the fewest bytes of {len(near)} near-equal configurations")
+    exposed = ({c.config for c in near if not survives_loss(c.config)}
+               if survives_loss is not None and len(near) > 1 else set())
+    safer = 0 < len(exposed) < len(near)
+    if safer:  # those that survive a node loss first, each side in the order above
+        near.sort(key=lambda c: c.config in exposed)
+    survives = (f", keeps a copy of every shard when a node is lost (of {len(near)}, "
+                f"{len(exposed)} would not)" if safer else "")
+    if by_bytes:
+        why = (f"{near[0].config} is within {tolerance:.0%} of the best throughput{survives} "
+               f"and moves the fewest bytes of {len(near) - len(exposed) if safer else len(near)}"
+               " near-equal configurations")
+    elif safer:
+        why = f"{near[0].config} is within {tolerance:.0%} of the best throughput{survives}"
     else:
         why = f"{near[0].config} has the best estimated throughput of {len(cands)} candidates"
     return Choice(near[0], tuple(near), len(cands), why)
+
+
+def survives_node_loss(config: ParallelConfig, nodes: Sequence[str]) -> bool:
+    """Whether losing any one node leaves a copy of every shard: ``nodes[r]`` is the node
+    rank r runs on, and each holding class (the ranks that hold one shard: dp x cp, over ep
+    for expert shards, of them; dense shards have at least as many) must span two nodes or
+    more. A layout without replicas (dp x cp / ep = 1) never does."""
+    if config.replicas < 2:
+        return False
+    return all(len({nodes[config.rank_of(cls, x)] for x in range(config.replicas)}) >= 2
+               for cls in range(config.classes))
 
 
 def _fmt(values: Collection[int] | None) -> str:

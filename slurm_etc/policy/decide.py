@@ -9,7 +9,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from ..alloc.chooser import Choice, Hardware, TrainingJob, choose_config, tokens_per_second
+from ..alloc.chooser import (
+    Choice,
+    Hardware,
+    TrainingJob,
+    choose_config,
+    survives_node_loss,
+    tokens_per_second,
+)
 from ..alloc.migration import migration_cost
 from ..alloc.topology import ClusterTopology, Device
 from ..alloc.vranks import Allocation, allocate
@@ -170,13 +177,17 @@ def format_devices(devices: Iterable[Device]) -> str:
 
 def planner_cost(snapshot: JobView) -> CostFn:
     """Bytes the planner moves for a candidate (layout -> config on an allocation's pool)."""
-    hw = snapshot.hardware
-    topo = Topology(hw.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
+    topo = _topology(snapshot)
 
     def cost(layout: Layout, config: ParallelConfig, allocation: Allocation) -> int:
         return migration_cost(snapshot.job.model, layout, config, allocation.pool,
                               topo).moved_bytes
     return cost
+
+
+def _topology(snapshot: JobView) -> Topology:
+    hw = snapshot.hardware
+    return Topology(hw.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
 
 
 def decide(snapshot: JobView, policy: EffectivePolicy, *,
@@ -194,6 +205,7 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
         cost: migration bytes of a candidate; defaults to asking the planner.
     """
     s = snapshot
+    planned = cost is None  # the planner prices moves: its placement is the one to judge
     cost = cost or planner_cost(s)
     leaving = frozenset().union(*(n.devices for n in s.notices)) & s.held
     usable = s.held - leaving
@@ -212,10 +224,20 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
             return cost(layout, config, _allocate(s, usable, config, policy))
         cost_of = cost_from_layout
 
+    def survives(config: ParallelConfig) -> bool:
+        """Placed as it would be (the planner's placement from the current layout, where
+        the planner prices the move; else rank r on the r-th vrank of the pool)."""
+        allocation = _allocate(s, usable, config, policy)
+        order: Iterable[int] = allocation.pool
+        if layout is not None and planned:
+            order = migration_cost(s.job.model, layout, config, allocation.pool,
+                                   _topology(s)).assignment
+        return survives_node_loss(config, [allocation.vranks[v].node for v in order])
+
     try:
         choice = choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
                                allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
-                               migration_cost=cost_of)
+                               migration_cost=cost_of, survives_loss=survives)
     except ConfigError as exc:
         grow = _grow_request(s, policy, usable, None, capped)
         return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
