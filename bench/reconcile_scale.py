@@ -30,8 +30,8 @@ from slurm_etc.coordinator.reconcile import InflightResize, answer
 from slurm_etc.protocol.messages import LayoutSpec, Resize, Resized
 
 SIZES = (1024, 4096, 16384, 65536)
-ORDER = Resize("bench", 2, LayoutSpec("dp=1,tp=1,pp=1", (0,)),
-               LayoutSpec("dp=2,tp=1,pp=1", (0, 1)))
+ORDER = Resize("bench", 2, LayoutSpec.make("dp=1,tp=1,pp=1", (0,)),
+               LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from slurm_etc.plan.config import ParallelConfig
 from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
-from slurm_etc.protocol.messages import LayoutSpec, Progress, Resize, Resized
+from slurm_etc.protocol.messages import LayoutSpec, Progress, Resize, Resized, pack_runs
 
 from ..errors import InternalError
 
@@ -714,7 +714,7 @@ def order_resize(held: Holdings, *, job_id: str, generation: int, config: Parall
     need = aside_needs(longest_aside_s, plan.est_seconds, first_aside_grace_s, step_s)
     aside = prepare_while_training and (left is None or left >= need)
     order = Resize(job_id, generation, LayoutSpec.of(old), LayoutSpec.of(new),
-                   plan_digest(plan), pool=tuple(sorted(pool_map)),
+                   plan_digest(plan), pool_runs=pack_runs(sorted(pool_map)),
                    gpus_per_node=gpus_per_node, deadline=deadline, lost=tuple(lost),
                    reason=reason[:200], prepare_while_training=aside)
     return OrderedResize(order, plan, rebuild, vranks,

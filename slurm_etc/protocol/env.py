@@ -25,7 +25,7 @@ SECRET_FILE: Final = "SLURM_ETC_SECRET_FILE"
 NODE: Final = "SLURM_ETC_NODE"
 LOCAL_INDEX: Final = "SLURM_ETC_LOCAL_INDEX"
 DEVICE: Final = "SLURM_ETC_DEVICE"
-LAYOUT: Final = "SLURM_ETC_LAYOUT"  # "dp=2,tp=1,pp=1,dist-opt@0,1" (config@vranks)
+LAYOUT: Final = "SLURM_ETC_LAYOUT"  # "dp=2,tp=1,pp=1,dist-opt@0-1" (config@vrank runs)
 GPUS_PER_NODE: Final = "SLURM_ETC_GPUS_PER_NODE"
 TIMEOUT: Final = "SLURM_ETC_TIMEOUT_S"
 # How long a worker that hears nothing from its coordinator waits for it (a reattach)

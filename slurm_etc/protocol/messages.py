@@ -12,7 +12,8 @@ coordinator's ``plan_digest`` lets each worker check that it did.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
 from typing import Annotated, Literal, Protocol
 
 import msgspec
@@ -25,34 +26,74 @@ from slurm_etc.plan.model import MODEL_BOUNDS, ModelDesc
 
 from .env import LAYOUT
 
+# the most vranks a list of runs may name (a job's devices; far above any machine)
+MAX_VRANKS = 1 << 20
+_First = Annotated[int, msgspec.Meta(ge=0, lt=MAX_VRANKS)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_VRANKS)]
+# vranks as runs of consecutive ones, ``(first, count)``, in their order
+Runs = tuple[tuple[_First, _Count], ...]
+
+
+def pack_runs(vranks: Iterable[int]) -> Runs:
+    """``vranks`` (in order) as runs of consecutive vranks: what an order carries. The
+    allocator keeps a job's vranks compact, so a layout of any size is a run or a few
+    (listed whole, a 16,384-rank layout is ~50 KB, and an order names two and goes to
+    every rank: 1.6 GB a resize; as runs, a few bytes)."""
+    out: list[tuple[int, int]] = []
+    for v in vranks:
+        if out and out[-1][0] + out[-1][1] == v:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def unpack_runs(runs: Runs) -> tuple[int, ...]:
+    """The vranks ``runs`` name, in order (ConfigError past :data:`MAX_VRANKS`)."""
+    if sum(count for _, count in runs) > MAX_VRANKS:
+        raise ConfigError(f"runs name more than {MAX_VRANKS:,} vranks")
+    return tuple(v for first, count in runs for v in range(first, first + count))
+
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N[,ep=N,cp=N,vpp=N]``;
-    ``devices[rank]`` the vrank of every rank in megatron's rank order."""
+    """A layout on the wire: ``config`` as ``dp=N,tp=N,pp=N[,ep=N,cp=N,vpp=N]``; ``runs``
+    the vrank of every rank in megatron's rank order (:attr:`devices`) as runs of
+    consecutive vranks (:func:`pack_runs`). Build one with :meth:`of` or :meth:`make`."""
 
     config: str
-    devices: tuple[int, ...]
+    runs: Runs
     distributed_optimizer: bool = False
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """``devices[rank]``: the vrank of every rank."""
+        return unpack_runs(self.runs)
 
     def layout(self) -> Layout:
         """The Layout (raises ConfigError on a malformed config or device list)."""
         cfg = ParallelConfig.parse(self.config, self.distributed_optimizer)
-        return Layout(cfg, tuple(self.devices))
+        return Layout(cfg, self.devices)
+
+    @classmethod
+    def make(cls, config: str, devices: Iterable[int],
+             distributed_optimizer: bool = False) -> LayoutSpec:
+        return cls(config, pack_runs(devices), distributed_optimizer)
 
     @classmethod
     def of(cls, layout: Layout) -> LayoutSpec:
         c = layout.config
-        return cls(c.degrees(), tuple(layout.devices),
-                   c.distributed_optimizer)
+        return cls.make(c.degrees(), layout.devices, c.distributed_optimizer)
 
 
 class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=True):
     """Move from ``old`` to ``new`` at the next step boundary; opens ``generation``.
 
     ``pool`` is the devices the coordinator planned the new layout on (empty: exactly
-    ``new.devices``) and ``gpus_per_node`` its topology (0: the worker's own): every worker
-    plans with the same inputs. ``lost`` are old vranks that died without notice: they take
-    no part, and what they held comes from surviving replicas. ``deadline`` (unix seconds)
+    ``new.devices``; on the wire as runs, ``pool_runs``) and ``gpus_per_node`` its topology
+    (0: the worker's own): every worker plans with the same inputs. ``lost`` are old vranks
+    that died without notice: they take no part, and what they held comes from surviving
+    replicas. ``deadline`` (unix seconds)
     is when the devices leaving are taken away (a preemption's grace); ``plan_digest`` is
     the coordinator's plan digest. ``prepare_while_training``: the old layout trains on
     while the resize is prepared and pauses only at a later step boundary, once every
@@ -65,12 +106,16 @@ class Resize(msgspec.Struct, frozen=True, tag="resize", forbid_unknown_fields=Tr
     old: LayoutSpec
     new: LayoutSpec
     plan_digest: str = ""
-    pool: tuple[int, ...] = ()
+    pool_runs: Runs = ()
     gpus_per_node: int = 0
     lost: tuple[int, ...] = ()
     deadline: float | None = None
     reason: str = ""
     prepare_while_training: bool = False
+
+    @property
+    def pool(self) -> tuple[int, ...]:
+        return unpack_runs(self.pool_runs)
 
 
 class Stop(msgspec.Struct, frozen=True, tag="stop", forbid_unknown_fields=True):
@@ -327,18 +372,30 @@ HOLD_AFTER_S = 15.0
 
 
 def format_layout(layout: Layout) -> str:
-    return f"{layout.config}@{','.join(map(str, layout.devices))}"
+    """``<config>@<runs>``, a run ``first-last`` or one vrank: a few bytes whatever the
+    layout's size (a 16,384-rank layout listed whole would pass Linux's 128 KiB bound on
+    one environment variable at 32k ranks)."""
+    runs = (f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in pack_runs(layout.devices))
+    return f"{layout.config}@{','.join(runs)}"
 
 
 def parse_layout(text: str) -> Layout:
     """Inverse of :func:`format_layout` (ConfigError when malformed)."""
     config, sep, devices = text.partition("@")
     if not sep:
-        raise ConfigError(f"{LAYOUT}={text!r}: expected <config>@<vrank,...>")
+        raise ConfigError(f"{LAYOUT}={text!r}: expected <config>@<vrank or first-last,...>")
     dist_opt = config.endswith(",dist-opt")
     cfg = ParallelConfig.parse(config.removesuffix(",dist-opt"), dist_opt)
+    runs: list[tuple[int, int]] = []
     try:
-        ranks = tuple(int(v) for v in devices.split(","))
+        for part in devices.split(","):
+            first, dash, last = part.partition("-")
+            a, b = int(first), int(last if dash else first)
+            if not 0 <= a <= b < MAX_VRANKS:
+                raise ValueError(part)
+            runs.append((a, b - a + 1))
+        ranks = unpack_runs(tuple(runs))
     except ValueError:
-        raise ConfigError(f"{LAYOUT}={text!r}: vranks must be integers") from None
+        raise ConfigError(f"{LAYOUT}={text!r}: vranks must be integers or ranges "
+                          f"first-last (0 <= first <= last < {MAX_VRANKS:,})") from None
     return Layout(cfg, ranks)

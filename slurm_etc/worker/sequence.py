@@ -164,7 +164,7 @@ def _script(seq: ResizeSequence, job: str, layouts: list[Layout], digests: list[
         told = {old.devices[0]} | (set(new.devices) - set(old.devices))
         out.append(ScriptEntry(seq.steps * g, Resize(job, g, LayoutSpec.of(old),
                                                      LayoutSpec.of(new), digests[g],
-                                                     pool=tuple(range(seq.processes)),
+                                                     pool_runs=((0, seq.processes),),
                                                      reason=f"scripted resize {g}"),
                                frozenset(told)))
     return out

@@ -153,7 +153,7 @@ def dying_main(case: Case, vrank: int, port: int, job: str, ckpt_dir: str | None
 
 
 def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> dict | None:
-    from slurm_etc.protocol.messages import LayoutSpec, Resize
+    from slurm_etc.protocol.messages import LayoutSpec, Resize, pack_runs
     from slurm_etc.worker.sequence import _digest
     from slurm_etc.worker.trainer import TrainerHooks
 
@@ -162,7 +162,7 @@ def w_survivor(ctx, case: Case, port: int, job: str, ckpt_dir: str | None) -> di
     store = _store(port)
     order = Resize(job, 1, LayoutSpec.of(Layout(case.old, case.devices)),
                    LayoutSpec.of(Layout(case.new, case.new_devices)),
-                   pool=tuple(case.new_devices), gpus_per_node=1, lost=case.die,
+                   pool_runs=pack_runs(case.new_devices), gpus_per_node=1, lost=case.die,
                    reason="node lost without grace")
     trainer = _trainer(case, ckpt_dir)
     trainer.hooks = TrainerHooks(stale_peer_copies=case.stale)

@@ -89,8 +89,8 @@ def join(coordinator: CoordinatorChannel, w: WorkerChannel) -> Welcome:
 
 
 def resize(generation: int) -> Resize:
-    return Resize(JOB, generation, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
-                  LayoutSpec("dp=4,tp=1,pp=1", (0, 1, 2, 3), True), plan_digest="abc",
+    return Resize(JOB, generation, LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)),
+                  LayoutSpec.make("dp=4,tp=1,pp=1", (0, 1, 2, 3), True), plan_digest="abc",
                   deadline=1_900_000_000.0, reason="grant")
 
 

@@ -43,8 +43,8 @@ from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
 from slurm_etc.protocol.messages import LayoutSpec, Resize, Resized
 
 TIMEOUT = 60.0
-ORDER = Resize("j", 2, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
-               LayoutSpec("dp=3,tp=1,pp=1", (0, 1, 2)))
+ORDER = Resize("j", 2, LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)),
+               LayoutSpec.make("dp=3,tp=1,pp=1", (0, 1, 2)))
 
 
 def resize(*, joiners=(2,), started=100.0, sent_at=101.0, **kw) -> InflightResize:
@@ -257,8 +257,8 @@ def test_a_rebuild_rolls_the_step_back_and_forgets_lost_devices_it_no_longer_hol
     from slurm_etc.coordinator.reconcile import commit
 
     gone = Device("n3", 0)
-    shrink = Resize("j", 2, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
-                    LayoutSpec("dp=1,tp=1,pp=1", (0,)), lost=(1,))
+    shrink = Resize("j", 2, LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)),
+                    LayoutSpec.make("dp=1,tp=1,pp=1", (0,)), lost=(1,))
     held, d = _holdings(lost=frozenset({gone}),
                         notices={gone: (5.0, "a9")}, held={gone: "a9"})
     fl = resize(vranks={0: d[0], 1: d[1]}, joiners=(), dead=frozenset({1}), order=shrink)

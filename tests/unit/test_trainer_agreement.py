@@ -13,7 +13,8 @@ from slurm_etc.coordinator.reconcile import answer
 from slurm_etc.protocol.messages import ENCODER, Abort, LayoutSpec, Resize, Resized, Stop
 from slurm_etc.worker.trainer import newest_order
 
-OLD, NEW = LayoutSpec("dp=2,tp=1,pp=1", (0, 1)), LayoutSpec("dp=2,tp=2,pp=1", (0, 1, 2, 3))
+OLD = LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1))
+NEW = LayoutSpec.make("dp=2,tp=2,pp=1", (0, 1, 2, 3))
 
 
 def order(generation: int) -> Resize:

@@ -18,7 +18,7 @@ def test_what_the_launch_sets_is_read_back() -> None:
     got = WorkerEnv.of({names.JOB: "j", names.VRANK: "3", names.GENERATION: "2",
                         names.LAYOUT: format_layout(layout), names.GPUS_PER_NODE: "4",
                         names.TIMEOUT: "60", names.REATTACH_WAIT: "30.5"})
-    assert got == WorkerEnv("j", 3, 2, "dp=2,tp=1,pp=1@0,1", 4, 60.0, 30.5)
+    assert got == WorkerEnv("j", 3, 2, "dp=2,tp=1,pp=1@0-1", 4, 60.0, 30.5)
     assert parse_layout(got.layout or "") == layout
 
 

@@ -73,8 +73,8 @@ def test_sequence_layouts_are_planned_on_the_processes():
 
 
 def _resize(gen: int) -> Resize:
-    return Resize("j", gen, LayoutSpec("dp=2,tp=1,pp=1", (0, 1)),
-                  LayoutSpec("dp=1,tp=2,pp=1", (1, 2)))
+    return Resize("j", gen, LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)),
+                  LayoutSpec.make("dp=1,tp=2,pp=1", (1, 2)))
 
 
 def test_scripted_control_hands_orders_at_their_step_to_their_recipients():
