@@ -10,6 +10,12 @@ stores one key per communicator, the unique id rank 0 writes and every other ran
 (``ProcessGroupNCCL::broadcastUniqueNCCLID``), and a ``new_group`` split from an existing
 communicator (``ncclCommSplit``) asks the store nothing.
 
+Each size runs twice, side by side: gloo as it starts by default (every pair connected when
+a group starts) and with ``TORCH_GLOO_LAZY_INIT=1`` (a pair connected at its first
+collective), which a worker on a GPU sets (``migrate/device.py: use``): there the world's
+gloo half carries nothing per step, and its groups cost a rank one address each. The world's
+barrier at the end is the only collective (it connects the pairs it uses).
+
     OMP_NUM_THREADS=1 python bench/group_rendezvous.py --ranks 2,4,8
 """
 from __future__ import annotations
@@ -17,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import secrets
 from datetime import timedelta
+
+from slurm_etc.migrate.device import GLOO_LAZY_INIT
 
 
 def _rank(rank: int, world: int, port: int, secret: bytes, groups: int, out) -> None:
@@ -38,7 +47,7 @@ def _rank(rank: int, world: int, port: int, secret: bytes, groups: int, out) -> 
     store.close()
 
 
-def measure(world: int, groups: int) -> dict:
+def measure(world: int, groups: int, lazy: bool) -> dict:
     from slurm_etc.protocol.store import StoreServer
 
     secret = secrets.token_bytes(32)
@@ -47,15 +56,23 @@ def measure(world: int, groups: int) -> dict:
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, world, server.port, secret, groups, out))
              for r in range(world)]
-    for p in procs:
-        p.start()
+    was = os.environ.pop(GLOO_LAZY_INIT, None)
+    if lazy:  # the children inherit it
+        os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.pop(GLOO_LAZY_INIT, None)
+        if was is not None:
+            os.environ[GLOO_LAZY_INIT] = was
     sent = sum(out.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(60)
     stats = server.stats()
     server.close()
     starts = groups + 1
-    return {"ranks": world, "group_starts": starts,
+    return {"ranks": world, "gloo": "lazy" if lazy else "eager", "group_starts": starts,
             "store_requests_per_group": round(sent / starts, 1),
             "per_rank_per_group": round(sent / starts / world, 1),
             "keys_per_group": round(stats["keys"] / starts, 1)}
@@ -70,7 +87,8 @@ def main() -> None:
     if not all(2 <= n <= 32 for n in sizes) or not 0 <= args.groups <= 20:
         parser.error("--ranks: sizes in 2..32; --groups in 0..20")
     for n in sizes:
-        print(json.dumps(measure(n, args.groups)), flush=True)
+        for lazy in (False, True):
+            print(json.dumps(measure(n, args.groups, lazy)), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ from slurm_etc.plan.errors import ConfigError
 # torch's ProcessGroupNCCL reads it when a communicator is created: set before any
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_CLEANUP_ONLY = "2"
+# torch's ProcessGroupGloo (torch >= 2.8) connects a pair of ranks at its first collective
+# instead of every pair when the group starts: n(n+1) store requests a group otherwise
+# (docs/rendezvous.md). On a GPU the world's gloo half carries nothing per step (the step's
+# loss and gate go over NCCL), so it costs each rank one address written at the start.
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,14 @@ def _visible_count(env: Mapping[str, str]) -> int:
 
 def use(compute: Compute, env: dict[str, str] | None = None) -> Compute:
     """Make ``compute`` this process's: set the current CUDA device and, on a GPU, NCCL's
-    error handling (``env``: default ``os.environ``; a value the user set stays)."""
+    error handling and gloo's lazy start (``env``: default ``os.environ``; a value the user
+    set stays)."""
     global _current
     if compute.cuda:
         torch.cuda.set_device(compute.device)
-        (os.environ if env is None else env).setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)
+        env = os.environ if env is None else env
+        env.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)
+        env.setdefault(GLOO_LAZY_INIT, "1")
     _current = compute
     return compute
 

@@ -113,8 +113,11 @@ DEFAULT_TIMEOUT_S = 300.0
 # A new rank that waits this long for its peers to install a committed layout reports the
 # commit at once: the coordinator can then settle it and name a peer that died meanwhile.
 EARLY_COMMIT_REPORT_S = 2.0
-# A rank waiting for its peers at the step agreement looks at its orders this often.
-AGREE_SLICE_S = 0.05
+# A rank waiting for its peers at the step agreement asks again (and looks at its orders)
+# this often. The job's store answers at once when the decision is there and when the
+# coordinator names the dead (the wake key), so the slice only bounds a wait on another
+# store: short slices re-ask N times a second while a 16k-rank job arrives (seconds).
+AGREE_SLICE_S = 1.0
 # The phases of resize_in_place that the worker's "resized" line shows, in their order.
 PAUSE_PARTS = ("resume", "migrate", "train_group", "rebuild", "install", "switch")
 # A worker whose coordinator died says Hello this often until a restarted one answers.
@@ -550,10 +553,11 @@ class ElasticTrainer:
         order (or saw its store close: a coordinator died). Nobody: that boundary trains on
         without asking the store anything (O(1) a rank, whatever the job's size); somebody:
         every rank agrees through the store, as before (:meth:`_agree`). Every rank reads
-        the same sum, so all take the same path."""
+        the same sum, so all take the same path. On the step's device: over NCCL on a GPU
+        (the world's gloo half then carries nothing per step), gloo on the CPU."""
         from megatron.core import parallel_state
 
-        local = torch.zeros(2, dtype=torch.float64, device="cpu")  # host: over gloo
+        local = torch.zeros(2, dtype=torch.float64, device=device.current().device)
         if losses and parallel_state.is_pipeline_last_stage():
             local[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
         local[1] = 1.0 if self._holds_an_order() else 0.0

@@ -253,12 +253,13 @@ def test_nccl_error_handling_is_set_only_where_the_user_did_not(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     env: dict[str, str] = {}
     devmod.use(Compute(torch.device("cuda", 0)), env)
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_GLOO_LAZY_INIT": "1"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_GLOO_LAZY_INIT": "0"}
     devmod.use(Compute(torch.device("cuda", 0)), env)
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    devmod.use(devmod.CPU)
-    assert devmod.current() is devmod.CPU
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_GLOO_LAZY_INIT": "0"}
+    env = {}
+    devmod.use(devmod.CPU, env)
+    assert devmod.current() is devmod.CPU and env == {}  # the CPU test vehicle: as it was
 
 
 def test_batches_move_to_the_device_whole():
