@@ -3,26 +3,32 @@ the ranks simulated.
 
 **Real** (the code a job runs): the coordinator (:class:`~slurm_etc.coordinator.loop.
 Coordinator`, its reconcile loop, policy, vrank allocator and planner), its SQLite record,
-the control channel (CURVE, HMAC envelopes), the rendezvous store it hosts, the heartbeats,
-and on the ranks' side the worker's end of both: every simulated rank holds its own
+the control channel (CURVE, HMAC envelopes, libzmq's heartbeats), the rendezvous store it
+hosts, and on the ranks' side the worker's end of both: every simulated rank holds its own
 :class:`~slurm_etc.protocol.channel.WorkerChannel` and its own
-:class:`~slurm_etc.protocol.store.StoreClient` connection, and says what a worker says
-(Hello, ModelBuilt, Progress from rank 0, Ready, Resized, Resumed, Exited) as the messages of
-:mod:`slurm_etc.protocol.messages`, and agrees at every step boundary with the trainer's
-exact request (``agree_step`` over every rank's key of the step, the stale key of step - 2,
-the wake key that names the dead; :meth:`ElasticTrainer._agree`).
+:class:`~slurm_etc.protocol.store.StoreClient`, says what a worker says (Hello, ModelBuilt,
+Progress from rank 0, Ready, Resized, Resumed, Exited) as the messages of
+:mod:`slurm_etc.protocol.messages`, and decides each step boundary as the trainer does
+(:meth:`ElasticTrainer._agree`): nothing asked of the store while the last step's gate says
+no rank holds an order, else O(1) requests a rank (propose, count in, wait for the decision,
+which the wake key naming the dead ends at once).
 
 **Simulated**: the cluster (a backend of N/8 nodes of 8 devices, plus an eighth more for the
 grow, whose grants, preemption notice and node loss come at scripted points); the workers'
 processes (ranks are threads, up to ``ranks_per_host`` of them in each of several host
 processes, all sharing one zmq context per process); training (a step is a sleep of
-``step_s``); every collective among ranks (the step's all-reduce, the migration group's
-rendezvous, the data phase, the new world's groups, the commit vote's all-gather) is
-skipped: it costs nothing here, and the resize times exclude it. Of a resize the ranks do
-what goes through the coordinator's store: old rank 0 publishes the trainer state and when
-its last step ended, joiners wait for it, every rank of the new layout takes the commit
-decision (compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`), then each
-reports. Resizes are not prepared beside training (the agreed step carries it out).
+``step_s``); the collectives among ranks. Two of those decide what the control path does
+and run on a *fabric* (a process of their own that sums what the hosts send, one message a
+host a step): the step's loss all-reduce, which carries the gate, and a resize's migration
+group (a barrier of the old survivors and the joiners, standing for its rendezvous and data
+phase). A rank killed fails its generation's collectives there, as gloo's closed
+connection fails its peers'. A rank's wait in them is not control time (``gate_wait_ms``
+apart). The data phase itself, the new world's groups and the commit vote's all-gather cost
+nothing here, and the resize times exclude them. Of a resize the ranks do what goes through
+the coordinator's store: old rank 0 publishes the trainer state and when its last step
+ended, joiners wait for it, every rank of the new layout takes the commit decision
+(compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`), then each reports.
+Resizes are not prepared beside training (the agreed step carries it out).
 
 What the machine limits: on 2 cores the ranks' threads, the coordinator and its store share
 the CPUs, so a rank's step control time includes waiting for the CPU the other ranks use;
@@ -45,9 +51,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from slurm_etc import bounds
 from slurm_etc.errors import InternalError
@@ -63,6 +69,8 @@ COORDINATOR_FDS_SPARE = 256
 # mailboxes, the store connection's monitor pair)
 FDS_PER_SIM_RANK = 8
 EXTRAPOLATE_TO = 131_072
+# the fabric's key of a resize's migration group (a step number no step has)
+MIGRATION_GROUP = -1
 # how long the job may take to end once the scenario ended it, before the bench cancels it
 END_GRACE_S = 60.0
 
@@ -185,18 +193,17 @@ class _Halt:
 
 class _Shared:
     """What the ranks of one host process share: the zmq context, parsed layouts, the
-    secret, and the list of a step's agreement keys (every rank's request names the same
-    keys; building them once per process saves the simulation N times that work, which a
-    real rank does once for itself)."""
+    secret, and the host's end of the simulated all-reduce."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, fabric: "_HostFabric") -> None:
         import zmq
 
         self.ctx: Any = zmq.Context(io_threads=1)
         self.ctx.set(zmq.MAX_SOCKETS, max(1024, FDS_PER_SIM_RANK * ranks + 64))
+        self.fabric = fabric
         self._lock = threading.Lock()
         self._layouts: dict[str, Any] = {}
-        self._keys: dict[tuple[int, int, int], list[str]] = {}
+        self._spec_layouts: dict[tuple[Any, ...], Any] = {}
         self._secrets: dict[str, Any] = {}
         self._ranks: dict[int, dict[int, int]] = {}
 
@@ -219,13 +226,12 @@ class _Shared:
 
     def layout_of(self, spec: Any) -> Any:
         """The Layout of an order's LayoutSpec, one object per process (ranks are found in
-        it by identity: hashing a 16k-device tuple per step would be the simulation's
-        cost, not a rank's)."""
-        key = f"{spec.config},{spec.distributed_optimizer}@{hash(spec.devices)}"
+        it by identity)."""
+        key = (spec.config, spec.distributed_optimizer, spec.runs)
         with self._lock:
-            got = self._layouts.get(key)
-            if got is None or tuple(got.devices) != tuple(spec.devices):
-                got = self._layouts[key] = spec.layout()
+            got = self._spec_layouts.get(key)
+            if got is None:
+                got = self._spec_layouts[key] = spec.layout()
             return got
 
     def rank_of(self, layout: Any, vrank: int) -> int:
@@ -235,27 +241,13 @@ class _Shared:
                 index = self._ranks[id(layout)] = {v: i for i, v in enumerate(layout.devices)}
             return index[vrank]
 
-    def agreement_keys(self, job: str, generation: int, step: int, world: int) -> list[str]:
-        from slurm_etc.protocol.rendezvous import GenerationKeys
-
-        key = (generation, step, world)
-        with self._lock:
-            got = self._keys.get(key)
-            if got is None:
-                names = GenerationKeys(job, generation)
-                got = [names.agreement(0, step, r) for r in range(world)]
-                if len(self._keys) > 64:
-                    self._keys.clear()
-                self._keys[key] = got
-            return got
-
 
 class SimRank:
     """One simulated rank: the worker's side of the control path, training nothing.
 
-    ``control`` collects ``(generation, step, seconds)`` of every step boundary: from the end
-    of a step's work (the sleep) to the start of the next (orders read, the agreement,
-    rank 0's Progress)."""
+    ``control`` collects ``(generation, step, cost, wall)`` of every step boundary: from the
+    end of a step's work (the sleep) to the start of the next (orders read, the agreement,
+    rank 0's Progress), its all-reduce apart (:meth:`_train`)."""
 
     def __init__(self, shared: _Shared, vrank: int, generation: int, env: Mapping[str, str],
                  model: Any, step_s: float, done: Callable[[int, int, int, bool], None]
@@ -272,7 +264,7 @@ class SimRank:
         self.model, self.step_s, self.done = model, step_s, done
         self.halt = _Halt()
         self.step = 0
-        self.control: list[tuple[int, int, float]] = []
+        self.control: list[tuple[int, int, float, float]] = []
         self._pending: Any = None
         self._woken_by = b""
         self._last_ended: float | None = None
@@ -281,6 +273,14 @@ class SimRank:
         self.failure = ""  # why the rank failed (a line), empty while it did not
         self.restarts = 0  # times the store went unanswered past the client's grace
         self._aborted: set[int] = set()
+        self.fabric = shared.fabric
+        self._gate: tuple[int, int, bool] | None = None
+        self.gate_wait: list[float] = []  # seconds in each step's gate all-reduce
+        self._asked = False  # whether this step boundary asked the store
+        self._boundary_at = 0.0  # when the boundary that asked the store (or failed) began
+        # generation -> when this rank's layout began the resize to it: the boundary that
+        # agreed on it, or the collective that failed (the step in flight is not control)
+        self.resize_began: dict[int, float] = {}
         self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------
@@ -337,20 +337,53 @@ class SimRank:
         self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
         while True:
             self._check()
-            t0 = time.perf_counter()
-            order = self._agree()
-            if order is None:
-                self.control.append((self.generation, self.step, time.perf_counter() - t0))
-                started = time.time()
-                if self.halt.event.wait(self.step_s):
-                    raise _Halted()
-                self.step += 1
-                self._step_ended(started, time.time())
-                continue
+            t0, c0 = time.perf_counter(), time.thread_time()
+            self._asked = False
+            try:
+                order = self._agree()
+                if order is None:
+                    self._train(t0, c0)
+                    continue
+            except CollectiveFailed:
+                order = self._recover()
             if isinstance(order, Stop):
                 return self._exit("stopped")
             if isinstance(order, Resize) and self._resize(order) == "left":
                 return 0
+
+    def _train(self, t0: float, c0: float) -> None:
+        """One step: its work (a sleep), then the trainer's ``_reduce_loss``: the gate of the
+        next boundary (whether any rank holds an order) in the all-reduce the step runs
+        anyway (the fabric's, timed apart), then rank 0's Progress.
+
+        ``control`` gets ``(generation, step, cost, wall)`` of the boundary, outside the
+        step's work and its all-reduce: ``wall`` as the clock saw it (with the CPU the other
+        simulated ranks took meanwhile: thousands of threads on 2 cores), ``cost`` what the
+        rank itself paid: its own CPU time at a boundary that asked nobody anything, the
+        wall time at one that asked the store (a round trip is paid waiting)."""
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        started = time.time()
+        if self.halt.event.wait(self.step_s):
+            raise _Halted()
+        ended = time.time()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        self.step += 1  # trained (the trainer counts it before the loss's all-reduce)
+        holds = self._holds_an_order()
+        layout = self.layout
+        assert layout is not None  # trained steps have one
+        t2, c2 = time.perf_counter(), time.thread_time()
+        try:
+            self._gate = (self.generation, self.step, self.fabric.all_reduce(
+                self.generation, self.step, layout.config.world, holds, self.halt.event,
+                self.timeout_s))
+        finally:
+            t3, c3 = time.perf_counter(), time.thread_time()
+            self.gate_wait.append(t3 - t2)
+        self._step_ended(started, ended)
+        wall += (t2 - t1) + (time.perf_counter() - t3)
+        cpu += (c2 - c1) + (time.thread_time() - c3)
+        self.control.append((self.generation, self.step - 1,
+                             wall if self._asked else cpu, wall))
 
     def _join(self) -> Any:
         from slurm_etc.protocol.channel import ChannelError
@@ -380,44 +413,61 @@ class SimRank:
         raise TimeoutError(f"vrank {self.vrank}: no order to join within {self.timeout_s} s")
 
     def _take_orders(self) -> None:
+        while (order := self.channel.poll()) is not None:
+            self._consider(order)
+
+    def _consider(self, order: Any) -> None:
         from slurm_etc.protocol.messages import Abort
 
-        while (order := self.channel.poll()) is not None:
-            if order.generation <= self.generation or order.generation in self._aborted:
-                continue
-            if isinstance(order, Abort):
-                if self._pending is not None and self._pending.generation == order.generation:
-                    self._pending = None
-                continue
-            if self._pending is None or order.generation >= self._pending.generation:
-                self._pending = order
+        if order.generation <= self.generation or order.generation in self._aborted:
+            return
+        if isinstance(order, Abort):
+            if self._pending is not None and self._pending.generation == order.generation:
+                self._pending = None
+            return
+        if self._pending is None or order.generation >= self._pending.generation:
+            self._pending = order
+
+    def _holds_an_order(self) -> bool:
+        """The trainer's ``_holds_an_order``: an order pending, or the store's connection
+        closed (a coordinator died)."""
+        self._take_orders()
+        return self._pending is not None or self.store.disconnected()
 
     def _agree(self) -> Any:
-        """The trainer's step agreement (``ElasticTrainer._agree`` as of 648be8a, before the
-        step gate of #42 part 2), its exact request: one per rank per step boundary naming
-        every rank's key. A trainer that changes it changes this with it."""
-        from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER, Resize
+        """The trainer's step agreement (``ElasticTrainer._agree``), its exact requests: none
+        when the last step's gate said no rank holds an order; else ``_arrive`` (O(1)
+        requests a rank: propose, count in, the last closes "no order") and the wait for
+        the decision, which the wake key ends at once when the coordinator names the dead.
+        A trainer that changes it changes this with it."""
+        from slurm_etc.protocol.messages import ORDER_DECODER
         from slurm_etc.protocol.rendezvous import GenerationKeys
         from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
+        from slurm_etc.worker.trainer import AGREE_SLICE_S, newest_order
 
         layout = self.layout
         assert layout is not None  # agreed steps have one
         self._take_orders()
+        gate, self._gate = self._gate, None
+        if gate == (self.generation, self.step, False):
+            return None
+        self._asked, self._boundary_at = True, time.time()
         rank = self.shared.rank_of(layout, self.vrank)
         names = GenerationKeys(self.job, self.generation)
-        keys = self.shared.agreement_keys(self.job, self.generation, self.step,
-                                          layout.config.world)
-        mine = ENCODER.encode(self._pending) if self._pending else b"-"
+        own = names.agreement(0, self.step, rank)
+        decided = names.agreement(0, self.step, "decided")
         stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
+        arrived = names.agreement(0, self.step, "arrived")
+        self._arrive(decided, arrived, layout.config.world)
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._check()
             try:
-                got = agree_step(self.store, keys[rank], mine, stale, keys, 0.05,
+                got = agree_step(self.store, own, b"-", stale, [decided], AGREE_SLICE_S,
                                  wake=names.lost, seen=self._woken_by)
             except StoreUnreachable:
                 self._await_restart()
-                mine = ENCODER.encode(self._pending) if self._pending else b"-"
+                self._arrive(decided, arrived, layout.config.world)
                 deadline = time.monotonic() + self.timeout_s
                 continue
             if isinstance(got, Woken):
@@ -429,16 +479,53 @@ class SimRank:
                 break
             self._take_orders()
             p = self._pending
-            if isinstance(p, Resize) and p.lost and self.shared.layout_of(p.old) is layout:
+            if self._names_the_dead(p):
                 self._pending = None
                 return p
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vrank {self.vrank}: step {self.step} not agreed within "
                                    f"{self.timeout_s} s")
-        self._pending = None
-        orders = [o for o in (ORDER_DECODER.decode(v) for v in got if v != b"-")
-                  if o.generation > self.generation and o.generation not in self._aborted]
-        return max(orders, key=lambda o: o.generation) if orders else None
+        decision = newest_order(got, self.generation, self._aborted)
+        held = self._pending
+        if held is None or (decision is not None and held.generation <= decision.generation) \
+                or held.generation in self._aborted:
+            self._pending = None
+        return decision
+
+    def _arrive(self, decided: str, arrived: str, world: int) -> None:
+        """The trainer's ``_arrive``: propose what this rank holds, count in, and the last
+        rank in closes the decision with "no order"."""
+        from slurm_etc.protocol.messages import ENCODER
+
+        if self._pending is not None:
+            self.store.compare_set(decided, b"", ENCODER.encode(self._pending))
+        if self.store.add(arrived, 1) == world:
+            self.store.compare_set(decided, b"", b"-")
+
+    def _names_the_dead(self, order: Any) -> bool:
+        from slurm_etc.protocol.messages import Resize
+
+        return (isinstance(order, Resize) and bool(order.lost) and self.layout is not None
+                and self.shared.layout_of(order.old) is self.layout)
+
+    def _recover(self) -> Any:
+        """The trainer's ``_recover``: a collective failed (a peer died); wait on the channel
+        for the coordinator's order naming the dead (or Stop)."""
+        from slurm_etc.protocol.messages import Stop
+
+        self._boundary_at = time.time()
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            self._check()
+            self._take_orders()
+            p = self._pending
+            if isinstance(p, Stop) or self._names_the_dead(p):
+                self._pending = None
+                return p
+            if (order := self.channel.wait(0.5)) is not None:
+                self._consider(order)
+        raise TimeoutError(f"vrank {self.vrank}: no order naming the dead within "
+                           f"{self.timeout_s} s")
 
     def _await_restart(self) -> None:
         """What the trainer does when the store leaves a request unanswered past the
@@ -484,30 +571,28 @@ class SimRank:
         self._last_ended = ended
 
     def _resize(self, order: Any) -> str:
-        """The resize's control part (module doc): what goes through the store, then the
-        report; the collectives (migration group, data phase, new world) are skipped."""
+        """The resize's control part (module doc): what goes through the store, and the
+        migration group every rank of it joins (old survivors and joiners: the fabric's
+        barrier stands for its rendezvous and data phase, which no rank leaves before
+        all read the decision), then the report."""
         from slurm_etc.lifecycle import ProcessOutcome
         from slurm_etc.migrate.decision import CommitDecision
         from slurm_etc.protocol.messages import Resized
         from slurm_etc.protocol.rendezvous import GenerationKeys, commit_decision
+        from slurm_etc.protocol.store import wait_for_keys
 
         keys = GenerationKeys(self.job, order.generation)
         old, new = self.shared.layout_of(order.old), self.shared.layout_of(order.new)
         t0 = time.perf_counter()
+        lost = set(order.lost)
         if self.layout is not None:
-            publisher = next(v for v in old.devices if v not in set(order.lost))
+            self.resize_began[order.generation] = self._boundary_at
+            publisher = next(v for v in old.devices if v not in lost)
             if self.vrank == publisher:
                 self.store.set(keys.trainer, str(self.step).encode())
                 self.store.set(keys.last_ended, repr(self._last_ended or time.time()).encode())
-        if self.vrank not in new.devices:
-            self.channel.report(Resized(self.job, order.generation, self.vrank,
-                                        ProcessOutcome.LEFT, self.step))
-            self._exit("left", order.generation)
-            return "left"
         if self.layout is None:  # a joiner: the trainer state the old layout published
             deadline = time.monotonic() + self.timeout_s
-            from slurm_etc.protocol.store import wait_for_keys
-
             while not wait_for_keys(self.store, [keys.trainer, keys.last_ended], 0.5):
                 self._check()
                 if time.monotonic() > deadline:
@@ -515,9 +600,15 @@ class SimRank:
                                        f"{order.generation}")
             self.step = int(self.store.get(keys.trainer))
             self._last_ended = float(self.store.get(keys.last_ended))
-            self._joined = True
-        else:
-            self._joined = False
+        self._joined = self.layout is None
+        members = ({v for v in old.devices if v not in lost} | set(new.devices))
+        self.fabric.all_reduce(order.generation, MIGRATION_GROUP, len(members), False,
+                               self.halt.event, self.timeout_s)
+        if self.vrank not in new.devices:
+            self.channel.report(Resized(self.job, order.generation, self.vrank,
+                                        ProcessOutcome.LEFT, self.step))
+            self._exit("left", order.generation)
+            return "left"
         committed = CommitDecision(self.store, commit_decision(keys.prefix))(True)
         outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
         self.layout, self.generation = new, order.generation
@@ -543,23 +634,35 @@ class _Lost(InternalError):
     ``CoordinatorLost``): the rank says it exits and ends."""
 
 
-def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
+def _host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: float,
+               ranks: int) -> None:
     """A host process: runs the simulated ranks the backend launches on its nodes.
 
     Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
     ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
-    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, s)...]})`` at quit."""
+    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, s)...]}, failures,
+    restarts, gate_waits)`` at quit. A rank killed or stopped while in a layout fails its
+    generation's collectives at the fabric (its peers' next all-reduce raises)."""
     logging.basicConfig(level=logging.WARNING)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         pass
-    shared = _Shared(ranks)
+    fabric = _HostFabric(fabric_conn)
+    shared = _Shared(ranks, fabric)
+    gate_waits: list[float] = []
+    began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
+
+    def took(r: SimRank) -> None:
+        control.setdefault(r.vrank, []).extend(r.control)
+        gate_waits.extend(r.gate_wait)
+        for g, at in r.resize_began.items():
+            began[g] = min(began.get(g, at), at)
     ranks_: dict[int, SimRank] = {}
     restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
     ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    control: dict[int, list[tuple[int, int, float]]] = {}
+    control: dict[int, list[tuple[int, int, float, float]]] = {}
 
     failures: dict[str, int] = {}
 
@@ -587,29 +690,171 @@ def _host_main(conn: Connection, model: Any, step_s: float, ranks: int) -> None:
             for vrank, env in workers:
                 old = ranks_.get(vrank)
                 if old is not None:
-                    control.setdefault(vrank, []).extend(old.control)
+                    took(old)
                     restarts += old.restarts
                 r = SimRank(shared, vrank, generation, env, model, step_s, done)
                 ranks_[vrank] = r
                 r.thread.start()
         elif msg[0] in ("stop", "kill"):
             for v in msg[1]:
-                if v in ranks_:
-                    ranks_[v].halt.set(msg[0])
+                if (halted := ranks_.get(v)) is not None:
+                    if halted.thread.is_alive() and halted.layout is not None:
+                        fabric.died(halted.generation)
+                    halted.halt.set(msg[0])
         elif msg[0] == "quit":
             for r in ranks_.values():
                 r.halt.set("stop")
             for r in ranks_.values():
                 r.thread.join(10)
-                control.setdefault(r.vrank, []).extend(r.control)
+                took(r)
                 restarts += r.restarts
+            fabric.close()
             while True:
                 try:
                     conn.send(ended.get_nowait())
                 except queue.Empty:
                     break
-            conn.send(("control", control, failures, restarts))
+            conn.send(("control", control, failures, restarts, gate_waits, began))
             return
+
+
+# --------------------------------------------------------------------------- the fabric
+
+
+class CollectiveFailed(RuntimeError):
+    """A simulated collective of a generation one of whose ranks died (gloo: the closed
+    connection fails the peers' all-reduce; NCCL: the watchdog's abort)."""
+
+
+class _HostFabric:
+    """A host process's end of the simulated all-reduce: its ranks' contributions to a
+    step's gate (generation, step, world, flag) are summed here and sent on to the fabric
+    process in batches (one message per host per step, not one per rank); the fabric's
+    answer wakes every waiting rank of the host.
+
+    What it stands for: the few bytes the gate adds to the loss all-reduce every step
+    already runs among the ranks (the trainer's ``_reduce_loss``). It costs the coordinator
+    nothing and is not control time: a rank's wait in it (for the slowest rank, the CPU
+    the other simulated ranks use) is timed apart (``gate_wait_ms``)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._cond = threading.Condition()
+        self._sums: dict[tuple[int, int], list[int]] = {}  # (gen, step) -> [count, flag, world]
+        self._done: dict[tuple[int, int], bool] = {}
+        self._failed: set[int] = set()
+        self._dead: list[int] = []
+        self._thread = threading.Thread(target=self._pump, name="fabric", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def all_reduce(self, generation: int, step: int, world: int, flag: bool,
+                   halt: threading.Event, timeout_s: float) -> bool:
+        """Whether any rank of the step's world raised ``flag`` (the gate), once all have
+        contributed. CollectiveFailed when a rank of ``generation`` died."""
+        key = (generation, step)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            got = self._sums.setdefault(key, [0, 0, world])
+            got[0] += 1
+            got[1] |= int(flag)
+            self._cond.notify_all()
+            while key not in self._done:
+                if generation in self._failed:
+                    raise CollectiveFailed(f"generation {generation}: a peer died")
+                if halt.is_set():
+                    raise _Halted()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the gate of step {step} not reduced in {timeout_s} s")
+                self._cond.wait(min(left, 0.5))
+            return self._done[key]
+
+    def died(self, generation: int) -> None:
+        """A rank of ``generation`` ended without leaving it (killed, stopped): its peers'
+        collectives of that generation fail."""
+        with self._cond:
+            self._dead.append(generation)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(5)
+
+    def _pump(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                out: list[tuple[Any, ...]] = [
+                    ("sum", g, s, c, f, w) for (g, s), (c, f, w) in self._sums.items() if c]
+                for got in self._sums.values():
+                    got[0] = got[1] = 0
+                out += [("dead", g) for g in self._dead]
+                self._dead.clear()
+            for msg in out:
+                self.conn.send(msg)
+            if not self.conn.poll(0.001 if out else 0.005):
+                continue
+            while self.conn.poll(0):
+                msg = self.conn.recv()
+                with self._cond:
+                    if msg[0] == "done":
+                        _, g, s, flag = msg
+                        self._done[(g, s)] = flag
+                        self._sums.pop((g, s), None)
+                        if len(self._done) > 256:  # the oldest answers: read long since
+                            for k in sorted(self._done)[:128]:
+                                del self._done[k]
+                    elif msg[0] == "failed":
+                        self._failed.add(msg[1])
+                    self._cond.notify_all()
+
+
+def _fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
+    """The fabric process: sums the hosts' contributions to each step's gate and answers
+    every host when the step's world is complete; a generation one of whose ranks died
+    fails, now and for every later contribution. ``contributions`` (shared) counts the
+    ranks' contributions, a figure the benchmark checks."""
+    sums: dict[tuple[int, int], list[int]] = {}
+    failed: set[int] = set()
+    live = list(conns)
+    while live:
+        for ready in wait(live, timeout=1.0):
+            conn = cast(Connection, ready)
+            try:
+                msg = conn.recv()
+            except EOFError:
+                live.remove(conn)
+                continue
+            answer: tuple[Any, ...] | None = None
+            if msg[0] == "sum":
+                _, g, s, count, flag, world = msg
+                with contributions.get_lock():
+                    contributions.value += count
+                if g in failed:
+                    continue
+                got = sums.setdefault((g, s), [0, 0])
+                got[0] += count
+                got[1] |= flag
+                if got[0] >= world:
+                    del sums[(g, s)]
+                    answer = ("done", g, s, bool(got[1]))
+            elif msg[0] == "dead" and msg[1] not in failed:
+                failed.add(msg[1])
+                for key in [k for k in sums if k[0] == msg[1]]:
+                    del sums[key]
+                answer = ("failed", msg[1])
+            elif msg[0] == "quit":
+                return
+            if answer is not None:
+                for c in live:
+                    try:
+                        c.send(answer)
+                    except (BrokenPipeError, OSError):
+                        pass
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -649,10 +894,12 @@ class SimCluster:
         self._event_at: float = 0.0
         self._resizes_before = 0
         self._event_step = 0
-        self.control: dict[int, list[tuple[int, int, float]]] = {}
+        self.control: dict[int, list[tuple[int, int, float, float]]] = {}
         self.hosts_done = 0
         self.rank_failures: dict[str, int] = {}
         self.rank_restarts = 0
+        self.gate_waits: list[float] = []
+        self.resize_began: dict[int, float] = {}
         self.failures: list[str] = []
 
     # -- the scenario -------------------------------------------------------------------
@@ -739,6 +986,9 @@ class SimCluster:
                     for kind, n in msg[2].items():
                         self.rank_failures[kind] = self.rank_failures.get(kind, 0) + n
                     self.rank_restarts += msg[3]
+                    self.gate_waits.extend(msg[4])
+                    for g, at in msg[5].items():
+                        self.resize_began[g] = min(self.resize_began.get(g, at), at)
                     self.hosts_done += 1
         return out
 
@@ -873,11 +1123,16 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
     report = ModelReport.of(desc, training.global_batch, training.micro_batch)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(bench.hosts)]
+    wires = [ctx.Pipe() for _ in range(bench.hosts)]
     per_host = bench.ranks_per_host
-    hosts = [ctx.Process(target=_host_main, args=(child, report, bench.step_s, per_host),
+    contributions = ctx.Value("q", 0)
+    fabric = ctx.Process(target=_fabric_main, args=([a for a, _ in wires], contributions),
+                         daemon=True, name="bench-control-fabric")
+    hosts = [ctx.Process(target=_host_main,
+                         args=(child, wire, report, bench.step_s, per_host),
                          daemon=True, name=f"bench-control-host-{i}")
-             for i, (_, child) in enumerate(pipes)]
-    for h in hosts:
+             for i, ((_, child), (_, wire)) in enumerate(zip(pipes, wires, strict=True))]
+    for h in (fabric, *hosts):
         h.start()
     rss_before = _rss_bytes()
     with tempfile.TemporaryDirectory(prefix="etc-bench-control-") as tmp:
@@ -901,7 +1156,8 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
             return {"t": time.monotonic(), "cpu": time.process_time(), "rss": _rss_bytes(),
                     "channel_in": channel.received, "channel_out": channel.sent,
                     "store_requests": rendezvous.requests, "store_replies": rendezvous.replies,
-                    "store_reply_bytes": rendezvous.reply_bytes}
+                    "store_reply_bytes": rendezvous.reply_bytes,
+                    "gate_contributions": contributions.value}
 
         cluster = SimCluster(bench, [parent for parent, _ in pipes], sample)
         spec = JobSpec(JOB, "bench", ("simulated-rank",), training,
@@ -934,6 +1190,10 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                 h.join(10)
                 if h.is_alive():
                     h.kill()
+            wires[0][1].send(("quit",))
+            fabric.join(10)
+            if fabric.is_alive():
+                fabric.kill()
             poster.close()
             channel.close()
             rendezvous.close()
@@ -992,8 +1252,9 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
     seconds = w["at1"]["t"] - w["at0"]["t"]
     counts = _counted(w["at0"], w["at1"], steps)
     reply_mb = counts.pop("store_reply_bytes") / 1e6
-    control = [s for per in cluster.control.values() for (g, step, s) in per
-               if g == 0 and w["step0"] <= step < w["step1"]]
+    timed = [(cost, wall) for per in cluster.control.values() for (g, step, cost, wall) in per
+             if g == 0 and w["step0"] <= step < w["step1"]]
+    control = [cost for cost, _ in timed]
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
     phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
@@ -1006,15 +1267,23 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
         until = cluster.spans[phases[i + 1]]["wall"] if i + 1 < len(phases) else math.inf
         m = next((m for m in migrations if span["wall"] <= m["started"] < until), None)
         ok = m is not None and m["outcome"] == "committed"
-        resize_s[phase] = round(m["seconds"], 3) if ok and m else None
+        # control: from the step boundary that took the order up (or the collective that
+        # failed) to the commit; the step in flight when the order came is training's
+        began = cluster.resize_began.get(m["to"]) if m else None
+        resize_s[phase] = (round(m["started"] + m["seconds"] - began, 3)
+                           if ok and m and began else None)
         detail[phase] = {
             "outcome": m["outcome"] if m else "none",
             "error": m["error"] if m else "",
+            "order_to_commit_s": round(m["seconds"], 3) if ok and m else None,
+            "step_in_flight_s": round(began - m["started"], 3) if m and began else None,
             "event_to_settled_s": round(span["at1"]["t"] - span["at0"]["t"], 2),
             "messages": round(sum(v for k, v in moved.items() if k != "store_reply_bytes")),
+            "store_requests": round(moved["store_requests"]),
+            "store_replies": round(moved["store_replies"]),
             "store_reply_mb": round(moved["store_reply_bytes"] / 1e6, 1)}
     out.update({
-        "step_control_ms": round(1e3 * statistics.median(control), 2) if control else None,
+        "step_control_ms": round(1e3 * statistics.median(control), 4) if control else None,
         "coordinator_cpu_s_per_s": round((w["at1"]["cpu"] - w["at0"]["cpu"]) / seconds, 3),
         "coordinator_messages_per_step": round(sum(counts.values()), 1),
         "resize_control_s": resize_s,
@@ -1024,8 +1293,18 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
                    "step_s": round(seconds / steps, 3),
                    "messages_per_step": {k: round(v, 1) for k, v in counts.items()},
                    "store_reply_mb_per_step": round(reply_mb, 2),
+                   # the simulated all-reduce of the gate (module doc): ranks' contributions
+                   # per step, and a rank's wait in it (not control time, not counted above)
+                   "gate_contributions_per_step": round(
+                       (w["at1"]["gate_contributions"] - w["at0"]["gate_contributions"])
+                       / steps, 1),
+                   "gate_wait_ms": round(1e3 * statistics.median(cluster.gate_waits), 2)
+                   if cluster.gate_waits else None,
                    "coordinator_rss_mib_at_end": round(w["at1"]["rss"] / 2**20, 1),
-                   "boundaries_timed": len(control)},
+                   "boundaries_timed": len(control),
+                   # as the clock saw it: with the CPU thousands of simulated ranks share
+                   "step_control_wall_ms": round(
+                       1e3 * statistics.median(wall for _, wall in timed), 4) if timed else None},
         "resizes": detail,
         "migrations": migrations,
         "job": job,
@@ -1080,34 +1359,45 @@ def run_control(bench: ControlBench, *, log_level: int = logging.WARNING,
 
 
 def check_run(run: Mapping[str, Any]) -> list[str]:
-    """What is wrong with one run's figures (empty: sane). Every rank sends one agreement
-    request per step boundary at least, answered once, and rank 0 one Progress: a count
-    below that is a miscount."""
+    """What is wrong with one run's figures (empty: sane). In the steady window every rank
+    takes part in each step's gate and rank 0 sends one Progress, and no rank asks the store
+    anything (the gate is closed); in each resize every rank of the old layout arrives at
+    the store's decision, or (a loss: the survivors' all-reduce failed) takes the commit
+    decision, a request at least either way, and every request is answered once. A count
+    off those is a miscount (or the gate broken)."""
     n = run["ranks"]
     bad = []
-    per = run["steady"]["messages_per_step"]
-    # the window opens and closes at rank 0's Progress as the coordinator reads it: the
-    # other ranks' requests at its edges fall on either side
-    if per["store_requests"] < n * 0.8:
-        bad.append(f"store requests per step {per['store_requests']} < ranks {n}")
-    if abs(per["store_replies"] - per["store_requests"]) > 0.05 * per["store_requests"] + 1:
-        bad.append(f"store replies {per['store_replies']} per step differ from requests "
-                   f"{per['store_requests']}")
+    steady = run["steady"]
+    per = steady["messages_per_step"]
+    if steady["gate_contributions_per_step"] < n * 0.8:
+        bad.append(f"gate contributions per step {steady['gate_contributions_per_step']} "
+                   f"< ranks {n}")
+    if per["store_requests"] > 0.05 * n + 1:
+        bad.append(f"store requests per steady step {per['store_requests']}: the gate "
+                   f"should keep the store silent while no rank holds an order")
     if per["channel_in"] < 0.9:
         bad.append(f"channel reports per step {per['channel_in']} < 1 (rank 0's Progress)")
     total = sum(per.values())
     if abs(total - run["coordinator_messages_per_step"]) > 0.5:
         bad.append(f"messages per step {run['coordinator_messages_per_step']} != the sum of "
                    f"its parts {total:.1f}")
+    for phase, got in run["resizes"].items():
+        asked, answered = got["store_requests"], got["store_replies"]
+        if asked < n * 0.5:
+            bad.append(f"resize {phase}: store requests {asked} < half the ranks ({n})")
+        # requests in flight when the span closes (a resize committed) fall on either side
+        if abs(answered - asked) > 0.05 * asked + 16:
+            bad.append(f"resize {phase}: store replies {answered} differ from requests "
+                       f"{asked}")
     if not run["step_control_ms"] or run["step_control_ms"] <= 0:
         bad.append(f"step_control_ms {run['step_control_ms']}")
     if not 0 < run["coordinator_cpu_s_per_s"] <= (os.cpu_count() or 1) * 1.1:
         bad.append(f"coordinator_cpu_s_per_s {run['coordinator_cpu_s_per_s']}")
     if run["record_bytes"] <= 0 or run["coordinator_rss_mib"] <= 0:
         bad.append("record or RSS not measured")
-    for phase, s in run["resize_control_s"].items():
-        if s is None or s <= 0:
-            bad.append(f"resize {phase}: {s}")
+    for phase, sec in run["resize_control_s"].items():
+        if sec is None or sec <= 0:
+            bad.append(f"resize {phase}: {sec}")
     bad += run.get("problems", [])
     return bad
 

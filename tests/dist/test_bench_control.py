@@ -29,11 +29,17 @@ def test_bench_control_json_at_16_ranks():
     assert run["ranks"] == 16 and run["state"] == "finished"
     assert set(run["resize_control_s"]) == {"grow", "shrink", "loss"}
     assert check_run(run) == []
-    # every rank agrees once a step (16 requests at least, each answered once), rank 0
-    # reports one Progress; heartbeats (16 every 2 s) are the rest
-    per = run["steady"]["messages_per_step"]
+    # a steady step asks the store nothing (the gate is closed: every rank takes part in
+    # its all-reduce) and rank 0 reports one Progress; libzmq's heartbeats never reach the
+    # coordinator's loop
+    steady = run["steady"]
+    per = steady["messages_per_step"]
     assert per["channel_in"] == pytest.approx(1.0, abs=0.1)
-    assert 16 * 0.8 <= per["store_requests"] <= 16 * 3
+    assert per["store_requests"] == 0 and per["channel_out"] == 0
+    assert steady["gate_contributions_per_step"] == pytest.approx(16, abs=1)
+    # a resize opens the gate: every rank arrives at the store's decision
+    for phase in ("grow", "shrink"):
+        assert run["resizes"][phase]["store_requests"] >= 16, phase
     assert 0 < run["step_control_ms"] < 1000
     assert 0 < run["coordinator_cpu_s_per_s"] < 2.2
     for phase in ("grow", "shrink", "loss"):
@@ -48,11 +54,11 @@ def test_bench_control_json_at_16_ranks():
 @pytest.mark.parametrize("plant", [bench_plants.store_requests_half_counted,
                                    bench_plants.store_replies_uncounted])
 def test_planted_miscount_is_caught(plant):
-    run = run_control(ControlBench(16, steady_min_s=2.5, resizes=False, timeout_s=120),
-                      counters=plant)
+    # the store is asked at resizes only (the gate keeps it silent in steady steps)
+    run = run_control(ControlBench(16, steady_min_s=2.5, timeout_s=120), counters=plant)
     problems = check_run(run)
     assert any("store re" in p for p in problems), (plant.__name__, problems,
-                                                    run["steady"])
+                                                    run["resizes"])
 
 
 def test_too_many_ranks_for_the_open_file_limit_is_one_line():
