@@ -96,8 +96,9 @@ class ControlBench:
         ranks_per_host: simulated ranks per host process (threads).
         model, global_batch: what the job trains (the chooser and the planner use it).
         timeout_s: the coordinator's deadline for the whole run.
-        worker_timeout_s: the job's worker timeout (a rank's agreement and a resize's bound:
-            unanswered for twice this, the coordinator aborts a resize).
+        worker_timeout_s: the job's worker timeout (a rank's join, agreement and a resize's
+            bound: unanswered for twice this, the coordinator aborts a resize); 0: 60 s and
+            20 ms more a rank (thousands of simulated ranks start at once on 2 cores).
     """
 
     ranks: int
@@ -112,7 +113,7 @@ class ControlBench:
     model: str = "small"
     global_batch: int = 0  # 0: a multiple of every dp the run can choose
     timeout_s: float = 600.0
-    worker_timeout_s: float = 60.0
+    worker_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 16 or self.ranks % GPUS_PER_NODE:
@@ -1165,7 +1166,8 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                        # (no peer copies to rebuild from in a simulation)
                        EffectivePolicy(grow=False, allowed_tp=(1,), allowed_pp=(1,)),
                        Hardware(gpus_per_node=GPUS_PER_NODE),
-                       worker_timeout_s=bench.worker_timeout_s, prepare_while_training=False)
+                       worker_timeout_s=bench.worker_timeout_s or 60.0 + 0.02 * bench.ranks,
+                       prepare_while_training=False)
         coordinator = Coordinator(spec, cluster, store, channel, cluster.topology,
                                   post=lambda k, v: poster.set(k, v))
         cluster.coordinator = coordinator

@@ -25,7 +25,7 @@ process at the watchdog timeout.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,9 +114,9 @@ def use(compute: Compute, env: dict[str, str] | None = None) -> Compute:
     global _current
     if compute.cuda:
         torch.cuda.set_device(compute.device)
-        env = os.environ if env is None else env
-        env.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)
-        env.setdefault(GLOO_LAZY_INIT, "1")
+        into: MutableMapping[str, str] = os.environ if env is None else env
+        into.setdefault(NCCL_ERROR_HANDLING, NCCL_CLEANUP_ONLY)
+        into.setdefault(GLOO_LAZY_INIT, "1")
     _current = compute
     return compute
 
