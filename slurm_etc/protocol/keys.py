@@ -22,6 +22,7 @@ from typing import Final, Literal
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 Purpose = Literal["channel", "store"]
 
@@ -117,34 +118,49 @@ class ZapGuard:
 class HandshakeWatch:
     """Counts the handshakes a listening socket refused (a peer without the job's keys:
     a wrong server key fails before the ZAP handler is asked, a wrong client key at it,
-    a NULL or PLAIN peer at the mechanism), from the socket's monitor. Call :meth:`drain`
-    from the thread that uses the socket; unread events are bounded by zmq's queue."""
+    a NULL or PLAIN peer at the mechanism), from the socket's monitor, apart from those
+    that did not finish (libzmq's handshake timeout, a peer gone mid-handshake: an
+    overloaded listener, not a stranger). Call :meth:`drain` from the thread that uses the
+    socket; unread events are bounded by zmq's queue."""
 
-    EVENTS: Final = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    REFUSED: Final = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    EVENTS: Final = REFUSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
     def __init__(self, sock: zmq.Socket[bytes], label: str = "", *,
                  interval_s: float = 10.0) -> None:
         self._sock = sock
         self._monitor = sock.get_monitor_socket(self.EVENTS)
         self.refused = 0
+        self.unfinished = 0
         self.label, self._interval_s = label, interval_s
-        self._logged, self._logged_at = 0, -interval_s
+        self._logged, self._logged_unfinished, self._logged_at = 0, 0, -interval_s
 
     def drain(self) -> int:
         """Read the events waiting; the total refused so far (one log line per interval
         at most: a flood of refused peers does not flood the log)."""
         for _ in range(10_000):
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
+                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 break
-            self.refused += 1
+            if parse_monitor_message(frames)["event"] & self.REFUSED:
+                self.refused += 1
+            else:
+                self.unfinished += 1
         now = time.monotonic()
-        if self.refused > self._logged and now - self._logged_at >= self._interval_s:
+        if now - self._logged_at < self._interval_s:
+            return self.refused
+        if self.refused > self._logged:
             logger.warning("%s refused %d handshake(s) of peers without this job's key "
                            "(%d in all)", self.label, self.refused - self._logged, self.refused)
-            self._logged, self._logged_at = self.refused, now
+        if self.unfinished > self._logged_unfinished:
+            logger.warning("%s %d handshake(s) did not finish in time or their peer went "
+                           "away (%d in all; they reconnect: many peers at once on a busy "
+                           "host)", self.label, self.unfinished - self._logged_unfinished,
+                           self.unfinished)
+        if self.refused > self._logged or self.unfinished > self._logged_unfinished:
+            self._logged, self._logged_unfinished = self.refused, self.unfinished
+            self._logged_at = now
         return self.refused
 
     def close(self) -> None:
