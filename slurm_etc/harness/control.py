@@ -641,10 +641,18 @@ def _host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: fl
 
     Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
     ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
-    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, s)...]}, failures,
-    restarts, gate_waits)`` at quit. A rank killed or stopped while in a layout fails its
-    generation's collectives at the fabric (its peers' next all-reduce raises)."""
+    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
+    restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
+    its generation's collectives at the fabric (its peers' next all-reduce raises).
+
+    The host runs at the idle scheduling class: Linux shares the CPU per thread, and
+    thousands of rank threads would otherwise starve the coordinator's few (its handshakes
+    time out, its messages go stale) — on a cluster the ranks run on other nodes."""
     logging.basicConfig(level=logging.WARNING)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux: the ranks compete as they are
+        pass
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
