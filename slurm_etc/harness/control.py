@@ -31,11 +31,13 @@ ended, joiners wait for it, every rank of the new layout takes the commit decisi
 Resizes are not prepared beside training (the agreed step carries it out).
 
 What the machine limits: on 2 cores the ranks' threads, the coordinator and its store share
-the CPUs, so a rank's step control time includes waiting for the CPU the other ranks use;
-``step_control_ms`` is an upper bound of what a rank on its own node would pay, and the
-coordinator's figures (its own process) are what one core of a coordinator node pays
-for a job of that size. A coordinator holds two connections per rank (channel and store):
-the open-file limit (:func:`descriptor_problem`) bounds N.
+the CPUs. The ranks' host processes run at the idle scheduling class, so the coordinator
+gets the CPU it asks for (on a cluster the ranks are on other nodes) and its figures (its
+own process) are what a coordinator node pays for a job of that size; a rank's
+``step_control_ms`` is what it pays itself (its thread's CPU at a boundary that asks
+nobody anything), and ``step_control_wall_ms`` the clock's view with the CPU the other
+simulated ranks took meanwhile. A coordinator holds two connections per rank (channel and
+store): the open-file limit (:func:`descriptor_problem`) bounds N.
 """
 from __future__ import annotations
 
@@ -592,13 +594,13 @@ class SimRank:
             if self.vrank == publisher:
                 self.store.set(keys.trainer, str(self.step).encode())
                 self.store.set(keys.last_ended, repr(self._last_ended or time.time()).encode())
-        if self.layout is None:  # a joiner: the trainer state the old layout published
-            deadline = time.monotonic() + self.timeout_s
-            while not wait_for_keys(self.store, [keys.trainer, keys.last_ended], 0.5):
-                self._check()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vrank {self.vrank}: no trainer state of generation "
-                                       f"{order.generation}")
+        if self.layout is None:
+            # a joiner: the trainer state the old layout published, one request that waits
+            # at the store, as the trainer's get (its get after the wait reads what came)
+            if not wait_for_keys(self.store, [keys.trainer, keys.last_ended], self.timeout_s):
+                raise TimeoutError(f"vrank {self.vrank}: no trainer state of generation "
+                                   f"{order.generation}")
+            self._check()
             self.step = int(self.store.get(keys.trainer))
             self._last_ended = float(self.store.get(keys.last_ended))
         self._joined = self.layout is None

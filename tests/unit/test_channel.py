@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slurm_etc.protocol import channel as channel_module
 from slurm_etc.protocol import env as envvars
 from slurm_etc.protocol.channel import (
     COORDINATOR,
@@ -41,7 +42,6 @@ from slurm_etc.protocol.channel import (
 from slurm_etc.protocol.keys import ZapGuard, curve_keys, make_client, make_server
 from slurm_etc.protocol.messages import (
     ENCODER,
-    HEARTBEAT_S,
     Abort,
     Control,
     Exited,
@@ -56,6 +56,7 @@ from slurm_etc.protocol.messages import (
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 JOB = "job42"
+PING_S = 2.0  # libzmq's heartbeat in the liveness test (the job's is longer)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -712,20 +713,23 @@ def test_closed_channels_fail_cleanly(coordinator: CoordinatorChannel, key: byte
     assert coordinator.send(0, Stop(JOB, 0)) is False
 
 
-def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes) -> None:
+def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes,
+                                                               monkeypatch) -> None:
     """No message from the coordinator for longer than three heartbeat intervals: the worker
     still knows it lives (libzmq's pings, answered by its I/O thread); killed (its channel
     closed), the worker's silence starts at once. Before, the coordinator's loop signed and
-    sent a Heartbeat to every worker every HEARTBEAT_S."""
+    sent a Heartbeat to every worker every HEARTBEAT_S. (Pings every 2 s here, the job's
+    HEARTBEAT_S being longer.)"""
+    monkeypatch.setattr(channel_module, "HEARTBEAT_S", PING_S)
     coord = CoordinatorChannel(JOB, key, "127.0.0.1", rendezvous=("127.0.0.1", 29500))
     w = worker(coord, key)
     try:
         join(coord, w)
-        time.sleep(3 * HEARTBEAT_S + 1.0)
+        time.sleep(3 * PING_S + 1.0)
         assert coord.recv(0.01) is None  # nothing sent either way meanwhile
         assert time.monotonic() - w.heard_at < 0.5, "the link lapsed without messages"
         coord.close()
-        deadline = time.monotonic() + 3 * HEARTBEAT_S
+        deadline = time.monotonic() + 3 * PING_S
         while time.monotonic() - w.heard_at < 1.0 and time.monotonic() < deadline:
             time.sleep(0.1)
         silent = time.monotonic() - w.heard_at
