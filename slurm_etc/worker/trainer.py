@@ -407,6 +407,10 @@ class ElasticTrainer:
             self.state = self._build(proc.layout.config, empty=resume_from is not None)
             if resume_from is not None:
                 self._load_checkpoint(resume_from)
+                expected = checkpoint_fingerprint(resume_from)
+                if expected is not None:
+                    self._check_rebuilt(GenerationKeys(proc.job, proc.generation),
+                                        proc.layout, expected, "the checkpoint")
             self._first_generation = proc.generation
             _freeze_heap()
             self._log("training %s on %d processes from step %d (on %s)", proc.layout.config,
@@ -508,6 +512,10 @@ class ElasticTrainer:
         os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
         torch.save({"cpu": torch.get_rng_state(), **_rng_extras()},
                    os.path.join(directory, "rng", f"{rank}.pt"))
+        # what a state loaded from it must add up to (checked before training on it)
+        os.makedirs(os.path.join(directory, FINGERPRINT_DIR), exist_ok=True)
+        with open(os.path.join(directory, FINGERPRINT_DIR, f"{rank}.json"), "w") as f:
+            json.dump(shards_fingerprint(local_shards_of(state, self._catalog())), f)
         dist.barrier()
         return out
 
@@ -1412,8 +1420,9 @@ class ElasticTrainer:
             else:
                 line += ("; no checkpoint directory (--checkpoint-dir): a node lost where no "
                          "replica holds its state ends the job")
-        if layout.devices.index(proc.vrank) == 0:
-            self._log("%s", line)
+        if layout.devices.index(proc.vrank) == 0:  # the coordinator says it (once)
+            logger.debug("[job %s gen %d vrank %d] %s", proc.job, self.generation, proc.vrank,
+                         line)
             proc.control.report(CopiesChosen(
                 proc.job, self.generation, proc.vrank, choice.every, self.checkpoint_every,
                 copy_s, step_s, choice.held_bytes, choice.host_bytes, line[:400]))
@@ -1604,8 +1613,8 @@ class ElasticTrainer:
                     publish=lambda m, w=ward: self._publish_for(keys, old, w, m))
         return plan
 
-    def _check_rebuilt(self, keys: GenerationKeys, new: Layout, expected: dict[str, int]
-                       ) -> None:
+    def _check_rebuilt(self, keys: GenerationKeys, new: Layout, expected: dict[str, int],
+                       source: str = "peer copies") -> None:
         """Before the first step on a state rebuilt from peer copies: every new rank
         publishes its shards' fingerprints, every rank adds them up per state tensor and
         compares with what the copies were when taken (the same verdict everywhere). A
@@ -1625,7 +1634,6 @@ class ElasticTrainer:
         got = fingerprint_totals(row for v in proc.store.multi_get(theirs)
                                  for row in decode_value(v))
         bad = fingerprint_mismatch(expected, got)
-        source = self._rebuilt_from.get(self.generation, "peer-copies").replace("-", " ")
         if bad is not None:
             line = (f"the state rebuilt from {source} of step {self.step} does not match "
                     f"their fingerprint, not training on it: {bad}")
@@ -1677,10 +1685,15 @@ class ElasticTrainer:
         self._start_group(GenerationKeys(proc.job, order.generation).train_group,
                           new.devices.index(proc.vrank), new.config.world)
         self.state = self._build(new.config, empty=True)
-        self._load_checkpoint(os.path.join(str(self.checkpoint_dir), f"step-{step}"))
+        where = os.path.join(str(self.checkpoint_dir), f"step-{step}")
+        self._load_checkpoint(where)
         self._record(order, ProcessOutcome.COMMITTED, 0, time.time() - t0, 0.0,
                      f"restored from the checkpoint of step {step}")
         self._log("restored %s from the checkpoint of step %d", new.config, step)
+        expected = checkpoint_fingerprint(where)
+        if expected is not None:
+            self._check_rebuilt(GenerationKeys(proc.job, order.generation), new, expected,
+                                "the checkpoint")
         return "stay"
 
     # -- building -------------------------------------------------------------------------
@@ -1855,6 +1868,30 @@ def _expected_fingerprint(held: dict[int, dict], lost_ranks: list[int], back: in
                 rows += kept[back]
                 break
     return fingerprint_totals(rows)
+
+
+FINGERPRINT_DIR = "fingerprint"  # in a checkpoint: <rank>.json, its shards' fingerprints
+
+
+def checkpoint_fingerprint(directory: str) -> dict[str, int] | None:
+    """What a state loaded from the checkpoint in ``directory`` must add up to, per state
+    tensor (None: a checkpoint written before fingerprints, not checked)."""
+    where = os.path.join(directory, FINGERPRINT_DIR)
+    try:
+        names = sorted(n for n in os.listdir(where) if n.endswith(".json"))
+    except OSError:
+        return None
+    rows: list = []
+    for name in names:
+        with open(os.path.join(where, name)) as f:
+            rows += json.load(f)
+    return fingerprint_totals(rows) if names else None
+
+
+def local_shards_of(state: Any, catalog: Catalog) -> list:
+    from slurm_etc.megatron.state import local_shards
+
+    return local_shards(state, catalog)
 
 
 def _steps(d: dict) -> dict:
