@@ -123,7 +123,7 @@ DEFAULT_TIMEOUT_S = 300.0
 AUTO_TIMED_STEPS = 2
 
 
-class RebuiltStateMismatch(RuntimeError):
+class RebuiltStateMismatch(InternalError):
     """A state rebuilt from peer copies or a checkpoint does not add up to the fingerprint
     taken with them: the job stops rather than train on it (one line)."""
 # A new rank that waits this long for its peers to install a committed layout reports the
