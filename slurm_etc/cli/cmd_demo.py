@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -15,7 +16,8 @@ from rich.table import Table
 from .. import bounds
 from ..migrate.faults import KILL_PHASES, KillSpec
 from ..plan import load_model
-from .params import Number, SafePath, Text
+from ..protocol.recovery import AUTO, AUTO_WORD, Recovery
+from .params import Number, NumberOrWord, SafePath, Text
 
 
 def _line(timeline, started: float) -> Table:
@@ -76,8 +78,12 @@ def resizes_table(detail, timeline) -> Table:
               help="Kill a worker (SIGKILL) at this phase of the first resize: "
                    f"{', '.join(KILL_PHASES)} (optionally @VRANK[,GENERATION]). The resize "
                    "aborts (or, after the commit, completes) and is retried without it.")
+@click.option("--peer-copy-every", type=NumberOrWord(bounds.STEPS, AUTO_WORD, AUTO),
+              default=AUTO_WORD, show_default=True, metavar="auto|N",
+              help="Peer copies, as `slurm-etc run --peer-copy-every`: auto (the workers "
+                   "choose the interval: about 2% of step time), N steps, 0: off.")
 @click.pass_context
-def demo(ctx, db, out_dir, model_spec, steps, inject):
+def demo(ctx, db, out_dir, model_spec, steps, inject, peer_copy_every):
     """Train a small GPT through a grow, a preemption and a node loss on local processes,
     with the coordinator, its SQLite record and in-place resizes; then show the record."""
     if inject is not None:
@@ -129,6 +135,7 @@ def demo(ctx, db, out_dir, model_spec, steps, inject):
 
             budget = min(steps * DEMO_BUDGET, int(bounds.STEPS.high))
             spec = demo_spec(job_id, model, budget, inject=inject, data="text")
+            spec = replace(spec, recovery=Recovery(peer_copy_every))
             out = run_job(spec, backend, backend.topology,
                           db=str(db_path), state_dir=str(out_dir / "state"),
                           progress=progress)

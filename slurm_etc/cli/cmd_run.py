@@ -19,8 +19,8 @@ from ..coordinator.outlook import DEFAULT_GIVE_UP_AFTER_S
 from ..plan import load_model
 from ..plan.errors import ConfigError
 from ..protocol.env import DEFAULT_REATTACH_WAIT_S
-from ..protocol.recovery import DEFAULT_KEEP_CHECKPOINTS, Recovery
-from .params import Number, SafePath, Text, Unbounded, check_product
+from ..protocol.recovery import AUTO, AUTO_WORD, DEFAULT_KEEP_CHECKPOINTS, Recovery
+from .params import Number, NumberOrWord, SafePath, Text, Unbounded, check_product
 
 _ANY_MODEL = load_model("tiny")  # what --global-batch alone is checked with
 
@@ -75,9 +75,11 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                      keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS) -> Recovery:
     """The workers' peer-copy and checkpoint settings; the checkpoint directory is created
     (owner-only when new) and must be writable. One line on any mistake."""
-    if checkpoint_dir is not None and not checkpoint_every:
+    if checkpoint_dir is not None and not checkpoint_every and peer_copy_every != AUTO:
         raise ConfigError(f"--checkpoint-dir {checkpoint_dir} without --checkpoint-every: "
-                          "give both (e.g. --checkpoint-every 100)")
+                          "give both (e.g. --checkpoint-every 100), or leave "
+                          f"--peer-copy-every {AUTO_WORD} (checkpoints where copies do not "
+                          "fit host memory)")
     where = None
     if checkpoint_dir is not None:
         where = checkpoint_dir.expanduser().absolute()
@@ -143,23 +145,30 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                    + ", ".join(PROFILES) + "; cpu: worker processes on CPUs) or a JSON "
                    "object of " + ", ".join(FIELDS) + " (missing ones from its \"base\" "
                    "profile, default h100). GPUs per node always come from the cluster.")
-@click.option("--peer-copy-every", type=Number(bounds.STEPS), default=0, show_default=True,
-              metavar="N", help="Every N steps each worker copies its state to host memory "
-              "on another node, so that a node lost without grace where no data-parallel "
-              "replica holds its state (dp=1, distributed-optimizer shards) costs at most "
-              "the steps since (rolled back, trained again). 0: off (its host memory is "
-              "about 4x the per-device state; see the README).")
+@click.option("--peer-copy-every", type=NumberOrWord(bounds.STEPS, AUTO_WORD, AUTO),
+              default=AUTO_WORD, show_default=True, metavar="auto|N",
+              help="Every N steps each worker copies its state to host memory on another "
+              "node, so that a node lost without grace where no data-parallel replica holds "
+              "its state (dp=1, distributed-optimizer shards) costs at most the steps since "
+              "(rolled back, checked against the copy's fingerprint, trained again). auto: "
+              "the workers choose N once, at start, so that copying costs about 2% of step "
+              "time and fits host memory (one line says it; status shows it); where it "
+              "does not fit, periodic checkpoints into --checkpoint-dir if given. 0: off.")
 @click.option("--checkpoint-every", type=Number(bounds.STEPS), default=0,
               show_default=True, metavar="M", help="A megatron-core checkpoint every M steps "
               "into --checkpoint-dir (the newest --keep-checkpoints kept): the fallback when "
               "a node and the node holding its peer copy are lost together, and where a "
-              "restarted job trains on from (the newest complete one). 0: off.")
+              "restarted job trains on from (the newest complete one). 0: off (with "
+              "--checkpoint-dir and --peer-copy-every auto: chosen like the copies' interval "
+              "when the copies do not fit host memory).")
 @click.option("--keep-checkpoints", type=Number(bounds.KEPT_CHECKPOINTS),
               default=DEFAULT_KEEP_CHECKPOINTS, show_default=True, metavar="K",
               help="How many of the newest complete checkpoints stay; an older one is "
                    "deleted only once a newer one is complete.")
 @click.option("--checkpoint-dir", type=SafePath(file_okay=False, path_type=Path),
-              help="Where --checkpoint-every writes (storage every node reaches).")
+              help="Where --checkpoint-every writes (storage every node reaches); with "
+                   "--peer-copy-every auto alone, where checkpoints go if the copies do not "
+                   "fit host memory.")
 @click.option("--reattach-wait", type=Number(bounds.REATTACH_WAIT_S),
               default=DEFAULT_REATTACH_WAIT_S, show_default=True, metavar="SECONDS",
               help="How long a worker that hears nothing from this coordinator (a heartbeat "

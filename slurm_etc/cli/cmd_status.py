@@ -401,6 +401,9 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                 f"{p(j.coordinator or '-')}\n")
     head.append(f"created {_when(j.created_at)} UTC  updated {_when(j.updated_at)} UTC"
                 + (f"  ended {_when(j.ended_at)} UTC" if j.ended_at else ""))
+    copies = d.peer_copies
+    if copies is not None and copies.get("line"):
+        head.append(f"\n{p(str(copies['line']))}")
     parts: list[RenderableType] = [head]
 
     placed = {(v.node, v.local_index): v for v in d.vranks}

@@ -65,6 +65,27 @@ class Number(BoundedType):
                 f"{bounds.figure(self.bound.low)}..{bounds.figure(self.bound.high)}")
 
 
+class NumberOrWord(Number):
+    """A Number within its bound, or one word standing for a value of its own (``auto``).
+
+    Args:
+        word: the word; ``means``: the value it converts to.
+    """
+
+    def __init__(self, bound: bounds.Bound, word: str, means: Any) -> None:
+        super().__init__(bound)
+        self.word, self.means = word, means
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if value == self.means or (isinstance(value, str) and value.strip() == self.word):
+            return self.means
+        return super().convert(value, param, ctx)
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return f"{self.word}|{super().get_metavar(param, ctx)}"
+
+
 class Text(BoundedType):
     """Free text of at most ``max_chars`` characters without control characters (a job name,
     a partition, an account, a model preset or file)."""

@@ -64,6 +64,7 @@ from slurm_etc.protocol.env import (
 )
 from slurm_etc.protocol.messages import (
     ENCODER,
+    CopiesChosen,
     Exited,
     Hello,
     ModelBuilt,
@@ -78,6 +79,7 @@ from slurm_etc.protocol.messages import (
 from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
 from slurm_etc.protocol.rendezvous import GenerationKeys
 from slurm_etc.store import jobs as record
+from slurm_etc.store.jobs import PEER_COPIES_EVENT
 
 from . import devices, job_model, outlook, reconcile, resume
 from .backend import (
@@ -233,6 +235,9 @@ class Coordinator:
         self._partition_read_at: float | None = None
         self._partition_stale = False  # a loss since: read again at the next decision
         self.done: set[int] = set()
+        # generation -> the first reason a worker of it gave for exiting on its own (the
+        # line the job fails with when every worker of it is gone)
+        self.exit_said: dict[int, str] = {}
         self.dirty = True
         self.dirty_at_first_step = False
         self.reason = ""
@@ -422,6 +427,10 @@ class Coordinator:
                               f"generation {self.generation} came back after the restart")
             return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
+        said = self.exit_said.get(self.generation)
+        if said is not None:  # a worker said why (e.g. a rebuilt state failed its check)
+            return (f"every worker of generation {self.generation} exited ({codes}) at step "
+                    f"{self.step}: {said}")
         return (f"every worker of generation {self.generation} exited ({codes}) at step "
                 f"{self.step} and nothing is pending: nothing left to train (the workers' "
                 "logs say why)")
@@ -877,6 +886,10 @@ class Coordinator:
                     if report.reason == "done" or (report.reason == "stopped"
                                                    and self._stop_sent):
                         self.done.add(vrank)
+                    elif report.reason not in ("stopped", "left"):
+                        self.exit_said.setdefault(report.generation, report.reason)
+                case CopiesChosen():
+                    self._copies_chosen(report)
                 case ModelBuilt():
                     self._model_built(vrank, report.model)
                     self._chunks_said(report.chunks)
@@ -895,6 +908,20 @@ class Coordinator:
                         logger.info("vrank %d ready for generation %d after %.2f s of warm-up",
                                     vrank, report.generation, report.seconds)
                         self._order_when_joined()
+
+    def _copies_chosen(self, got: CopiesChosen) -> None:
+        """The workers chose the peer-copy interval ("auto"): said once, and recorded
+        (``status`` shows it)."""
+        logger.info("job %s: %s", self.spec.job_id, got.line)
+        eid = self.journal.write(
+            record.record_event, self.spec.job_id, PEER_COPIES_EVENT, source="workers",
+            key=f"{PEER_COPIES_EVENT}:g{got.generation}",
+            payload={"every": got.every, "checkpoint_every": got.checkpoint_every,
+                     "copy_seconds": round(got.copy_seconds, 6),
+                     "step_seconds": round(got.step_seconds, 6),
+                     "held_bytes": got.held_bytes, "host_bytes": got.host_bytes,
+                     "generation": got.generation, "line": got.line})
+        self.journal.write(record.mark_event_handled, eid, "chosen")
 
     def _model_built(self, vrank: int, got: ModelReport) -> None:
         """A worker built its model: the job plans with it, or stops (job_model.model_built)."""
@@ -1121,8 +1148,9 @@ class Coordinator:
         # The first layout trains on from the newest complete checkpoint (after a restart
         # that found no whole layout alive to reattach, nothing else holds the state): every
         # worker loads the same one, and no step below it is trained or written again.
-        where = self.spec.recovery.checkpoint_dir if self.spec.recovery.checkpoint_every \
-            else None
+        # (a directory without --checkpoint-every: where peer copies that do not fit host
+        # memory fall back to periodic checkpoints)
+        where = self.spec.recovery.checkpoint_dir
         newest = newest_checkpoint(where)
         if where is not None and newest is not None:
             env[RESUME_FROM] = os.path.join(where, f"step-{newest}")

@@ -190,6 +190,25 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     rebuilt_from: Literal["", "peer-copies", "checkpoint"] = ""
 
 
+class CopiesChosen(msgspec.Struct, frozen=True, tag="copies", forbid_unknown_fields=True):
+    """Peer copies every "auto" steps: what the workers chose, once (sent by rank 0 of the
+    layout that chose): copies every ``every`` steps (0: they do not fit host memory),
+    periodic checkpoints every ``checkpoint_every`` (0: none), from a copy of
+    ``copy_seconds`` against steps of ``step_seconds`` and ``held_bytes`` of the
+    ``host_bytes`` of host memory a rank has; ``line`` says it."""
+
+    job: str
+    generation: int
+    vrank: int
+    every: int
+    checkpoint_every: int
+    copy_seconds: float
+    step_seconds: float
+    held_bytes: int
+    host_bytes: int
+    line: str
+
+
 class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):
     """A worker is exiting (stopped, left after a resize, or failed)."""
 
@@ -340,7 +359,7 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     failed_at: float | None = None
 
 
-Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready
+Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready | CopiesChosen
 
 ORDER_DECODER = msgspec.msgpack.Decoder(Order)
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

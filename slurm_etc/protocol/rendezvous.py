@@ -72,6 +72,10 @@ class GenerationKeys:
         """What vrank ``vrank`` holds of lost peers' state (their copies)."""
         return f"{self.prefix}/holdings/{vrank}"
 
+    def fingerprint(self, rank: int) -> str:
+        """A new rank's fingerprint of a state rebuilt from peer copies or a checkpoint."""
+        return f"{self.prefix}/fingerprint/{rank}"
+
 
 # Below a resize's tag (a generation's prefix in a job; any tag in the verify/bench harness):
 def train_group_prefix(tag: str) -> str:

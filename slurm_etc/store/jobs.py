@@ -84,6 +84,8 @@ HEARTBEAT_S = 30.0
 LOST_AFTER_S = 4 * HEARTBEAT_S
 # Event kinds the coordinator uses; others are stored as given.
 EVENT_KINDS = ("grant", "preempt-notice", "loss", "release", "resize-request", "stop")
+# the workers' choice of the peer-copy interval ("auto"): its figures and the line saying it
+PEER_COPIES_EVENT = "peer-copies"
 
 _ALLOCATION_TIMES: dict[str, str] = {
     AllocationState.GRANTED: "granted_at", AllocationState.LOST: "lost_at",
@@ -337,6 +339,15 @@ class JobDetail:
     def pending_events(self) -> tuple[EventInfo, ...]:
         return tuple(e for e in self.events if e.pending)
 
+    @property
+    def peer_copies(self) -> dict[str, Any] | None:
+        """The workers' newest choice of the peer-copy interval (``--peer-copy-every auto``):
+        ``every``, ``checkpoint_every``, the figures and the ``line``; None: not chosen (yet,
+        or an interval was given)."""
+        chosen = [e for e in self.events if e.kind == PEER_COPIES_EVENT
+                  and isinstance(e.payload, dict)]
+        return chosen[-1].payload if chosen else None
+
     def to_json(self, now: datetime | None = None) -> dict[str, Any]:
         """The job as ``slurm-etc status --json`` prints it."""
         now = now or _now()
@@ -348,6 +359,7 @@ class JobDetail:
                 "vranks": [v.to_json() for v in self.vranks],
                 "generations": [g.to_json(now) for g in self.generations],
                 "migrations": [m.to_json() for m in self.migrations],
+                "peer_copies": self.peer_copies,
                 "events": [e.to_json() for e in self.events]}
 
 

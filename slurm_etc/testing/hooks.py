@@ -5,6 +5,8 @@ environment, read into the runtime's hooks.
   phase of a resize (:class:`~slurm_etc.migrate.faults.KillSpec`).
 * ``SLURM_ETC_PLANT_STALE_COPIES=1``: a worker's peer copies are a step stale (a planted
   bug the node-loss oracle must catch).
+* ``SLURM_ETC_PLANT_CORRUPT_COPIES=1``: a byte of each shard of every peer copy a worker
+  keeps changes after its fingerprint was taken (the rebuilt-state check must stop the job).
 * ``SLURM_ETC_COORDINATOR_INJECT=<point>``: the coordinator SIGKILLs itself the first time
   it reaches ``point`` (one of :data:`~slurm_etc.coordinator.loop.KILL_POINTS`).
 """
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 INJECT_ENV = "SLURM_ETC_INJECT"
 STALE_COPIES_ENV = "SLURM_ETC_PLANT_STALE_COPIES"
+CORRUPT_COPIES_ENV = "SLURM_ETC_PLANT_CORRUPT_COPIES"
 COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 
 
@@ -40,7 +43,8 @@ def trainer_hooks_from_env(environ: Mapping[str, str] | None = None) -> TrainerH
 
     env = os.environ if environ is None else environ
     return TrainerHooks(kill=kill_spec_from_env(env),
-                        stale_peer_copies=bool(env.get(STALE_COPIES_ENV)))
+                        stale_peer_copies=bool(env.get(STALE_COPIES_ENV)),
+                        corrupt_peer_copies=bool(env.get(CORRUPT_COPIES_ENV)))
 
 
 def coordinator_crash_from_env(environ: Mapping[str, str] | None = None

@@ -27,6 +27,14 @@ and every lost rank a copy of (``plan.lost.rollback_step``); each restores its o
 of this process stands in for the dead rank in the migration (:func:`stand_in`): it takes
 part as that old rank, sends the copy's shards and step/RNG, and leaves. Steps ``s_b + 1`` to
 the last trained are lost and replayed on the same samples.
+
+Every snapshot carries its fingerprint, taken when it was copied: per shard, the sum of its
+elements' bit patterns (as integers: exact, so the same over any cut of a tensor into
+shards). A state rebuilt from copies is checked against it before training goes on
+(:func:`fingerprint_totals`, :func:`fingerprint_mismatch`): a copy corrupted in memory or on
+the wire, or a rebuild that put the wrong bytes anywhere, stops the job with one line
+instead of training on (Megatron-LM #5281: a state rebuilt from replicas, never checked, gave
+NaN three steps later). The sum does not see elements swapped inside one tensor.
 """
 from __future__ import annotations
 
@@ -56,12 +64,20 @@ class Snapshot:
         flat: all shards, each at ``index[i][5]`` bytes, ``_ALIGN``-aligned.
         index: per shard ``(state_key, lo, hi, s, dtype name, offset, numel)``.
         meta: Adam step, CPU RNG, megatron RNG extras, trainer state (kilobytes).
+        sums: per shard (as ``index``), its fingerprint (:func:`shard_fingerprint`) when
+            the snapshot was taken.
     """
 
     step: int
     flat: torch.Tensor
     index: list[tuple]
     meta: dict
+    sums: list[int] = field(default_factory=list)
+
+    def fingerprint(self) -> list[list]:
+        """``[state_key, lo, hi, s, sum]`` per shard (what :func:`fingerprint_totals` adds)."""
+        return [[k, list(lo), list(hi), s, v]
+                for (k, lo, hi, s, _d, _o, _n), v in zip(self.index, self.sums, strict=True)]
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +91,51 @@ class Snapshot:
             size = numel * dt.itemsize
             out.append(LocalShard(key, lo, hi, s, self.flat[off:off + size].view(dt)))
         return out
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+
+
+def shard_fingerprint(tensor: torch.Tensor) -> int:
+    """The sum of a tensor's elements' bit patterns as integers (an 8-byte element counts as
+    its two 4-byte words): exact, whatever order the elements are added in, so the totals of
+    a state tensor over the shards of any layout agree bit for bit."""
+    t = tensor.detach().reshape(-1)
+    if t.numel() == 0:
+        return 0
+    return int(t.view(_BITS[t.element_size()]).sum(dtype=torch.int64))
+
+
+def shards_fingerprint(shards: list[LocalShard]) -> list[list]:
+    """``[state_key, lo, hi, s, sum]`` for each of a live state's shards."""
+    return [[sh.state_key, list(box3(sh.lo)), list(box3(sh.hi)), int(sh.s),
+             shard_fingerprint(sh.tensor)] for sh in shards]
+
+
+def fingerprint_totals(rows: Any) -> dict[str, int]:
+    """Per state tensor, the sum of its shards' fingerprints, each shard counted once (dp
+    replicas hold the same shard: the same key, the same bytes)."""
+    seen: dict[tuple, int] = {}
+    for key, lo, hi, s, value in rows:
+        seen.setdefault((str(key), tuple(lo), tuple(hi), int(s)), int(value))
+    out: dict[str, int] = {}
+    for (key, *_box), value in seen.items():
+        out[key] = out.get(key, 0) + value
+    return out
+
+
+def fingerprint_mismatch(expected: dict[str, int], got: dict[str, int]) -> str | None:
+    """What differs between the fingerprint a rebuilt state should have and its own (the
+    first tensors by name, and how many), or None when they agree."""
+    bad = sorted(k for k in set(expected) | set(got) if expected.get(k) != got.get(k))
+    if not bad:
+        return None
+    missing = [k for k in bad if k not in got]
+    extra = [k for k in bad if k not in expected]
+    named = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    what = (f"{len(missing)} tensor(s) missing" if missing else
+            f"{len(extra)} tensor(s) unexpected" if extra else "different bytes")
+    return f"{len(bad)} of {len(expected)} state tensors differ ({what}): {named}"
 
 
 def layout_of(shards: list[LocalShard]) -> tuple[list[tuple], int]:
@@ -99,7 +160,10 @@ class PeerCopies:
         own: step -> this rank's snapshot.
         copies: ward rank -> {step -> that ward's snapshot}.
         stale_copies: a planted bug for the oracle's self-test: keep the tensors of the copy
-            received one refresh earlier under the new step's step, RNG and data position.
+            received one refresh earlier (and their fingerprint) under the new step's step,
+            RNG and data position.
+        corrupt_copies: a planted fault for the fingerprint check's self-test: a byte of
+            every shard of every copy received is changed after its fingerprint was taken.
     """
 
     every: int
@@ -109,6 +173,7 @@ class PeerCopies:
     own: dict[int, Snapshot] = field(default_factory=dict)
     copies: dict[int, dict[int, Snapshot]] = field(default_factory=dict)
     stale_copies: bool = False
+    corrupt_copies: bool = False
     _threads: list[threading.Thread] = field(default_factory=list)
     _free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _errors: list[BaseException] = field(default_factory=list)
@@ -122,7 +187,7 @@ class PeerCopies:
         self.prune(step)
         snap = self._take(step, shards, meta)
         self.own[step] = snap
-        head = encode_value((snap.index, snap.meta))
+        head = encode_value((snap.index, snap.meta, snap.sums))
         # copies live in host memory (another node's, off the device): gloo moves them
         ops, sizes = [], {w: torch.zeros(2, dtype=torch.int64, device="cpu") for w in self.wards}
         mine = torch.tensor([len(head), snap.nbytes], dtype=torch.int64, device="cpu")
@@ -139,13 +204,17 @@ class PeerCopies:
             ops += [dist.P2POp(dist.irecv, heads[w], w), dist.P2POp(dist.irecv, flats[w], w)]
         _wait(dist.batch_isend_irecv(ops))
         for w in self.wards:
-            index, wmeta = _head(decode_value(heads[w].numpy().tobytes()))
+            index, wmeta, sums = _head(decode_value(heads[w].numpy().tobytes()))
             kept = self.copies.setdefault(w, {})
             if self.stale_copies and kept:
                 prev = kept[max(kept)]
-                kept[step] = Snapshot(step, prev.flat, prev.index, wmeta)
+                kept[step] = Snapshot(step, prev.flat, prev.index, wmeta, prev.sums)
                 continue
-            kept[step] = Snapshot(step, flats[w], index, wmeta)
+            if self.corrupt_copies:  # after the ward fingerprinted it
+                for (_k, _lo, _hi, _s, _d, off, numel) in index:
+                    if numel:
+                        flats[w][off] += 1
+            kept[step] = Snapshot(step, flats[w], index, wmeta, sums)
 
     def prune(self, finished_step: int) -> None:
         """A training step ended after ``finished_step - 1``: drop what the newest finished
@@ -165,10 +234,28 @@ class PeerCopies:
             if snap.flat.data_ptr() not in live:
                 self._free.setdefault(snap.nbytes, []).append(snap.flat)
 
+    def reserve(self) -> None:
+        """One more buffer of the size of each snapshot and copy held, its memory touched:
+        what the next refresh takes instead of fresh pages (a refresh holds two of each
+        anyway), so that a copy can be timed as it costs once running."""
+        sizes = [v.nbytes for v in self.own.values()]
+        sizes += [v.nbytes for k in self.copies.values() for v in k.values()]
+        for n in sizes:
+            self._free.setdefault(n, []).append(
+                torch.zeros(n, dtype=torch.uint8, device="cpu"))
+
     def holdings(self) -> dict:
         """What this rank can roll back to and rebuild (published on a loss)."""
         return {"own": sorted(self.own),
                 "copies": {w: sorted(k) for w, k in self.copies.items()}}
+
+    def fingerprints(self) -> dict:
+        """The fingerprint of every snapshot and copy held, as they were taken: ``own``:
+        step -> rows, ``copies``: ward -> step -> rows (published with the holdings on a
+        loss, so that every rank knows what the rebuilt state must add up to)."""
+        return {"own": {s: v.fingerprint() for s, v in self.own.items()},
+                "copies": {w: {s: v.fingerprint() for s, v in k.items()}
+                           for w, k in self.copies.items()}}
 
     def host_bytes(self) -> int:
         """Bytes of host memory the snapshots and copies hold now, the buffers kept for
@@ -226,7 +313,9 @@ class PeerCopies:
             for sh, (_k, _lo, _hi, _s, _dt, off, _n) in zip(shards, index, strict=True):
                 src = sh.tensor.detach().reshape(-1).view(torch.uint8)
                 flat[off:off + src.numel()].copy_(src)
-        return Snapshot(step, flat, index, meta)
+        snap = Snapshot(step, flat, index, meta)
+        snap.sums = [shard_fingerprint(sh.tensor) for sh in snap.shards()]
+        return snap
 
     def _recycled(self, nbytes: int) -> torch.Tensor:
         """A buffer of this size that prune dropped, else a new one."""
@@ -242,10 +331,10 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _head(value: Any) -> tuple[list[tuple], dict]:
-    """A ward's (index, meta) as :meth:`PeerCopies.refresh` sent it (over gloo, whose
-    connections are not authenticated: checked, never unpickled)."""
-    index, meta = value
+def _head(value: Any) -> tuple[list[tuple], dict, list[int]]:
+    """A ward's (index, meta, fingerprint) as :meth:`PeerCopies.refresh` sent it (over gloo,
+    whose connections are not authenticated: checked, never unpickled)."""
+    index, meta, sums = value
     out = []
     for key, lo, hi, s, dtype, off, numel in index:
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
@@ -253,7 +342,10 @@ def _head(value: Any) -> tuple[list[tuple], dict]:
         out.append((str(key), box3(lo), box3(hi), int(s), str(dtype), int(off), int(numel)))
     if not isinstance(meta, dict):
         raise ValueError("a peer copy's head carries no meta")
-    return out, meta
+    if not isinstance(sums, list) or len(sums) != len(out) or \
+            not all(isinstance(v, int) for v in sums):
+        raise ValueError("a peer copy's head carries no fingerprint of each shard")
+    return out, meta, sums
 
 
 def own_client(store: Any, timeout_s: float) -> Any:

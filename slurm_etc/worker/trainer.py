@@ -85,6 +85,7 @@ from ..protocol.messages import (
     ORDER_DECODER,
     Abort,
     Control,
+    CopiesChosen,
     Exited,
     ModelBuilt,
     ModelReport,
@@ -97,19 +98,34 @@ from ..protocol.messages import (
     Stop,
 )
 from ..protocol.recovery import (
+    AUTO,
     DEFAULT_KEEP_CHECKPOINTS,
+    CopyInterval,
     Recovery,
     checkpoint_steps,
     checkpoints_to_delete,
     newest_checkpoint,
+    peer_copy_interval,
 )
 from .data import check_batch, check_interleaving, microbatch_samples
 from .lifeline import children_die_with_me
-from .redundancy import PeerCopies
+from .redundancy import (
+    PeerCopies,
+    fingerprint_mismatch,
+    fingerprint_totals,
+    shards_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+# peer copies every "auto" steps: steps timed after the first copy before choosing
+AUTO_TIMED_STEPS = 2
+
+
+class RebuiltStateMismatch(InternalError):
+    """A state rebuilt from peer copies or a checkpoint does not add up to the fingerprint
+    taken with them: the job stops rather than train on it (one line)."""
 # A new rank that waits this long for its peers to install a committed layout reports the
 # commit at once: the coordinator can then settle it and name a peer that died meanwhile.
 EARLY_COMMIT_REPORT_S = 2.0
@@ -211,10 +227,12 @@ class ResizeRecord:
 class TrainerHooks:
     """Faults a test plants in a trainer (:mod:`slurm_etc.testing` sets them; nothing in
     the runtime does): ``kill``, this process SIGKILLs itself at a phase of a resize;
-    ``stale_peer_copies``, the peer copies it sends are a step stale. The defaults do
-    nothing."""
+    ``stale_peer_copies``, the peer copies it sends are a step stale;
+    ``corrupt_peer_copies``, a byte of each shard of every copy it keeps changes after its
+    fingerprint was taken. The defaults do nothing."""
     kill: KillSpec | None = None
     stale_peer_copies: bool = False
+    corrupt_peer_copies: bool = False
 
 
 class ElasticTrainer:
@@ -248,7 +266,9 @@ class ElasticTrainer:
         collate: stacks a micro-batch's samples (default: ``torch.stack`` per key).
         peer_copy_every: every this many steps each rank copies its state to a rank on
             another node (:mod:`.redundancy`), so that a node lost without grace loses at
-            most these steps even where no dp replica survives; 0: off.
+            most these steps even where no dp replica survives; 0: off; ``AUTO`` (the
+            default): chosen once, in the first layout on two nodes or more, so that copies
+            cost about 2% of step time and fit host memory (:meth:`_choose_peer_copies`).
         checkpoint_every, checkpoint_dir: a megatron-core checkpoint every this many steps
             into ``checkpoint_dir`` (the newest ``recovery.keep_checkpoints`` kept): the
             fallback when neither a replica nor a peer copy survives a loss; 0: off.
@@ -259,7 +279,7 @@ class ElasticTrainer:
                  optimizer_config: Any, scheduler: SchedulerConfig, global_batch_size: int,
                  micro_batch_size: int, seq_length: int, train_steps: int,
                  name: str = "user-model", seed: int = 1234,
-                 collate: Callable[[list], Any] | None = None, peer_copy_every: int = 0,
+                 collate: Callable[[list], Any] | None = None, peer_copy_every: int = AUTO,
                  checkpoint_every: int = 0, checkpoint_dir: str | None = None) -> None:
         if train_steps < 0:
             raise ConfigError(f"train_steps must be >= 0, got {train_steps}")
@@ -296,6 +316,12 @@ class ElasticTrainer:
         self.lost_history: list[StepRecord] = []  # steps trained, then lost with a node
         self._rollback: tuple[int, int, int] | None = None  # (generation, first, last lost)
         self._rebuilt_from: dict[int, str] = {}  # generation -> peer-copies | checkpoint
+        # generation -> per state tensor, the fingerprint its rebuilt state must add up to
+        self._expected_fp: dict[int, dict[str, int]] = {}
+        # peer copies every "auto": the generation measured in, the copy's seconds and
+        # bytes, the step it was taken after; then the choice (said once)
+        self._choosing: tuple[int, float, int, int] | None = None
+        self.copy_interval: CopyInterval | None = None
         self.state: TrainingState | None = None
         self.scheduler: Any = None
         self.catalog: Catalog | None = None
@@ -384,6 +410,10 @@ class ElasticTrainer:
             self.state = self._build(proc.layout.config, empty=resume_from is not None)
             if resume_from is not None:
                 self._load_checkpoint(resume_from)
+                expected = checkpoint_fingerprint(resume_from)
+                if expected is not None:
+                    self._check_rebuilt(GenerationKeys(proc.job, proc.generation),
+                                        proc.layout, expected, "the checkpoint")
             self._first_generation = proc.generation
             _freeze_heap()
             self._log("training %s on %d processes from step %d (on %s)", proc.layout.config,
@@ -485,6 +515,10 @@ class ElasticTrainer:
         os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
         torch.save({"cpu": torch.get_rng_state(), **_rng_extras()},
                    os.path.join(directory, "rng", f"{rank}.pt"))
+        # what a state loaded from it must add up to (checked before training on it)
+        os.makedirs(os.path.join(directory, FINGERPRINT_DIR), exist_ok=True)
+        with open(os.path.join(directory, FINGERPRINT_DIR, f"{rank}.json"), "w") as f:
+            json.dump(shards_fingerprint(local_shards_of(state, self._catalog())), f)
         dist.barrier()
         return out
 
@@ -980,6 +1014,8 @@ class ElasticTrainer:
         if not early.sent:
             self._record(order, ProcessOutcome.COMMITTED, plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
+        if gen in self._expected_fp:  # committed (nothing else holds the state): checked
+            self._check_rebuilt(keys, new, self._expected_fp.pop(gen))
         parts = ", ".join(f"{k} {out.seconds[k]:.3f}" for k in PAUSE_PARTS if k in out.seconds)
         ready = ", ".join(f"{k} {v:.3f}" for k, v in prepared.seconds.items())
         self._log("resized %s -> %s: moved %.1f MiB (lower bound %.1f MiB), pause %.3f s, "
@@ -1258,6 +1294,9 @@ class ElasticTrainer:
     def _trainer_state(self) -> dict:
         state, _cfg = self._live()
         return {"step": self.step, "consumed_samples": self.consumed_samples,
+                # an "auto" choice, made once: joiners and later layouts keep it
+                "peer_copy_every": self.peer_copy_every,
+                "checkpoint_every": self.checkpoint_every,
                 "scheduler": self.scheduler.state_dict(),
                 "grad_scalers": [getattr(sub, "grad_scaler", None) and
                                  sub.grad_scaler.state_dict()
@@ -1272,6 +1311,11 @@ class ElasticTrainer:
         self._held_extras = ({}, {})
 
     def _restore_trainer_state(self, saved: dict) -> None:
+        chosen = saved.get("peer_copy_every", AUTO)
+        if self.peer_copy_every == AUTO and chosen != AUTO:
+            self.peer_copy_every = int(chosen)
+            if not self.checkpoint_every and self.checkpoint_dir:
+                self.checkpoint_every = int(saved.get("checkpoint_every", 0))
         self.step = saved["step"]
         self.consumed_samples = saved["consumed_samples"]
         state, _cfg = self._live()
@@ -1303,19 +1347,89 @@ class ElasticTrainer:
     def _after_step(self) -> None:
         """After a step: refresh the peer copies and write the periodic checkpoint when due
         (both collective over the layout)."""
+        if self.peer_copy_every == AUTO:
+            self._choose_peer_copies()
         peers = self._peer_copies() if self.peer_copy_every else None
         if peers is not None:
             peers.prune(self.step)
-            if peers.due(self.step):
-                from slurm_etc.megatron.state import local_shards
-
-                state, _cfg = self._live()
-                peers.refresh(self.step, local_shards(state, self._catalog()),
-                              self._snapshot_meta())
+            if self.peer_copy_every > 0 and peers.due(self.step):
+                self._refresh(peers)
             for err in peers.join_stand_ins(0.0):
                 self._log("a stand-in of the last resize failed: %s", err)
         if self.checkpoint_every and self.step % self.checkpoint_every == 0:
             self._save_periodic()
+
+    def _refresh(self, peers: PeerCopies) -> None:
+        from slurm_etc.megatron.state import local_shards
+
+        state, _cfg = self._live()
+        peers.refresh(self.step, local_shards(state, self._catalog()), self._snapshot_meta())
+
+    def _choose_peer_copies(self) -> None:
+        """Peer copies every "auto" steps: in the first layout on two nodes or more, take a
+        copy at once (its buffers allocated, one more of each reserved), time the next
+        ``AUTO_TIMED_STEPS`` steps, then a second copy (on the reserved buffers: timed as
+        it costs once running); every rank agrees on the slowest rank's figures (one
+        all-reduce) and chooses the interval
+        (:func:`~slurm_etc.protocol.recovery.peer_copy_interval`): every rank the same,
+        carried to later layouts and joiners in the trainer state. Where the copies do not
+        fit host memory they are dropped; with a checkpoint directory and no
+        ``checkpoint_every``, one checkpoint is timed and the same rule chooses its
+        interval. Rank 0 says the choice once (to the coordinator: its log and the record)."""
+        peers = self._peer_copies()
+        if peers is None:  # one node: no copy would outlive it; choose in a wider layout
+            return
+        peers.prune(self.step)
+        got = self._choosing
+        if got is None or got[0] != self.generation:
+            self._refresh(peers)
+            peers.reserve()
+            self._choosing = (self.generation, 0.0, peers.own[self.step].nbytes, self.step)
+            return
+        _gen, _s, copy_bytes, taken = got
+        timed = [h.ended - h.started for h in self.history
+                 if h.step > taken and h.generation == self.generation and h.ended]
+        if len(timed) < AUTO_TIMED_STEPS:
+            return
+        t0 = time.perf_counter()
+        self._refresh(peers)
+        copy_s = time.perf_counter() - t0
+        layout, proc = self.layout, self._proc()
+        if layout is None:
+            return
+        node = proc.topology.node(proc.vrank)
+        here = sum(1 for d in layout.devices if proc.topology.node(d) == node)
+        host = (host_memory_available() + peers.host_bytes()) // max(here, 1)
+        figures = torch.tensor([copy_s, sorted(timed)[len(timed) // 2], float(copy_bytes),
+                                -float(host)], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slowest, the least memory
+        copy_s, step_s, nbytes, neg_host = figures.tolist()
+        choice = peer_copy_interval(copy_s, step_s, int(nbytes), int(-neg_host))
+        self.copy_interval = choice
+        self.peer_copy_every = choice.every
+        line = choice.line
+        if choice.fits:
+            peers.every = choice.every
+        else:
+            self.peers = None  # the copies do not fit: none kept
+            if self.checkpoint_dir and not self.checkpoint_every:
+                t0 = time.perf_counter()
+                self._save_periodic()
+                save = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(save, op=dist.ReduceOp.MAX)
+                ck = peer_copy_interval(float(save[0]), step_s, 0, 0)
+                self.checkpoint_every = ck.every
+                line += (f"; a checkpoint every {ck.every} steps instead (one takes "
+                         f"{float(save[0]):.2f} s)")
+            else:
+                line += ("; no checkpoint directory (--checkpoint-dir): a node lost where no "
+                         "replica holds its state ends the job")
+        if layout.devices.index(proc.vrank) == 0:  # the coordinator says it (once)
+            logger.debug("[job %s gen %d vrank %d] %s", proc.job, self.generation, proc.vrank,
+                         line)
+            proc.control.report(CopiesChosen(
+                proc.job, self.generation, proc.vrank, choice.every, self.checkpoint_every,
+                copy_s, step_s, choice.held_bytes, choice.host_bytes, line[:400]))
 
     @property
     def recovery(self) -> Recovery:
@@ -1343,9 +1457,10 @@ class ElasticTrainer:
         rank = layout.devices.index(proc.vrank)
         if self.peers is None or self.peers.rank != rank or self._peers_gen != self.generation:
             buddies = peer_buddies(layout.devices, proc.topology.gpus_per_node)
-            self.peers = PeerCopies(self.peer_copy_every, rank, buddies[rank],
+            self.peers = PeerCopies(max(self.peer_copy_every, 1), rank, buddies[rank],
                                     tuple(r for r, b in enumerate(buddies) if b == rank),
-                                    stale_copies=self.hooks.stale_peer_copies)
+                                    stale_copies=self.hooks.stale_peer_copies,
+                                    corrupt_copies=self.hooks.corrupt_peer_copies)
             self._peers_gen = self.generation
         return self.peers
 
@@ -1427,6 +1542,7 @@ class ElasticTrainer:
         last = max(h["step"] for h in held.values())
         back = rollback_step(lost_ranks, own, copies) if self.peer_copy_every else None
         if back is not None:
+            self._expected_fp[order.generation] = _expected_fingerprint(held, lost_ranks, back)
             return self._roll_back_to_copies(order, keys, old, new, back, last, lost_ranks,
                                              copies)
         ckpts = [h["checkpoint"] for h in held.values()]
@@ -1439,9 +1555,10 @@ class ElasticTrainer:
     def _holdings(self, keys: GenerationKeys, old: Layout, lost: set[int]) -> dict[int, dict]:
         """Every survivor's step, snapshots, peer copies and last checkpoint (the store)."""
         proc = self._proc()
+        peers = self.peers if self.peers and self._peers_gen == self.generation else None
         mine = {"step": self.step, "checkpoint": self._latest_checkpoint(),
-                **(self.peers.holdings() if self.peers and self._peers_gen == self.generation
-                   else {"own": [], "copies": {}})}
+                **(peers.holdings() if peers else {"own": [], "copies": {}}),
+                "fp": peers.fingerprints() if peers else {"own": {}, "copies": {}}}
         proc.store.set(keys.holdings(proc.vrank), encode_value(mine))
         survivors = [(r, d) for r, d in enumerate(old.devices) if d not in lost]
         theirs = [keys.holdings(d) for _r, d in survivors]
@@ -1500,6 +1617,38 @@ class ElasticTrainer:
                     publish=lambda m, w=ward: self._publish_for(keys, old, w, m))
         return plan
 
+    def _check_rebuilt(self, keys: GenerationKeys, new: Layout, expected: dict[str, int],
+                       source: str = "peer copies") -> None:
+        """Before the first step on a state rebuilt from peer copies: every new rank
+        publishes its shards' fingerprints, every rank adds them up per state tensor and
+        compares with what the copies were when taken (the same verdict everywhere). A
+        mismatch stops this process with one line (RebuiltStateMismatch), never training."""
+        from slurm_etc.megatron.state import local_shards
+
+        proc = self._proc()
+        state, _cfg = self._live()
+        t0 = time.perf_counter()
+        rank = new.devices.index(proc.vrank)
+        proc.store.set(keys.fingerprint(rank),
+                       encode_value(shards_fingerprint(local_shards(state, self._catalog()))))
+        theirs = [keys.fingerprint(r) for r in range(len(new.devices))]
+        if not wait_for_keys(proc.store, theirs, proc.timeout_s):
+            raise RuntimeError(f"the ranks of {new.config} did not publish the fingerprint of "
+                               f"their rebuilt state within {proc.timeout_s:.0f} s")
+        got = fingerprint_totals(row for v in proc.store.multi_get(theirs)
+                                 for row in decode_value(v))
+        bad = fingerprint_mismatch(expected, got)
+        if bad is not None:
+            line = (f"the state rebuilt from {source} of step {self.step} does not match "
+                    f"their fingerprint, not training on it: {bad}")
+            self._log("%s", line)
+            proc.control.report(Exited(proc.job, self.generation, proc.vrank, line[:1000],
+                                       self.step))
+            raise RebuiltStateMismatch(line)
+        self._log("the state rebuilt from %s at step %d matches its fingerprint (%d state "
+                  "tensors, checked in %.3f s)", source, self.step, len(expected),
+                  time.perf_counter() - t0)
+
     def _publish_for(self, keys: GenerationKeys, old: Layout, ward: int, meta: dict) -> None:
         """What old rank ``ward`` would publish in a resize, from its peer copy."""
         proc = self._proc()
@@ -1540,10 +1689,15 @@ class ElasticTrainer:
         self._start_group(GenerationKeys(proc.job, order.generation).train_group,
                           new.devices.index(proc.vrank), new.config.world)
         self.state = self._build(new.config, empty=True)
-        self._load_checkpoint(os.path.join(str(self.checkpoint_dir), f"step-{step}"))
+        where = os.path.join(str(self.checkpoint_dir), f"step-{step}")
+        self._load_checkpoint(where)
         self._record(order, ProcessOutcome.COMMITTED, 0, time.time() - t0, 0.0,
                      f"restored from the checkpoint of step {step}")
         self._log("restored %s from the checkpoint of step %d", new.config, step)
+        expected = checkpoint_fingerprint(where)
+        if expected is not None:
+            self._check_rebuilt(GenerationKeys(proc.job, order.generation), new, expected,
+                                "the checkpoint")
         return "stay"
 
     # -- building -------------------------------------------------------------------------
@@ -1701,6 +1855,69 @@ class ElasticTrainer:
 
 
 # -- module helpers -----------------------------------------------------------------------
+
+
+def _expected_fingerprint(held: dict[int, dict], lost_ranks: list[int], back: int
+                          ) -> dict[str, int]:
+    """What a layout rebuilt from the copies of step ``back`` must add up to: the
+    survivors' own snapshots and, for each lost rank, its copy (the lowest holder's: every
+    rank reads the same), as fingerprinted when taken."""
+    rows: list = []
+    for r in sorted(held):
+        rows += _steps(held[r]["fp"]["own"]).get(back, [])
+    for w in lost_ranks:
+        for r in sorted(held):
+            kept = _steps(_steps(held[r]["fp"]["copies"]).get(w, {}))
+            if back in kept:
+                rows += kept[back]
+                break
+    return fingerprint_totals(rows)
+
+
+FINGERPRINT_DIR = "fingerprint"  # in a checkpoint: <rank>.json, its shards' fingerprints
+
+
+def checkpoint_fingerprint(directory: str) -> dict[str, int] | None:
+    """What a state loaded from the checkpoint in ``directory`` must add up to, per state
+    tensor (None: a checkpoint written before fingerprints, not checked)."""
+    where = os.path.join(directory, FINGERPRINT_DIR)
+    try:
+        names = sorted(n for n in os.listdir(where) if n.endswith(".json"))
+    except OSError:
+        return None
+    rows: list = []
+    for name in names:
+        with open(os.path.join(where, name)) as f:
+            rows += json.load(f)
+    return fingerprint_totals(rows) if names else None
+
+
+def local_shards_of(state: Any, catalog: Catalog) -> list:
+    from slurm_etc.megatron.state import local_shards
+
+    return local_shards(state, catalog)
+
+
+def _steps(d: dict) -> dict:
+    """A dict read back from the store with its int keys (they may travel as text)."""
+    return {int(k): v for k, v in d.items()}
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory this node can still give (``MemAvailable``), 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil  # type: ignore[import-untyped]
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - no psutil, or it cannot read: unknown
+        return 0
 
 def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[int]
                  ) -> Order | None:

@@ -87,7 +87,7 @@ def _config(layout: str) -> ParallelConfig:
     return ParallelConfig.parse(layout.replace(",dist-opt", ""), layout.endswith(",dist-opt"))
 
 
-def _rollback(run: dict, source: str = "peer-copies") -> dict:
+def _rollback(run: dict, source: str = "peer-copies", every: int | None = EVERY) -> dict:
     """What the record says of the loss, checked against the progress stream."""
     detail = run["detail"]
     gens = sorted(detail.generations, key=lambda g: g.number)
@@ -107,7 +107,8 @@ def _rollback(run: dict, source: str = "peer-copies") -> dict:
     assert lost == list(range(back + 1, last + 1)), by_gen
     assert rebuilt.lost_steps == ((back + 1, last) if lost else None), (rebuilt, by_gen)
     assert new_steps == list(range(back + 1, STEPS + 1)), by_gen
-    assert back % EVERY == 0 and back > gens[1].first_step  # a copy/checkpoint of that layout
+    assert back > gens[1].first_step  # a copy/checkpoint of that layout
+    assert every is None or back % every == 0
     assert last >= LOSE_AT
     return {"configs": tuple(_config(g.layout) for g in gens),
             "ends": (gens[0].last_step, back, STEPS), "lost": rebuilt.lost_steps}
@@ -162,7 +163,7 @@ def test_lost_node_is_rebuilt_from_peer_copies_exactly(tmp_path, references):
 def test_without_copies_the_last_checkpoint_is_loaded_exactly(tmp_path, references):
     """``--checkpoint-every 2`` alone: the survivor and the new layout load the last
     megatron-core checkpoint; the steps since are lost and trained again."""
-    run = _run(tmp_path, "checkpoint", Recovery(checkpoint_every=EVERY,
+    run = _run(tmp_path, "checkpoint", Recovery(peer_copy_every=0, checkpoint_every=EVERY,
                                                 checkpoint_dir=str(tmp_path / "ckpt")))
     assert run["out"]["state"] == "finished", run["out"]
     got = _rollback(run, "checkpoint")
@@ -211,8 +212,50 @@ def test_after_commit_kill_without_replica_is_rebuilt_from_the_checkpoint(tmp_pa
     assert oracle(run, checkpoint_losses(seq)) == []
 
 
+def test_by_default_a_lost_node_is_rebuilt_from_peer_copies_exactly(tmp_path, references):
+    """No --peer-copy-every given (auto): the workers choose the interval in the first
+    layout on two nodes (said once, in the record and `status --json`), the node lost
+    without grace is rebuilt from the copies, checked against their fingerprint, and
+    training equals checkpoint-restart."""
+    run = _run(tmp_path, "default", Recovery())
+    assert run["out"]["state"] == "finished", run["out"]
+    got = _rollback(run, every=None)
+    assert oracle(run, references(got["configs"], got["ends"])) == []
+    shown = subprocess.run(
+        [sys.executable, "-c", "from slurm_etc.cli.main import main; main()", "status",
+         run["job_id"], "--db", str(run["db"]), "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    (job,) = json.loads(shown.stdout)["jobs"]
+    chosen = job["peer_copies"]
+    assert chosen["every"] >= 1 and chosen["line"].startswith("peer copies every "), chosen
+    assert chosen["copy_seconds"] > 0 and chosen["step_seconds"] > 0, chosen
+    assert 0 < chosen["held_bytes"] < chosen["host_bytes"], chosen
+    table = subprocess.run(
+        [sys.executable, "-c", "from slurm_etc.cli.main import main; main()", "status",
+         run["job_id"], "--db", str(run["db"])],
+        capture_output=True, text=True, timeout=120, check=True, env={
+            **__import__("os").environ, "COLUMNS": "300"})
+    assert chosen["line"] in table.stdout, table.stdout
+
+
+def test_a_corrupted_copy_fails_the_check_and_nothing_trains_on_it(tmp_path):
+    """Planted: a byte of each shard of every peer copy changes after its fingerprint was
+    taken. The
+    rebuilt state does not add up to the fingerprint: the job fails with that line and no
+    step is trained on the rebuilt state (Megatron-LM #5281)."""
+    run = _run(tmp_path, "corrupt", Recovery(),
+               env={"SLURM_ETC_PLANT_CORRUPT_COPIES": "1"})
+    assert run["out"]["state"] == "failed", run["out"]
+    reason = run["detail"].job.reason
+    assert "\n" not in reason
+    assert "does not match their fingerprint, not training on it" in reason, reason
+    gens = sorted(run["detail"].generations, key=lambda g: g.number)
+    assert len(gens) == 3, gens
+    assert not [p for p in run["seen"] if p["generation"] == gens[2].number], run["seen"]
+
+
 def test_without_copies_or_checkpoints_the_job_stops_with_one_line(tmp_path):
-    run = _run(tmp_path, "none", Recovery())
+    run = _run(tmp_path, "none", Recovery(peer_copy_every=0))
     assert run["out"]["state"] == "failed", run["out"]
     reason = run["detail"].job.reason
     assert "\n" not in reason

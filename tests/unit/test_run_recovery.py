@@ -13,6 +13,7 @@ from slurm_etc.cli.main import cli
 from slurm_etc.coordinator import run as run_module
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.protocol.recovery import (
+    AUTO,
     CHECKPOINT_DIR,
     CHECKPOINT_EVERY,
     PEER_COPY_EVERY,
@@ -39,10 +40,12 @@ def captured(monkeypatch):
 @pytest.mark.parametrize("args,env,says", [
     (["--peer-copy-every", "-1"], {}, "--peer-copy-every"),
     (["--checkpoint-every", "5"], {}, "need a checkpoint directory (--checkpoint-dir)"),
-    (["--checkpoint-dir", "{tmp}/ck"], {}, "without --checkpoint-every"),
+    (["--peer-copy-every", "0", "--checkpoint-dir", "{tmp}/ck"], {},
+     "without --checkpoint-every"),
     (["--checkpoint-every", "2", "--checkpoint-dir", "{tmp}/file/ck"], {},
      "cannot create it"),
     ([], {"SLURM_ETC_RUN_PEER_COPY_EVERY": "often"}, "'often' is not an integer"),
+    (["--peer-copy-every", "AUTO2"], {}, "'AUTO2' is not an integer"),
 ])
 def test_bad_recovery_options_are_one_line(tmp_path, captured, monkeypatch, args, env, says):
     (tmp_path / "file").write_text("not a directory")
@@ -75,11 +78,34 @@ def test_options_and_variables_reach_the_spec_and_the_workers_env(tmp_path, capt
     assert Recovery.from_env({}, Recovery(5, 0, None)) == Recovery(5, 0, None)
 
 
-def test_default_is_off_and_sets_nothing(captured):
+def test_default_is_auto_and_reaches_the_workers(captured):
+    """Peer copies are on by default: ``auto`` (the workers choose the interval); 0 turns
+    them off, and says so to workers whose trainer's own default is auto."""
     result = CliRunner().invoke(cli, [*BASE, "--", "true"])
     assert result.exit_code == 0, result.output
     (spec,) = captured
-    assert not spec.recovery.enabled and spec.recovery.env() == {}
+    assert spec.recovery.peer_copy_every == AUTO and spec.recovery.enabled
+    assert spec.recovery.env() == {PEER_COPY_EVERY: "auto"}
+    assert Recovery.from_env(spec.recovery.env(), Recovery()).peer_copy_every == AUTO
+    # a training script that fixed its own interval keeps it under the run's default
+    assert Recovery.from_env(spec.recovery.env(), Recovery(7, 0, None)).peer_copy_every == 7
+    result = CliRunner().invoke(cli, [*BASE, "--peer-copy-every", "0", "--", "true"])
+    assert result.exit_code == 0, result.output
+    off = captured[-1].recovery
+    assert not off.enabled and off.env() == {PEER_COPY_EVERY: "0"}
+    assert Recovery.from_env(off.env(), Recovery()).peer_copy_every == 0
+
+
+def test_auto_with_a_checkpoint_directory_alone(tmp_path, captured, monkeypatch):
+    """--checkpoint-dir without --checkpoint-every: where auto copies that do not fit host
+    memory fall back to (the workers choose that interval too)."""
+    monkeypatch.setenv("SLURM_ETC_RUN_PEER_COPY_EVERY", "auto")
+    ck = tmp_path / "ck"
+    result = CliRunner().invoke(cli, [*BASE, "--checkpoint-dir", str(ck), "--", "true"])
+    assert result.exit_code == 0, result.output
+    (spec,) = captured
+    assert spec.recovery == Recovery(AUTO, 0, str(ck))
+    assert spec.recovery.env() == {PEER_COPY_EVERY: "auto", CHECKPOINT_DIR: str(ck)}
 
 
 @pytest.mark.parametrize("env,says", [

@@ -63,3 +63,13 @@ def test_example_model_file_describes_the_example():
     assert desc.vocab_divisor == 1
     assert (example.GLOBAL_BATCH, example.MICRO_BATCH) == \
         (trainer.global_batch, trainer.micro_batch)
+
+
+def test_peer_copies_are_on_by_default_and_a_checkpoint_dir_is_optional():
+    """Redundancy follows `slurm-etc run`'s default: peer copies every "auto" steps (the
+    variable run reads), a checkpoint directory passed on only when set."""
+    m = re.search(r'^export SLURM_ETC_RUN_PEER_COPY_EVERY=\$\{SLURM_ETC_RUN_PEER_COPY_EVERY:-'
+                  r'(.*?)\}$', WRAPPER.read_text(), re.M)
+    assert m and m.group(1) == "auto", m
+    assert _default("CHECKPOINT_DIR") == ""
+    assert '${CHECKPOINT_DIR:+--checkpoint-dir "$CHECKPOINT_DIR"}' in WRAPPER.read_text()
