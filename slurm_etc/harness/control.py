@@ -1290,6 +1290,9 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
             "order_to_commit_s": round(m["seconds"], 3) if ok and m else None,
             "step_in_flight_s": round(began - m["started"], 3) if m and began else None,
             "event_to_settled_s": round(span["at1"]["t"] - span["at0"]["t"], 2),
+            # what the coordinator's process spent on it (loop, store, zmq), whatever the
+            # ranks' share of the machine: the wall figures above wait for the ranks too
+            "coordinator_cpu_s": round(span["at1"]["cpu"] - span["at0"]["cpu"], 2),
             "messages": round(sum(v for k, v in moved.items() if k != "store_reply_bytes")),
             "store_requests": round(moved["store_requests"]),
             "store_replies": round(moved["store_replies"]),
