@@ -7,7 +7,7 @@ gpus_per_node + local index``. ``ClusterTopology`` is the one place that maps be
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .errors import AllocationError
 
@@ -21,6 +21,23 @@ class Device:
 
     def __str__(self) -> str:
         return f"{self.node}:{self.local}"
+
+
+def format_devices(devices: Iterable[Device]) -> str:
+    """``n0001:0-3,n0002:0-7`` style: devices grouped by node, local ranges merged (a few
+    characters a node, however many devices: what logs and reasons name)."""
+    by_node: dict[str, list[int]] = {}
+    for d in sorted(devices):
+        by_node.setdefault(d.node, []).append(d.local)
+    parts = []
+    for node, locals_ in by_node.items():
+        runs, start = [], locals_[0]
+        for prev, cur in zip(locals_, [*locals_[1:], -1]):  # -1: the run ends
+            if cur != prev + 1:
+                runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+                start = cur
+        parts.append(f"{node}:{'+'.join(runs)}")
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)

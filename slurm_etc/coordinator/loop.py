@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.alloc.topology import ClusterTopology, Device, format_devices
 from slurm_etc.lifecycle import JobState, ResizeOutcome
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.policy.decide import (
@@ -1433,7 +1433,3 @@ def owner() -> tuple[int, str]:
         return uid, pwd.getpwuid(uid).pw_name
     except KeyError:
         return uid, str(uid)
-
-
-def format_devices(held: Iterable[Device]) -> str:
-    return ", ".join(str(d) for d in sorted(held))

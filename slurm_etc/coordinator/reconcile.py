@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 
 import immutables
 
-from slurm_etc.alloc.topology import Device
+from slurm_etc.alloc.topology import Device, format_devices
 from slurm_etc.lifecycle import ProcessOutcome, ResizeOutcome
 from slurm_etc.plan import Layout, MigrationPlan, PlanError, Topology, plan_migration
 from slurm_etc.plan.config import ParallelConfig
@@ -708,7 +708,7 @@ def order_resize(held: Holdings, *, job_id: str, generation: int, config: Parall
     pool_map = reserve_vranks(pool, {v: held.vranks[v] for v in old.devices}, gpus_per_node)
     vranks = {**{v: held.vranks[v] for v in old.devices}, **pool_map}
     plan, rebuild = plan_resize(model, old, config, sorted(pool_map), topology, lost,
-                                _format_devices(held.vranks[v] for v in lost), can_rebuild)
+                                format_devices(held.vranks[v] for v in lost), can_rebuild)
     new = plan.new
     left = None if deadline is None else deadline - now
     need = aside_needs(longest_aside_s, plan.est_seconds, first_aside_grace_s, step_s)
@@ -749,7 +749,3 @@ def reserve_vranks(pool: Mapping[int, Device], layout: Mapping[int, Device],
     fresh = {slot: top + i for i, slot in enumerate(sorted(clash))}
     return {(fresh[v // gpus_per_node] * gpus_per_node + v % gpus_per_node
              if v // gpus_per_node in fresh else v): d for v, d in pool.items()}
-
-
-def _format_devices(devices: Iterable[Device]) -> str:
-    return ", ".join(str(d) for d in sorted(devices))

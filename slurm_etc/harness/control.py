@@ -732,7 +732,7 @@ def _host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: fl
 # --------------------------------------------------------------------------- the fabric
 
 
-class CollectiveFailed(RuntimeError):
+class CollectiveFailed(InternalError, RuntimeError):
     """A simulated collective of a generation one of whose ranks died (gloo: the closed
     connection fails the peers' all-reduce; NCCL: the watchdog's abort)."""
 

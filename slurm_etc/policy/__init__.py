@@ -8,7 +8,6 @@ from .decide import (
     RequestGrow,
     ResizeDecision,
     decide,
-    format_devices,
 )
 from .rules import (
     FIELDS,
@@ -22,4 +21,4 @@ from .rules import (
 
 __all__ = ["Decision", "EffectivePolicy", "FIELDS", "Notice", "Pause", "PolicyError",
     "Release", "RequestGrow", "ResizeDecision", "ResizePolicy", "Scope", "JobView", "decide",
-    "effective", "format_devices", "parse_assignments"]
+    "effective", "parse_assignments"]

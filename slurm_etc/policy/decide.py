@@ -18,7 +18,7 @@ from ..alloc.chooser import (
     tokens_per_second,
 )
 from ..alloc.migration import migration_cost
-from ..alloc.topology import ClusterTopology, Device
+from ..alloc.topology import ClusterTopology, Device, format_devices
 from ..alloc.vranks import Allocation, allocate
 from ..plan import Layout, ParallelConfig, Topology
 from ..plan.errors import ConfigError
@@ -157,22 +157,6 @@ class Decision:
     def lines(self) -> list[str]:
         """The decision's reason, then one line per action."""
         return [self.reason, *(f"  - {a}" for a in self.actions)]
-
-
-def format_devices(devices: Iterable[Device]) -> str:
-    """``n0001:0-3,n0002:0-7`` style: devices grouped by node, local ranges merged."""
-    by_node: dict[str, list[int]] = {}
-    for d in sorted(devices):
-        by_node.setdefault(d.node, []).append(d.local)
-    parts = []
-    for node, locals_ in by_node.items():
-        runs, start = [], locals_[0]
-        for prev, cur in zip(locals_, [*locals_[1:], -1]):  # -1: the run ends
-            if cur != prev + 1:
-                runs.append(f"{start}" if start == prev else f"{start}-{prev}")
-                start = cur
-        parts.append(f"{node}:{'+'.join(runs)}")
-    return ",".join(parts)
 
 
 def planner_cost(snapshot: JobView) -> CostFn:

@@ -2,6 +2,7 @@
 import pytest
 
 from slurm_etc.alloc import ClusterTopology, Device, Hardware, TrainingJob, identity_layout
+from slurm_etc.alloc.topology import format_devices
 from slurm_etc.plan import PRESETS
 from slurm_etc.policy import (
     JobView,
@@ -15,7 +16,6 @@ from slurm_etc.policy import (
     Scope,
     decide,
     effective,
-    format_devices,
     parse_assignments,
 )
 from slurm_etc.policy.admin import SacctmgrAnswer, adminlevel, adminlevel_command, verdict
