@@ -12,7 +12,7 @@ from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.lifecycle import JobState, job_transition_error
-from slurm_etc.protocol.store import StoreClient, StoreServer
+from slurm_etc.protocol.store import StoreClient
 from slurm_etc.protocol.store import StoreError as RendezvousStoreError
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import StoreError
@@ -113,21 +113,14 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,
                       backend=backend_name, model=spec.job.model.name)
-    # The rendezvous store listens on the bind host only (any free port), over CURVE with
-    # the job's keys; a committed generation retires the keys of those before it.
-    bind_host = split_bind(bind)[0]
-    rendezvous = StoreServer(secret.key, bind_host, job=spec.job_id)
-    try:
-        channel = _bind_channel(store, spec.job_id, secret, bind, advertise,
-                                rendezvous.retire_generations)
-    except BaseException:
-        rendezvous.close()
-        raise
-    channel.set_rendezvous(advertise or bind_host, rendezvous.port)
+    # The channel hosts the rendezvous store on its own socket (one connection per worker
+    # carries both), over CURVE with the job's keys; a committed generation retires the
+    # keys of those before it.
+    channel = _bind_channel(store, spec.job_id, secret, bind, advertise)
     record.set_coordinator(store, spec.job_id, channel.address)
     # the coordinator's own writes to the store go over the wire like a worker's (the
     # server's socket belongs to its thread)
-    poster = StoreClient(bind_host, rendezvous.port, secret.key)
+    poster = StoreClient(split_bind(bind)[0], channel.port, secret.key)
 
     def post(key: str, value: bytes) -> None:
         try:
@@ -157,9 +150,8 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
         _on_signals(signal.SIG_IGN)  # a signal now does not cut the close short
         try:
             backend.close()
-            channel.close()
             poster.close()
-            rendezvous.close()
+            channel.close()
             store.close()
         finally:
             _restore_signals(previous)
@@ -184,12 +176,12 @@ def cluster_state_path(store: Any, job_id: str) -> Path:
     return where.with_name(f"{where.name}.cluster.json")
 
 
-def _bind_channel(store: Any, job_id: str, secret: Any, bind: str, advertise: str | None,
-                  on_commit: Callable[[int], object]) -> CoordinatorChannel:
-    """The job's control channel. A coordinator restarted on the job's record binds the
-    port the one before it recorded (unless ``bind`` names one): the workers it launched
-    connect to that address and reconnect by themselves, so they are reattached (the
-    rendezvous store's new address reaches them in the Welcome). Where that port is taken,
+def _bind_channel(store: Any, job_id: str, secret: Any, bind: str, advertise: str | None
+                  ) -> CoordinatorChannel:
+    """The job's control channel (and the rendezvous store on it). A coordinator restarted
+    on the job's record binds the port the one before it recorded (unless ``bind`` names
+    one): the workers it launched connect to that address and reconnect by themselves, so
+    they are reattached (their store requests follow the connection). Where that port is taken,
     any free port, and the workers cannot be reattached (they exit after their reattach
     wait; the job starts again from its newest checkpoint)."""
     host, port = split_bind(bind)
@@ -197,17 +189,14 @@ def _bind_channel(store: Any, job_id: str, secret: Any, bind: str, advertise: st
     recorded = detail.job.coordinator if detail is not None else None
     tail = (recorded or "").rsplit(":", 1)[-1]
     if port or not tail.isdigit():
-        return CoordinatorChannel(job_id, secret, bind, advertise=advertise,
-                                  on_commit=on_commit)
+        return CoordinatorChannel(job_id, secret, bind, advertise=advertise)
     again = f"[{host}]:{tail}" if ":" in host else f"{host}:{tail}"
     try:
-        return CoordinatorChannel(job_id, secret, again, advertise=advertise,
-                                  on_commit=on_commit)
+        return CoordinatorChannel(job_id, secret, again, advertise=advertise)
     except ChannelError as err:
         logger.warning("coordinator restarted: cannot listen where its workers look (%s); "
                        "they cannot be reattached", err)
-        return CoordinatorChannel(job_id, secret, bind, advertise=advertise,
-                                  on_commit=on_commit)
+        return CoordinatorChannel(job_id, secret, bind, advertise=advertise)
 
 
 def _open_record(job_id: str, db: str | None, state_dir: str | None) -> Any:

@@ -36,8 +36,8 @@ gets the CPU it asks for (on a cluster the ranks are on other nodes) and its fig
 own process) are what a coordinator node pays for a job of that size; a rank's
 ``step_control_ms`` is what it pays itself (its thread's CPU at a boundary that asks
 nobody anything), and ``step_control_wall_ms`` the clock's view with the CPU the other
-simulated ranks took meanwhile. A coordinator holds two connections per rank (channel and
-store): the open-file limit (:func:`descriptor_problem`) bounds N.
+simulated ranks took meanwhile. A coordinator holds one connection per rank (the channel,
+which carries the store): the open-file limit (:func:`descriptor_problem`) bounds N.
 """
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ GPUS_PER_NODE = 8
 # descriptors a coordinator needs beyond its two connections per rank (SQLite, zmq's own
 # mailboxes and listeners, the interpreter's)
 COORDINATOR_FDS_SPARE = 256
-# descriptors one simulated rank costs its host process (two TCP connections, the sockets'
-# mailboxes, the store connection's monitor pair)
-FDS_PER_SIM_RANK = 8
+# descriptors one simulated rank costs its host process (its TCP connection, the socket's
+# mailbox, the link monitor's pair, the eventfd that wakes the thread reading the socket)
+FDS_PER_SIM_RANK = 5
 EXTRAPOLATE_TO = 131_072
 # the fabric's key of a resize's migration group (a step number no step has)
 MIGRATION_GROUP = -1
@@ -161,13 +161,14 @@ def descriptor_problem(bench: ControlBench) -> str | None:
         except (ValueError, OSError):
             hard = soft
     most = bench.ranks + GPUS_PER_NODE * bench.grow_nodes * bench.resizes
-    need = 2 * most + COORDINATOR_FDS_SPARE
+    need = most + COORDINATOR_FDS_SPARE
     if hard != resource.RLIM_INFINITY and need > hard:
-        fit = (hard - COORDINATOR_FDS_SPARE) // 2
+        fit = hard - COORDINATOR_FDS_SPARE
         fit = (fit * 8 // 9 if bench.resizes else fit) // GPUS_PER_NODE * GPUS_PER_NODE
         return (f"{bench.ranks:,} ranks need about {need:,} open files in the coordinator's "
-                f"process (a control-channel and a store connection per rank, "
-                f"{most:,} ranks{' at the grow' if bench.resizes else ''}), over this "
+                f"process (one connection per rank, carrying its control channel and its "
+                f"store requests, {most:,} ranks{' at the grow' if bench.resizes else ''}), "
+                f"over this "
                 f"machine's hard limit of {hard:,} per process; the most it runs is "
                 f"{fit:,} ranks{'' if bench.resizes else ' without resizes'}")
     per_host = bench.ranks_per_host * FDS_PER_SIM_RANK + COORDINATOR_FDS_SPARE
@@ -328,9 +329,8 @@ class SimRank:
 
         self.channel = WorkerChannel(self.job, self.vrank, self.address, self.secret,
                                      generation=self.generation, context=self.shared.ctx)
-        welcome = self._join()
-        self.store = StoreClient(welcome.store_host, welcome.store_port, self.secret.key,
-                                 context=self.shared.ctx)
+        self._join()
+        self.store = StoreClient.over(self.channel)
         if self.layout is None:  # a joiner: its first order brings it in
             order = self._first_order()
             if isinstance(order, Stop):
@@ -1156,11 +1156,9 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
             _counting_store(StoreServer)
         if counters is not None:
             channel_cls, store_cls = counters(channel_cls, store_cls)
-        rendezvous = store_cls(secret.key, "127.0.0.1", job=JOB)
-        channel = channel_cls(
-            JOB, secret, "127.0.0.1", on_commit=rendezvous.retire_generations)
-        channel.set_rendezvous("127.0.0.1", rendezvous.port)
-        poster = StoreClient("127.0.0.1", rendezvous.port, secret.key)
+        channel = channel_cls(JOB, secret, "127.0.0.1", store_class=store_cls)
+        rendezvous = channel.store
+        poster = StoreClient("127.0.0.1", channel.port, secret.key)
 
         def sample() -> dict[str, float]:
             # every thread of this process: the loop, the store's, zmq's I/O threads
@@ -1208,7 +1206,6 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                 fabric.kill()
             poster.close()
             channel.close()
-            rendezvous.close()
             migrations = _migrations(db)
             store.close()
         record_bytes = sum(p.stat().st_size for p in Path(tmp).glob("job.db*"))

@@ -5,6 +5,18 @@ One ``CoordinatorChannel`` (a zmq ROUTER socket the coordinator binds) and one
 coordinator binds an explicit interface and advertises an explicit address, since workers
 may run on other nodes (loopback by default, for the local backend).
 
+One connection per worker carries the channel and the job's rendezvous store (issue #42:
+the coordinator's process holds one descriptor per rank, so 18,432 ranks fit under an
+open-file limit of 20,000). The coordinator's socket belongs to the thread of the
+:class:`~slurm_etc.protocol.store.StoreServer` the channel hosts: that thread answers store
+requests itself and hands channel frames to the coordinator's loop thread over an inproc
+socket; the loop's sends go back to it as one synchronous inproc request per send or per
+broadcast (so ``send`` still says whether a worker was reached). On a worker, whichever
+thread holds the channel's socket reads it for everyone: channel messages to the inbox,
+store replies to the thread that asked (:meth:`WorkerChannel.pump_until`, used by
+:meth:`StoreClient.over <slurm_etc.protocol.store.StoreClient.over>`); a thread with a
+request to send while another holds the socket queues it and wakes the holder.
+
 Transport: zmq CURVE with keys derived from the job's secret (:mod:`slurm_etc.protocol.keys`);
 the coordinator's ZAP handler admits only the job's client key, so a peer without the secret
 is dropped at the handshake, before zmq buffers anything it sends (a never-ending multipart
@@ -38,7 +50,7 @@ How the coordinator's reconcile loop uses it::
 
     secret = create_secret(job, exist_ok=True)        # a restarted coordinator reuses it
     with CoordinatorChannel(job, secret, bind="127.0.0.1") as channel:
-        channel.set_rendezvous(store_host, store_port)  # the StoreServer it hosts
+        channel.store.retire_generations(g)             # the StoreServer it hosts
         env = channel.worker_env()                      # merged into every launch's env
         ...
         channel.generation = g + 1                      # before launching generation g+1
@@ -52,7 +64,8 @@ worker that says Hello more than once (it resends until welcomed) is answered ev
 How a worker uses it (the trainer sees only the ``Control`` protocol)::
 
     channel = WorkerChannel.from_env()
-    welcome = channel.join(timeout_s=120)      # Hello -> Welcome: rendezvous store address
+    welcome = channel.join(timeout_s=120)      # Hello -> Welcome
+    store = StoreClient.over(channel)          # the store, on this channel's connection
     ...
     order = channel.poll()                     # every step; never blocks
     channel.report(Progress(...))              # never blocks; bounded queue, drops when full
@@ -78,13 +91,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from slurm_etc.protocol.keys import (
-    HandshakeWatch,
-    ZapGuard,
-    curve_keys,
-    make_client,
-    make_server,
-)
+from slurm_etc.protocol.keys import curve_keys, make_client
 from slurm_etc.protocol.messages import (
     ENCODER,
     HEARTBEAT_S,
@@ -97,13 +104,23 @@ from slurm_etc.protocol.messages import (
     Resized,
     Stop,
 )
+from slurm_etc.protocol.store import (
+    QUEUE_FULL,
+    SENT,
+    STORE_FRAME,
+    CarriedChannel,
+    StoreError,
+    StoreLimits,
+    StoreServer,
+)
 
 from ..errors import InputError, InternalError
 from . import env as envvars
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: Final = 1
+# 2: the rendezvous store rides the channel's connection (the Welcome names the channel)
+PROTOCOL_VERSION: Final = 2
 SECRET_BYTES: Final = 32
 MAC_BYTES: Final = 32
 # A Resize names two layouts of up to tens of thousands of vranks: well under a megabyte.
@@ -117,6 +134,14 @@ DEFAULT_QUEUE: Final = 1000
 LOG_INTERVAL_S: Final = 10.0
 # A worker waiting for orders looks at its outbox this often (reports never wait for it).
 _WAIT_SLICE_S: Final = 0.02
+# A thread reading the socket for others (a store request's wait) looks at the link's
+# events this often: a coordinator's process that died fails the requests in flight.
+_LEAD_SLICE_S: Final = 0.1
+# A thread waiting for its store reply while another reads the socket is woken when the
+# reader hands over; it looks again at least this often anyway.
+_FOLLOW_S: Final = 0.5
+# The coordinator's socket thread answers a send at once; this long means it is gone.
+_DELIVER_TIMEOUT_MS: Final = 30_000
 # A process that exits without close() must not hang on messages nobody will take.
 _DEFAULT_LINGER_MS: Final = 1000
 
@@ -169,12 +194,14 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
-    """The coordinator's answer to a Hello: where the job's rendezvous store is.
+    """The coordinator's answer to a Hello: the job's rendezvous store is open.
 
     Workers build their training and migration process groups from the rendezvous store
-    (:class:`~slurm_etc.protocol.store.StoreServer`, CURVE with the job's keys) at
-    ``store_host:store_port`` that the coordinator hosts (key prefixes per generation).
-    A coordinator may send a new Welcome at any time (e.g. restarted with a new store)."""
+    (:class:`~slurm_etc.protocol.store.StoreServer`, key prefixes per generation) that the
+    coordinator hosts on the channel's own socket: ``store_host:store_port`` name the
+    channel's address (a worker's store requests ride its channel connection:
+    ``StoreClient.over``). A coordinator may send a new Welcome at any time (e.g.
+    restarted: the store then starts empty)."""
 
     job: str
     generation: int
@@ -521,7 +548,9 @@ def _bracket(host: str) -> str:
 
 class CoordinatorChannel:
     """The coordinator's end: binds, learns each vrank's connection from its authenticated
-    messages, sends orders, receives reports.
+    messages, sends orders, receives reports, and hosts the job's rendezvous store on the
+    same socket (:attr:`store`; a committed generation retires the keys of those before
+    it).
 
     Args:
         job: the job id every message must name.
@@ -533,22 +562,20 @@ class CoordinatorChannel:
             when binding every interface (``0.0.0.0``, ``::``, ``*``).
         generation: the job's current generation (stamped on welcomes; the loop updates
             :attr:`generation` when it opens a new one).
-        rendezvous: ``(host, port)`` of the rendezvous store; when set, every Hello is
-            answered with a :class:`Welcome`.
         window_s: accepted distance between a message's timestamp and this clock.
         queue_limit: messages queued per worker before sends fail.
-        on_commit: called with a generation when a worker reports its resize committed
-            (the rendezvous store then deletes the keys of the generations before it).
+        limits: the rendezvous store's bounds.
+        store_class: the store to host (a subclass that counts: ``bench control``).
 
-    Not thread-safe: use it from the coordinator's loop thread.
+    Not thread-safe: use it from the coordinator's loop thread (the store serves from a
+    thread of its own).
     """
 
     def __init__(self, job: str, secret: bytes | JobSecret, bind: str = "127.0.0.1", *,
                  advertise: str | None = None, generation: int = 0,
-                 rendezvous: tuple[str, int] | None = None,
                  window_s: float = DEFAULT_WINDOW_S, queue_limit: int = DEFAULT_QUEUE,
-                 clock: Callable[[], float] = time.time,
-                 on_commit: Callable[[int], object] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, limits: StoreLimits | None = None,
+                 store_class: type[StoreServer] = StoreServer) -> None:
         host, port = split_bind(bind)
         if advertise is None:
             if host in ("0.0.0.0", "::", "*"):
@@ -568,34 +595,20 @@ class CoordinatorChannel:
         # the routing id each vrank was last found unreachable at: said once, not per send
         # (a relaunched vrank's old process is gone until its new one says hello)
         self._unreachable: dict[int, bytes] = {}
-        self._rendezvous = rendezvous
-        self._on_commit = on_commit
         self._committed = -1
         # which Hellos make their sender the vrank they name (None: every one); the others
         # are told to stop (see _accept)
         self.admit: Callable[[Hello], bool] | None = None
-        keys = curve_keys(_key_of(secret), "channel")
-        self._ctx = zmq.Context()
-        self._zap = ZapGuard(self._ctx, {keys.client_public})
-        self._sock = self._ctx.socket(zmq.ROUTER)
         self._closed = False
         try:
-            make_server(self._sock, keys)
-            self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-            self._sock.setsockopt(zmq.SNDHWM, queue_limit)
-            self._sock.setsockopt(zmq.RCVHWM, queue_limit)
-            if ":" in host:
-                self._sock.setsockopt(zmq.IPV6, 1)
-            self._handshakes = HandshakeWatch(self._sock, f"[job {job} coordinator] channel:")
-            self._sock.bind(f"tcp://{_bracket(host)}:{port or '*'}")
-            endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as e:
-            self.close(linger_s=0)
+            self.store = store_class(_key_of(secret), host, port=port, job=job, limits=limits,
+                                     channel=CarriedChannel(queue_limit, MAX_FRAME_BYTES))
+        except StoreError as e:
             raise ChannelError(f"cannot bind the control channel of job {job} to "
                                f"{bind}: {e}") from None
-        self.port = int(endpoint.rsplit(":", 1)[1])
+        self._inbox, self._outbox = self.store.inbox, self.store.outbox
+        self.port = self.store.port
+        self.advertise = advertise
         self.bind = f"{_bracket(host)}:{self.port}"
         self.address = f"tcp://{_bracket(advertise)}:{self.port}"
         logger.info("[job %s coordinator] control channel on %s (workers connect to %s)",
@@ -618,16 +631,12 @@ class CoordinatorChannel:
     @property
     def refused_handshakes(self) -> int:
         """Peers dropped at the CURVE handshake (no key of this job)."""
-        return self._handshakes.drain() if not self._closed else self._handshakes.refused
+        return self.store.refused_handshakes
 
     @property
     def vranks(self) -> frozenset[int]:
         """Vranks heard from (that orders can be sent to)."""
         return frozenset(self._peers)
-
-    def set_rendezvous(self, host: str, port: int) -> None:
-        """Where the rendezvous store is; Hellos from now on are answered with a Welcome."""
-        self._rendezvous = (host, port)
 
     def worker_env(self) -> dict[str, str]:
         """What a launched worker needs in its environment to reach this channel (the
@@ -645,42 +654,65 @@ class CoordinatorChannel:
             False when the vrank has not been heard from, is not connected any more, or its
             queue is full (the loop retries later; orders are idempotent by generation).
         """
+        return not self._send_all(message, [vrank])
+
+    def broadcast(self, message: Order, vranks: Iterable[int]) -> list[int]:
+        """Send ``message`` to every vrank; returns those it could not be sent to (one
+        request to the socket's thread for them all)."""
+        return self._send_all(message, sorted(set(vranks)))
+
+    def welcome(self, vrank: int) -> bool:
+        """Tell ``vrank`` that the job's store is open (done for every Hello already)."""
+        return self.send(vrank, Welcome(self.job, self.generation, vrank, self.advertise,
+                                        self.port))
+
+    def _send_all(self, message: ToWorker, vranks: Sequence[int]) -> list[int]:
+        """Seal ``message`` to each vrank and hand them to the socket's thread; the vranks
+        it did not reach."""
         if message.job != self.job:
             raise ValueError(f"message of job {message.job!r} sent on the channel of "
                              f"job {self.job!r}")
-        routing = self._peers.get(vrank)
-        if routing is None:
-            logger.debug("[job %s coordinator] vrank %d has not said hello; %s not sent",
-                         self.job, vrank, type(message).__name__)
-            return False
-        frames = self._sealer.seal(vrank, message.generation, message)
-        try:
-            self._sock.send_multipart([routing, *frames], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("[job %s coordinator] queue to vrank %d is full; %s not sent",
-                           self.job, vrank, type(message).__name__)
-            return False
-        except zmq.ZMQError as e:
+        name = type(message).__name__
+        missed, batch = [], []
+        for vrank in vranks:
+            routing = self._peers.get(vrank)
+            if routing is None:
+                logger.debug("[job %s coordinator] vrank %d has not said hello; %s not sent",
+                             self.job, vrank, name)
+                missed.append(vrank)
+            else:
+                batch.append((vrank, routing,
+                              self._sealer.seal(vrank, message.generation, message)))
+        if not batch:
+            return missed
+        statuses = self._deliver([(routing, frames) for _, routing, frames in batch])
+        for (vrank, routing, _), status in zip(batch, statuses, strict=True):
+            if status == SENT:
+                self._unreachable.pop(vrank, None)
+                continue
+            missed.append(vrank)
+            if status == QUEUE_FULL:
+                logger.warning("[job %s coordinator] queue to vrank %d is full; %s not sent",
+                               self.job, vrank, name)
+                continue
             first = self._unreachable.get(vrank) != routing
             self._unreachable[vrank] = routing
             logger.log(logging.INFO if first else logging.DEBUG,
-                       "[job %s coordinator] vrank %d unreachable (%s); %s not sent%s",
-                       self.job, vrank, e, type(message).__name__,
+                       "[job %s coordinator] vrank %d unreachable (not connected); %s not "
+                       "sent%s", self.job, vrank, name,
                        " (said once until it says hello again)" if first else "")
-            return False
-        self._unreachable.pop(vrank, None)
-        return True
+        return sorted(missed)
 
-    def broadcast(self, message: Order, vranks: Iterable[int]) -> list[int]:
-        """Send ``message`` to every vrank; returns those it could not be sent to."""
-        return [v for v in sorted(set(vranks)) if not self.send(v, message)]
-
-    def welcome(self, vrank: int) -> bool:
-        """Tell ``vrank`` where the rendezvous store is (done for every Hello already)."""
-        if self._rendezvous is None:
-            raise ChannelError("no rendezvous store set (set_rendezvous) to welcome with")
-        host, port = self._rendezvous
-        return self.send(vrank, Welcome(self.job, self.generation, vrank, host, port))
+    def _deliver(self, batch: Sequence[tuple[bytes, list[bytes]]]) -> bytes:
+        """Send ``(routing, frames)`` messages through the socket's thread; one status
+        byte each (:data:`~slurm_etc.protocol.store.SENT`, ...)."""
+        if self._closed:
+            return bytes(len(batch))  # none of them SENT
+        self._outbox.send_multipart([f for routing, frames in batch for f in (routing, *frames)])
+        if not self._outbox.poll(_DELIVER_TIMEOUT_MS):
+            raise ChannelError(f"the control channel of job {self.job}: its socket's thread "
+                               f"did not answer a send within {_DELIVER_TIMEOUT_MS / 1000:g} s")
+        return self._outbox.recv()
 
     def recv(self, timeout_s: float) -> tuple[int, Report] | None:
         """The next accepted report as ``(vrank, report)``, or None after ``timeout_s``.
@@ -688,7 +720,6 @@ class CoordinatorChannel:
         Rejected messages are counted and skipped; nothing a peer sends raises here."""
         if self._closed:
             raise ChannelError(f"the control channel of job {self.job} is closed")
-        self._handshakes.drain()
         deadline = time.monotonic() + max(0.0, timeout_s)
         late = 0
         while True:
@@ -697,10 +728,10 @@ class CoordinatorChannel:
                 late += 1
                 if late > 256:  # a flood of garbage does not hold the loop past its timeout
                     return None
-            if not self._sock.poll(max(0, int(remaining * 1000))):
+            if not self._inbox.poll(max(0, int(remaining * 1000))):
                 return None
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._inbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
             got = self._accept(frames)
@@ -728,12 +759,7 @@ class CoordinatorChannel:
             # vrank it names, told to stop instead of holding out its reattach wait
             stop = Stop(self.job, report.generation + 1, "the restarted coordinator started "
                         "the job again without this process")
-            try:
-                self._sock.send_multipart(
-                    [routing, *self._sealer.seal(vrank, stop.generation, stop)],
-                    flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._deliver([(routing, self._sealer.seal(vrank, stop.generation, stop))])
             return None
         if isinstance(report, Hello):
             self._hello_generation[vrank] = report.generation
@@ -742,26 +768,21 @@ class CoordinatorChannel:
             # taken, but what is sent to the vrank keeps going to the newer process
             return vrank, report
         self._peers[vrank] = routing
-        if isinstance(report, Hello) and self._rendezvous is not None:
+        if isinstance(report, Hello):
             self.welcome(vrank)
         if (isinstance(report, Resized) and report.outcome == "committed"
                 and report.generation > self._committed):
             self._committed = report.generation
-            if self._on_commit is not None:
-                self._on_commit(report.generation)
+            self.store.retire_generations(report.generation)
         return vrank, report
 
     def close(self, linger_s: float = 0.5) -> None:
-        """Close the socket, giving queued orders ``linger_s`` to leave."""
+        """Close the socket (and the store on it), giving queued orders ``linger_s`` to
+        leave."""
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_handshakes"):
-            self._handshakes.close()
-        self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
-        self._sock.close()
-        self._zap.close()
-        self._ctx.term()
+        self.store.close(linger_s)
 
 
 class WorkerChannel:
@@ -771,6 +792,15 @@ class WorkerChannel:
     zmq queue; when both are full the report is dropped and counted in :attr:`dropped`),
     ``wait`` blocks up to its timeout. Safe to report from another thread while the main
     thread polls or waits.
+
+    It also carries the worker's rendezvous store (``StoreClient.over(channel)``), whose
+    requests come from several threads (the trainer's, gloo's and NCCL's through
+    ``PrefixStore``, a preparation thread). The socket is not thread-safe, so the thread
+    holding ``_lock`` reads it for everyone (leader and followers): orders go to the
+    inbox, store replies to the store client (:meth:`carry_store`), which the thread
+    waiting for each takes (:meth:`pump_until`); a thread that cannot take the socket
+    queues what it sends and wakes the holder (an eventfd the holder polls beside the
+    socket).
 
     Args:
         job, vrank: who this worker is.
@@ -802,15 +832,21 @@ class WorkerChannel:
         self._welcome: Welcome | None = None
         self._heard = time.monotonic()  # the last authenticated message, or the link's end
         self._linked = False  # a CURVE session with the coordinator is up (libzmq's heartbeats)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread that uses the socket
         self._watch_lock = threading.Lock()
+        # followers wait on it for their store replies, or for the socket to be free
+        self._turn = threading.Condition()
+        self._store_out: deque[list[bytes]] = deque()  # store requests: never dropped
+        self._on_store: Callable[[bytes], None] | None = None
+        self._drops = 0  # times the link to the coordinator went down
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closed = False
         self.dropped = 0
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
         self._sock = self._ctx.socket(zmq.DEALER)
         try:
-            make_client(self._sock, curve_keys(_key_of(secret), "channel"))
+            make_client(self._sock, curve_keys(_key_of(secret)))
             self._sock.setsockopt(zmq.LINGER, _DEFAULT_LINGER_MS)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)
@@ -830,6 +866,9 @@ class WorkerChannel:
         except zmq.ZMQError as e:
             self.close(linger_s=0)
             raise ChannelError(f"cannot connect to the coordinator at {address!r}: {e}") from None
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake, zmq.POLLIN)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: object
@@ -883,9 +922,22 @@ class WorkerChannel:
                 event = recv_monitor_message(self._link)["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._linked = True
-                elif event == zmq.EVENT_DISCONNECTED and self._linked:
-                    self._linked = False
-                    self._heard = max(self._heard, time.monotonic())
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._drops += 1
+                    if self._linked:
+                        self._linked = False
+                        self._heard = max(self._heard, time.monotonic())
+
+    @property
+    def link_drops(self) -> int:
+        """How many times the connection to the coordinator went down (its process died,
+        or its heartbeats stopped); a store request in flight fails on a new drop."""
+        self._watch()
+        return self._drops
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def generation(self) -> int:
@@ -914,7 +966,7 @@ class WorkerChannel:
             try:
                 self._pump(0.0)
             finally:
-                self._lock.release()
+                self._hand_over()
         return self._inbox.popleft() if self._inbox else None
 
     def wait(self, timeout_s: float) -> Order | None:
@@ -926,8 +978,7 @@ class WorkerChannel:
             if self._closed:
                 return None
             remaining = deadline - time.monotonic()
-            with self._lock:
-                self._pump(min(max(remaining, 0.0), _WAIT_SLICE_S))
+            self._lead(min(max(remaining, 0.0), _WAIT_SLICE_S))
             if remaining <= 0:
                 return self._inbox.popleft() if self._inbox else None
 
@@ -947,11 +998,7 @@ class WorkerChannel:
                          type(message).__name__)
             return
         self._outbox.append(frames)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._flush()
-            finally:
-                self._lock.release()
+        self._send_soon()
 
     # -- rendezvous ------------------------------------------------------------------
     def join(self, timeout_s: float = 120.0, *, host: str | None = None,
@@ -973,12 +1020,11 @@ class WorkerChannel:
                 raise ChannelError(
                     f"{self._rejects.label} no welcome from the coordinator at "
                     f"{self.address} within {timeout_s:g} s (is it running and reachable, "
-                    f"with a rendezvous store set, and is this the job's secret?)")
+                    f"and is this the job's secret?)")
             if now >= next_hello:
                 self.report(hello)
                 next_hello = now + resend_s
-            with self._lock:
-                self._pump(min(0.05, max(0.0, deadline - now)))
+            self._lead(min(0.05, max(0.0, deadline - now)))
         return self._welcome
 
     def rejoin(self, step: int, trained: int) -> None:
@@ -990,45 +1036,135 @@ class WorkerChannel:
         self.report(Hello(self.job, self._generation, self.vrank, socket.gethostname(),
                           os.getpid(), step=step, trained=trained))
 
+    # -- the store's requests on this connection (StoreClient.over) --------------------
+    def carry_store(self, on_reply: Callable[[bytes], None]) -> None:
+        """Hand every store reply read off this connection to ``on_reply`` (called by
+        whichever thread reads the socket, holding it); one store client per channel.
+
+        Raises:
+            ChannelError: a store client rides this channel already.
+        """
+        if self._on_store is not None:
+            raise ChannelError(f"{self._rejects.label} carries a store client already")
+        self._on_store = on_reply
+
+    def send_store(self, request: bytes) -> None:
+        """Send a store request (never dropped: queued while the socket is busy)."""
+        self._store_out.append([STORE_FRAME, request])
+        self._send_soon()
+
+    def pump_until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Return once ``done()`` (evaluated under the turn's condition, after every read
+        of the socket), at ``deadline`` (monotonic), or when the channel is closed. The
+        calling thread reads the socket for everyone while it is free; else it waits for
+        the holder to wake it (a reply of its own read, or the socket handed over)."""
+        while True:
+            with self._turn:
+                while True:
+                    now = time.monotonic()
+                    if done() or self._closed or now >= deadline:
+                        return
+                    if self._lock.acquire(blocking=False):
+                        break
+                    self._turn.wait(min(deadline - now, _FOLLOW_S))
+            try:
+                self._pump(min(deadline - time.monotonic(), _LEAD_SLICE_S))
+            finally:
+                self._hand_over()
+
     def close(self, linger_s: float = 1.0) -> None:
-        """Close the socket, giving queued reports (e.g. a final Exited) ``linger_s``."""
+        """Close the socket, giving queued reports (e.g. a final Exited) ``linger_s``.
+        Store requests waiting on it end at once (unanswered)."""
         if self._closed:
             return
         self._closed = True
         with self._lock:
-            self._flush()
-        self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
-        with self._watch_lock:
-            self._sock.disable_monitor()
-            self._link.close(linger=0)
-        self._sock.close()
+            self._flush(closing=True)
+            self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+            if hasattr(self, "_link"):
+                with self._watch_lock:
+                    self._sock.disable_monitor()
+                    self._link.close(linger=0)
+            self._sock.close()
+        with self._turn:
+            os.close(self._wake)
+            self._turn.notify_all()
         if self._own_ctx:
             self._ctx.term()
 
-    # -- internals (called with the lock held) ----------------------------------------
-    def _flush(self) -> None:
-        while self._outbox:
+    # -- internals -----------------------------------------------------------------------
+    def _send_soon(self) -> None:
+        """Send what is queued now if the socket is free, else wake the thread holding it."""
+        if self._lock.acquire(blocking=False):
             try:
-                self._sock.send_multipart(self._outbox[0], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as e:
-                logger.debug("%s cannot send: %s", self._rejects.label, e)
-                return
-            self._outbox.popleft()
+                self._flush()
+            finally:
+                self._hand_over()
+            return
+        with self._turn:
+            if not self._closed:
+                os.eventfd_write(self._wake, 1)
+
+    def _lead(self, timeout_s: float) -> None:
+        """Take the socket (waiting for it), read it for ``timeout_s`` at most, hand it over."""
+        self._lock.acquire()
+        try:
+            self._pump(timeout_s)
+        finally:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Free the socket and wake the threads waiting for their store replies: one of
+        them may take the socket over."""
+        self._lock.release()
+        with self._turn:
+            self._turn.notify_all()
+
+    # -- with the lock held ---------------------------------------------------------------
+    def _flush(self, *, closing: bool = False) -> None:
+        if self._closed and not closing:
+            return
+        for queue in (self._store_out, self._outbox):
+            while queue:
+                try:
+                    self._sock.send_multipart(queue[0], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as e:
+                    logger.debug("%s cannot send: %s", self._rejects.label, e)
+                    return
+                queue.popleft()
 
     def _pump(self, timeout_s: float) -> None:
+        """Send what is queued, wait up to ``timeout_s`` for something to read (or a wake),
+        read what is there: orders to the inbox, store replies to the store client."""
         if self._closed:
             return
         self._flush()
-        if not self._sock.poll(int(timeout_s * 1000)):
-            return
-        for _ in range(10_000):  # drain what is there, but a flood cannot keep us here
+        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if self._wake in ready:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._take(frames)
+                os.eventfd_read(self._wake)
+            except BlockingIOError:
+                pass
+            self._flush()
+        replies = False
+        if self._sock in ready:
+            for _ in range(10_000):  # drain what is there, but a flood cannot keep us here
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if frames[0] == STORE_FRAME and len(frames) == 2 and self._on_store:
+                    self._on_store(frames[1])
+                    replies = True
+                else:
+                    self._take(frames)
+        drops = self._drops
+        self._watch()
+        if replies or self._drops != drops:
+            with self._turn:
+                self._turn.notify_all()
 
     def _take(self, frames: list[bytes]) -> None:
         try:

@@ -1,14 +1,16 @@
 """zmq CURVE keys of a job, derived from its 32-byte secret (the owner-only secret file).
 
-Every process that holds the secret computes the same two keypairs per purpose (one for the
-listening side, one for the connecting side), so nothing new is distributed: the control
-channel and the rendezvous store listen with the server keypair and accept, in their ZAP
-handler, only a peer presenting the client public key. A peer without the secret cannot
+Every process that holds the secret computes the same two keypairs (one for the listening
+side, one for the connecting side), so nothing new is distributed: the coordinator's one
+socket, which carries the control channel and the rendezvous store (and a store hosted
+alone, the local pool's), listens with the server keypair and accepts, in its ZAP handler,
+only a peer presenting the client public key. A peer without the secret cannot
 compute either key; zmq drops it during the handshake, before any message of it is
 buffered.
 
 Derivation: ``blake2b(label, key=secret, digest_size=32)`` (a keyed PRF) with a distinct
-label per purpose and side; any 32 bytes are a Curve25519 secret key.
+label per side; any 32 bytes are a Curve25519 secret key. (Until the store rode the
+channel's connection, it had keys of its own: the label names the purpose still.)
 """
 from __future__ import annotations
 
@@ -18,23 +20,21 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-Purpose = Literal["channel", "store"]
-
 logger = logging.getLogger(__name__)
 
-_LABEL: Final = "slurm-etc/v1/curve/{purpose}/{side}"
+_LABEL: Final = "slurm-etc/v1/curve/channel/{side}"
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
 
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """The keypairs of one purpose (z85, as zmq takes them); secrets left out of the repr."""
+    """The keypairs of a job (z85, as zmq takes them); secrets left out of the repr."""
 
     server_public: bytes
     server_secret: bytes = field(repr=False)
@@ -42,13 +42,13 @@ class CurveKeys:
     client_secret: bytes = field(repr=False)
 
 
-def curve_keys(secret: bytes, purpose: Purpose) -> CurveKeys:
-    """The CURVE keypairs for ``purpose`` derived from the job's secret bytes."""
+def curve_keys(secret: bytes) -> CurveKeys:
+    """The CURVE keypairs derived from the job's secret bytes."""
     if len(secret) < 16:
         raise ValueError(f"a job secret has at least 16 bytes, got {len(secret)}")
     pairs = []
     for side in ("server", "client"):
-        raw = hashlib.blake2b(_LABEL.format(purpose=purpose, side=side).encode(),
+        raw = hashlib.blake2b(_LABEL.format(side=side).encode(),
                               key=secret[:64], digest_size=32).digest()
         private = z85.encode(raw)
         pairs.append((zmq.curve_public(private), private))
@@ -120,8 +120,8 @@ class HandshakeWatch:
     a wrong server key fails before the ZAP handler is asked, a wrong client key at it,
     a NULL or PLAIN peer at the mechanism), from the socket's monitor, apart from those
     that did not finish (libzmq's handshake timeout, a peer gone mid-handshake: an
-    overloaded listener, not a stranger). Call :meth:`drain` from the thread that uses the
-    socket; unread events are bounded by zmq's queue."""
+    overloaded listener, not a stranger). :meth:`drain` may be called from any thread (the
+    monitor is read under a lock); unread events are bounded by zmq's queue."""
 
     REFUSED: Final = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     EVENTS: Final = REFUSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -130,6 +130,7 @@ class HandshakeWatch:
                  interval_s: float = 10.0) -> None:
         self._sock = sock
         self._monitor = sock.get_monitor_socket(self.EVENTS)
+        self._lock = threading.Lock()
         self.refused = 0
         self.unfinished = 0
         self.label, self._interval_s = label, interval_s
@@ -138,6 +139,12 @@ class HandshakeWatch:
     def drain(self) -> int:
         """Read the events waiting; the total refused so far (one log line per interval
         at most: a flood of refused peers does not flood the log)."""
+        with self._lock:
+            if not self._monitor.closed:
+                self._read()
+            return self.refused
+
+    def _read(self) -> None:
         for _ in range(10_000):
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
@@ -149,7 +156,7 @@ class HandshakeWatch:
                 self.unfinished += 1
         now = time.monotonic()
         if now - self._logged_at < self._interval_s:
-            return self.refused
+            return
         if self.refused > self._logged:
             logger.warning("%s refused %d handshake(s) of peers without this job's key "
                            "(%d in all)", self.label, self.refused - self._logged, self.refused)
@@ -161,11 +168,11 @@ class HandshakeWatch:
         if self.refused > self._logged or self.unfinished > self._logged_unfinished:
             self._logged, self._logged_unfinished = self.refused, self.unfinished
             self._logged_at = now
-        return self.refused
 
     def close(self) -> None:
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(linger=0)
+        with self._lock:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)

@@ -18,11 +18,23 @@ commit decision. What torch's ``TCPStore`` lacked, this has:
 * **listens only where told** (``bind``), unlike ``TCPStore`` which listens on every
   interface whatever host it is given.
 * **blocking get/wait served by the server** (no polling over the wire) and a client that
-  may be used from several threads at once (each request holds a socket of its own, taken
-  from a small pool: a thread that makes one request and ends leaves no socket behind).
+  may be used from several threads at once.
+* **one connection per worker** (issue #42): the coordinator's server socket also carries
+  the job's control channel (:class:`~slurm_etc.protocol.channel.CoordinatorChannel` hosts
+  its store on it), and a worker's client sends its requests on its channel's connection
+  (:meth:`StoreClient.over`), so the coordinator's process holds one TCP connection, one
+  descriptor, per rank: 18,432 ranks (16,384 and a grow of 2,048) fit under an open-file
+  limit of 20,000. Store frames and channel frames share the socket, told apart by their
+  first frame (:data:`STORE_FRAME`); the serving thread owns the socket, answers the
+  store's requests itself and hands the channel's frames to the coordinator's loop thread
+  (and its sends back) over inproc sockets. A TCP client of its own (:class:`StoreClient`
+  with an address: the coordinator's own writes, the local pool's workers, tests) speaks
+  the same wire.
 
-Wire: a request is one frame, the msgpack array of :class:`Request`; a reply one frame, a
-:class:`Reply`. Values are bytes; nothing is unpickled.
+Wire: a request is two frames, :data:`STORE_FRAME` and the msgpack array of
+:class:`Request`; a reply the same, with a :class:`Reply`. Values are bytes; nothing is
+unpickled. Everything else on the socket is the control channel's (``[envelope, mac]``,
+whose envelope, a msgpack map, can never be :data:`STORE_FRAME`).
 """
 from __future__ import annotations
 
@@ -32,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import msgspec
 import torch.distributed as dist
@@ -42,6 +54,9 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import InternalError
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
 from .rendezvous import generation_pattern
+
+if TYPE_CHECKING:
+    from .channel import WorkerChannel
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +68,20 @@ _DEFAULT_TIMEOUT: Final = timedelta(seconds=300)
 # at once, are closed. Requests made at once are what need sockets, not threads: NCCL's
 # heartbeat monitor asks ``check`` once a second, each time from a new Python thread.
 IDLE_CONNECTIONS: Final = 8
+# The first frame of every store request and reply: the kind of the message (a channel
+# message's first frame is a msgpack map, never this) and the version of the store's wire.
+STORE_FRAME: Final = b"store/2"
+# The inproc endpoints between a server's thread and the coordinator's loop (channel frames
+# in, sends out); names are per zmq context, and each server has a context of its own.
+_INBOX: Final = "inproc://slurm-etc-channel-in"
+_OUTBOX: Final = "inproc://slurm-etc-channel-out"
+# What a send of the coordinator's loop came to (one byte per message, :meth:`_send_batch`).
+SENT: Final = ord("s")
+QUEUE_FULL: Final = ord("f")
+UNREACHABLE: Final = ord("u")
+# Channel frames waiting for the coordinator's loop (a burst of Hellos of a whole job);
+# past it they are dropped, counted, as zmq's queue per worker would have dropped them.
+_INBOX_QUEUE: Final = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -135,21 +164,41 @@ class _Waiter:
     seen: bytes = b""
 
 
+@dataclass(frozen=True)
+class CarriedChannel:
+    """The control channel's bounds, for a server whose socket carries it
+    (:class:`~slurm_etc.protocol.channel.CoordinatorChannel` hosts its store so).
+
+    Attributes:
+        queue: messages queued per worker each way (zmq's high-water marks).
+        frame_bytes: the largest frame a worker may send (zmq's ``MAXMSGSIZE``).
+    """
+
+    queue: int
+    frame_bytes: int
+
+
 class StoreServer:
     """The store the coordinator hosts: a thread serving a CURVE ROUTER socket.
 
     Args:
         secret: the job's secret bytes (the keys are derived from it).
-        bind: the interface to listen on (``host``; any free port).
-        limits: the bounds (:class:`StoreLimits`).
+        bind: the interface to listen on (``host``).
+        port: the port to listen on (0: any free port).
         job: the job id whose generation keys :meth:`retire_generations` recognises.
+        limits: the bounds (:class:`StoreLimits`).
+        channel: set when the socket also carries the control channel: frames that are not
+            the store's go to :attr:`inbox`, and :attr:`outbox` sends to workers (both
+            inproc sockets of this server's context, for the coordinator's loop thread;
+            see :meth:`_send_batch`). Unset, such frames are dropped (counted).
     """
 
-    def __init__(self, secret: bytes, bind: str = "127.0.0.1", *, job: str = "",
-                 limits: StoreLimits | None = None) -> None:
+    def __init__(self, secret: bytes, bind: str = "127.0.0.1", *, port: int = 0,
+                 job: str = "", limits: StoreLimits | None = None,
+                 channel: CarriedChannel | None = None) -> None:
         self.limits = limits or StoreLimits()
         self.job = job
-        self._keys = curve_keys(secret, "store")
+        self._keys = curve_keys(secret)
         self._data: dict[str, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
@@ -158,23 +207,41 @@ class StoreServer:
         self._blocked: set[_Waiter] = set()
         self.refused = 0  # requests refused for a bound
         self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
+        self.dropped = 0  # frames neither the store's nor taken by a channel
+        self._channel = channel
         self._ctx = zmq.Context()
         self._zap = ZapGuard(self._ctx, {self._keys.client_public})
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._pairs: list[zmq.Socket[bytes]] = []  # inbox and outbox: both ends of each
+        self._to_loop: zmq.Socket[bytes] | None = None  # this thread's ends of them
+        self._from_loop: zmq.Socket[bytes] | None = None
         host = bind.strip("[]")
+        what = "the control channel and store" if channel else "the rendezvous store"
         try:
             make_server(self._sock, self._keys)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.request_bytes)
-            self._sock.setsockopt(zmq.RCVHWM, 64)
-            self._sock.setsockopt(zmq.SNDHWM, 10_000)
+            if channel is None:
+                self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.request_bytes)
+                self._sock.setsockopt(zmq.RCVHWM, 64)
+                self._sock.setsockopt(zmq.SNDHWM, 10_000)
+            else:
+                # a send to a worker that is gone fails (the channel says so) instead of
+                # vanishing; each worker's queues are the channel's, its store requests
+                # among them (a worker has a few in flight at most)
+                self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._sock.setsockopt(zmq.MAXMSGSIZE,
+                                      max(channel.frame_bytes, self.limits.request_bytes))
+                self._sock.setsockopt(zmq.RCVHWM, channel.queue)
+                self._sock.setsockopt(zmq.SNDHWM, channel.queue)
+                self.inbox, self.outbox = self._bridge()
             if ":" in host:
                 self._sock.setsockopt(zmq.IPV6, 1)
-            self._handshakes = HandshakeWatch(self._sock, f"[job {job}] rendezvous store:")
-            self._sock.bind(f"tcp://{_bracket(host)}:*")
+            self._handshakes = HandshakeWatch(self._sock, f"[job {job}] {what}:")
+            self._sock.bind(f"tcp://{_bracket(host)}:{port or '*'}")
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise StoreError(f"cannot bind the rendezvous store to {bind}: {e}") from None
+            raise StoreError(f"cannot bind {what} to {_bracket(host)}:{port or 'any port'}: "
+                             f"{e}") from None
         endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.host = host
         self.port = int(endpoint.rsplit(":", 1)[1])
@@ -182,15 +249,31 @@ class StoreServer:
         self._thread = threading.Thread(target=self._serve, name="slurm-etc-store",
                                         daemon=True)
         self._thread.start()
-        logger.info("[job %s] rendezvous store on %s:%d (CURVE)", job, _bracket(host),
-                    self.port)
+        logger.info("[job %s] %s on %s:%d (CURVE)", job, what, _bracket(host), self.port)
+
+    def _bridge(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The inproc pairs between this thread and the coordinator's loop; the loop's
+        ends (inbox, outbox)."""
+        loop = []
+        for endpoint in (_INBOX, _OUTBOX):
+            ends = (self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR))
+            self._pairs.extend(ends)
+            for end in ends:
+                end.setsockopt(zmq.LINGER, 0)
+                end.setsockopt(zmq.SNDHWM, _INBOX_QUEUE)
+                end.setsockopt(zmq.RCVHWM, _INBOX_QUEUE)
+            ends[0].bind(endpoint)
+            ends[1].connect(endpoint)
+            loop.append(ends[1])
+        self._to_loop, self._from_loop = self._pairs[0], self._pairs[2]
+        return loop[0], loop[1]
 
     # -- what the coordinator calls ----------------------------------------------------------
 
     @property
     def refused_handshakes(self) -> int:
         """Peers dropped at the handshake (no key of this job)."""
-        return self._handshakes.refused
+        return self._handshakes.drain()
 
     def stats(self) -> dict[str, int]:
         """Keys held, bytes held (keys + values), requests refused for a bound, requests
@@ -214,12 +297,14 @@ class StoreServer:
                          len(dead), below)
         return len(dead)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop serving and close the socket, giving what is queued for workers (a final
+        order) ``linger_s`` to leave."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout=5)
-        self._close_sockets()
+        self._close_sockets(linger_s)
 
     def __enter__(self) -> "StoreServer":
         return self
@@ -227,50 +312,91 @@ class StoreServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _close_sockets(self) -> None:
+    def _close_sockets(self, linger_s: float = 0.0) -> None:
         if hasattr(self, "_handshakes"):
             self._handshakes.close()
-        self._sock.close(linger=0)
+        for pair in self._pairs:
+            pair.close(linger=0)
+        self._sock.close(linger=int(linger_s * 1000))
         self._zap.close()
         self._ctx.term()
 
     # -- the serving thread -----------------------------------------------------------------
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        sends = self._from_loop
+        if sends is not None:
+            poller.register(sends, zmq.POLLIN)
         while not self._stop.is_set():
             wait_ms = 100
             if self._blocked:
                 soonest = min(w.deadline for w in self._blocked)
                 wait_ms = max(0, min(wait_ms, int((soonest - time.monotonic()) * 1000) + 1))
             try:
-                ready = self._sock.poll(wait_ms)
+                ready = dict(poller.poll(wait_ms))
+                if sends is not None and sends in ready:
+                    self._send_batch(sends, sends.recv_multipart())
             except zmq.ZMQError:
                 return
-            for _ in range(1000 if ready else 0):
+            for _ in range(1000 if self._sock in ready else 0):
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
                     return
-                self._handle(frames)
+                if len(frames) > 1 and frames[1] == STORE_FRAME:
+                    self._handle(frames)
+                else:
+                    self._forward(frames)
             if self._blocked:
                 self._expire(time.monotonic())
             self._handshakes.drain()
 
+    def _forward(self, frames: list[bytes]) -> None:
+        """A frame that is not the store's: the control channel's, for the coordinator's
+        loop (its :class:`~slurm_etc.protocol.channel.CoordinatorChannel` checks it);
+        dropped where no channel is carried, or the loop is a whole queue behind."""
+        try:
+            if self._to_loop is None:
+                raise zmq.Again
+            self._to_loop.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.dropped += 1
+            logger.debug("[job %s] a message of %d frames dropped (no store request, and "
+                         "no channel takes it)", self.job, len(frames) - 1)
+
+    def _send_batch(self, sends: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Send the coordinator's loop's messages, ``[routing, envelope, mac]`` each, and
+        answer it with one status byte per message (:data:`SENT`, :data:`QUEUE_FULL`,
+        :data:`UNREACHABLE`): what a send of its own to the socket would have told it."""
+        statuses = bytearray()
+        for i in range(0, len(frames) - 2, 3):
+            try:
+                self._sock.send_multipart(frames[i:i + 3], zmq.NOBLOCK)
+                statuses.append(SENT)
+            except zmq.Again:
+                statuses.append(QUEUE_FULL)
+            except zmq.ZMQError:  # ROUTER_MANDATORY: no such worker connected
+                statuses.append(UNREACHABLE)
+        sends.send(bytes(statuses))
+
     def _reply(self, routing: bytes, reply: Reply) -> None:
         try:
-            self._sock.send_multipart([routing, _ENCODER.encode(reply)], zmq.NOBLOCK)
+            self._sock.send_multipart([routing, STORE_FRAME, _ENCODER.encode(reply)],
+                                      zmq.NOBLOCK)
         except zmq.ZMQError as e:  # a client gone, or its queue full: it retries or fails
             logger.debug("store: reply to a client not sent (%s)", e)
 
     def _handle(self, frames: list[bytes]) -> None:
         routing = frames[0]
-        if len(frames) != 2:
-            self._reply(routing, Reply(0, "bad", error=f"{len(frames) - 1} frames, expected 1"))
+        if len(frames) != 3:
+            self._reply(routing, Reply(0, "bad", error=f"{len(frames) - 1} frames, expected 2"))
             return
         try:
-            req = _REQUEST.decode(frames[1])
+            req = _REQUEST.decode(frames[2])
         except (msgspec.DecodeError, RecursionError) as e:
             self._reply(routing, Reply(0, "bad", error=str(e)[:200]))
             return
@@ -473,33 +599,121 @@ class _Connection:
         self.sock.close(linger=0)
 
 
+class Carrier(Protocol):
+    """What carries a :class:`StoreClient`'s requests on a connection it shares: a worker's
+    :class:`~slurm_etc.protocol.channel.WorkerChannel` (see its ``carry_store``)."""
+
+    address: str
+
+    def carry_store(self, on_reply: Any) -> None: ...
+
+    def send_store(self, request: bytes) -> None: ...
+
+    def pump_until(self, done: Any, deadline: float) -> None: ...
+
+    @property
+    def link_drops(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class _OverChannel:
+    """A client's requests on its worker's channel connection: sent as the channel's
+    socket allows (:meth:`Carrier.send_store`), answered by id to the thread that asked,
+    whichever thread happens to read the socket (:meth:`Carrier.pump_until`). The
+    channel's link going down (the coordinator's process died) fails every request in
+    flight at once, and every request after it until :meth:`follow`."""
+
+    def __init__(self, channel: Carrier) -> None:
+        self.channel = channel
+        self._answers: dict[int, Reply | None] = {}  # by id: the requests in flight
+        self._drops = channel.link_drops  # the link's drops already followed
+        channel.carry_store(self._take)
+
+    def _take(self, frame: bytes) -> None:
+        """A reply read off the channel's socket (by whichever thread reads it)."""
+        try:
+            reply = _REPLY.decode(frame)
+        except (msgspec.DecodeError, RecursionError):
+            return
+        if reply.id in self._answers:  # else the answer to a request given up on
+            self._answers[reply.id] = reply
+
+    def disconnected(self) -> bool:
+        return self.channel.link_drops != self._drops
+
+    def follow(self) -> None:
+        """The coordinator is back (its Welcome came): requests from now on go to it."""
+        self._drops = self.channel.link_drops
+
+    def exchange(self, rid: int, op: str, request: bytes, limit: float) -> Reply:
+        channel = self.channel
+        drops = self._drops
+        self._answers[rid] = None
+        try:
+            if channel.link_drops == drops:
+                channel.send_store(request)
+                channel.pump_until(lambda: self._answers[rid] is not None
+                                   or channel.link_drops != drops,
+                                   time.monotonic() + limit + _REPLY_GRACE_S)
+            reply = self._answers[rid]
+        finally:
+            del self._answers[rid]
+        if reply is not None:
+            return reply
+        if channel.link_drops != drops:
+            raise StoreUnreachable(f"the coordinator at {channel.address} closed the "
+                                   f"connection ({op}: its process ended)")
+        if channel.closed:
+            raise StoreUnreachable(f"the channel to {channel.address} is closed ({op})")
+        raise StoreUnreachable(f"no answer from the rendezvous store at {channel.address} "
+                               f"within {limit + _REPLY_GRACE_S:.0f} s ({op})")
+
+
 class StoreClient(dist.Store):
     """A worker's ``torch.distributed.Store`` over the job's :class:`StoreServer`.
 
-    Usable from several threads at once: a request takes an idle connection (a socket and
-    its monitor) or opens one, and gives it back when answered, so a thread blocked in
-    ``wait`` does not hold the others up, and a thread that lives for one request (NCCL's
-    heartbeat asks ``check`` from a new one each second) leaves nothing behind. At most
-    :data:`IDLE_CONNECTIONS` wait idle. gloo takes it through ``PrefixStore``. Blocking
-    ``get``/``wait``/``multi_get`` wait on the server.
+    Usable from several threads at once, over one of two transports:
+
+    * :meth:`over` a worker's control channel (a job's workers): the requests travel on the
+      channel's connection, which the coordinator's store serves; a thread blocked in
+      ``wait`` does not hold the others up, and a thread that lives for one request (NCCL's
+      heartbeat asks ``check`` from a new one each second) leaves nothing behind;
+    * connections of its own (``StoreClient(host, port, secret)``: the coordinator's own
+      writes, the local pool's workers): a request takes an idle connection (a socket and
+      its monitor) or opens one, and gives it back when answered; at most
+      :data:`IDLE_CONNECTIONS` wait idle.
+
+    gloo takes it through ``PrefixStore``. Blocking ``get``/``wait``/``multi_get`` wait on
+    the server.
 
     Args:
-        host, port: the server's address (the coordinator's Welcome).
+        host, port: the server's address.
         secret: the job's secret bytes.
         timeout: default bound of blocking requests.
-        context: a zmq context to open the connections in, which the caller owns (many
-            simulated workers in one process share one: ``slurm-etc bench control``);
-            None (a real worker): one of its own.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, *,
-                 timeout: timedelta = _DEFAULT_TIMEOUT,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
-        super().__init__()
+                 timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+        self._start(timeout, None)
         self.host, self.port = host, port
-        self._keys: CurveKeys = curve_keys(secret, "store")
+        self._keys: CurveKeys = curve_keys(secret)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+
+    @classmethod
+    def over(cls, channel: "WorkerChannel | Carrier", *,
+             timeout: timedelta = _DEFAULT_TIMEOUT) -> "StoreClient":
+        """The store of the coordinator ``channel`` is joined to, on the channel's own
+        connection (one per channel)."""
+        client = cls.__new__(cls)
+        client._start(timeout, _OverChannel(channel))
+        return client
+
+    def _start(self, timeout: timedelta, carrier: _OverChannel | None) -> None:
+        dist.Store.__init__(self)
         self._timeout = timeout
-        self._ctx = zmq.Context() if context is None else context
+        self._carrier = carrier
         self._local = threading.local()  # per thread: what its last wait fetched
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []
@@ -508,7 +722,12 @@ class StoreClient(dist.Store):
         self._ids = 0  # requests sent, the id of the last
 
     def __repr__(self) -> str:
-        return f"StoreClient({_bracket(self.host)}:{self.port})"
+        return f"StoreClient({self._where()})"
+
+    def _where(self) -> str:
+        if self._carrier is not None:
+            return f"over the channel to {self._carrier.channel.address}"
+        return f"{_bracket(self.host)}:{self.port}"
 
     @property
     def requests(self) -> int:
@@ -517,14 +736,18 @@ class StoreClient(dist.Store):
 
     @property
     def open_connections(self) -> int:
-        """Connections this client holds open: idle, and in use by requests in flight."""
+        """Connections this client holds open of its own: idle, and in use by requests in
+        flight (over a channel: none, its requests ride the channel's)."""
         with self._lock:
             return len(self._idle) + len(self._busy)
 
     def disconnected(self) -> bool:
-        """Whether an idle connection saw the store close it (its process died: a
-        coordinator SIGKILLed) since its last request; asks nothing of the store. The
-        event stays queued: the next request on that connection fails at once."""
+        """Whether the store closed this client's connection (its process died: a
+        coordinator SIGKILLed) since the last request on it (over a channel: since the
+        client was made or last :meth:`repoint`-ed); asks nothing of the store. The next
+        request on it fails at once."""
+        if self._carrier is not None:
+            return self._carrier.disconnected()
         with self._lock:
             return any(conn.monitor.poll(0) for conn in self._idle)
 
@@ -574,7 +797,7 @@ class StoreClient(dist.Store):
                   limit: float) -> Reply:
         """Send ``request`` and return the store's answer to it, whatever its status."""
         sock, monitor = conn.sock, conn.monitor
-        sock.send(request)
+        sock.send_multipart([STORE_FRAME, request])
         deadline = time.monotonic() + limit + _REPLY_GRACE_S
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -592,8 +815,9 @@ class StoreClient(dist.Store):
                 raise StoreUnreachable(f"no answer from the rendezvous store at "
                                        f"{_bracket(self.host)}:{self.port} within "
                                        f"{limit + _REPLY_GRACE_S:.0f} s ({op})")
+            frames = sock.recv_multipart()
             try:
-                reply = _REPLY.decode(sock.recv())
+                reply = _REPLY.decode(frames[-1])
             except (msgspec.DecodeError, RecursionError):
                 continue
             if reply.id == rid:
@@ -609,14 +833,17 @@ class StoreClient(dist.Store):
             rid = self._ids
         request = _ENCODER.encode(Request(rid, op, list(keys), [bytes(v) for v in values],
                                           amount, int(limit * 1000)))
-        conn = self._checkout()
-        answered = False
-        try:
-            reply = self._exchange(conn, rid, op, request, limit)
-            answered = True
-        finally:
-            # unanswered (unreachable, interrupted): an answer may still come on it
-            self._checkin(conn, reusable=answered)
+        if self._carrier is not None:
+            reply = self._carrier.exchange(rid, op, request, limit)
+        else:
+            conn = self._checkout()
+            answered = False
+            try:
+                reply = self._exchange(conn, rid, op, request, limit)
+                answered = True
+            finally:
+                # unanswered (unreachable, interrupted): an answer may still come on it
+                self._checkin(conn, reusable=answered)
         if reply.status in ("ok", "woken"):
             return reply
         if reply.status == "timeout":
@@ -630,7 +857,14 @@ class StoreClient(dist.Store):
     def repoint(self, host: str, port: int) -> None:
         """Send every request from now on to the store at ``host:port`` (a coordinator
         restarted on the job's record hosts a new one). The groups built over this client
-        (gloo's rendezvous through a ``PrefixStore``) hold this object: they follow."""
+        (gloo's rendezvous through a ``PrefixStore``) hold this object: they follow. Over a
+        channel the address is the channel's own (a restarted coordinator binds it again,
+        and its Welcome names it): the requests from now on go where the channel's
+        connection leads again."""
+        if self._carrier is not None:
+            self._carrier.follow()
+            self._local = threading.local()
+            return
         with self._lock:
             self.host, self.port = host, port
         self.close()

@@ -4,10 +4,11 @@ The user's training script ends with ``sys.exit(run_worker(make_trainer(...)))``
 backend's environment says who the process is (``SLURM_ETC_JOB``, ``_VRANK``,
 ``_GENERATION``, the channel's address and the path of the job's secret file, and the
 run's peer-copy and checkpoint settings: ``protocol.recovery.Recovery``); the worker
-joins the control channel, is welcomed with the address of the job's rendezvous store
-(:class:`~slurm_etc.protocol.store.StoreClient`, authenticated with the same secret), and
-trains: from the start in ``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it
-waits for the resize that brings it in.
+joins the control channel, is welcomed, reaches the job's rendezvous store on the same
+connection (:meth:`StoreClient.over <slurm_etc.protocol.store.StoreClient.over>`: the
+coordinator holds one connection per worker), and trains: from the start in
+``SLURM_ETC_LAYOUT`` when it is part of the first layout, else it waits for the resize that
+brings it in.
 """
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     The preemption signal of a member allocation goes to the coordinator, which orders the
     resize: a worker ignores SIGUSR2 so that it trains on until the migration committed.
     """
-    from slurm_etc.protocol.channel import WorkerChannel, load_secret
-    from slurm_etc.protocol.env import SECRET_FILE
+    from slurm_etc.protocol.channel import WorkerChannel
     from slurm_etc.protocol.store import StoreClient
 
     env = os.environ if environ is None else environ
@@ -50,12 +50,10 @@ def run_worker(trainer: ElasticTrainer, environ: Any = None) -> int:
     try:
         me = WorkerEnv.of(env)
         layout = parse_layout(me.layout) if me.layout else None
-        welcome = control.join(JOIN_TIMEOUT_S, pid=os.getpid())
-        # the store speaks CURVE with keys derived from the job's secret: nobody without
-        # it can read or write what the workers agree on
-        store = StoreClient(welcome.store_host, welcome.store_port,
-                            load_secret(env[SECRET_FILE]).key,
-                            timeout=timedelta(seconds=me.timeout_s))
+        control.join(JOIN_TIMEOUT_S, pid=os.getpid())
+        # the store's requests ride the channel's connection (CURVE with keys derived from
+        # the job's secret: nobody without it can read or write what the workers agree on)
+        store = StoreClient.over(control, timeout=timedelta(seconds=me.timeout_s))
         proc = WorkerProcess(
             job=me.job, vrank=me.vrank, store=store, control=control, layout=layout,
             generation=me.generation, topology=Topology(gpus_per_node=me.gpus_per_node),

@@ -24,6 +24,7 @@ from slurm_etc.protocol import env as envvars
 from slurm_etc.protocol.channel import (
     COORDINATOR,
     MAC_BYTES,
+    PROTOCOL_VERSION,
     ChannelError,
     CoordinatorChannel,
     Envelope,
@@ -67,7 +68,7 @@ def key() -> bytes:
 
 @pytest.fixture
 def coordinator(key: bytes) -> Iterator[CoordinatorChannel]:
-    with CoordinatorChannel(JOB, key, "127.0.0.1", rendezvous=("127.0.0.1", 29500)) as c:
+    with CoordinatorChannel(JOB, key, "127.0.0.1") as c:
         yield c
 
 
@@ -101,7 +102,7 @@ def raw_dealer(coordinator: CoordinatorChannel, key: bytes) -> zmq.Socket:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    make_client(s, curve_keys(key, "channel"))
+    make_client(s, curve_keys(key))
     s.connect(coordinator.address)
     return s
 
@@ -121,8 +122,9 @@ def test_round_trip_hello_welcome_orders_reports(coordinator: CoordinatorChannel
     with worker(coordinator, key, vrank=3) as w:
         ctl: Control = w  # the trainer sees only the Control protocol
         welcome = join(coordinator, w)
-        assert welcome == Welcome(JOB, 0, 3, "127.0.0.1", 29500)
-        assert w.rendezvous == welcome and welcome.store == "127.0.0.1:29500"
+        # the store is on the channel's own connection: the Welcome names its address
+        assert welcome == Welcome(JOB, 0, 3, "127.0.0.1", coordinator.port)
+        assert w.rendezvous == welcome and welcome.store == f"127.0.0.1:{coordinator.port}"
         assert coordinator.vranks == {3}
 
         order = resize(1)
@@ -261,10 +263,9 @@ def test_a_process_before_the_newest_of_a_vrank_does_not_take_its_orders(
 
 
 def test_join_times_out_with_one_clear_error(key: bytes) -> None:
-    with CoordinatorChannel(JOB, key) as c:  # no rendezvous store: nobody is welcomed
-        with worker(c, key) as w:
-            with pytest.raises(ChannelError, match="no welcome from the coordinator"):
-                w.join(timeout_s=0.3)
+    with WorkerChannel(JOB, 0, "tcp://127.0.0.1:9", key) as w:  # nobody listens there
+        with pytest.raises(ChannelError, match="no welcome from the coordinator"):
+            w.join(timeout_s=0.3)
 
 
 def test_send_to_unknown_vrank_is_false(coordinator: CoordinatorChannel) -> None:
@@ -332,7 +333,7 @@ def test_wrong_secret_is_dropped_at_the_handshake(coordinator: CoordinatorChanne
 def fake_coordinator(key: bytes) -> tuple[zmq.Socket, str]:
     """A ROUTER with the CURVE keys of ``key`` (its context admits the job's client key)."""
     ctx = zmq.Context()
-    keys = curve_keys(key, "channel")
+    keys = curve_keys(key)
     ZapGuard(ctx, {keys.client_public})  # lives as long as the context
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -475,9 +476,11 @@ def test_garbage_frames_do_not_crash_the_coordinator(coordinator: CoordinatorCha
     s.send_multipart([signed_garbage, _mac(key, signed_garbage)])
     bad_env = msgspec.msgpack.encode({"version": 1, "job": JOB})
     s.send_multipart([bad_env, _mac(key, bad_env)])
-    bad_body = ENCODER.encode(Envelope(1, JOB, 0, 0, COORDINATOR, 7, 1, time.time(), b"\xc1"))
+    bad_body = ENCODER.encode(Envelope(PROTOCOL_VERSION, JOB, 0, 0, COORDINATOR, 7, 1,
+                                       time.time(), b"\xc1"))
     s.send_multipart([bad_body, _mac(key, bad_body)])
-    future = ENCODER.encode(Envelope(2, JOB, 0, 0, COORDINATOR, 7, 2, time.time(), b""))
+    future = ENCODER.encode(Envelope(PROTOCOL_VERSION + 1, JOB, 0, 0, COORDINATOR, 7, 2,
+                                     time.time(), b""))
     s.send_multipart([future, _mac(key, future)])
     recv_until_rejected(coordinator, "frames", 3)
     recv_until_rejected(coordinator, "mac", 4)
@@ -645,7 +648,7 @@ def test_secret_symlink_missing_and_malformed_are_refused(tmp_path) -> None:
 
 def test_worker_env_and_from_env_carry_the_path_not_the_secret(tmp_path) -> None:
     s = create_secret(JOB, tmp_path / "s")
-    with CoordinatorChannel(JOB, s, rendezvous=("127.0.0.1", 1)) as c:
+    with CoordinatorChannel(JOB, s) as c:
         env = {**c.worker_env(), envvars.VRANK: "2", envvars.GENERATION: "1"}
         assert env[envvars.SECRET_FILE] == str(s.path)
         assert not any(s.key.hex() in v or s.key.decode("latin-1") in v for v in env.values())
@@ -662,7 +665,7 @@ def test_worker_env_and_from_env_carry_the_path_not_the_secret(tmp_path) -> None
 def test_no_secret_in_logs_or_reprs(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     s = create_secret(JOB, tmp_path / "s")
-    with CoordinatorChannel(JOB, s, rendezvous=("127.0.0.1", 1)) as c:
+    with CoordinatorChannel(JOB, s) as c:
         with WorkerChannel(JOB, 0, c.address, s) as w:
             join(c, w)
             c.send(0, resize(1))
@@ -721,7 +724,7 @@ def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes,
     sent a Heartbeat to every worker every HEARTBEAT_S. (Pings every 2 s here, the job's
     HEARTBEAT_S being longer.)"""
     monkeypatch.setattr(channel_module, "HEARTBEAT_S", PING_S)
-    coord = CoordinatorChannel(JOB, key, "127.0.0.1", rendezvous=("127.0.0.1", 29500))
+    coord = CoordinatorChannel(JOB, key, "127.0.0.1")
     w = worker(coord, key)
     try:
         join(coord, w)

@@ -23,7 +23,7 @@ def _drain_until(watch: HandshakeWatch, done, timeout_s: float = 5.0) -> None:
 
 
 def test_a_stranger_is_refused_and_a_silent_peer_is_unfinished(caplog):
-    keys = curve_keys(b"k" * 32, "channel")
+    keys = curve_keys(b"k" * 32)
     ctx = zmq.Context()
     guard = ZapGuard(ctx, {keys.client_public})
     server = ctx.socket(zmq.ROUTER)
@@ -33,7 +33,7 @@ def test_a_stranger_is_refused_and_a_silent_peer_is_unfinished(caplog):
     port = server.bind_to_random_port("tcp://127.0.0.1")
     silent = socket.create_connection(("127.0.0.1", port))  # says nothing: times out
     stranger = ctx.socket(zmq.DEALER)
-    make_client(stranger, curve_keys(b"x" * 32, "channel"))
+    make_client(stranger, curve_keys(b"x" * 32))
     stranger.connect(f"tcp://127.0.0.1:{port}")
     stranger.send(b"hello")
     try:

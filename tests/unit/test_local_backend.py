@@ -519,7 +519,7 @@ def test_launched_workers_join_the_channel(tmp_path: Path) -> None:
     from slurm_etc.protocol.messages import Exited, Hello, Stop
 
     secret = create_secret("demo", tmp_path / "secrets")
-    with CoordinatorChannel("demo", secret, rendezvous=("127.0.0.1", 29400)) as channel, \
+    with CoordinatorChannel("demo", secret) as channel, \
             LocalBackend(parse_script(json.dumps(EXAMPLE)), log_dir=tmp_path / "logs") as b:
         b.launch(LaunchWorkers(0, (WorkerSpec(0, d("n0:0")), WorkerSpec(1, d("n0:1"))),
                                (sys.executable, "-c", WORKER), channel.worker_env()))
@@ -537,7 +537,8 @@ def test_launched_workers_join_the_channel(tmp_path: Path) -> None:
             got = channel.recv(0.5)
             if got is not None and isinstance(got[1], Exited):
                 reports[got[0]] = got[1].reason
-        assert reports == {0: "done via 127.0.0.1:29400", 1: "done via 127.0.0.1:29400"}
+        via = f"done via 127.0.0.1:{channel.port}"  # the store rides the channel
+        assert reports == {0: via, 1: via}
         events = wait_for(b, lambda ev: len(exits(ev)) == 2, timeout_s=60)
         assert sorted((e.vrank, e.returncode) for e in exits(events)) == [(0, 0), (1, 0)]
         assert sum(channel.rejected.values()) == 0

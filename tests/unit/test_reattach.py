@@ -87,7 +87,7 @@ def test_a_rejoining_worker_is_taken_up_or_told_to_stop(tmp_path: object) -> Non
     generation it runs with a Welcome, and one from before with a Stop (it is never taken
     for the vrank it names); a first Hello (step < 0) is welcomed as always."""
     key = secrets.token_bytes(32)
-    with CoordinatorChannel(JOB, key, "127.0.0.1", rendezvous=("127.0.0.1", 29500)) as c:
+    with CoordinatorChannel(JOB, key, "127.0.0.1") as c:
         c.admit = lambda hello: hello.step < 0 or hello.trained >= 2
         old = WorkerChannel(JOB, 0, c.address, key, generation=1)
         new = WorkerChannel(JOB, 1, c.address, key, generation=2)

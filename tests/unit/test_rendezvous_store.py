@@ -119,7 +119,7 @@ def test_bounds_hold_against_the_wire_too(server: StoreServer, key: bytes) -> No
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    make_client(s, curve_keys(key, "store"))
+    make_client(s, curve_keys(key))
     s.connect(f"tcp://127.0.0.1:{server.port}")
     s.send(msgspec.msgpack.encode(Request(1, "set", ["huge"], [b"x" * (8 << 20)])))
     assert not s.poll(1000)  # dropped with the connection: no answer, nothing stored
@@ -265,7 +265,7 @@ def test_peers_without_the_secret_are_dropped_at_the_handshake(server: StoreServ
                       timeout=timedelta(seconds=1)).list_keys()
     # a zmq peer without CURVE, and one with keys of another secret
     ctx = zmq.Context()
-    for keys in (None, curve_keys(secrets.token_bytes(32), "store")):
+    for keys in (None, curve_keys(secrets.token_bytes(32))):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         if keys is not None:
@@ -315,7 +315,7 @@ def test_channel_multipart_flood_from_a_peer_without_the_secret(key: bytes) -> N
     """Finding 5: a never-ending multipart message of 8 MiB frames (a process of its own,
     so its own buffers are not counted) does not grow the coordinator, which keeps
     serving its workers."""
-    with CoordinatorChannel("j", key, "127.0.0.1", rendezvous=("127.0.0.1", 1)) as c:
+    with CoordinatorChannel("j", key, "127.0.0.1") as c:
         me = psutil.Process()
         base = me.memory_info().rss
         attacker = subprocess.Popen([sys.executable, str(ATTACKER), "flood", str(c.port),
@@ -396,15 +396,13 @@ def test_an_order_naming_the_dead_ends_the_agreement_at_once(key: bytes) -> None
 
 
 def test_a_committed_resize_retires_the_generations_before_it(key: bytes) -> None:
-    """The coordinator's wiring (coordinator/run.py): a worker's authenticated Resized
-    "committed" of generation g makes the store drop every key of generations < g."""
+    """The channel's wiring: a worker's authenticated Resized "committed" of generation g
+    makes the store it hosts drop every key of generations < g."""
     from slurm_etc.protocol.messages import Resized
 
-    with StoreServer(key, "127.0.0.1", job="j") as store, \
-            CoordinatorChannel("j", key, "127.0.0.1", rendezvous=("127.0.0.1", store.port),
-                               on_commit=store.retire_generations) as c, \
+    with CoordinatorChannel("j", key, "127.0.0.1") as c, \
             WorkerChannel("j", 0, c.address, key) as w:
-        client = StoreClient("127.0.0.1", store.port, key)
+        client = StoreClient("127.0.0.1", c.port, key)
         for k in ("j/g0/agree/5/0", "j/g1/trainer", "j/g1/train/x", "j/g2/commit"):
             client.set(k, b"1")
         w.report(Resized("j", 1, 0, "aborted", 5))

@@ -1,6 +1,7 @@
-"""The seam ``bench control`` holds thousands of simulated ranks with: a worker's channel and
-its store client may open their sockets in a zmq context the caller owns; closing them leaves
-that context alone (a real worker's own context, the default, is terminated as before)."""
+"""The seam ``bench control`` holds thousands of simulated ranks with: a worker's channel (and
+the store client that rides it) may open its socket in a zmq context the caller owns; closing
+them leaves that context alone (a real worker's own context, the default, is terminated as
+before)."""
 from __future__ import annotations
 
 import secrets
@@ -11,7 +12,7 @@ import zmq
 
 from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
 from slurm_etc.protocol.messages import Progress
-from slurm_etc.protocol.store import StoreClient, StoreServer
+from slurm_etc.protocol.store import StoreClient
 
 JOB = "shared"
 
@@ -19,13 +20,10 @@ JOB = "shared"
 def test_channels_and_store_clients_in_one_context() -> None:
     key = secrets.token_bytes(32)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    with StoreServer(key, "127.0.0.1", job=JOB) as server, \
-            CoordinatorChannel(JOB, key, "127.0.0.1",
-                               rendezvous=("127.0.0.1", server.port)) as coordinator:
+    with CoordinatorChannel(JOB, key, "127.0.0.1") as coordinator:
         workers = [WorkerChannel(JOB, v, coordinator.address, key, context=ctx)
                    for v in range(3)]
-        stores = [StoreClient("127.0.0.1", server.port, key, context=ctx,
-                              timeout=timedelta(seconds=10)) for _ in range(3)]
+        stores = [StoreClient.over(w, timeout=timedelta(seconds=10)) for w in workers]
         joins = [threading.Thread(target=w.join, args=(10.0,)) for w in workers]
         for t in joins:
             t.start()
