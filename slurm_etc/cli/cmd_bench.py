@@ -241,7 +241,8 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     \b
     Real: the coordinator (reconcile loop, policy, vrank allocator, planner), its SQLite
     record, the control channel (CURVE, signed envelopes), the rendezvous store it hosts,
-    heartbeats; each simulated rank holds its own channel and store connection and says,
+    heartbeats; each simulated rank holds its own channel connection (its store requests
+    ride it) and says,
     through the worker-side classes, what a worker says (Hello, ModelBuilt, Progress from
     rank 0, Ready, Resized, Resumed, Exited), with the trainer's exact per-step agreement.
     Simulated: the cluster (N/8 nodes of 8 devices and an eighth more for the grow; its
@@ -261,7 +262,7 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     resize's order to commit as the coordinator records it; no data phase, no world
     building), coordinator_rss_mib (its process's peak) and record_bytes (the SQLite
     record). With two sizes or more, a power law fitted to each and extrapolated to
-    131,072 ranks. A size this machine cannot hold (two connections per rank at the
+    131,072 ranks. A size this machine cannot hold (one connection per rank at the
     coordinator, its open-file limit) is refused in one line before anything runs.
     """
     from ..harness.control import (

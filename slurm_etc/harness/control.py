@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 JOB = "bench-control"
 GPUS_PER_NODE = 8
-# descriptors a coordinator needs beyond its two connections per rank (SQLite, zmq's own
+# descriptors a coordinator needs beyond its connection per rank (SQLite, zmq's own
 # mailboxes and listeners, the interpreter's)
 COORDINATOR_FDS_SPARE = 256
 # descriptors one simulated rank costs its host process (its TCP connection, the socket's

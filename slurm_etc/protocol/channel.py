@@ -85,7 +85,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 import msgspec
 import zmq
@@ -104,18 +104,13 @@ from slurm_etc.protocol.messages import (
     Resized,
     Stop,
 )
-from slurm_etc.protocol.store import (
-    QUEUE_FULL,
-    SENT,
-    STORE_FRAME,
-    CarriedChannel,
-    StoreError,
-    StoreLimits,
-    StoreServer,
-)
 
 from ..errors import InputError, InternalError
 from . import env as envvars
+
+if TYPE_CHECKING:  # store.py imports torch (its client is a torch Store): a process that
+    # speaks only the channel (bench/fake_worker.py) does not load it
+    from .store import StoreLimits, StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +137,15 @@ _LEAD_SLICE_S: Final = 0.1
 _FOLLOW_S: Final = 0.5
 # The coordinator's socket thread answers a send at once; this long means it is gone.
 _DELIVER_TIMEOUT_MS: Final = 30_000
+# The first frame of every store request and reply on the shared connection: the kind of
+# the message (a channel message's first frame is a msgpack map, never this) and the
+# version of the store's wire.
+STORE_FRAME: Final = b"store/2"
+# What a send of the coordinator's loop came to, one byte per message (the socket's thread
+# answers them: StoreServer._send_batch).
+SENT: Final = ord("s")
+QUEUE_FULL: Final = ord("f")
+UNREACHABLE: Final = ord("u")
 # A process that exits without close() must not hang on messages nobody will take.
 _DEFAULT_LINGER_MS: Final = 1000
 
@@ -565,7 +569,8 @@ class CoordinatorChannel:
         window_s: accepted distance between a message's timestamp and this clock.
         queue_limit: messages queued per worker before sends fail.
         limits: the rendezvous store's bounds.
-        store_class: the store to host (a subclass that counts: ``bench control``).
+        store_class: the store to host (default ``StoreServer``; a subclass that counts:
+            ``bench control``).
 
     Not thread-safe: use it from the coordinator's loop thread (the store serves from a
     thread of its own).
@@ -575,7 +580,9 @@ class CoordinatorChannel:
                  advertise: str | None = None, generation: int = 0,
                  window_s: float = DEFAULT_WINDOW_S, queue_limit: int = DEFAULT_QUEUE,
                  clock: Callable[[], float] = time.time, limits: StoreLimits | None = None,
-                 store_class: type[StoreServer] = StoreServer) -> None:
+                 store_class: type[StoreServer] | None = None) -> None:
+        from .store import CarriedChannel, StoreError, StoreServer
+
         host, port = split_bind(bind)
         if advertise is None:
             if host in ("0.0.0.0", "::", "*"):
@@ -601,8 +608,9 @@ class CoordinatorChannel:
         self.admit: Callable[[Hello], bool] | None = None
         self._closed = False
         try:
-            self.store = store_class(_key_of(secret), host, port=port, job=job, limits=limits,
-                                     channel=CarriedChannel(queue_limit, MAX_FRAME_BYTES))
+            self.store = (store_class or StoreServer)(
+                _key_of(secret), host, port=port, job=job, limits=limits,
+                channel=CarriedChannel(queue_limit, MAX_FRAME_BYTES))
         except StoreError as e:
             raise ChannelError(f"cannot bind the control channel of job {job} to "
                                f"{bind}: {e}") from None

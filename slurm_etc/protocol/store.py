@@ -25,16 +25,16 @@ commit decision. What torch's ``TCPStore`` lacked, this has:
   (:meth:`StoreClient.over`), so the coordinator's process holds one TCP connection, one
   descriptor, per rank: 18,432 ranks (16,384 and a grow of 2,048) fit under an open-file
   limit of 20,000. Store frames and channel frames share the socket, told apart by their
-  first frame (:data:`STORE_FRAME`); the serving thread owns the socket, answers the
-  store's requests itself and hands the channel's frames to the coordinator's loop thread
-  (and its sends back) over inproc sockets. A TCP client of its own (:class:`StoreClient`
-  with an address: the coordinator's own writes, the local pool's workers, tests) speaks
-  the same wire.
+  first frame (``STORE_FRAME`` of :mod:`.channel`); the serving thread owns the socket,
+  answers the store's requests itself and hands the channel's frames to the coordinator's
+  loop thread (and its sends back) over inproc sockets. A TCP client of its own
+  (:class:`StoreClient` with an address: the coordinator's own writes, the local pool's
+  workers, tests) speaks the same wire.
 
-Wire: a request is two frames, :data:`STORE_FRAME` and the msgpack array of
-:class:`Request`; a reply the same, with a :class:`Reply`. Values are bytes; nothing is
-unpickled. Everything else on the socket is the control channel's (``[envelope, mac]``,
-whose envelope, a msgpack map, can never be :data:`STORE_FRAME`).
+Wire: a request is two frames, ``STORE_FRAME`` and the msgpack array of :class:`Request`; a
+reply the same, with a :class:`Reply`. Values are bytes; nothing is unpickled. Everything
+else on the socket is the control channel's (``[envelope, mac]``, whose envelope, a msgpack
+map, can never be ``STORE_FRAME``).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 import torch.distributed as dist
@@ -52,11 +52,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import InternalError
+from .channel import QUEUE_FULL, SENT, STORE_FRAME, UNREACHABLE, WorkerChannel
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
 from .rendezvous import generation_pattern
-
-if TYPE_CHECKING:
-    from .channel import WorkerChannel
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +66,10 @@ _DEFAULT_TIMEOUT: Final = timedelta(seconds=300)
 # at once, are closed. Requests made at once are what need sockets, not threads: NCCL's
 # heartbeat monitor asks ``check`` once a second, each time from a new Python thread.
 IDLE_CONNECTIONS: Final = 8
-# The first frame of every store request and reply: the kind of the message (a channel
-# message's first frame is a msgpack map, never this) and the version of the store's wire.
-STORE_FRAME: Final = b"store/2"
 # The inproc endpoints between a server's thread and the coordinator's loop (channel frames
 # in, sends out); names are per zmq context, and each server has a context of its own.
 _INBOX: Final = "inproc://slurm-etc-channel-in"
 _OUTBOX: Final = "inproc://slurm-etc-channel-out"
-# What a send of the coordinator's loop came to (one byte per message, :meth:`_send_batch`).
-SENT: Final = ord("s")
-QUEUE_FULL: Final = ord("f")
-UNREACHABLE: Final = ord("u")
 # Channel frames waiting for the coordinator's loop (a burst of Hellos of a whole job);
 # past it they are dropped, counted, as zmq's queue per worker would have dropped them.
 _INBOX_QUEUE: Final = 1 << 17
@@ -371,7 +362,8 @@ class StoreServer:
     def _send_batch(self, sends: zmq.Socket[bytes], frames: list[bytes]) -> None:
         """Send the coordinator's loop's messages, ``[routing, envelope, mac]`` each, and
         answer it with one status byte per message (:data:`SENT`, :data:`QUEUE_FULL`,
-        :data:`UNREACHABLE`): what a send of its own to the socket would have told it."""
+        :data:`UNREACHABLE`, :mod:`.channel`'s): what a send of its own to the socket
+        would have told it."""
         statuses = bytearray()
         for i in range(0, len(frames) - 2, 3):
             try:
@@ -702,7 +694,7 @@ class StoreClient(dist.Store):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
     @classmethod
-    def over(cls, channel: "WorkerChannel | Carrier", *,
+    def over(cls, channel: WorkerChannel | Carrier, *,
              timeout: timedelta = _DEFAULT_TIMEOUT) -> "StoreClient":
         """The store of the coordinator ``channel`` is joined to, on the channel's own
         connection (one per channel)."""
