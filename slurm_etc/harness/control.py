@@ -1076,9 +1076,9 @@ def _counting_channel(base: type) -> type:
                 self.received += 1
             return got
 
-        def send(self, vrank: int, message: Any) -> bool:
-            self.sent += 1
-            return bool(super().send(vrank, message))
+        def _send_all(self, message: Any, vranks: Sequence[int]) -> list[int]:
+            self.sent += len(vranks)  # send, welcome and broadcast all come here
+            return list(super()._send_all(message, vranks))
 
     return CountingChannel
 
