@@ -110,7 +110,7 @@ from . import env as envvars
 
 if TYPE_CHECKING:  # store.py imports torch (its client is a torch Store): a process that
     # speaks only the channel (bench/fake_worker.py) does not load it
-    from .store import StoreLimits, StoreServer
+    from .store import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -568,7 +568,6 @@ class CoordinatorChannel:
             :attr:`generation` when it opens a new one).
         window_s: accepted distance between a message's timestamp and this clock.
         queue_limit: messages queued per worker before sends fail.
-        limits: the rendezvous store's bounds.
         store_class: the store to host (default ``StoreServer``; a subclass that counts:
             ``bench control``).
 
@@ -579,7 +578,7 @@ class CoordinatorChannel:
     def __init__(self, job: str, secret: bytes | JobSecret, bind: str = "127.0.0.1", *,
                  advertise: str | None = None, generation: int = 0,
                  window_s: float = DEFAULT_WINDOW_S, queue_limit: int = DEFAULT_QUEUE,
-                 clock: Callable[[], float] = time.time, limits: StoreLimits | None = None,
+                 clock: Callable[[], float] = time.time,
                  store_class: type[StoreServer] | None = None) -> None:
         from .store import CarriedChannel, StoreError, StoreServer
 
@@ -609,7 +608,7 @@ class CoordinatorChannel:
         self._closed = False
         try:
             self.store = (store_class or StoreServer)(
-                _key_of(secret), host, port=port, job=job, limits=limits,
+                _key_of(secret), host, port=port, job=job,
                 channel=CarriedChannel(queue_limit, MAX_FRAME_BYTES))
         except StoreError as e:
             raise ChannelError(f"cannot bind the control channel of job {job} to "

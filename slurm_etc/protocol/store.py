@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import msgspec
 import torch.distributed as dist
@@ -199,7 +199,6 @@ class StoreServer:
         self.refused = 0  # requests refused for a bound
         self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
         self.dropped = 0  # frames neither the store's nor taken by a channel
-        self._channel = channel
         self._ctx = zmq.Context()
         self._zap = ZapGuard(self._ctx, {self._keys.client_public})
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -591,33 +590,14 @@ class _Connection:
         self.sock.close(linger=0)
 
 
-class Carrier(Protocol):
-    """What carries a :class:`StoreClient`'s requests on a connection it shares: a worker's
-    :class:`~slurm_etc.protocol.channel.WorkerChannel` (see its ``carry_store``)."""
-
-    address: str
-
-    def carry_store(self, on_reply: Any) -> None: ...
-
-    def send_store(self, request: bytes) -> None: ...
-
-    def pump_until(self, done: Any, deadline: float) -> None: ...
-
-    @property
-    def link_drops(self) -> int: ...
-
-    @property
-    def closed(self) -> bool: ...
-
-
 class _OverChannel:
     """A client's requests on its worker's channel connection: sent as the channel's
-    socket allows (:meth:`Carrier.send_store`), answered by id to the thread that asked,
-    whichever thread happens to read the socket (:meth:`Carrier.pump_until`). The
-    channel's link going down (the coordinator's process died) fails every request in
+    socket allows (:meth:`WorkerChannel.send_store`), answered by id to the thread that
+    asked, whichever thread happens to read the socket (:meth:`WorkerChannel.pump_until`).
+    The channel's link going down (the coordinator's process died) fails every request in
     flight at once, and every request after it until :meth:`follow`."""
 
-    def __init__(self, channel: Carrier) -> None:
+    def __init__(self, channel: WorkerChannel) -> None:
         self.channel = channel
         self._answers: dict[int, Reply | None] = {}  # by id: the requests in flight
         self._drops = channel.link_drops  # the link's drops already followed
@@ -694,7 +674,7 @@ class StoreClient(dist.Store):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
     @classmethod
-    def over(cls, channel: WorkerChannel | Carrier, *,
+    def over(cls, channel: WorkerChannel, *,
              timeout: timedelta = _DEFAULT_TIMEOUT) -> "StoreClient":
         """The store of the coordinator ``channel`` is joined to, on the channel's own
         connection (one per channel)."""
