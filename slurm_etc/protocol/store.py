@@ -73,6 +73,8 @@ _OUTBOX: Final = "inproc://slurm-etc-channel-out"
 # Channel frames waiting for the coordinator's loop (a burst of Hellos of a whole job);
 # past it they are dropped, counted, as zmq's queue per worker would have dropped them.
 _INBOX_QUEUE: Final = 1 << 17
+# Messages of workers handled between two looks for the coordinator loop's sends.
+_SENDS_EVERY: Final = 16
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,9 @@ class StoreServer:
         self.refused = 0  # requests refused for a bound
         self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
         self.dropped = 0  # frames neither the store's nor taken by a channel
-        self._ctx = zmq.Context()
+        # carrying the channel, two I/O threads (CURVE's work on every message), as the
+        # channel's socket and the store's had one each when they were apart
+        self._ctx = zmq.Context(io_threads=2 if channel else 1)
         self._zap = ZapGuard(self._ctx, {self._keys.client_public})
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._pairs: list[zmq.Socket[bytes]] = []  # inbox and outbox: both ends of each
@@ -330,8 +334,12 @@ class StoreServer:
                     self._send_batch(sends, sends.recv_multipart())
             except zmq.ZMQError:
                 return
-            for _ in range(1000 if self._sock in ready else 0):
+            for i in range(1000 if self._sock in ready else 0):
                 try:
+                    # the coordinator's loop waits on its sends: they do not wait behind
+                    # a burst of store requests
+                    if i % _SENDS_EVERY == 0 and sends is not None and sends.poll(0):
+                        self._send_batch(sends, sends.recv_multipart())
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
