@@ -1076,9 +1076,9 @@ def _counting_channel(base: type) -> type:
                 self.received += 1
             return got
 
-        def _send_all(self, message: Any, vranks: Sequence[int]) -> list[int]:
+        def _send_all(self, message: Any, vranks: Sequence[int], **how: Any) -> list[int]:
             self.sent += len(vranks)  # send, welcome and broadcast all come here
-            return list(super()._send_all(message, vranks))
+            return list(super()._send_all(message, vranks, **how))
 
     return CountingChannel
 

@@ -142,7 +142,8 @@ _DELIVER_TIMEOUT_MS: Final = 30_000
 # version of the store's wire.
 STORE_FRAME: Final = b"store/2"
 # What a send of the coordinator's loop came to, one byte per message (the socket's thread
-# answers them: StoreServer._send_batch).
+# answers them, where the batch's first frame asks it to: StoreServer._send_batch).
+ANSWER: Final = b"answer"
 SENT: Final = ord("s")
 QUEUE_FULL: Final = ord("f")
 UNREACHABLE: Final = ord("u")
@@ -668,14 +669,12 @@ class CoordinatorChannel:
         request to the socket's thread for them all)."""
         return self._send_all(message, sorted(set(vranks)))
 
-    def welcome(self, vrank: int) -> bool:
-        """Tell ``vrank`` that the job's store is open (done for every Hello already)."""
-        return self.send(vrank, Welcome(self.job, self.generation, vrank, self.advertise,
-                                        self.port))
-
-    def _send_all(self, message: ToWorker, vranks: Sequence[int]) -> list[int]:
+    def _send_all(self, message: ToWorker, vranks: Sequence[int], *,
+                  answered: bool = True) -> list[int]:
         """Seal ``message`` to each vrank and hand them to the socket's thread; the vranks
-        it did not reach."""
+        it did not reach. Not ``answered`` (a Welcome: nothing waits on it, and a burst of
+        Hellos must not wait on a round trip each), the loop goes on at once and only the
+        vranks never heard from are returned."""
         if message.job != self.job:
             raise ValueError(f"message of job {message.job!r} sent on the channel of "
                              f"job {self.job!r}")
@@ -692,7 +691,10 @@ class CoordinatorChannel:
                               self._sealer.seal(vrank, message.generation, message)))
         if not batch:
             return missed
-        statuses = self._deliver([(routing, frames) for _, routing, frames in batch])
+        statuses = self._deliver([(routing, frames) for _, routing, frames in batch],
+                                 answered=answered)
+        if not answered:
+            return missed
         for (vrank, routing, _), status in zip(batch, statuses, strict=True):
             if status == SENT:
                 self._unreachable.pop(vrank, None)
@@ -710,12 +712,16 @@ class CoordinatorChannel:
                        " (said once until it says hello again)" if first else "")
         return sorted(missed)
 
-    def _deliver(self, batch: Sequence[tuple[bytes, list[bytes]]]) -> bytes:
+    def _deliver(self, batch: Sequence[tuple[bytes, list[bytes]]], *,
+                 answered: bool = True) -> bytes:
         """Send ``(routing, frames)`` messages through the socket's thread; one status
-        byte each (:data:`~slurm_etc.protocol.store.SENT`, ...)."""
+        byte each (:data:`SENT`, ...), or none where not ``answered``."""
         if self._closed:
             return bytes(len(batch))  # none of them SENT
-        self._outbox.send_multipart([f for routing, frames in batch for f in (routing, *frames)])
+        self._outbox.send_multipart([ANSWER if answered else b"",
+                                     *(f for routing, frames in batch for f in (routing, *frames))])
+        if not answered:
+            return b""
         if not self._outbox.poll(_DELIVER_TIMEOUT_MS):
             raise ChannelError(f"the control channel of job {self.job}: its socket's thread "
                                f"did not answer a send within {_DELIVER_TIMEOUT_MS / 1000:g} s")
@@ -766,7 +772,8 @@ class CoordinatorChannel:
             # vrank it names, told to stop instead of holding out its reattach wait
             stop = Stop(self.job, report.generation + 1, "the restarted coordinator started "
                         "the job again without this process")
-            self._deliver([(routing, self._sealer.seal(vrank, stop.generation, stop))])
+            self._deliver([(routing, self._sealer.seal(vrank, stop.generation, stop))],
+                          answered=False)
             return None
         if isinstance(report, Hello):
             self._hello_generation[vrank] = report.generation
@@ -775,8 +782,9 @@ class CoordinatorChannel:
             # taken, but what is sent to the vrank keeps going to the newer process
             return vrank, report
         self._peers[vrank] = routing
-        if isinstance(report, Hello):
-            self.welcome(vrank)
+        if isinstance(report, Hello):  # the store is open: on this connection
+            self._send_all(Welcome(self.job, self.generation, vrank, self.advertise, self.port),
+                           [vrank], answered=False)
         if (isinstance(report, Resized) and report.outcome == "committed"
                 and report.generation > self._committed):
             self._committed = report.generation

@@ -52,7 +52,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import InternalError
-from .channel import QUEUE_FULL, SENT, STORE_FRAME, UNREACHABLE, WorkerChannel
+from .channel import ANSWER, QUEUE_FULL, SENT, STORE_FRAME, UNREACHABLE, WorkerChannel
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
 from .rendezvous import generation_pattern
 
@@ -367,12 +367,12 @@ class StoreServer:
                          "no channel takes it)", self.job, len(frames) - 1)
 
     def _send_batch(self, sends: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        """Send the coordinator's loop's messages, ``[routing, envelope, mac]`` each, and
-        answer it with one status byte per message (:data:`SENT`, :data:`QUEUE_FULL`,
-        :data:`UNREACHABLE`, :mod:`.channel`'s): what a send of its own to the socket
-        would have told it."""
+        """Send the coordinator's loop's messages, ``[routing, envelope, mac]`` each after
+        the first frame, and answer it (where that frame is ``ANSWER``) with one status
+        byte per message (``SENT``, ``QUEUE_FULL``, ``UNREACHABLE`` of :mod:`.channel`):
+        what a send of its own to the socket would have told it."""
         statuses = bytearray()
-        for i in range(0, len(frames) - 2, 3):
+        for i in range(1, len(frames) - 2, 3):
             try:
                 self._sock.send_multipart(frames[i:i + 3], zmq.NOBLOCK)
                 statuses.append(SENT)
@@ -380,7 +380,8 @@ class StoreServer:
                 statuses.append(QUEUE_FULL)
             except zmq.ZMQError:  # ROUTER_MANDATORY: no such worker connected
                 statuses.append(UNREACHABLE)
-        sends.send(bytes(statuses))
+        if frames[0] == ANSWER:
+            sends.send(bytes(statuses))
 
     def _reply(self, routing: bytes, reply: Reply) -> None:
         try:
