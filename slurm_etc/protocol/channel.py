@@ -135,8 +135,9 @@ _LEAD_SLICE_S: Final = 0.1
 # A thread waiting for its store reply while another reads the socket is woken when the
 # reader hands over; it looks again at least this often anyway.
 _FOLLOW_S: Final = 0.5
-# The coordinator's socket thread answers a send at once; this long means it is gone.
-_DELIVER_TIMEOUT_MS: Final = 30_000
+# How often a send waiting for the socket's thread (busy with a burst of store requests,
+# on a loaded machine) looks whether that thread still lives.
+_DELIVER_LOOK_MS: Final = 1000
 # The first frame of every store request and reply on the shared connection: the kind of
 # the message (a channel message's first frame is a msgpack map, never this) and the
 # version of the store's wire.
@@ -722,9 +723,10 @@ class CoordinatorChannel:
                                      *(f for routing, frames in batch for f in (routing, *frames))])
         if not answered:
             return b""
-        if not self._outbox.poll(_DELIVER_TIMEOUT_MS):
-            raise ChannelError(f"the control channel of job {self.job}: its socket's thread "
-                               f"did not answer a send within {_DELIVER_TIMEOUT_MS / 1000:g} s")
+        while not self._outbox.poll(_DELIVER_LOOK_MS):
+            if not self.store.serving:
+                raise ChannelError(f"the control channel of job {self.job}: its socket's "
+                                   "thread ended")
         return self._outbox.recv()
 
     def recv(self, timeout_s: float) -> tuple[int, Report] | None:

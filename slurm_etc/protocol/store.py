@@ -269,6 +269,11 @@ class StoreServer:
         """Peers dropped at the handshake (no key of this job)."""
         return self._handshakes.drain()
 
+    @property
+    def serving(self) -> bool:
+        """Whether the thread serving the socket runs."""
+        return self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         """Keys held, bytes held (keys + values), requests refused for a bound, requests
         served."""
@@ -332,7 +337,8 @@ class StoreServer:
                 ready = dict(poller.poll(wait_ms))
                 if sends is not None and sends in ready:
                     self._send_batch(sends, sends.recv_multipart())
-            except zmq.ZMQError:
+            except zmq.ZMQError as e:
+                self._ended(e)
                 return
             for i in range(1000 if self._sock in ready else 0):
                 try:
@@ -343,7 +349,8 @@ class StoreServer:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                except zmq.ZMQError:
+                except zmq.ZMQError as e:
+                    self._ended(e)
                     return
                 if len(frames) > 1 and frames[1] == STORE_FRAME:
                     self._handle(frames)
@@ -352,6 +359,11 @@ class StoreServer:
             if self._blocked:
                 self._expire(time.monotonic())
             self._handshakes.drain()
+
+    def _ended(self, error: zmq.ZMQError) -> None:
+        if not self._stop.is_set():  # else closing: the socket went under it
+            logger.error("[job %s] the store's socket failed; it serves no more: %s",
+                         self.job, error)
 
     def _forward(self, frames: list[bytes]) -> None:
         """A frame that is not the store's: the control channel's, for the coordinator's
