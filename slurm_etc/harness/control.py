@@ -168,8 +168,7 @@ def descriptor_problem(bench: ControlBench) -> str | None:
         return (f"{bench.ranks:,} ranks need about {need:,} open files in the coordinator's "
                 f"process (one connection per rank, carrying its control channel and its "
                 f"store requests, {most:,} ranks{' at the grow' if bench.resizes else ''}), "
-                f"over this "
-                f"machine's hard limit of {hard:,} per process; the most it runs is "
+                f"over this machine's hard limit of {hard:,} per process; the most it runs is "
                 f"{fit:,} ranks{'' if bench.resizes else ' without resizes'}")
     per_host = bench.ranks_per_host * FDS_PER_SIM_RANK + COORDINATOR_FDS_SPARE
     if hard != resource.RLIM_INFINITY and per_host > hard:
