@@ -244,8 +244,8 @@ def _start_ticks(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def launched(db: Path) -> dict[int, tuple[int, int]]:
-    """vrank -> (generation, pid) of the newest launch of each vrank the record has, whose
+def launched(db: Path) -> dict[int, tuple[str, int]]:
+    """vrank -> (device, pid) of the newest launch of each vrank the record has, whose
     process still runs (same pid and start time)."""
     import sqlite3
 
@@ -253,7 +253,7 @@ def launched(db: Path) -> dict[int, tuple[int, int]]:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
         try:
             rows = con.execute("SELECT json_extract(payload, '$.vrank'), "
-                               "json_extract(payload, '$.generation'), "
+                               "json_extract(payload, '$.device'), "
                                "json_extract(payload, '$.pid'), json_extract(payload, "
                                "'$.start') FROM events WHERE kind = 'launch' ORDER BY id"
                                ).fetchall()
@@ -261,15 +261,10 @@ def launched(db: Path) -> dict[int, tuple[int, int]]:
             con.close()
     except sqlite3.Error:
         return {}
-    newest = {int(v): (int(g), int(pid), start) for v, g, pid, start in rows
+    newest = {int(v): (str(d), int(pid), start) for v, d, pid, start in rows
               if v is not None and pid is not None}
-    return {v: (g, pid) for v, (g, pid, start) in sorted(newest.items())
+    return {v: (d, pid) for v, (d, pid, start) in sorted(newest.items())
             if start is not None and _start_ticks(pid) == int(start)}
-
-
-def worker_pids(db: Path) -> list[int]:
-    """The job's workers alive now (the newest launch of each vrank), by vrank."""
-    return [pid for _g, pid in launched(db).values()]
 
 
 def _kill_group(pid: int) -> None:
@@ -596,12 +591,18 @@ def _free(run: SoakRun) -> None:
 
 
 def _kill_worker(run: SoakRun, e: SoakEvent) -> str:
-    pids = worker_pids(run.db)
-    if not pids:
-        return "no worker alive to kill"
-    pid = pids[e.pick % len(pids)]
+    """SIGKILL one worker's process group, where the job's workers run on two nodes or more
+    (on one node nothing outside it holds a copy of its state: a kill there loses the job
+    by design, with no checkpoint)."""
+    workers = launched(run.db)
+    nodes = {device.split(":")[0] for device, _pid in workers.values()}
+    if len(nodes) < 2:
+        return f"skipped: the workers run on {len(nodes)} node(s)"
+    vranks = sorted(workers)
+    vrank = vranks[e.pick % len(vranks)]
+    device, pid = workers[vrank]
     _kill_group(pid)
-    return f"killed worker pid {pid} (of {len(pids)})"
+    return f"killed vrank {vrank} on {device} (pid {pid}; {len(vranks)} workers)"
 
 
 def start_duplicate(run: SoakRun) -> subprocess.Popen[bytes]:

@@ -17,7 +17,9 @@ Each event is one of :data:`KINDS`, and is carried out by one of three means:
 * **the soak itself**, from outside, once the job's training reaches the event's turn
   (``worker-kill`` of a worker's process group in steady training, ``resize-kill`` of one
   while a migration is open in the record: the preparation, the pause or the data phase,
-  whichever it meets, so drawn as "during a resize", not a phase; ``coordinator-kill``, a
+  whichever it meets, so drawn as "during a resize", not a phase; both skipped while the
+  job's workers run on one node, where nothing outside the node holds a copy of the state;
+  ``coordinator-kill``, a
   SIGKILL and a restart on the same record after ``delay_s``; ``duplicate``, a second
   coordinator started on the live job, which must be refused; ``full-disk``, the record's
   filesystem filled for ``steps`` steps).
