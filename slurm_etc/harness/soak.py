@@ -433,8 +433,13 @@ def observe(seed: int, events: int, *, work: Path,
             for second in run.duplicates:  # never let go: the job ended before its turn
                 second.kill()
                 second.communicate()
-            if run.alive():
-                run.kill_coordinator()
+            if run.alive():  # the schedule stopped: the job is ended as a user would
+                assert run.coordinator is not None
+                run.coordinator.terminate()
+                try:
+                    run.coordinator.wait(60)
+                except subprocess.TimeoutExpired:
+                    run.kill_coordinator()
             rc = run.coordinator_rc()
             run.read_progress()
         time.sleep(2.0)  # the coordinator stops its workers on the way out
