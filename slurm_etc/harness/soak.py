@@ -651,6 +651,8 @@ def _report(seen: Observed, verdict: Verdict, layouts: Sequence[str],
     outcomes = [m.outcome for m in record.migrations]
     return {
         "ok": verdict.ok, "seed": seen.schedule.seed, "events": len(seen.schedule.events),
+        # carried out (a phase kill: armed; skipped kills count): the schedule can stop early
+        "events_played": sum(d.outcome != "pending" for d in done),
         "events_by_kind": seen.schedule.counts(),
         "resizes_committed": outcomes.count("committed"),
         "resizes_aborted": outcomes.count("aborted"),
