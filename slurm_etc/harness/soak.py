@@ -462,11 +462,14 @@ def observe(seed: int, events: int, *, work: Path,
     for d in done:
         if d.outcome.startswith("FAILED"):
             problems.append(f"event {d.event.index} ({d.event.kind}): {d.outcome}")
+    # a phase kill hit: a worker killed itself at its phase, and the record has a resize to
+    # its generation (the kill hook's line names no generation)
     hits = _phase_hits(work)
+    resized = {m.to_generation for m in record.migrations}
     for d in done:
         if d.event.kind == "phase-kill":
-            n = hits.get((d.event.phase, d.event.generation), 0)
-            d.outcome = "hit" if n else "not hit (no such resize, or nobody did that phase)"
+            hit = hits.get(d.event.phase, 0) and d.event.generation in resized
+            d.outcome = "hit" if hit else "not hit (no such resize, or nobody did that phase)"
     return Observed(schedule, done, run.heard, leaked, record, problems, run.starts,
                     time.monotonic() - t0, work)
 
@@ -507,18 +510,16 @@ def run_soak(seed: int, events: int, *, work_dir: Path | None = None, keep: bool
     return report
 
 
-def _phase_hits(work: Path) -> dict[tuple[str, int], int]:
-    """(phase, generation) -> how many workers killed themselves there (their log lines)."""
+def _phase_hits(work: Path) -> dict[str, int]:
+    """phase -> how many workers killed themselves there (the kill hook's log lines; they
+    do not name the generation)."""
     import re
 
-    out: dict[tuple[str, int], int] = {}
-    pattern = re.compile(r"\[job \S+ gen (\d+) vrank \d+\].*?killing itself \(SIGKILL\) at "
-                         r"(\S+)|killing itself \(SIGKILL\) at (\S+)")
+    out: dict[str, int] = {}
     for log in work.glob("coordinator-*.log"):
-        for m in pattern.finditer(log.read_text(errors="replace")):
-            phase = m.group(2) or m.group(3)
-            gen = int(m.group(1)) if m.group(1) else 0
-            out[(phase, gen)] = out.get((phase, gen), 0) + 1
+        for m in re.finditer(r"killing itself \(SIGKILL\) at (\S+)",
+                             log.read_text(errors="replace")):
+            out[m.group(1)] = out.get(m.group(1), 0) + 1
     return out
 
 
