@@ -63,7 +63,7 @@ MARK = "ETC_SOAK_JOB"  # not SLURM_ETC_*: the preloader drops those
 GLOBAL_BATCH = 8
 PEER_COPY_EVERY = 2
 # how long one event may wait for its turn before the soak gives up on the job
-TURN_TIMEOUT_S = 240.0
+TURN_TIMEOUT_S = 180.0
 # how long a duplicate coordinator has to be refused
 DUPLICATE_TIMEOUT_S = 60.0
 # how long a resize-kill waits for a migration to open
@@ -373,8 +373,8 @@ def soak_command(job: str, work: Path, record_dir: Path) -> list[str]:
             "--events", str(work / "events.json"), "--job-id", job,
             "--db", str(record_dir / "job.db"), "--state-dir", str(record_dir / "state"),
             "--model", "tiny", "--global-batch", str(GLOBAL_BATCH), "--hardware", "cpu",
-            "--peer-copy-every", str(PEER_COPY_EVERY), "--timeout", "120",
-            "--join-timeout", "180", "--give-up-after", "120", "--reattach-wait", "90",
+            "--peer-copy-every", str(PEER_COPY_EVERY), "--timeout", "60",
+            "--join-timeout", "180", "--give-up-after", "60", "--reattach-wait", "90",
             "--progress", str(work / "progress.jsonl"), "--", *worker]
 
 
