@@ -132,7 +132,8 @@ class SoakRun:
         return self.coordinator is not None and self.coordinator.poll() is None
 
     def kill_coordinator(self) -> None:
-        assert self.coordinator is not None
+        if self.coordinator is None:
+            return
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait(30)
 
@@ -420,6 +421,7 @@ def observe(seed: int, events: int, *, work: Path,
     run = SoakRun(schedule, work, record_dir, job, soak_command(job, work, record_dir), env, say)
     done = [EventDone(e) for e in schedule.events]
     stopped: str | None = None
+    rc: int | None = None
     try:
         run.start()
         try:
@@ -433,8 +435,8 @@ def observe(seed: int, events: int, *, work: Path,
             for second in run.duplicates:  # never let go: the job ended before its turn
                 second.kill()
                 second.communicate()
-            if run.alive():  # the schedule stopped: the job is ended as a user would
-                assert run.coordinator is not None
+            if run.coordinator is not None and run.alive():
+                # the schedule stopped: the job is ended as a user would
                 run.coordinator.terminate()
                 try:
                     run.coordinator.wait(60)
