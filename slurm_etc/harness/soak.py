@@ -302,6 +302,20 @@ def fill(where: Path) -> Path:
     return ballast
 
 
+def listing(where: Path, most: int = 8) -> str:
+    """The largest files under ``where`` with their sizes (one line)."""
+    sizes = []
+    for p in where.rglob("*"):
+        try:
+            if p.is_file():
+                sizes.append((p.stat().st_size, str(p.relative_to(where))))
+        except OSError:
+            continue
+    sizes.sort(reverse=True)
+    return ", ".join(f"{name} {size:,} B" for size, name in sizes[:most]) + \
+        (f" and {len(sizes) - most} more" if len(sizes) > most else "")
+
+
 def lease_released(db: Path) -> bool:
     """Whether nobody holds the job's lease: the record's ``.lease`` file can be locked
     (read with flock directly, not through the lease's own code)."""
@@ -451,6 +465,7 @@ def observe(seed: int, events: int, *, work: Path,
         record = read_record(run.db, job)
     finally:
         if tmpfs:
+            (work / "record-files.txt").write_text(listing(record_dir, most=100) + "\n")
             # the record is read; a copy outlives the tmpfs for whoever looks later
             for p in record_dir.glob("job.db*"):
                 if p.is_file():
@@ -581,7 +596,13 @@ def _act(run: SoakRun, e: SoakEvent) -> str:
     if e.kind == "duplicate":
         return _duplicate(run)
     if e.kind == "full-disk":
-        run.ballast = fill(run.record_dir)
+        try:
+            run.ballast = fill(run.record_dir)
+        except OSError as err:  # full before the soak filled it: say what fills it
+            taken = listing(run.record_dir)
+            run.problems.append(f"the record's filesystem was full before the soak filled it "
+                                f"({err.strerror}): {taken}")
+            return f"FAILED: already full ({taken})"
         start = run.max_step
         try:
             run.wait(partial(_reached, run, start + e.steps),
