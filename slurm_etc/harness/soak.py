@@ -666,7 +666,17 @@ def _duplicate(run: SoakRun) -> str:
         run.problems.append(f"a duplicate coordinator was not refused in one line: exit "
                             f"{second.returncode}, stderr {lines[-3:]}")
         return f"FAILED: exit {second.returncode}"
-    return f"refused in {took:.1f} s (exit 2, one line)"
+    # nothing touched: the lease still names the live coordinator
+    holder = ""
+    try:
+        holder = (run.db.with_name(run.db.name + ".lease")).read_text(errors="replace")
+    except OSError:
+        pass
+    if run.coordinator is not None and f"pid {run.coordinator.pid} " not in holder:
+        run.problems.append(f"after a duplicate coordinator the lease names {holder.strip()!r}, "
+                            f"not the live coordinator (pid {run.coordinator.pid})")
+        return "FAILED: the lease changed hands"
+    return f"refused in {took:.1f} s (exit 2, one line; the lease still the live one's)"
 
 
 def _report(seen: Observed, verdict: Verdict, layouts: Sequence[str],
