@@ -288,16 +288,17 @@ def mount_tmpfs(where: Path) -> bool:
 
 
 def fill(where: Path) -> Path:
-    """Write zeros into ``where`` until its filesystem is full; the file written."""
+    """Write zeros into ``where`` until its filesystem is full; the file written (unbuffered:
+    a buffered file's close would try the last chunk again and raise)."""
     ballast = where / "ballast"
-    with open(ballast, "wb") as f:
-        chunk = b"\0" * 65536
+    chunk = b"\0" * 65536
+    with open(ballast, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(chunk)
-                f.flush()
         except OSError as err:
             if err.errno != errno.ENOSPC:
+                ballast.unlink(missing_ok=True)
                 raise
     return ballast
 

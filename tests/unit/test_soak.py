@@ -221,3 +221,29 @@ def test_bad_input_is_one_line_exit_2(args, says):
     assert got.exit_code == 2, got.output
     lines = [ln for ln in got.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], got.output
+
+
+def test_the_disk_is_filled_and_freed_again(tmp_path):
+    """The full-disk window's ballast fills a small filesystem and can be written again once
+    freed (a buffered write raised at close on the last chunk and left the disk full: seeds
+    104 and 208 of the long soak)."""
+    import subprocess
+
+    from slurm_etc.harness.soak import fill, listing
+
+    where = tmp_path / "fs"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.fail(f"cannot mount a 1 MiB tmpfs as root: {got.stderr.strip()}")
+    try:
+        for _ in range(2):
+            ballast = fill(where)
+            assert ballast.stat().st_size == 1 << 20
+            assert "ballast 1,048,576 B" in listing(where)
+            ballast.unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
