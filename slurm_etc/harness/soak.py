@@ -205,7 +205,7 @@ def job_processes(job: str, db: Path | None = None, logs: Path | None = None) ->
     launched (pid and start time: a worker forked from the preloader has its process title
     written over its environment), the preloaders the coordinators' logs name (``logs``:
     the soak's directory)."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     out = set()
     for p in psutil.process_iter(["pid"]):
