@@ -120,6 +120,8 @@ TRACE_EVENTS = Bound("events", 0, 1_000_000,
 TRACE_JOBS = Bound("elastic jobs", 0, 1_024, "as --jobs")
 TRACE_POLICIES = Bound("policies", 0, 4_096, "a policy per partition and account")
 SCRIPT_EVENTS = Bound("events", 0, 100_000, "a scripted local cluster, one event a step")
+SOAK_EVENTS = Bound("events", 1, 10_000, "a soak's events run one after another, each "
+                    "seconds to a minute: 10,000 is days")
 LOAD = Bound("x the cluster", 0.0, 2.0, "offered load beyond twice the cluster is a queue",
              integer=False)
 SEED = Bound("seed", 0, 2 ** 64 - 1, "a 64-bit seed")

@@ -72,6 +72,7 @@ def _register() -> None:
         cmd_policy_enforce,
         cmd_run,
         cmd_simulate,
+        cmd_soak,
         cmd_status,
         cmd_verify,
     )
@@ -86,6 +87,7 @@ def _register() -> None:
     cli.add_command(cmd_bench.bench)
     cli.add_command(cmd_run.run)
     cli.add_command(cmd_demo.demo)
+    cli.add_command(cmd_soak.soak)
 
 
 _register()

@@ -114,8 +114,8 @@ class FaultInjector:
 
 @dataclass(frozen=True)
 class KillSpec:
-    """``<phase>[@<vrank>[,<generation>]]``: the worker of ``vrank`` kills itself at ``phase``
-    of the resize to ``generation`` (default: the first resize, generation 1).
+    """``<phase>[@[<vrank>][,<generation>]]``: the worker of ``vrank`` kills itself at
+    ``phase`` of the resize to ``generation`` (default: the first resize, generation 1).
 
     Without a vrank the victim is the highest vrank the plan has do that phase: a sender for
     ``before-send``, a receiver for ``after-receive``, one that sends or receives for
@@ -138,15 +138,29 @@ class KillSpec:
         if not where:
             return cls(phase)
         vrank, _, gen = where.partition(",")
-        try:
-            v, g = int(vrank), int(gen) if gen else 1
+        try:  # an empty vrank (``phase@,G``): the default victim, at generation G
+            v = int(vrank) if vrank.strip() else None
+            g = int(gen) if gen else 1
         except ValueError:
             raise ValueError(f"injection {text!r}: vrank and generation must be integers "
                              f"(form {form})") from None
-        if v < 0 or g < 1:
+        if (v is not None and v < 0) or g < 1:
             raise ValueError(f"injection {text!r}: vrank must be >= 0 and generation >= 1 "
                              f"(form {form})")
         return cls(phase, v, g)
+
+    @classmethod
+    def parse_many(cls, text: str) -> "KillSpec":
+        """Several specs separated by ``;`` (each as :meth:`parse`; e.g. ``before-send@,2;
+        after-commit@,5``): a :class:`KillSchedule` where there are several, the one spec
+        where there is one."""
+        parts = [p for p in text.split(";") if p.strip()]
+        if len(parts) == 1:
+            return cls.parse(parts[0])
+        if not parts:
+            raise ValueError(f"injection {text!r}: no kill spec in it")
+        specs = tuple(KillSpec.parse(p) for p in parts)
+        return KillSchedule(specs[0].phase, specs[0].vrank, specs[0].generation, specs)
 
     def victim(self, plan: MigrationPlan) -> int | None:
         """The vrank that dies in ``plan`` (None: nobody in the plan does the phase)."""
@@ -166,3 +180,20 @@ class KillSpec:
             return FaultInjector()
         return FaultInjector().kill(plan.participants.index(device), self.phase)
 
+
+
+@dataclass(frozen=True)
+class KillSchedule(KillSpec):
+    """Several :class:`KillSpec` armed together (``slurm-etc soak`` arms one per drawn
+    phase kill, each at its own generation): a device's injector kills it at every phase a
+    spec of that generation names it the victim of (its first own field repeats the first
+    spec's, as a KillSpec)."""
+
+    specs: tuple[KillSpec, ...] = ()
+
+    def injector(self, plan: MigrationPlan, device: int, generation: int) -> FaultInjector:
+        out = FaultInjector()
+        for spec in self.specs:
+            for rank, at in spec.injector(plan, device, generation).kills:
+                out = out.kill(rank, at)
+        return out

@@ -2,7 +2,8 @@
 environment, read into the runtime's hooks.
 
 * ``SLURM_ETC_INJECT=<phase>[@<vrank>[,<generation>]]``: a worker SIGKILLs itself at that
-  phase of a resize (:class:`~slurm_etc.migrate.faults.KillSpec`).
+  phase of a resize (:class:`~slurm_etc.migrate.faults.KillSpec`); several, separated by
+  ``;``, are armed together (``slurm-etc soak``).
 * ``SLURM_ETC_PLANT_STALE_COPIES=1``: a worker's peer copies are a step stale (a planted
   bug the node-loss oracle must catch).
 * ``SLURM_ETC_PLANT_CORRUPT_COPIES=1``: a byte of each shard of every peer copy a worker
@@ -34,7 +35,7 @@ COORDINATOR_INJECT = "SLURM_ETC_COORDINATOR_INJECT"
 def kill_spec_from_env(environ: Mapping[str, str] | None = None) -> KillSpec | None:
     """The worker's ``SLURM_ETC_INJECT``, parsed (None when unset or empty)."""
     text = (os.environ if environ is None else environ).get(INJECT_ENV, "")
-    return KillSpec.parse(text) if text.strip() else None
+    return KillSpec.parse_many(text) if text.strip() else None
 
 
 def trainer_hooks_from_env(environ: Mapping[str, str] | None = None) -> TrainerHooks:

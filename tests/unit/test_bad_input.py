@@ -307,6 +307,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("demo-db-exists", ["demo", "--db", f"{M}/good.db", "--out", f"{M}/cwd/demo-out"],
      "already exists"),
     ("demo-too-few-steps", ["demo", "--steps", "3"], "--steps"),
+    ("soak-negative-events", ["soak", "--events", "-1"], "--events"),
+    ("soak-events-past-bound", ["soak", "--events", "10001"], "--events"),
+    ("soak-seed-not-a-number", ["soak", "--seed", "x"], "--seed"),
     # --- the command line itself
     ("unknown-command", ["launch"], "No such command 'launch'"),
     ("unknown-global-option", ["--frobnicate", "status"], "--frobnicate"),
