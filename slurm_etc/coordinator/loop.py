@@ -43,6 +43,7 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device, format_devices
 from slurm_etc.lifecycle import JobState, ResizeOutcome
+from slurm_etc.migrate.decision import ABORT
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.policy.decide import (
     JobView,
@@ -64,6 +65,7 @@ from slurm_etc.protocol.env import (
 )
 from slurm_etc.protocol.messages import (
     ENCODER,
+    Abort,
     CopiesChosen,
     Exited,
     Hello,
@@ -77,7 +79,7 @@ from slurm_etc.protocol.messages import (
     format_layout,
 )
 from slurm_etc.protocol.recovery import RESUME_FROM, Recovery, newest_checkpoint
-from slurm_etc.protocol.rendezvous import GenerationKeys
+from slurm_etc.protocol.rendezvous import GenerationKeys, commit_decision
 from slurm_etc.store import jobs as record
 from slurm_etc.store.jobs import PEER_COPIES_EVENT
 
@@ -204,11 +206,15 @@ class Coordinator:
                  topology: ClusterTopology, *, clock: Callable[[], float] = time.time,
                  progress: Callable[[dict[str, Any]], None] | None = None,
                  crash: Callable[[str], None] | None = None,
-                 post: Callable[[str, bytes], None] | None = None) -> None:
+                 post: Callable[[str, bytes], None] | None = None,
+                 close_vote: Callable[[str], bytes] | None = None) -> None:
         self.spec, self.backend, self.store, self.channel = spec, backend, store, channel
         # sets a key in the job's rendezvous store (an order naming the dead, which ends
         # the survivors' step agreement at once); None: the workers find it on the channel
         self.post = post
+        # closes a resize's commit vote as abort unless decided, giving what it holds (the
+        # rendezvous store's compare-and-set); None: a resize with a death is waited out
+        self.close_vote = close_vote
         # called at each of KILL_POINTS: a test kills the coordinator there; by default
         # nothing happens
         self.crash = crash or (lambda _point: None)
@@ -383,6 +389,12 @@ class Coordinator:
         """The key of the newest node request (``grow-<n>``): the backend's, the record's."""
         return f"grow-{self.requests}"
 
+    @property
+    def _stop_generation(self) -> int:
+        """A Stop's generation: past every one ordered (an aborted resize's included), so
+        that no worker takes it for a copy of an order it has carried out or given up."""
+        return max(self.generation, self.last_generation) + 1
+
     def _stop_training(self) -> None:
         """The backend ended training and no resize is in flight: Stop the layout's
         workers (once); each finishes its step and exits, and the job ends finished when
@@ -393,7 +405,7 @@ class Coordinator:
         live = set(self.layout.devices) - self.done
         logger.info("job %s: training ends at the backend's word (%s)", self.spec.job_id,
                     self.ending)
-        self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1,
+        self.channel.broadcast(Stop(self.spec.job_id, self._stop_generation,
                                     self.ending or ""), live)
 
     def cancel(self, reason: str) -> None:
@@ -642,7 +654,8 @@ class Coordinator:
         if self.layout is not None:
             live = set(self.layout.devices) - self.done
             if live:
-                self.channel.broadcast(Stop(self.spec.job_id, self.generation + 1, reason), live)
+                self.channel.broadcast(Stop(self.spec.job_id, self._stop_generation, reason),
+                                       live)
             try:
                 self.journal.write(record.close_generation, self.spec.job_id, self.generation,
                                         reason=reason, last_step=self.step,
@@ -1311,7 +1324,9 @@ class Coordinator:
             self.channel.broadcast(fl.order, set(settled.resend))
             self.inflight = fl = reconcile.ordered(fl, (), now)
         outcome = settled.outcome
-        if isinstance(outcome, reconcile.Wait):
+        if isinstance(outcome, reconcile.CloseVote):
+            outcome = self._close_vote(fl, outcome)
+        if isinstance(outcome, reconcile.Wait | reconcile.CloseVote):
             return
         wall = now - fl.started
         if isinstance(outcome, reconcile.Abort):
@@ -1344,6 +1359,23 @@ class Coordinator:
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
+
+    def _close_vote(self, fl: InflightResize, close: reconcile.CloseVote
+                    ) -> reconcile.Wait | reconcile.Abort:
+        """A participant died: the commit vote closed as abort where no rank decided it
+        (an abort, decided again without the dead at once: the survivors wait for that
+        order only their own timeout), else waited out (it holds commit: the survivors
+        install the new layout and the dead is a loss of it)."""
+        key = commit_decision(GenerationKeys(self.spec.job_id, fl.order.generation).prefix)
+        held = self.close_vote(key) if self.close_vote is not None else b""
+        if held != ABORT:
+            self.inflight = reconcile.vote_looked_at(fl)
+            return reconcile.Wait()
+        told = set(fl.told) - set(fl.dead)
+        if told:  # a worker that has not taken the order up yet drops it
+            self.channel.broadcast(Abort(self.spec.job_id, fl.order.generation, close.why),
+                                   told)
+        return reconcile.Abort(close.why, retry=True)
 
     def _perform(self, effect: reconcile.Effect) -> None:
         """Carry out one effect of a reconcile decision (records through the journal;

@@ -44,6 +44,11 @@ The settlement's rules:
   that has neither answered nor died (a message lost to a reconnect is not a lost resize);
 - **a joiner died before the old layout was ordered**: nobody paused; the resize aborts and is
   decided again without its device;
+- **a participant died** and the rest have not all answered: :class:`CloseVote`, the loop
+  closes the commit vote as abort where no rank decided it (two-phase: nobody installed
+  anything) and the job decides again without the dead at once: the survivors, whose
+  collectives with the dead failed, wait for the order naming the dead only their own
+  timeout, which is shorter than the wait below; a vote that holds commit is waited out;
 - **wait** until every live participant answered, or ``2 x worker_timeout_s`` passed (the
   workers' own timeouts fire first: a worker that is silent past twice its timeout is gone);
 - **abort** when one participant aborted, the time ran out, or nobody answered; with a dead
@@ -279,6 +284,9 @@ class InflightResize:
     decided_at: float = 0.0  # unix seconds: where the preparation before the pause begins
     ready: VrankSet = VrankSet()  # joiners that said Ready
     step_at_launch: int = 0  # the job's step when the joiners were launched
+    # the coordinator looked at the commit vote after a death and found it decided commit
+    # (or could not close it): the resize is waited out by the rules without a death
+    vote_looked_at: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in _PERSISTENT:
@@ -300,6 +308,12 @@ def answered(resize: InflightResize, vrank: int, report: Resized) -> InflightRes
     """``vrank`` answered the order (``answer``: a commit is final)."""
     return replace(resize, reports=resize.reports.setting(
         vrank, answer(resize.reports.get(vrank), report)))
+
+
+def vote_looked_at(resize: InflightResize) -> InflightResize:
+    """The commit vote was looked at after a death and holds commit (or cannot be
+    closed): the live participants' answers settle it."""
+    return replace(resize, vote_looked_at=True)
 
 
 def became_ready(resize: InflightResize, vrank: int) -> InflightResize:
@@ -367,6 +381,15 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class CloseVote:
+    """A participant died and the rest have not all answered: close the commit vote as
+    abort where no rank decided it yet (compare-and-set on the decision's key), then settle
+    as ``Abort(why, retry=True)``; where it holds commit, wait (:func:`vote_looked_at`)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
 class Commit:
     """Every live participant committed."""
 
@@ -376,7 +399,7 @@ class Commit:
     rebuilt_from: str | None  # where a rebuild took the lost state from
 
 
-Outcome = Wait | Abort | Commit
+Outcome = Wait | CloseVote | Abort | Commit
 
 
 @dataclass(frozen=True)
@@ -399,6 +422,10 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
         return Settlement(resend, Abort(why, retry=True))
     timed_out = now - resize.started > 2 * worker_timeout_s
     if not timed_out and not _all_answered(resize):
+        if resize.dead and not resize.vote_looked_at:
+            return Settlement(resend, CloseVote(
+                "vrank(s) " + ", ".join(str(v) for v in sorted(resize.dead)) +
+                " died in the resize"))
         return Settlement(resend, Wait())
     # settled: what follows runs once per resize
     aborted = [r for r in resize.reports.values() if r.outcome == ProcessOutcome.ABORTED]

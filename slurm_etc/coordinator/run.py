@@ -12,6 +12,7 @@ from typing import Any
 
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.lifecycle import JobState, job_transition_error
+from slurm_etc.migrate.decision import ABORT
 from slurm_etc.protocol.store import StoreClient
 from slurm_etc.protocol.store import StoreError as RendezvousStoreError
 from slurm_etc.store import jobs as record
@@ -128,8 +129,15 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
         except RendezvousStoreError as e:  # the workers still get the order over the channel
             logger.warning("[job %s] rendezvous store: %s not set (%s)", spec.job_id, key, e)
 
+    def close_vote(key: str) -> bytes:
+        try:
+            return bytes(poster.compare_set(key, b"", ABORT))
+        except RendezvousStoreError as e:  # the resize is waited out as without a death
+            logger.warning("[job %s] rendezvous store: %s not closed (%s)", spec.job_id, key, e)
+            return b""
+
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress,
-                              crash=crash, post=post)
+                              crash=crash, post=post, close_vote=close_vote)
     # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
     # through the same clean close as any other end: workers stopped, members cancelled,
     # the record ended as cancelled with the signal as its reason.

@@ -6,7 +6,7 @@ Pure: the coordinator builds a ``JobView`` from what Slurm and the store say, ca
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping
 
 from ..alloc.chooser import (
@@ -189,6 +189,7 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
         cost: migration bytes of a candidate; defaults to asking the planner.
     """
     s = snapshot
+    given_cost = cost
     planned = cost is None  # the planner prices moves: its placement is the one to judge
     cost = cost or planner_cost(s)
     leaving = frozenset().union(*(n.devices for n in s.notices)) & s.held
@@ -223,6 +224,9 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
                                allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
                                migration_cost=cost_of, survives_loss=survives)
     except ConfigError as exc:
+        ride = _ride_out_notice(s, policy, given_cost, lost)
+        if ride is not None:
+            return ride
         grow = _grow_request(s, policy, usable, None, capped)
         return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
                         f"no configuration fits the {len(usable)} usable devices")
@@ -381,6 +385,38 @@ def _allocate(s: JobView, usable: frozenset[Device], config: ParallelConfig,
               policy: EffectivePolicy) -> Allocation:
     return allocate(usable, config.world, config.tp, s.topology, previous=s.vranks,
                     max_nodes=policy.max_nodes, pinned=s.pinned & usable)
+
+
+def _ride_out_notice(s: JobView, policy: EffectivePolicy, cost: CostFn | None,
+                     lost: frozenset[Device]) -> Decision | None:
+    """Where devices of the layout are gone (failed, or their notice ran out) and nothing
+    fits the usable devices, the layout's state survives only on devices still under
+    notice: a layout on them trains until the notice runs out (a grant meanwhile takes it
+    up) rather than pausing with the state at risk. The decision on those devices as if
+    they stayed, its resize forced and due by the notice; None where no device of the
+    layout is gone (a pause loses nothing), none is under a running notice, or nothing
+    fits them either."""
+    gone = {d for n in s.notices if n.deadline <= s.now for d in n.devices} & lost
+    running = tuple(n for n in s.notices if n.deadline > s.now and n.devices & s.held)
+    if not gone or not running:
+        return None
+    stayed = decide(replace(s, notices=tuple(n for n in s.notices if n.deadline <= s.now)),
+                    policy, cost=cost)
+    deadline = min(n.deadline for n in running)
+    riding = frozenset().union(*(n.devices for n in running))
+    actions: list[Action] = []
+    for a in stayed.actions:
+        if isinstance(a, ResizeDecision):
+            on = riding & frozenset(a.allocation.vranks.values())
+            why = (f"{_loss_reason(s, lost, policy)}; nothing else fits: on "
+                   f"{format_devices(on)} until their notice runs out; {a.reason}")
+            actions.append(replace(a, forced=True, reason=why, deadline=deadline))
+        elif not isinstance(a, Pause):
+            actions.append(a)
+    if not any(isinstance(a, ResizeDecision) for a in actions):
+        return None
+    return Decision(tuple(actions), f"{len(gone)} training device(s) gone: resize onto "
+                                    f"devices under notice ({deadline - s.now:.0f} s left)")
 
 
 def _loss_reason(s: JobView, lost: frozenset[Device], policy: EffectivePolicy) -> str:

@@ -188,6 +188,17 @@ class WorkerProcess:
     reattach_wait_s: float | None = None
 
 
+# A worker waiting for the order naming its dead peers takes the coordinator for dead once
+# its link has been down this long (a killed coordinator's closes at once), and holds for
+# the restarted one.
+LINK_LOST_S = 2.0
+
+
+class CommitUnknown(InternalError, RuntimeError):
+    """The rendezvous store stopped answering at or after a resize's commit decision: this
+    process cannot tell the decision (one line: which resize)."""
+
+
 class CoordinatorLost(InternalError):
     """Nothing heard from the coordinator for the reattach wait (one line: how long)."""
 
@@ -442,15 +453,46 @@ class ElasticTrainer:
                     continue
                 if order is None and self._preparing is not None:
                     continue  # the last step trained: the resize prepared still runs
+            except StoreUnreachable as err:  # the coordinator died: hold for its restart
+                self._coordinator_died(err, None)
+                continue
             except RuntimeError as err:  # a peer died inside a collective
                 order = self._recover(err)
             if isinstance(order, Stop):
                 return self._exit("stopped")
             if isinstance(order, Resize):
-                if self._resize(order) == "left":
+                try:
+                    went = self._resize(order)
+                except StoreUnreachable as err:  # before this rank's commit vote
+                    went = self._coordinator_died(err, order)
+                if went == "left":
                     return self._exit("left")
                 continue
             return self._exit("done")
+
+    def _coordinator_died(self, err: StoreUnreachable, order: Resize | None) -> str:
+        """The rendezvous store stopped answering (its coordinator died) outside a step's
+        agreement: in the resize to ``order`` before this rank's commit vote (planning,
+        connecting the migration group, publishing the trainer state: a vote that lost the
+        store raises :class:`CommitUnknown` instead), or in a resize prepared beside
+        training. Nothing is committed anywhere without this rank's vote, so the resize is
+        given up here as an abort (the restarted coordinator records it so), and this rank
+        holds in its old layout for the restarted coordinator (:meth:`_await_restart`),
+        which takes it up and orders what comes next. A joiner has nothing to keep: the
+        error stands (it exits; the restarted coordinator stops what it does not take)."""
+        prep = self._preparing
+        given_up = {o.generation for o in (order, prep.order if prep else None) if o}
+        if prep is not None:
+            self._drop_preparation()
+        self._aborted |= given_up
+        self._attempt += 1
+        if self.layout is None:
+            raise err
+        self._log("the coordinator died in the resize to generation %s before this "
+                  "process's commit vote: given up here, the old layout %s kept",
+                  ", ".join(map(str, sorted(given_up))) or "(none)", self.layout.config)
+        self._await_restart(err)
+        return "stay"
 
     def _recover(self, err: RuntimeError) -> Order:
         """A collective failed (a peer died, e.g. its node failed). The step did not
@@ -483,6 +525,12 @@ class ElasticTrainer:
                 order, self._pending = self._pending, None
                 if order is not None:
                     return order
+            if (silent := self._silence()) is not None and silent > LINK_LOST_S:
+                # the coordinator died too: its order comes from the restarted one
+                self._await_restart(StoreUnreachable(
+                    f"the coordinator's link is down for {silent:.1f} s"))
+                deadline = time.monotonic() + proc.timeout_s
+                continue
             # Block on the channel, not a sleep: the order is taken the moment it comes
             # (a 50 ms sleep here was a third of a loss's recovery).
             if (order := proc.control.wait(min(left, 0.5))) is not None:
@@ -608,7 +656,8 @@ class ElasticTrainer:
         if proc is None:
             return False
         self._drain_orders(proc)
-        if self._pending is not None and self._pending.generation <= self.generation:
+        if isinstance(self._pending, Resize | Abort) and \
+                self._pending.generation <= self.generation:
             self._pending = None
         disconnected = getattr(proc.store, "disconnected", None)
         return self._pending is not None or bool(disconnected and disconnected())
@@ -669,9 +718,9 @@ class ElasticTrainer:
         while time.monotonic() < deadline:
             self._check_coordinator()
             order = proc.control.wait(min(1.0, deadline - time.monotonic()))
-            if isinstance(order, Stop | Resize) and order.generation > self.generation and (
-                    order.generation not in self._aborted) and (
-                    isinstance(order, Stop) or proc.vrank in order.new.devices):
+            if isinstance(order, Stop) or isinstance(order, Resize) and \
+                    order.generation > self.generation and \
+                    order.generation not in self._aborted and proc.vrank in order.new.devices:
                 return order
         raise TimeoutError(f"vrank {proc.vrank} of job {proc.job} got no order to join within "
                            f"{proc.timeout_s:.0f} s")
@@ -745,7 +794,11 @@ class ElasticTrainer:
             self._consider(order)
 
     def _consider(self, order: Order) -> None:
-        """Keep ``order`` in ``_pending`` if it is the newest that applies."""
+        """Keep ``order`` in ``_pending`` if it is the newest that applies (a Stop always
+        does: its generation may be one whose resize aborted here)."""
+        if isinstance(order, Stop):
+            self._pending = order
+            return
         if order.generation <= self.generation or order.generation in self._aborted:
             return
         prep = self._preparing
@@ -777,7 +830,8 @@ class ElasticTrainer:
         if layout is None:
             raise RuntimeError("agreement without a layout")
         self._take_orders()
-        if self._pending is not None and self._pending.generation <= self.generation:
+        if isinstance(self._pending, Resize | Abort) and \
+                self._pending.generation <= self.generation:
             # its own copy, come by the channel while this process carried out the order a
             # peer's agreement told it of: done already, not a new order to agree on
             self._pending = None
@@ -815,7 +869,7 @@ class ElasticTrainer:
         order = newest_order(values, self.generation, self._aborted)
         held = self._pending
         if held is None or (order is not None and held.generation <= order.generation) \
-                or held.generation in self._aborted:
+                or (not isinstance(held, Stop) and held.generation in self._aborted):
             self._pending = None
         # else: newer than the decision (another rank's proposal came first); it opens the
         # gate of the next boundary, where it is decided
@@ -999,6 +1053,11 @@ class ElasticTrainer:
         except InstallInterrupted as err:
             self._hold(err, order, old, new, plan)
             return "stay"
+        except StoreUnreachable as err:  # at the vote's decision or after it
+            raise CommitUnknown(f"the coordinator died while the resize to generation {gen} "
+                                f"decided its commit ({err}): this process cannot know the "
+                                "decision and exits; the restarted coordinator resizes "
+                                "around it") from err
         pause = out.seconds["ready"] - began
         self.state = out.state
         self.generation, self._attempt = gen, 0
@@ -1924,10 +1983,11 @@ def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[i
     """The newest order the ranks wrote into a step's agreement (``b"-"``: none) that is
     still ahead of a process at ``generation``: one of its own generation or older was
     carried out already (a copy that came twice is not a second resize), an aborted one is
-    over."""
+    over; a Stop is never passed over (its generation may be an aborted resize's)."""
     orders = [o for o in (ORDER_DECODER.decode(v) for v in values if v != b"-")
-              if o.generation > generation and o.generation not in aborted]
-    return max(orders, key=lambda o: o.generation) if orders else None
+              if isinstance(o, Stop) or o.generation > generation and o.generation not in aborted]
+    stops = [o for o in orders if isinstance(o, Stop)]
+    return stops[0] if stops else max(orders, key=lambda o: o.generation) if orders else None
 
 
 @lru_cache(maxsize=16)

@@ -206,13 +206,29 @@ def _holding(out: Path, vranks: int) -> bool:
                                         for log in logs)
 
 
-def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None) -> None:
+def _open_resize_from(db: Path, generation: int) -> bool:
+    """Whether the record holds a migration from ``generation`` not yet finished."""
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)
+        try:
+            return bool(con.execute("SELECT count(*) FROM migrations WHERE from_generation = ? "
+                                    "AND outcome IS NULL", (generation,)).fetchone()[0])
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
+
+
+def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None,
+                      in_resize: bool = False) -> None:
     """Grow 2 -> 4 at step GROW_AT, SIGKILL the coordinator once generation 1 trained to
     GROWN_KILL_AT, start it again on the same record: every worker reattached, training goes
     on from the step it reached (``plant``: the driver's planted bug). ``lose``: that
     vrank's process group is SIGKILLed too while the coordinator is away (once every worker
-    holds): the three others are reattached and the layout resizes around it."""
-    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}-{lose}"
+    holds): the three others are reattached and the layout resizes around it.
+    ``in_resize``: that vrank is SIGKILLed first, and the coordinator once the resize
+    around it is ordered (its workers inside it, or waiting for it): the same ending."""
+    out, job = tmp / "run", f"grown-{os.getpid()}-{len(plant)}-{lose}-{in_resize}"
     extra = (str(GROW_AT), "preload", *plant)
     first = _reattach_run(out, job, *extra)
     pids: list[int] = []
@@ -223,15 +239,23 @@ def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None) -> None:
             assert first.poll() is None, "the first coordinator ended on its own"
             assert time.monotonic() < deadline, "no training step after the grow"
             time.sleep(0.05)
+        launched = _launched(out / "job.db")
+        if in_resize:
+            assert lose is not None
+            os.killpg(launched[lose][1], signal.SIGKILL)
+            until = time.monotonic() + 120
+            while not _open_resize_from(out / "job.db", 1):
+                assert first.poll() is None and time.monotonic() < until, \
+                    "no resize ordered around the dead worker"
+                time.sleep(0.01)
         first.send_signal(signal.SIGKILL)
         first.wait(30)
         killed_step = max(p["step"] for p in _heard(out))
-        launched = _launched(out / "job.db")
-        pids = [pid for _g, pid in launched.values()]
+        pids = [pid for v, (_g, pid) in launched.items() if not in_resize or v != lose]
         assert {v: g for v, (g, _p) in launched.items()} == {0: 0, 1: 0, 2: 1, 3: 1}, launched
         time.sleep(2.0)
         assert all(_alive(pid) for pid in pids), "a worker died with its coordinator"
-        if lose is not None:
+        if lose is not None and not in_resize:
             until = time.monotonic() + 60
             while not _holding(out, 4):
                 assert time.monotonic() < until, "the workers do not hold"
@@ -302,8 +326,38 @@ def grow_kill_restart(tmp: Path, *plant: str, lose: int | None = None) -> None:
         first = con.execute("SELECT first_step FROM generations WHERE number = 2").fetchone()
     finally:
         con.close()
+    if in_resize:  # the one in flight at the kill aborted, then done again, committed
+        assert resizes == [(1, 2, "aborted"), (1, 3, "committed")], resizes
+        first = con_first(out / "job.db", 3)
+        assert gens[-1] == (3, STEPS) and first is not None and first >= killed_step, \
+            (gens, first)
+        return
     assert resizes == [(1, 2, "committed")], resizes
     assert gens[-1] == (2, STEPS) and first is not None and first[0] >= killed_step, (gens, first)
+
+
+def con_first(db: Path, generation: int) -> int | None:
+    """The first step the record gives ``generation``."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = con.execute("SELECT first_step FROM generations WHERE number = ?",
+                          (generation,)).fetchone()
+    finally:
+        con.close()
+    return None if row is None else row[0]
+
+
+@pytest.mark.timeout(1200)  # two real trainings and a restart, on a loaded machine
+def test_killed_inside_the_resize_around_a_dead_worker_trains_no_step_twice(
+        tmp_path: Path) -> None:
+    """Issue #43 (soak seed 102): a grown job loses vrank 3, and the coordinator is SIGKILLed
+    once the resize around it is ordered. The live workers, inside that resize or waiting
+    for it, give it up (nothing commits without their vote) and hold for the restarted
+    coordinator instead of exiting; it reattaches the three, aborts the resize in the
+    record and orders it again: training goes on from the step reached. Before: the
+    workers died of the store's closed connection in the resize, and the job trained
+    again from step 1."""
+    grow_kill_restart(tmp_path, lose=3, in_resize=True)
 
 
 @pytest.mark.timeout(900)  # a real training grown and restarted, on a loaded machine

@@ -271,3 +271,31 @@ def test_decide_asks_the_planner_by_default():
 def test_format_devices_merges_ranges():
     devs = [Device("n1", 0), Device("n1", 1), Device("n1", 2), Device("n1", 5), Device("n2", 7)]
     assert format_devices(devs) == "n1:0-2+5,n2:7"
+
+
+def test_a_loss_with_nothing_else_usable_rides_out_the_notice_of_the_survivors():
+    # soak seed 201: the layout spans two nodes; one fails while the other is under notice.
+    # Its state lives only on the noticed node: the job resizes onto it until the notice
+    # runs out (a grant meanwhile takes it up), it does not pause with the state at risk
+    tiny = TrainingJob(PRESETS["tiny"], global_batch=64)
+    policy = EffectivePolicy(allowed_tp=(4,))
+    start = decide(JobView(0.0, tiny, HW, TOPO, whole(0, 1)), policy).actions[0]
+    assert start.allocation.devices == whole(0, 1)
+    layout = identity_layout(start.config, start.allocation.pool)
+    notices = (Notice(whole(0), 5.0, "failure"), Notice(whole(1), 200.0))
+    d = decide(JobView(10.0, tiny, HW, TOPO, whole(0, 1), layout, start.allocation.vranks,
+                       notices), policy)
+    resize = d.actions[0]
+    assert isinstance(resize, ResizeDecision) and resize.forced and resize.deadline == 200.0
+    assert resize.allocation.devices <= whole(1) and resize.config.world <= 8
+    assert "until their notice runs out" in resize.reason and "gone" in d.reason
+    # once on the noticed node, nothing gone: it pauses there (no resize onto itself again)
+    on1 = identity_layout(resize.config, resize.allocation.pool)
+    again = decide(JobView(20.0, tiny, HW, TOPO, whole(1), on1, resize.allocation.vranks,
+                           (Notice(whole(1), 200.0),)), policy)
+    assert not any(isinstance(a, ResizeDecision) for a in again.actions)
+    assert any(isinstance(a, Pause) for a in again.actions)
+    # nothing gone (only a notice) and nothing usable: a pause, as before
+    noticed = decide(JobView(10.0, tiny, HW, TOPO, whole(0, 1), layout,
+                             start.allocation.vranks, (Notice(whole(0, 1), 200.0),)), policy)
+    assert not any(isinstance(a, ResizeDecision) for a in noticed.actions)

@@ -10,6 +10,7 @@ import pytest
 from slurm_etc.coordinator.reconcile import (
     RESEND_S,
     Abort,
+    CloseVote,
     Commit,
     InflightResize,
     JobStopped,
@@ -37,6 +38,7 @@ from slurm_etc.coordinator.reconcile import (
     settle,
     supersede,
     told,
+    vote_looked_at,
     warming_up,
 )
 from slurm_etc.plan import PRESETS, Layout, ParallelConfig, Topology
@@ -86,7 +88,7 @@ def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
 def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
     fl = answers(resize(dead=frozenset({1})), said(0))
     assert settle(fl, 101.0 + RESEND_S - 0.1, TIMEOUT).resend == frozenset()
-    got = settle(fl, 101.0 + RESEND_S + 0.1, TIMEOUT)
+    got = settle(vote_looked_at(fl), 101.0 + RESEND_S + 0.1, TIMEOUT)
     assert got.resend == {2} and got.outcome == Wait()
     # never sent (joiners still warming up): nothing to send again
     assert settle(resize(sent_at=0.0), 500.0, 1000.0).resend == frozenset()
@@ -113,9 +115,25 @@ def test_a_joiner_dead_before_the_old_layout_was_ordered_retries_at_once():
     fl = replace(fl, never_joined={})
     assert settle(fl, 102.0, TIMEOUT).outcome == Abort(
         "vrank(s) 2 died before the old layout was ordered", retry=True)
-    # once the old layout was ordered, the others' answers settle it
+    # once the old layout was ordered, the vote is closed (CloseVote), or the others'
+    # answers settle it where it holds commit
     fl = ordered(fl, (), 101.0)
-    assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
+    assert settle(fl, 102.0, TIMEOUT).outcome == CloseVote("vrank(s) 2 died in the resize")
+    assert settle(vote_looked_at(fl), 102.0, TIMEOUT).outcome == Wait()
+
+
+def test_a_death_after_the_order_closes_the_vote_at_once_not_after_the_wait():
+    # soak seed 201: the survivors wait for the order naming the dead only their own
+    # timeout; the coordinator's 2 x timeout wait outlived them and lost the job
+    fl = answers(died(resize(joiners=()), 0), said(2))
+    assert settle(fl, 102.0, TIMEOUT).outcome == CloseVote("vrank(s) 0 died in the resize")
+    looked = vote_looked_at(fl)  # the vote held commit: the answers settle it
+    assert settle(looked, 102.0, TIMEOUT).outcome == Wait()
+    assert isinstance(settle(answers(looked, said(1)), 102.0, TIMEOUT).outcome, Commit)
+    # every live participant answered: settled as before, the vote not asked
+    assert isinstance(settle(answers(fl, said(1)), 102.0, TIMEOUT).outcome, Commit)
+    # nobody dead: waited out
+    assert settle(answers(resize(), said(0)), 102.0, TIMEOUT).outcome == Wait()
 
 
 def test_the_coordinator_records_what_the_new_layout_reported():

@@ -47,3 +47,11 @@ def test_a_commit_is_final_and_a_later_commit_brings_the_figures():
     assert answer(said("committed"), said("aborted")) == said("committed")
     assert answer(said("committed"), said("committed", 0.2)) == said("committed", 0.2)
     assert answer(said("aborted"), said("committed")) == said("committed")
+
+
+def test_a_stop_is_never_passed_over_even_in_an_aborted_resize_generation():
+    # soak seed 102: a resize to generation 11 aborted here, then the coordinator's Stop came
+    # as generation 11 (its committed 10 + 1): dropped as "aborted", the workers trained on
+    stop = Stop("j", 11, "the events script played out")
+    assert newest_order([ENCODER.encode(stop), b"-"], 10, {11}) == stop
+    assert newest_order([ENCODER.encode(order(12)), ENCODER.encode(stop)], 10, {11}) == stop
