@@ -408,8 +408,8 @@ def _ride_out_notice(s: JobView, policy: EffectivePolicy, cost: CostFn | None,
     for a in stayed.actions:
         if isinstance(a, ResizeDecision):
             on = riding & frozenset(a.allocation.vranks.values())
-            why = (f"{_loss_reason(s, lost, policy)}; nothing else fits: on "
-                   f"{format_devices(on)} until their notice runs out; {a.reason}")
+            why = (f"{a.reason}; nothing else fits: on {format_devices(on)} until their "
+                   f"notice runs out ({deadline - s.now:.0f} s)")
             actions.append(replace(a, forced=True, reason=why, deadline=deadline))
         elif not isinstance(a, Pause):
             actions.append(a)

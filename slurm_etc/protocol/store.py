@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final
@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 # before it calls the coordinator unreachable.
 _REPLY_GRACE_S: Final = 10.0
 _DEFAULT_TIMEOUT: Final = timedelta(seconds=300)
+# A blocking request that can be interrupted (StoreClient.interrupt) waits in slices this
+# long: one request a second a waiting rank, only while it waits.
+INTERRUPT_SLICE_S: Final = 1.0
 # Idle connections a client keeps for the next requests; more, left by a burst of requests
 # at once, are closed. Requests made at once are what need sockets, not threads: NCCL's
 # heartbeat monitor asks ``check`` once a second, each time from a new Python thread.
@@ -132,6 +135,11 @@ class StoreFull(StoreError):
 
 class StoreUnreachable(StoreError):
     """The store did not answer at all (its coordinator died, or is stuck)."""
+
+
+class StoreInterrupted(StoreError):
+    """A blocking request given up because :attr:`StoreClient.interrupt` said why (the
+    coordinator gave up what it waited for: e.g. a peer died in the resize)."""
 
 
 class StoreTimeout(StoreError):
@@ -713,6 +721,9 @@ class StoreClient(dist.Store):
         self._busy: set[_Connection] = set()  # checked out by a request in flight
         self._generation = 0  # one more at each close / repoint
         self._ids = 0  # requests sent, the id of the last
+        # asked between slices of a blocking request (get, wait): a reason to give it up
+        # (StoreInterrupted), or None to wait on; None: one request for the whole wait
+        self.interrupt: Callable[[], str | None] | None = None
 
     def __repr__(self) -> str:
         return f"StoreClient({self._where()})"
@@ -899,7 +910,29 @@ class StoreClient(dist.Store):
         held = self._waited().pop(key, None)
         if held is not None:
             return held
-        return self._call("get", [key]).values[0]
+        return self._blocking("get", [key], None).values[0]
+
+    def _blocking(self, op: str, keys: list[str], timeout: timedelta | None) -> Reply:
+        """A request that waits for ``keys``: in slices of :data:`INTERRUPT_SLICE_S` while
+        :attr:`interrupt` is set, which is asked between them."""
+        interrupt = self.interrupt
+        if interrupt is None:
+            return self._call(op, keys, timeout=timeout)
+        limit = (timeout if timeout is not None else self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._call(op, keys, timeout=timedelta(
+                    seconds=max(0.0, min(INTERRUPT_SLICE_S, left))))
+            except StoreTimeout:
+                if left <= INTERRUPT_SLICE_S:
+                    raise StoreTimeout(f"rendezvous store: {op} of {_first(keys)} timed out "
+                                       f"after {limit:g} s") from None
+            why = interrupt()
+            if why is not None:
+                raise StoreInterrupted(f"rendezvous store: {op} of {_first(keys)} given up: "
+                                       f"{why}")
 
     def add(self, key: str, amount: int) -> int:
         self._forget([key])
@@ -911,7 +944,7 @@ class StoreClient(dist.Store):
                           [_bytes(expected_value), _bytes(desired_value)]).values[0]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        values = self._call("multi_get", list(keys), timeout=timeout).values
+        values = self._blocking("multi_get", list(keys), timeout).values
         self._local.waited = dict(zip(keys, values, strict=True))
 
     def check(self, keys: list[str]) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import json
@@ -69,7 +70,13 @@ from slurm_etc.plan.errors import ConfigError, StateLostError
 from slurm_etc.plan.fingerprint import plan_digest
 from slurm_etc.plan.model import ModelDesc
 from slurm_etc.protocol.rendezvous import GenerationKeys
-from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, wait_for_keys
+from slurm_etc.protocol.store import (
+    StoreInterrupted,
+    StoreUnreachable,
+    Woken,
+    agree_step,
+    wait_for_keys,
+)
 from slurm_etc.protocol.values import decode_value, encode_value
 
 from ..errors import InternalError
@@ -346,6 +353,7 @@ class ElasticTrainer:
         self._pending: Order | None = None
         self._lost: frozenset[int] = frozenset()
         self._aborted: set[int] = set()  # generations whose resize aborted here
+        self._abort_told: set[int] = set()  # generations the coordinator said it aborted
         self._woken_by = b""  # the last order naming the dead that ended a vote early
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
@@ -435,7 +443,7 @@ class ElasticTrainer:
                 if isinstance(first, Stop):
                     return self._exit("stopped")
                 self._warm_up(first)
-                if self._resize(first) == "left":
+                if self._carry_out(first) == "left":
                     return self._exit("left")
         while True:
             try:
@@ -461,14 +469,48 @@ class ElasticTrainer:
             if isinstance(order, Stop):
                 return self._exit("stopped")
             if isinstance(order, Resize):
-                try:
-                    went = self._resize(order)
-                except StoreUnreachable as err:  # before this rank's commit vote
-                    went = self._coordinator_died(err, order)
-                if went == "left":
+                if self._carry_out(order) == "left":
                     return self._exit("left")
                 continue
             return self._exit("done")
+
+    def _carry_out(self, order: Resize) -> str:
+        """:meth:`_resize`, given up where the coordinator gave it up: a rendezvous wait
+        in it (a dead peer's key never comes) ends once the coordinator aborts the resize or
+        orders a newer one (:meth:`_superseded`), and a coordinator that died before this
+        rank's vote ends it too (:meth:`_coordinator_died`)."""
+        store = self._proc().store
+        interruptible = hasattr(store, "interrupt")
+        if interruptible:
+            store.interrupt = functools.partial(self._superseded, order.generation)
+        try:
+            return self._resize(order)
+        except StoreUnreachable as err:  # before this rank's commit vote
+            return self._coordinator_died(err, order)
+        except StoreInterrupted as err:
+            self._aborted.add(order.generation)
+            self._attempt += 1
+            self._log("resize to generation %d given up before this process's commit vote: "
+                      "%s", order.generation, err)
+            self._record(order, ProcessOutcome.ABORTED, 0, 0.0, 0.0, str(err)[:300])
+            return "stay"
+        finally:
+            if interruptible:
+                store.interrupt = None
+
+    def _superseded(self, generation: int) -> str | None:
+        """Why the resize to ``generation`` this process carries out is over: the
+        coordinator aborted it, or ordered a newer one (or the job's end); None while it
+        stands. Asked between the slices of a rendezvous wait."""
+        self._drain_orders(self._proc())
+        if generation in self._abort_told:
+            return f"the coordinator aborted the resize to generation {generation}"
+        pending = self._pending
+        if isinstance(pending, Stop):
+            return "the coordinator stopped the job"
+        if isinstance(pending, Resize) and pending.generation > generation:
+            return f"the coordinator ordered generation {pending.generation} in its place"
+        return None
 
     def _coordinator_died(self, err: StoreUnreachable, order: Resize | None) -> str:
         """The rendezvous store stopped answering (its coordinator died) outside a step's
@@ -808,6 +850,7 @@ class ElasticTrainer:
                 prep.error = RuntimeError(f"aborted by the coordinator: {order.reason}")
             return  # else the same order again (resent): it is being prepared
         if isinstance(order, Abort):
+            self._abort_told.add(order.generation)
             if self._pending is not None and self._pending.generation == order.generation:
                 self._log("resize to generation %d aborted by the coordinator: %s",
                           order.generation, order.reason)

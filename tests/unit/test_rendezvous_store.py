@@ -34,6 +34,7 @@ from slurm_etc.protocol.store import (
     Request,
     StoreClient,
     StoreFull,
+    StoreInterrupted,
     StoreLimits,
     StoreServer,
     StoreTimeout,
@@ -178,6 +179,33 @@ def test_wait_and_get_block_on_the_server_and_time_out(client: StoreClient) -> N
     waiter.join(5)
     assert got == [b"here"]
     assert wait_for_keys(client, ["late", "other"], 1.0)
+
+
+def test_a_wait_given_an_interrupt_ends_when_it_says_why(client: StoreClient) -> None:
+    # soak seed 201: a rank connecting a resize's group waited 60 s for the key of a peer
+    # that died, and missed the coordinator's next order; with ``interrupt`` set it asks
+    # between slices and gives up when there is a reason
+    asked: list[float] = []
+
+    def interrupt() -> str | None:
+        asked.append(time.monotonic())
+        return "the coordinator aborted it" if len(asked) >= 2 else None
+
+    client.interrupt = interrupt
+    t0 = time.monotonic()
+    with pytest.raises(StoreInterrupted, match="the coordinator aborted it"):
+        client.wait(["never"], timedelta(seconds=30))
+    assert len(asked) == 2 and time.monotonic() - t0 < 10.0
+    with pytest.raises(StoreInterrupted):
+        client.get("never")
+    # a key that comes between slices is read; nothing to interrupt: a plain timeout
+    client.interrupt = lambda: None
+    threading.Timer(1.5, client.set, ("soon", b"1")).start()
+    client.wait(["soon"], timedelta(seconds=10))
+    assert client.get("soon") == b"1"
+    with pytest.raises(StoreTimeout, match="timed out after 1.5 s"):
+        client.wait(["never"], timedelta(seconds=1.5))
+    client.interrupt = None
 
 
 def test_a_get_after_a_wait_reads_what_the_wait_fetched(client: StoreClient, key: bytes,
