@@ -22,6 +22,12 @@ class Device:
     def __str__(self) -> str:
         return f"{self.node}:{self.local}"
 
+    @classmethod
+    def parse(cls, text: str) -> Device:
+        """The device ``str`` wrote (``node:local``); ValueError for anything else."""
+        node, local = str(text).rsplit(":", 1)
+        return cls(node, int(local))
+
 
 def format_devices(devices: Iterable[Device]) -> str:
     """``n0001:0-3,n0002:0-7`` style: devices grouped by node, local ranges merged (a few

@@ -43,7 +43,7 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device, format_devices
 from slurm_etc.lifecycle import JobState, ResizeOutcome
-from slurm_etc.migrate.decision import ABORT
+from slurm_etc.migrate.decision import ABORT, COMMIT
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.policy.decide import (
     JobView,
@@ -129,6 +129,8 @@ NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer
 # (old generation not closed, new one not opened, nothing released)
 KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
+# reached only with workers that vote (a resize's commit decision recorded, no rank told)
+VOTE_KILL_POINTS = ("after-commit-decided",)
 
 
 @dataclass(frozen=True)
@@ -525,13 +527,17 @@ class Coordinator:
         every worker of the open generation still runs, they are reattached and train on
         from their step (:meth:`_reattach`); else the first layout is launched again, from
         the newest checkpoint if there is one."""
+        rolled = self._roll_forward()
         got = record.recover(self.store, self.spec.job_id)
+        self._seed_decisions([t for _f, t in rolled], got.aborted)
         self._event_ids += list(got.pending_events)
         self.requests = max(self.requests, got.requests)
         if got.requests:
             self._resend_open_request(got.open_request)
         if got.last_generation >= 0 and self._reattach(got):
-            self.admit_from = self.generation
+            # a worker still in the vote of a resize rolled forward trains in the
+            # generation before it until it hears the decision
+            self.admit_from = min([self.generation, *(f for f, _t in rolled)])
             return
         if got.last_generation >= 0:
             self.restart_generation = got.last_generation + 1
@@ -541,6 +547,56 @@ class Coordinator:
                            "events pending, %d migrations aborted); workers start again",
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
+
+    def _roll_forward(self) -> list[tuple[int, int]]:
+        """Resizes the killed coordinator saw decided commit (:meth:`commit_decided`) and
+        did not record committed: recorded so now, the old generation closed, the new one
+        opened on the layout recorded with the decision, from the old one's last step (its
+        workers train in it: :meth:`_reattach` takes them up). Returns each one's
+        generations (from, to)."""
+        detail = record.job_detail(self.store, self.spec.job_id)
+        if detail is None:
+            return []
+        still_open = {m.id: m for m in detail.migrations if m.outcome is None}
+        gens = {g.number: g for g in detail.generations}
+        rolled = []
+        for e in detail.events:
+            p = e.payload
+            if e.kind != "commit-decided" or not isinstance(p, dict) or \
+                    p.get("migration") not in still_open:
+                continue
+            m = still_open.pop(p["migration"])
+            old = gens.get(m.from_generation)
+            step = max(old.last_step or 0, old.first_step or 0) if old is not None else 0
+            self.journal.write(record.record_migration_finish, m.id,
+                               outcome=ResizeOutcome.COMMITTED)
+            if old is not None and old.ended_at is None:
+                self.journal.write(record.close_generation, self.spec.job_id, old.number,
+                                   reason="resized (committed before the coordinator's "
+                                          "restart)", last_step=old.last_step,
+                                   last_loss=old.last_loss)
+            vranks = {int(v): Device.parse(d) for v, d in p["vranks"].items()}
+            self.journal.write(record.open_generation, self.spec.job_id, m.to_generation,
+                               p["layout"], [int(v) for v in p["ranks"]], vranks,
+                               first_step=step)
+            logger.warning("coordinator restarted: the resize to generation %d was decided "
+                           "commit before the kill: recorded committed (%s from step %d)",
+                           m.to_generation, p["layout"], step)
+            rolled.append((m.from_generation, m.to_generation))
+        return rolled
+
+    def _seed_decisions(self, committed: Iterable[int], aborted: Iterable[Any]) -> None:
+        """This coordinator's store starts empty: the commit decision of each resize the
+        restart settled is set again, so that a worker whose vote lost the store finds it
+        there once reattached."""
+        if self.post is None:
+            return
+        detail = record.job_detail(self.store, self.spec.job_id)
+        to_gen = {m.id: m.to_generation for m in detail.migrations} if detail else {}
+        decided = [(g, COMMIT) for g in committed] + \
+            [(to_gen[m], ABORT) for m in aborted if m in to_gen]
+        for gen, value in decided:
+            self.post(commit_decision(GenerationKeys(self.spec.job_id, gen).prefix), value)
 
     def _reattach(self, got: record.ResumePoint) -> bool:
         """Take up the workers of the killed coordinator: the processes recorded at their
@@ -1359,6 +1415,34 @@ class Coordinator:
         self.dirty = True
         logger.info("generation %d committed: %s on vranks %s, pause %.3f s, resize %.2f s",
                     self.generation, new.config, list(new.devices), pause, wall)
+
+    def commit_decided(self, key: str, value: bytes) -> None:
+        """The rendezvous store's hook, on its thread, before any rank hears of it: the
+        resize in flight was decided commit (its key's first value). Recorded at once, with
+        the new layout, so that a coordinator killed before it records the commit itself
+        rolls the resize forward at its restart (:meth:`_roll_forward`) rather than back:
+        the workers that heard the decision train in the new layout. A record that cannot
+        be written (a full disk) is one warning: the restart then aborts the resize."""
+        fl = self.inflight
+        if value != COMMIT or fl is None or key != commit_decision(
+                GenerationKeys(self.spec.job_id, fl.order.generation).prefix):
+            return
+        new = fl.order.new.layout()
+        payload = {"migration": fl.migration_id, "generation": fl.order.generation,
+                   "layout": str(new.config), "ranks": list(new.devices),
+                   "vranks": {str(v): str(fl.vranks[v]) for v in new.devices},
+                   "rebuild": fl.rebuild}
+        try:
+            eid = record.record_event(self.store, self.spec.job_id, "commit-decided",
+                                      source="coordinator",
+                                      key=f"commit-decided:g{fl.order.generation}",
+                                      payload=payload)
+            record.mark_event_handled(self.store, eid, "recorded before the workers heard")
+            self.crash("after-commit-decided")
+        except Exception as err:  # noqa: BLE001 - on the store's thread: never raised there
+            logger.warning("resize to generation %d: its commit decision is not recorded "
+                           "(%s): a coordinator restarted before its commit is recorded "
+                           "would abort it", fl.order.generation, str(err)[:200])
 
     def _close_vote(self, fl: InflightResize, close: reconcile.CloseVote
                     ) -> reconcile.Wait | reconcile.Abort:

@@ -64,9 +64,8 @@ def launched(events: Iterable[EventInfo]) -> dict[int, WorkerState]:
         if e.kind != "launch" or not isinstance(p, dict) or not isinstance(p.get("pid"), int):
             continue
         try:
-            node, local = str(p["device"]).rsplit(":", 1)
             out[int(p["vrank"])] = WorkerState(int(p["vrank"]), int(p["generation"]),
-                                               Device(node, int(local)), p["pid"],
+                                               Device.parse(p["device"]), p["pid"],
                                                start=p.get("start"))
         except (KeyError, TypeError, ValueError):
             continue

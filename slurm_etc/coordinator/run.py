@@ -138,6 +138,7 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
 
     coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress,
                               crash=crash, post=post, close_vote=close_vote)
+    channel.store.on_first_set = coordinator.commit_decided
     # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
     # through the same clean close as any other end: workers stopped, members cancelled,
     # the record ended as cancelled with the signal as its reason.

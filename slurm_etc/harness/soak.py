@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 MARK = "ETC_SOAK_JOB"  # not SLURM_ETC_*: the preloader drops those
 GLOBAL_BATCH = 8
 PEER_COPY_EVERY = 2
+# periodic checkpoints beside the copies (off the record's small filesystem): what a double
+# or triple fault inside one resize (every copy of a shard gone) is rebuilt from, as a site
+# that asks for more than single-fault tolerance runs it
+CHECKPOINT_EVERY = 20
 # how long one event may wait for its turn before the soak gives up on the job
 TURN_TIMEOUT_S = 180.0
 # how long a duplicate coordinator has to be refused
@@ -389,7 +393,9 @@ def soak_command(job: str, work: Path, record_dir: Path) -> list[str]:
             "--events", str(work / "events.json"), "--job-id", job,
             "--db", str(record_dir / "job.db"), "--state-dir", str(record_dir / "state"),
             "--model", "tiny", "--global-batch", str(GLOBAL_BATCH), "--hardware", "cpu",
-            "--peer-copy-every", str(PEER_COPY_EVERY), "--timeout", "60",
+            "--peer-copy-every", str(PEER_COPY_EVERY),
+            "--checkpoint-every", str(CHECKPOINT_EVERY), "--checkpoint-dir",
+            str(work / "checkpoints"), "--timeout", "60",
             "--join-timeout", "180", "--give-up-after", "60", "--reattach-wait", "90",
             "--progress", str(work / "progress.jsonl"), "--", *worker]
 

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -395,7 +395,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                     keep_shards: bool = False, faults: FaultInjector | None = None,
                     build_new: Callable[[ParallelConfig], TrainingState] | None = None,
                     held: tuple[list[LocalShard], ResumeState] | None = None,
-                    install_wait: Callable[[float], bool] | None = None
+                    install_wait: Callable[[float], bool] | None = None,
+                    store_lost: Callable[[Any], None] | None = None
                     ) -> ResizeOutcome:
     """Move this process's training state from ``plan.old`` to ``plan.new``: the pause.
 
@@ -425,6 +426,10 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
             some are missing, and returning True (e.g. an order names a new rank as dead)
             raises :class:`InstallInterrupted`. Without it the group's start waits (up to
             ``group_timeout_s``).
+        store_lost: called when the store stopped answering the commit decision (its
+            coordinator died); it returns once the store answers again (the restarted
+            coordinator's, which holds every decision its record holds), and the decision
+            is asked again. Without it the store's error stands.
 
     Raises:
         MigrationAborted: on every process if any failed; ``state`` and its training groups
@@ -464,7 +469,8 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
                                    destinations=prepared.destinations, faults=faults,
                                    staging=prepared.staging,
                                    commit=CommitDecision(prepared.store,
-                                                         commit_decision(prepared.tag)),
+                                                         commit_decision(prepared.tag),
+                                                         store_lost=store_lost),
                                    agreed=True)
         committed = True
     finally:

@@ -209,6 +209,10 @@ class StoreServer:
         self.refused = 0  # requests refused for a bound
         self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
         self.dropped = 0  # frames neither the store's nor taken by a channel
+        # called (on this server's thread, before the answer) when a compare-and-set first
+        # sets a key: the coordinator makes a resize's commit decision durable there, so
+        # that no rank acts on a decision a restarted coordinator could not know
+        self.on_first_set: Callable[[str, bytes], None] | None = None
         # carrying the channel, two I/O threads (CURVE's work on every message), as the
         # channel's socket and the store's had one each when they were apart
         self._ctx = zmq.Context(io_threads=2 if channel else 1)
@@ -471,6 +475,8 @@ class StoreServer:
                     if expected:
                         return Reply(req.id, "ok", values=[expected])
                     self._put(key, desired)
+                    if self.on_first_set is not None:
+                        self.on_first_set(key, desired)
                     return Reply(req.id, "ok", values=[desired])
                 if current == expected:
                     self._put(key, desired)

@@ -55,11 +55,11 @@ def coordinator_crash_from_env(environ: Mapping[str, str] | None = None
     point = (os.environ if environ is None else environ).get(COORDINATOR_INJECT, "").strip()
     if not point:
         return None
-    from slurm_etc.coordinator.loop import KILL_POINTS
+    from slurm_etc.coordinator.loop import KILL_POINTS, VOTE_KILL_POINTS
 
-    if point not in KILL_POINTS:
+    if point not in KILL_POINTS + VOTE_KILL_POINTS:
         raise ValueError(f"{COORDINATOR_INJECT}={point!r}: not a kill point; one of "
-                         f"{', '.join(KILL_POINTS)}")
+                         f"{', '.join(KILL_POINTS + VOTE_KILL_POINTS)}")
 
     def crash(reached: str) -> None:
         if reached == point:

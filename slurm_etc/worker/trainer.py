@@ -354,6 +354,9 @@ class ElasticTrainer:
         self._lost: frozenset[int] = frozenset()
         self._aborted: set[int] = set()  # generations whose resize aborted here
         self._abort_told: set[int] = set()  # generations the coordinator said it aborted
+        # what this rank published for the new ranks of its last resize (key -> value): set
+        # again on a restarted coordinator's store
+        self._published: dict[str, bytes] = {}
         self._woken_by = b""  # the last order naming the dead that ended a vote early
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
@@ -999,6 +1002,8 @@ class ElasticTrainer:
         repoint = getattr(proc.store, "repoint", None)
         if repoint is not None:
             repoint(welcome.store_host, welcome.store_port)
+        if self._published:  # what the new ranks of the last resize read after its commit
+            proc.store.multi_set(list(self._published), list(self._published.values()))
         self._rejoined = True
         if self._model_said is not None:  # what the restarted coordinator may plan with
             proc.control.report(ModelBuilt(proc.job, self.generation, proc.vrank,
@@ -1075,15 +1080,17 @@ class ElasticTrainer:
         gen = order.generation
         keys = GenerationKeys(proc.job, gen)
         t_publish = time.perf_counter()
-        self._publish_extras(keys, old)
+        self._published = self._publish_extras(keys, old)
         published_s = time.perf_counter() - t_publish
+
         faults = self._kill.injector(plan, proc.vrank, gen) if self._kill else None
         early = _EarlyReport()
         held, self._held = self._held, None
         try:
             out = resize_in_place(prepared, self.state, faults=faults, held=held,
                                   install_wait=lambda waited: self._install_wait(
-                                      order, new, waited, early))
+                                      order, new, waited, early),
+                                  store_lost=self._await_restart)
         except MigrationAborted as err:
             self.catalog = catalog
             self._aborted.add(gen)
@@ -1379,19 +1386,24 @@ class ElasticTrainer:
             raise ConfigError(why)
         return "stay"
 
-    def _publish_extras(self, keys: GenerationKeys, old: Layout) -> None:
-        """Old ranks: trainer state (rank 0) and per-rank RNG extras into the store."""
+    def _publish_extras(self, keys: GenerationKeys, old: Layout) -> dict[str, bytes]:
+        """Old ranks: trainer state (rank 0) and per-rank RNG extras into the store;
+        returns what was set (key -> value)."""
         proc = self._proc()
         if self.layout is None or proc.vrank not in old.devices:
-            return
+            return {}
         rank = old.devices.index(proc.vrank)
         trainer, rng = (self._held_extras if self._held is not None
                         else (self._trainer_state(), _rng_extras()))
+        out: dict[str, bytes] = {}
         if proc.vrank == self._publisher(old):
-            proc.store.set(keys.trainer, encode_value(trainer))
+            out[keys.trainer] = encode_value(trainer)
             if self._ended_in is not None:  # where the joiners' training gap begins
-                proc.store.set(keys.last_ended, repr(self._ended_in[1]))
-        proc.store.set(keys.rng(rank), encode_value(rng))
+                out[keys.last_ended] = repr(self._ended_in[1]).encode()
+        out[keys.rng(rank)] = encode_value(rng)
+        for key, value in out.items():
+            proc.store.set(key, value)
+        return out
 
     def _trainer_state(self) -> dict:
         state, _cfg = self._live()
@@ -1406,10 +1418,20 @@ class ElasticTrainer:
 
     def _adopt_extras(self, keys: GenerationKeys, old: Layout, new: Layout,
                       plan: MigrationPlan) -> None:
+        """The trainer state and RNG extras the old ranks published, once committed; a
+        store that stopped answering (its coordinator died) is waited out, and the old
+        ranks publish them again on the restarted one (:meth:`_await_restart`)."""
         proc = self._proc()
-        self._restore_trainer_state(decode_value(proc.store.get(keys.trainer)))
         src = _rng_source(old, new, new.devices.index(proc.vrank), plan, self._lost)
-        _set_rng_extras(decode_value(proc.store.get(keys.rng(src))))
+        while True:
+            try:
+                trainer = decode_value(proc.store.get(keys.trainer))
+                rng = decode_value(proc.store.get(keys.rng(src)))
+                break
+            except StoreUnreachable as err:
+                self._await_restart(err)
+        self._restore_trainer_state(trainer)
+        _set_rng_extras(rng)
         self._held_extras = ({}, {})
 
     def _restore_trainer_state(self, saved: dict) -> None:

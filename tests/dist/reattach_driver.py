@@ -26,6 +26,7 @@ from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_dict, script_from_options
 from slurm_etc.plan.model import PRESETS
+from slurm_etc.testing.hooks import coordinator_crash_from_env
 
 
 class Forgetful(LocalBackend):
@@ -55,7 +56,7 @@ def main() -> int:
 
     result = run_job(spec, backend, backend.topology, db=str(out / "job.db"),
                      state_dir=str(out / "state"), secret_dir=out / "keys", deadline_s=600,
-                     progress=progress)
+                     progress=progress, crash=coordinator_crash_from_env())
     print(json.dumps({"state": result["state"], "step": result["step"]}))
     return 0 if result["state"] == "finished" else 1
 

@@ -65,10 +65,13 @@ def _workers_of(job: str) -> list[int]:
     return sorted(pids)
 
 
-def _reattach_run(out: Path, job: str, *extra: str) -> subprocess.Popen[str]:
+def _reattach_run(out: Path, job: str, *extra: str, inject: str | None = None
+                  ) -> subprocess.Popen[str]:
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(COORDINATOR_INJECT, None)
+    if inject:
+        env[COORDINATOR_INJECT] = inject
     return subprocess.Popen([sys.executable, str(REATTACH_DRIVER), str(out), job, str(STEPS),
                              *extra], env=env, stdout=subprocess.PIPE, text=True,
                             stderr=open(out / f"driver-{time.monotonic_ns()}.log", "w"))
@@ -550,3 +553,48 @@ def test_oracle_catches_doubles(tmp_path: Path) -> None:
     assert any("generation 1 opened 2 times" in p for p in found)
     assert any("request grow-1 granted 2 times" in p for p in found)
     assert any("generation 0 opened though its migration aborted" in p for p in found)
+
+
+@pytest.mark.timeout(1200)  # a real training grown and restarted, on a loaded machine
+def test_killed_once_the_commit_is_decided_rolls_the_resize_forward(tmp_path: Path) -> None:
+    """Issue #43 (soak seed 209): the coordinator SIGKILLed as the grow 2 -> 4 is decided
+    commit (recorded, no rank told yet). The workers, whose vote lost the store, hold for
+    the restarted coordinator and ask the decision again; it finds the decision in the
+    record, records the resize committed (not aborted: "the record said generation 7 trained
+    on while the workers trained generation 8"), sets the decision in its store, and takes
+    the four workers up in the new generation: none relaunched, no step trained twice."""
+    out, job = tmp_path / "run", f"decided-{os.getpid()}"
+    extra = (str(GROW_AT), "preload")
+    first = _reattach_run(out, job, *extra, inject="after-commit-decided")
+    pids: list[int] = []
+    try:
+        first.wait(600)
+        assert first.returncode == -signal.SIGKILL, "the coordinator was not killed"
+        pids = [pid for _g, pid in _launched(out / "job.db").values()]
+        killed_step = max(p["step"] for p in _heard(out))
+        result = _finish(_reattach_run(out, job, *extra), out, job)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert result == {"state": "finished", "step": STEPS}
+    logs = "".join(p.read_text() for p in sorted(out.glob("driver-*.log")))
+    assert "the resize to generation 1 was decided commit before the kill" in logs, logs[-3000:]
+    assert "reattached 4 live worker(s) of generation 1" in logs, logs[-3000:]
+    con = sqlite3.connect(f"file:{out / 'job.db'}?mode=ro", uri=True)
+    try:
+        migrations = con.execute("SELECT from_generation, to_generation, outcome FROM "
+                                 "migrations").fetchall()
+        gens = con.execute("SELECT number, first_step, last_step FROM generations").fetchall()
+        launches = con.execute("SELECT count(*) FROM events WHERE kind = 'launch'"
+                               ).fetchone()[0]
+    finally:
+        con.close()
+    assert migrations == [(0, 1, "committed")], migrations
+    assert [g[0] for g in gens] == [0, 1] and gens[-1][2] == STEPS, gens
+    assert launches == 4, launches  # nothing launched again
+    for log in sorted((out / "workers").glob("gen*-vrank*.log")):
+        text = log.read_text()
+        steps = [int(m) for m in re.findall(r"\] step (\d+) loss", text)]
+        assert steps == list(range(steps[0], STEPS + 1)), (log.name, steps[:3], steps[-3:])
+        assert steps[0] <= killed_step + 1 or log.name.startswith("gen1-"), log.name
