@@ -35,6 +35,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -129,6 +130,8 @@ NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer
 # (old generation not closed, new one not opened, nothing released)
 KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
+# how often an anchor device whose worker died is used again when nothing else fits
+MAX_REUSES = 3
 # reached only with workers that vote (a resize's commit decision recorded, no rank told)
 VOTE_KILL_POINTS = ("after-commit-decided",)
 
@@ -291,6 +294,10 @@ class Coordinator:
         # layout none of whose workers came back starts again (_start_again)
         self.came_back = False
         self.exit_failed: set[Device] = set()
+        # the anchor's allocation, and how often each of its devices was used again after
+        # its worker died (_reuse_anchor)
+        self.anchor_allocation: str | None = None
+        self.reused: Counter[Device] = Counter()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
         # the job started again without them)
@@ -739,6 +746,7 @@ class Coordinator:
                     if not self.pinned and event.request is None and (
                             self.layout is None or self.reattached):
                         self.pinned = set(event.devices)  # the anchor
+                        self.anchor_allocation = event.allocation
                     if event.request == self._request_key:
                         self.growing = 0  # the current request is met (not an older one
                         # a restarted backend announces again with what it holds)
@@ -756,6 +764,7 @@ class Coordinator:
                         deadline=event.deadline))
                 case Loss():
                     self._partition_stale = True  # a node DOWN may take others with it
+                    self.exit_failed -= set(event.devices)  # lost, not only their workers
                     self.holdings = devices.loss(self.holdings, event.devices,
                                                  event.allocation, event.cause, now)
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
@@ -1133,6 +1142,10 @@ class Coordinator:
             self.dirty = True  # decided once the workers said their model (_model_built)
             return
         decision = decide(self._snapshot(), self.spec.policy)
+        if any(isinstance(a, Pause) for a in decision.actions) and not any(
+                isinstance(a, ResizeDecision) for a in decision.actions) and \
+                self._reuse_anchor():
+            decision = decide(self._snapshot(), self.spec.policy)
         was_paused, self.paused = self.paused, None
         text = " | ".join(decision.lines())
         if text != self.reason:
@@ -1187,6 +1200,23 @@ class Coordinator:
         self.journal.write(record.mark_events_handled, list(self._event_ids),
                            decision.reason[:200])
         self._event_ids.clear()
+
+    def _reuse_anchor(self) -> bool:
+        """Nothing fits the usable devices: the anchor's devices whose workers died (their
+        process, not a loss the backend reported: the anchor is the job's own allocation and
+        its node is up) are used again, each at most :data:`MAX_REUSES` times (a device
+        whose workers keep dying stays out). Whether any was."""
+        again = sorted(d for d in self.pinned
+                       if d in self.exit_failed and self.reused[d] < MAX_REUSES)
+        if not again or self.anchor_allocation is None:
+            return False
+        self.reused.update(again)
+        self.exit_failed -= set(again)
+        self.holdings = devices.grant(self.holdings, again, self.anchor_allocation)
+        logger.warning("nothing fits the usable devices: the anchor's %s, whose workers died, "
+                       "are used again (at most %d times each)", format_devices(again),
+                       MAX_REUSES)
+        return True
 
     def _release_now(self) -> None:
         free = devices.to_release(self.holdings, self.release_later, self.pinned)

@@ -166,3 +166,34 @@ def test_the_waiting_reason_is_in_the_record_while_it_waits(tmp_path: Path) -> N
     waiting = [r for s, r in seen if s == "running" and r]
     assert waiting and waiting[-1].startswith("waiting for 1 node(s) requested at"), seen
     assert "no parallel configuration" in waiting[-1]
+
+
+def test_the_anchors_devices_whose_workers_died_are_used_again_when_nothing_fits(
+        tmp_path: Path) -> None:
+    """Soak seed 201: the anchor's workers killed, the other nodes lost or released: the job
+    had nothing to train on and failed, though the anchor's node was up. Devices whose worker
+    died (not lost by the backend) are used again when nothing else fits, at most
+    MAX_REUSES times each; a device the backend reported lost never is."""
+    from slurm_etc.coordinator import devices
+    from slurm_etc.coordinator.loop import MAX_REUSES
+
+    backend = RecordingBackend(TOPO)
+    backend.pending = [Grant("a0", ANCHOR)]
+    with coordinator_over(tmp_path, "reuse", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c._observe_backend()
+        assert c.pinned == set(ANCHOR) and c.anchor_allocation == "a0"
+        for _ in range(MAX_REUSES):
+            c.holdings = devices.failed(c.holdings, ANCHOR, T0)
+            c.exit_failed |= set(ANCHOR)
+            assert c._reuse_anchor()
+            assert not set(ANCHOR) & c.lost and set(ANCHOR) <= set(c.held)
+        c.holdings = devices.failed(c.holdings, ANCHOR, T0)
+        c.exit_failed |= set(ANCHOR)
+        assert not c._reuse_anchor() and set(ANCHOR) <= c.lost  # kept out past the cap
+        c.reused.clear()
+        backend.pending = [Loss("a0", ANCHOR, "failure")]
+        c._observe_backend()
+        assert not c._reuse_anchor()  # lost by the backend: never taken back
