@@ -482,6 +482,8 @@ class ElasticTrainer:
         in it (a dead peer's key never comes) ends once the coordinator aborts the resize or
         orders a newer one (:meth:`_superseded`), and a coordinator that died before this
         rank's vote ends it too (:meth:`_coordinator_died`)."""
+        if self._preparing is not None:  # a newer order (one naming the dead) supersedes it
+            self._drop_preparation()
         store = self._proc().store
         interruptible = hasattr(store, "interrupt")
         if interruptible:
@@ -1305,7 +1307,19 @@ class ElasticTrainer:
         if prep is None:
             return
         if prep.thread is not None:
-            prep.thread.join(self._proc().timeout_s)
+            # a rendezvous wait of the preparation (a dead peer's key never comes) ends
+            # within a slice, not at the worker timeout
+            store = self._proc().store
+            interruptible = hasattr(store, "interrupt")
+            if interruptible:
+                before = store.interrupt
+                store.interrupt = lambda: (f"the resize to generation "
+                                           f"{prep.order.generation} is given up")
+            try:
+                prep.thread.join(self._proc().timeout_s)
+            finally:
+                if interruptible:
+                    store.interrupt = before
         prepared = prep.prepared
         if prepared is None:
             return
