@@ -447,8 +447,15 @@ class Coordinator:
         if now - self._dead_since < DEAD_GRACE_S:
             return None
         if self.reattached and not self.came_back:
-            self._start_again(f"none of the {len(self.layout.devices)} worker(s) of "
-                              f"generation {self.generation} came back after the restart")
+            self._start_again(f"coordinator restarted: none of the "
+                              f"{len(self.layout.devices)} worker(s) of generation "
+                              f"{self.generation} came back after the restart")
+            return None
+        newest = newest_checkpoint(self.spec.recovery.checkpoint_dir)
+        if newest is not None:  # nothing of the layout lives, a checkpoint does
+            self._start_again(f"every worker of generation {self.generation} exited at step "
+                              f"{self.step}: the first layout again, from the checkpoint of "
+                              f"step {newest}")
             return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
         said = self.exit_said.get(self.generation)
@@ -830,9 +837,12 @@ class Coordinator:
         newest checkpoint, as after a restart that found none alive. The devices failed
         only because their workers died are whole again."""
         gen = self.generation
-        logger.warning("coordinator restarted: %s; starting again", why)
+        logger.warning("%s; starting again", why)
+        # trained from the newest checkpoint again: the history the record gives ends there
+        newest = newest_checkpoint(self.spec.recovery.checkpoint_dir)
+        last = min(self.step, newest) if newest is not None else self.step
         self.journal.write(record.close_generation, self.spec.job_id, gen, reason=why[:250],
-                           last_step=self.step, last_loss=self.loss)
+                           last_step=last, last_loss=self.loss if last == self.step else None)
         whole = self.exit_failed
         self.holdings = replace(self.holdings, layout=None, vranks={}, step=0, loss=None,
                                 lost=self.lost - whole, leaving=frozenset(),
@@ -1206,8 +1216,12 @@ class Coordinator:
         process, not a loss the backend reported: the anchor is the job's own allocation and
         its node is up) are used again, each at most :data:`MAX_REUSES` times (a device
         whose workers keep dying stays out). Whether any was."""
-        again = sorted(d for d in self.pinned
-                       if d in self.exit_failed and self.reused[d] < MAX_REUSES)
+        in_layout = ({self.vranks[v] for v in self.layout.devices}
+                     if self.layout is not None else set())
+        # a device of the layout stays its dead vrank's (whose state is gone) until a
+        # resize or a start again moves the layout off it
+        again = sorted(d for d in self.pinned if d in self.exit_failed and
+                       d not in in_layout and self.reused[d] < MAX_REUSES)
         if not again or self.anchor_allocation is None:
             return False
         self.reused.update(again)

@@ -1076,6 +1076,7 @@ class ElasticTrainer:
         commit vote, the switch; "left" if this process is not in the new layout."""
         from slurm_etc.megatron.resize import resize_in_place
         from slurm_etc.migrate.executor import MigrationAborted
+        from slurm_etc.migrate.transport import TransportError
 
         proc = self._proc()
         old, new = order.old.layout(), order.new.layout()
@@ -1093,7 +1094,10 @@ class ElasticTrainer:
                                   install_wait=lambda waited: self._install_wait(
                                       order, new, waited, early),
                                   store_lost=self._await_restart)
-        except MigrationAborted as err:
+        except (MigrationAborted, TransportError) as err:
+            # TransportError: a peer died in the step and RNG exchange before the data phase
+            # (soak seed 203: a preempted node's workers killed in the pause): nothing
+            # moved, nothing voted, the old state is whole
             self.catalog = catalog
             self._aborted.add(gen)
             self._attempt += 1
