@@ -297,6 +297,9 @@ class Coordinator:
         # the anchor's allocation, and how often each of its devices was used again after
         # its worker died (_reuse_anchor)
         self.anchor_allocation: str | None = None
+        # the generation each vrank's newest process was launched for (an exit of an older
+        # one is not news of the one that runs)
+        self.launched_in: dict[int, int] = {}
         self.reused: Counter[Device] = Counter()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
@@ -637,6 +640,7 @@ class Coordinator:
         if open_gen is None:
             return False
         workers = resume.launched(detail.events)
+        self.launched_in = {v: w.generation for v, w in workers.items()}
         alive = set(adopt(list(workers.values())))
         if not alive:
             return False
@@ -786,6 +790,10 @@ class Coordinator:
                         "request-failed", event, f"request {event.request} ended without a "
                         f"grant ({event.reason})"))
                 case WorkerExited():
+                    if event.generation < self.launched_in.get(event.vrank, event.generation):
+                        # a process its vrank was launched again after (an idle joiner's,
+                        # killed): not the death of the one that runs now (soak seed 101)
+                        continue
                     self.idle.discard(event.vrank)
                     self.holdings = replace(self.holdings,
                                             leaving=self.leaving - {event.vrank})
@@ -1381,8 +1389,10 @@ class Coordinator:
         """Record each launched worker's process (pid and start time, as the backend knows
         them): a coordinator restarted on this record finds those still alive and
         reattaches them (:meth:`_reattach`)."""
+        vranks = sorted(vranks)
+        self.launched_in.update((v, generation) for v in vranks)
         workers = self.backend.workers()
-        launched = [w for w in (workers.get(v) for v in sorted(vranks))
+        launched = [w for w in (workers.get(v) for v in vranks)
                     if w is not None and w.generation == generation]
         if not launched:
             return

@@ -197,3 +197,26 @@ def test_the_anchors_devices_whose_workers_died_are_used_again_when_nothing_fits
         backend.pending = [Loss("a0", ANCHOR, "failure")]
         c._observe_backend()
         assert not c._reuse_anchor()  # lost by the backend: never taken back
+
+
+def test_the_exit_of_a_vranks_older_process_is_not_the_death_of_its_newer_one(
+        tmp_path: Path) -> None:
+    """Soak seed 101: idle joiners of an aborted resize (launched for generation 3) were
+    killed while their vranks were launched again for generation 4; the old processes' exits,
+    polled after the new launch, were taken for the new joiners' deaths and the retry
+    launched vrank 2 where its new process already ran: the job stopped."""
+    from slurm_etc.coordinator.backend import WorkerExited
+
+    backend = RecordingBackend(TOPO)
+    with coordinator_over(tmp_path, "stale-exit", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c._record_launch(4, [2])
+        c.exit_failed.clear()
+        backend.pending = [WorkerExited(2, 3, Device("n1", 0), -9, False)]
+        c._observe_backend()
+        assert not c.exit_failed and not c.lost  # the old process: nothing died
+        backend.pending = [WorkerExited(2, 4, Device("n1", 0), -9, False)]
+        c._observe_backend()
+        assert c.launched_in == {2: 4}  # the newest process's own exit is still seen
