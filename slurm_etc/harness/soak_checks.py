@@ -95,14 +95,18 @@ def final_history(record: RecordSeen) -> History:
             lost.setdefault(m.to_generation, []).append(m.lost_steps)
     steps: dict[int, int] = {}
     twice: list[int] = []
+    carried: list[tuple[int, int]] = []
     for g in trained(record):
-        again = lost.get(g.number, ())
+        # a rollback recorded into a generation that trained nothing holds for the next
+        again = [*lost.get(g.number, ()), *carried]
         # it trains from the step after the one its state was at; where the migration into
         # it rebuilt a lost state, from the first lost step (trained again)
         first = min([int(g.first_step or 0) + 1] + [a for a, _b in again])
         last = int(g.last_step or 0)
         if last < first:  # nothing trained (a generation opened and left at once)
+            carried = again
             continue
+        carried = []
         done = max(steps, default=0)
         for s in range(first, min(last, done) + 1):
             if not any(a <= s <= b for a, b in again):

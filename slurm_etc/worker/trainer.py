@@ -531,8 +531,9 @@ class ElasticTrainer:
         given_up = {o.generation for o in (order, prep.order if prep else None) if o}
         if prep is not None:
             self._drop_preparation()
+        # (the attempt stays: the restarted coordinator's store holds no agreement of this
+        # step, and a peer that waited at the boundary meanwhile did not count one)
         self._aborted |= given_up
-        self._attempt += 1
         if self.layout is None:
             raise err
         self._log("the coordinator died in the resize to generation %s before this "
@@ -1822,7 +1823,9 @@ class ElasticTrainer:
         self._forget_steps_after(step, order.generation, last)
         self.state, self.peers, self._held = None, None, None
         teardown_world()
-        self.generation = order.generation
+        # a new generation's agreements start at attempt 0 on every rank (a survivor that
+        # counted an aborted resize meets joiners that counted none: soak seed 102)
+        self.generation, self._attempt = order.generation, 0
         if proc.vrank not in new.devices:
             self.layout = None
             self._record(order, ProcessOutcome.LEFT, 0, 0.0, 0.0, "")

@@ -142,6 +142,22 @@ def test_a_step_trained_twice_unrecorded_is_caught():
     assert final_history(unrecorded).twice == (19, 20)
 
 
+def test_a_rollback_into_a_generation_that_trained_nothing_holds_for_the_next():
+    # soak seed 102: steps 81-94 rebuilt from the checkpoint of step 80 into generation 9,
+    # which resized to 10 before its first step; 10 trained them again: no step twice
+    gens = (GenerationSeen(6, "dp=2,tp=2,pp=1", 0, 84), GenerationSeen(7, "dp=1,tp=2,pp=1", 84, 94),
+            GenerationSeen(9, "dp=4,tp=1,pp=1", 80, 80),
+            GenerationSeen(10, "dp=2,tp=1,pp=1", 80, 103))
+    migs = (MigrationSeen(7, 6, 7, "committed"), MigrationSeen(9, 7, 9, "committed", (81, 94)),
+            MigrationSeen(10, 9, 10, "committed"))
+    h = final_history(RecordSeen("finished", gens, migs))
+    assert h.twice == () and h.missing == () and h.last == 103
+    # without the rollback recorded, the same steps are caught
+    unrecorded = (migs[0], MigrationSeen(9, 7, 9, "committed"), migs[2])
+    h = final_history(RecordSeen("finished", gens, unrecorded))
+    assert h.twice == tuple(range(81, 95))
+
+
 def test_a_step_never_trained_is_caught():
     h = final_history(plant.step_skipped(_record()))
     assert h.missing == (11,)
