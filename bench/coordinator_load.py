@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import (
+    BackendDefaults,
     BackendEvent,
     Grant,
     LaunchWorkers,
@@ -57,7 +58,7 @@ if TYPE_CHECKING:  # the coordinator (torch) is imported by the bench, not by it
 JOB = "load"
 
 
-class BurstCluster:
+class BurstCluster(BackendDefaults):
     """A simulated cluster of ``nodes`` nodes whose first ``poll`` after :meth:`arm` returns
     the whole burst. Actions are counted, not carried out (nothing to run)."""
 

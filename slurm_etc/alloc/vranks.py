@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from ..plan.config import Layout, ParallelConfig
 from .errors import AllocationError
@@ -117,9 +117,37 @@ def select_devices(available: Iterable[Device], world: int, tp: int,
         by_node[d.node].append(d)
     usable = {n: (len(ds) // tp) * tp for n, ds in by_node.items()}
     usable = {n: u for n, u in usable.items() if u}
-    state = {n: sum(d in holding for d in by_node[n]) for n in usable}
     anchored = {n: any(d in keep for d in by_node[n]) for n in usable}
+    key = _node_order(by_node, usable, anchored, holding, topology)
+    total = sum(usable.values())
+    if total < world:
+        raise AllocationError(
+            f"cannot place {world} devices in tensor-parallel groups of {tp} inside nodes: "
+            f"only {total} of the {len(devices)} available devices can join whole groups")
+    take = _take_nodes(world, usable, anchored, key, topology)
+    if max_nodes is not None and len(take) > max_nodes:
+        raise AllocationError(f"{world} devices in tensor-parallel groups of {tp} need "
+                              f"{len(take)} nodes, more than max_nodes ({max_nodes})")
 
+    chosen: list[Device] = []
+    for node, count in take.items():
+        # Pinned devices, then devices holding state, then by local index.
+        ordered = sorted(by_node[node], key=lambda d: (d not in keep, d not in holding,
+                                                       d.local))
+        chosen.extend(ordered[:count])
+    return tuple(sorted(chosen))
+
+
+NodeKey = Callable[[str], tuple[bool, int, int, int, int]]
+
+
+def _node_order(by_node: Mapping[str, list[Device]], usable: Mapping[str, int],
+                anchored: Mapping[str, bool], holding: Collection[Device],
+                topology: ClusterTopology) -> NodeKey:
+    """The order nodes are taken in: anchored nodes first, then the most usable devices,
+    then switches holding the most state (then the biggest switch), then nodes holding
+    state, then node index."""
+    state = {n: sum(d in holding for d in by_node[n]) for n in usable}
     switch_state: dict[str, int] = defaultdict(int)
     switch_cap: dict[str, int] = defaultdict(int)
     for n, u in usable.items():
@@ -132,12 +160,14 @@ def select_devices(available: Iterable[Device], world: int, tp: int,
         return (not anchored[n], -usable[n], switch_rank[topology.switch(n)], -state[n],
                 topology.index(n))
 
-    total = sum(usable.values())
-    if total < world:
-        raise AllocationError(
-            f"cannot place {world} devices in tensor-parallel groups of {tp} inside nodes: "
-            f"only {total} of the {len(devices)} available devices can join whole groups")
+    return key
 
+
+def _take_nodes(world: int, usable: Mapping[str, int], anchored: Mapping[str, bool],
+                key: NodeKey, topology: ClusterTopology) -> dict[str, int]:
+    """Devices to take per node, in order: whole nodes by ``key`` until one more node can
+    finish the job, that one best-fit (anchored first, then the least left over, then on a
+    switch already used)."""
     remaining = sorted(usable, key=key)
     take: dict[str, int] = {}
     need = world
@@ -153,17 +183,7 @@ def select_devices(available: Iterable[Device], world: int, tp: int,
             node = remaining.pop(0)
             take[node] = usable[node]
             need -= usable[node]
-    if max_nodes is not None and len(take) > max_nodes:
-        raise AllocationError(f"{world} devices in tensor-parallel groups of {tp} need "
-                              f"{len(take)} nodes, more than max_nodes ({max_nodes})")
-
-    chosen: list[Device] = []
-    for node, count in take.items():
-        # Pinned devices, then devices holding state, then by local index.
-        ordered = sorted(by_node[node], key=lambda d: (d not in keep, d not in holding,
-                                                       d.local))
-        chosen.extend(ordered[:count])
-    return tuple(sorted(chosen))
+    return take
 
 
 def number_vranks(selected: Iterable[Device], previous: Mapping[int, Device],

@@ -93,36 +93,17 @@ def demo(ctx, db, out_dir, model_spec, steps, inject, peer_copy_every):
             raise click.BadParameter(str(err), param_hint="--inject") from None
     from ..coordinator.run import run_job
     from ..local.backend import LocalBackend
-    from ..local.demo import DEMO_BUDGET, Timeline, demo_script, demo_spec, timeline_png
+    from ..local.demo import DEMO_BUDGET, Timeline, demo_script, demo_spec
     from ..store import jobs as record
     from ..store.db import open_store_readonly
-    from .cmd_status import job_view, output_console
+    from .cmd_status import output_console
 
     model = load_model(model_spec)
-    db_path = Path(db) if db else out_dir / "demo.db"
-    if db and db_path.exists():
-        # never replace a file the user named (it could be their policy database)
-        raise click.UsageError(f"--db {db} already exists; the demo writes a fresh record: "
-                               "give a new path or remove that file yourself")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if db_path.exists():
-        db_path.unlink()  # the demo's own record of its last run: each demo is a fresh job
-    # and so are its workers' logs (appended to, they would mix the last run's lines in)
-    for old_log in (out_dir / "workers").glob("*.log"):
-        if old_log.name == "preload.log" or old_log.name.startswith("gen"):
-            old_log.unlink()
+    db_path = _fresh_record(db, out_dir)
     job_id = f"demo-{os.getpid()}"
     console = output_console(stderr=True)
     root = logging.getLogger("slurm_etc")
-    handler: logging.Handler = RichHandler(console=console, show_path=False,
-                                           show_level=False)
-    if not console.is_terminal:  # a log or CI: one plain line per record
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    root.propagate = False
-    logging.getLogger("slurm_etc.protocol.channel").setLevel(logging.WARNING)
+    handler = _log_to(root, console)
     timeline = Timeline()
     started = time.time()
     backend = LocalBackend(demo_script(steps, settled_steps=True, parts=5, end=True),
@@ -149,7 +130,50 @@ def demo(ctx, db, out_dir, model_spec, steps, inject, peer_copy_every):
         store.close()
     if detail is None:
         raise click.ClickException(f"the demo's record {db_path} has no job {job_id}")
+    _show(ctx, job_id, out, detail, timeline, out_dir, db_path, backend.unfired)
+
+
+def _fresh_record(db: str | None, out_dir: Path) -> Path:
+    """The record's path, fresh: a file the user named must not exist; the demo's own
+    record and worker logs of its last run are removed."""
+    db_path = Path(db) if db else out_dir / "demo.db"
+    if db and db_path.exists():
+        # never replace a file the user named (it could be their policy database)
+        raise click.UsageError(f"--db {db} already exists; the demo writes a fresh record: "
+                               "give a new path or remove that file yourself")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if db_path.exists():
+        db_path.unlink()  # the demo's own record of its last run: each demo is a fresh job
+    # and so are its workers' logs (appended to, they would mix the last run's lines in)
+    for old_log in (out_dir / "workers").glob("*.log"):
+        if old_log.name == "preload.log" or old_log.name.startswith("gen"):
+            old_log.unlink()
+    return db_path
+
+
+def _log_to(root: logging.Logger, console) -> logging.Handler:
+    """Send the package's log to ``console`` (one plain line a record where it is not a
+    terminal), INFO and up, the channel's WARNING and up; returns the handler added."""
+    handler: logging.Handler = RichHandler(console=console, show_path=False,
+                                           show_level=False)
+    if not console.is_terminal:  # a log or CI: one plain line per record
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    logging.getLogger("slurm_etc.protocol.channel").setLevel(logging.WARNING)
+    return handler
+
+
+def _show(ctx, job_id: str, out: dict, detail, timeline, out_dir: Path, db_path: Path,
+          unfired) -> None:
+    """The record's view, the resizes, the timeline PNG and the outcome in a few lines;
+    exit 1 where the job did not finish or the demo's events did not all happen."""
     from datetime import UTC, datetime
+
+    from ..local.demo import DEMO_BUDGET, timeline_png
+    from .cmd_status import job_view, output_console
 
     shown = output_console()
     shown.print(job_view(detail, datetime.now(UTC)))
@@ -161,10 +185,10 @@ def demo(ctx, db, out_dir, model_spec, steps, inject, peer_copy_every):
                f"{out['generation']}; reaction to the preemption notice: {reaction}")
     click.echo(f"timeline: {png}   record: {db_path}   worker logs: {out_dir / 'workers'}")
     click.echo(f"see it again: slurm-etc status {job_id} --db {db_path}")
-    if backend.unfired:  # the budget ran out first: the run did not show what it says
+    if unfired:  # the budget ran out first: the run did not show what it says
         click.echo(f"the demo's events did not all happen: training ended at step "
                    f"{out['step']} (the workers' budget, {DEMO_BUDGET} x --steps) before "
-                   f"{'; '.join(str(e) for e in backend.unfired)}; the warm-ups took that "
+                   f"{'; '.join(str(e) for e in unfired)}; the warm-ups took that "
                    f"long: give --steps more", err=True)
-    if out["state"] != "finished" or backend.unfired:
+    if out["state"] != "finished" or unfired:
         ctx.exit(1)

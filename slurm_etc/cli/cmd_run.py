@@ -245,36 +245,15 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                     distributed_optimizer)  # checks the batch
     script = None
     if backend == "local":  # every input checked before anything is created or opened
-        from ..local.script import ScriptError, load_script, script_from_options
-
-        if not events_file:
-            # the local backend runs a process per device it holds, all on this host
-            check_product("the local cluster",
-                          {"--nodes": nodes, "--gpus-per-node": gpus_per_node},
-                          bounds.PROCESSES)
-        try:
-            script = (load_script(events_file) if events_file
-                      else script_from_options(nodes, gpus_per_node))
-        except ScriptError as err:
-            raise ConfigError(str(err)) from None
+        script = _local_script(events_file, nodes, gpus_per_node)
     recovery = recovery_options(peer_copy_every, checkpoint_every, checkpoint_dir,
                                 keep_checkpoints)
     policy = job_policy(policy_partition, account, policy_db)
     if srun_args and script is not None:
         raise ConfigError("--srun-arg adds options to the Slurm backend's worker steps; the "
                           "local backend starts processes (use --backend slurm)")
-    if script is not None:
-        from ..local.backend import LocalBackend
-
-        be = LocalBackend(script, preload=preload)
-        topology = be.topology
-    else:
-        try:
-            from ..slurm.backend import SlurmBackend
-        except ImportError:
-            raise ConfigError("the Slurm backend is not available in this build") from None
-        be = SlurmBackend.from_environment(job_id=job_id, policy=policy, srun_args=srun_args)
-        topology = be.topology
+    be = _backend(script, preload, job_id, policy, srun_args)
+    topology = be.topology
     # the job's own machinery, once all is checked
     from ..coordinator.job_model import provisional_job
     from ..coordinator.loop import JobSpec
@@ -289,12 +268,7 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
                    batch_from_workers=global_batch is None,
                    micro_batch_given=global_batch is None and micro_batch_given,
                    model_label=f"--model {model_spec}")
-    logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
-                                                logging.getLogger().getEffectiveLevel()))
-    for handler in logging.getLogger().handlers:  # a job's output file: when, too
-        if getattr(handler, "stream", None) is sys.stderr:
-            handler.setFormatter(logging.Formatter(
-                "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    _log_with_times()
     progress, progress_out = open_progress(progress_file)
     try:
         out = run_job(spec, be, topology, backend_name=backend, db=db, state_dir=state_dir,
@@ -303,14 +277,61 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     finally:
         if progress_out is not None:
             progress_out.close()
-    unfired = [str(e) for e in be.unfired] if script is not None else []
+    _report(out, [str(e) for e in be.unfired] if script is not None else [], spec.job_id,
+            as_json)
+
+
+def _local_script(events_file, nodes, gpus_per_node):
+    """The local cluster's events script: the file's, else one of ``nodes`` x
+    ``gpus_per_node`` (checked against the processes one host may run)."""
+    from ..local.script import ScriptError, load_script, script_from_options
+
+    if not events_file:
+        # the local backend runs a process per device it holds, all on this host
+        check_product("the local cluster",
+                      {"--nodes": nodes, "--gpus-per-node": gpus_per_node},
+                      bounds.PROCESSES)
+    try:
+        return (load_script(events_file) if events_file
+                else script_from_options(nodes, gpus_per_node))
+    except ScriptError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _backend(script, preload, job_id, policy, srun_args):
+    """The local backend over ``script``, or (without one) the Slurm backend of the
+    allocation this runs in."""
+    if script is not None:
+        from ..local.backend import LocalBackend
+
+        return LocalBackend(script, preload=preload)
+    try:
+        from ..slurm.backend import SlurmBackend
+    except ImportError:
+        raise ConfigError("the Slurm backend is not available in this build") from None
+    return SlurmBackend.from_environment(job_id=job_id, policy=policy, srun_args=srun_args)
+
+
+def _log_with_times() -> None:
+    """The package logs at INFO (or what the root logger lets through); lines on stderr
+    carry their time (a job's output file)."""
+    logging.getLogger("slurm_etc").setLevel(min(logging.INFO,
+                                                logging.getLogger().getEffectiveLevel()))
+    for handler in logging.getLogger().handlers:  # a job's output file: when, too
+        if getattr(handler, "stream", None) is sys.stderr:
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+
+
+def _report(out: dict, unfired: list[str], job_id: str, as_json: bool) -> None:
+    """The events that did not play out (a warning), the JSON summary, the exit status."""
     if unfired:  # the events script asked for more than the job trained to show
         out = {**out, "unfired_events": unfired}
         click.echo(f"slurm-etc: warning: the events script did not play out: training ended "
                    f"at step {out['step']} before {'; '.join(unfired)} (give the workers "
                    f"more steps, or end training with the script's end_step)", err=True)
     if as_json:  # the job's id first: what `slurm-etc status JOB` takes
-        click.echo(json.dumps({"job": spec.job_id, **out}))
+        click.echo(json.dumps({"job": job_id, **out}))
     if out.get("signal"):  # cancelled by a signal: the shell's convention
         raise SystemExit(128 + int(out["signal"]))
     if out["state"] != "finished":

@@ -384,6 +384,17 @@ def jobs_table(jobs: list[JobDetail], now: datetime) -> Table:
 def job_view(d: JobDetail, now: datetime) -> RenderableType:
     """Everything about one job: header, devices and vranks per node, generations,
     migrations, pending events."""
+    gen = "-" if d.job.generation is None else str(d.job.generation)
+    parts: list[RenderableType] = [_job_head(d, now), _devices_table(d, gen),
+                                   _generations_table(d, now)]
+    if d.migrations:
+        parts += _migrations_parts(d)
+    parts.append(_pending_part(d, now))
+    return Group(*parts)
+
+
+def _job_head(d: JobDetail, now: datetime) -> Text:
+    """The job's lines: id, name, owner, state, layout, where it runs, when, peer copies."""
     j = d.job
     p = printable
     head = Text()
@@ -404,8 +415,11 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
     copies = d.peer_copies
     if copies is not None and copies.get("line"):
         head.append(f"\n{p(str(copies['line']))}")
-    parts: list[RenderableType] = [head]
+    return head
 
+
+def _devices_table(d: JobDetail, gen: str) -> Table:
+    """The devices per node, each with its state, vrank, rank and allocation."""
     placed = {(v.node, v.local_index): v for v in d.vranks}
     nodes = _table(f"devices and vranks per node (generation {gen})",
                    "<node|>device|<state|>vrank|>rank|~allocation")
@@ -415,8 +429,12 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                       "-" if v is None else str(v.vrank),
                       "-" if v is None else ("idle" if v.rank is None else str(v.rank)),
                       dev.allocation or "-")
-    parts.append(nodes)
+    return nodes
 
+
+def _generations_table(d: JobDetail, now: datetime) -> Table:
+    """One row per generation: layout, when it started, how long, the steps and last loss,
+    why it ended."""
     gens = _table("generations", ">gen|<layout|>devs|>started|>took|>steps|>span|>loss|"
                                  "~ended because")
     for g in d.generations:
@@ -427,38 +445,42 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                      _duration(g.duration_seconds(now)), str(g.steps), span,
                      "-" if g.last_loss is None else f"{g.last_loss:.4g}",
                      g.end_reason or ("training" if g.ended_at is None else "-"))
-    parts.append(gens)
+    return gens
 
-    if d.migrations:
-        mig = _table("migrations (bytes moved against the lower bound; seconds)",
-                     "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>data|>pause|"
-                     ">in flight|>stall|>prep|~outcome")
-        for m in d.migrations:
-            ratio = m.ratio_to_lower_bound
-            outcome = m.outcome or "running"
-            if m.error:
-                outcome += f": {m.error}"
-            if m.lost_steps is not None:  # a node lost without grace, no replica of it
-                first, last = m.lost_steps
-                outcome += (f"; lost steps {first}-{last} (rebuilt from "
-                            f"{m.rebuilt_from or '?'} of step {first - 1}, trained again)")
-            mig.add_row(f"{m.from_generation}->{m.to_generation}", _bytes(m.moved_bytes),
-                        _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
-                        _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
-                        _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
-                        _seconds(m.data_seconds), pause_text(m), in_flight_text(m),
-                        _seconds(m.stall_seconds), _seconds(m.preparation_seconds), outcome)
-        parts.append(mig)
-        parts.append(Text("pause: the widest gap over the processes between the end of the "
-                          "last step in the old layout and the start of the first in the new "
-                          "one (in brackets: the workers' timing, until every process reported "
-                          "it); in flight: of the pause, the step a lost node interrupted "
-                          "(its work lost with the node; the rest is the recovery); stall: the "
-                          "widest gap between two old-layout steps before it, while the resize "
-                          "was prepared (the boundary that built the new world); prep: "
-                          "decision to pause, the old layout training on",
-                          style="dim"))
 
+def _migrations_parts(d: JobDetail) -> list[RenderableType]:
+    """The migrations' table (bytes moved against the lower bound; seconds) and its key."""
+    mig = _table("migrations (bytes moved against the lower bound; seconds)",
+                 "<gen|>moved|>bound|>ratio|>kept|>msgs/rounds|>est|>took|>data|>pause|"
+                 ">in flight|>stall|>prep|~outcome")
+    for m in d.migrations:
+        ratio = m.ratio_to_lower_bound
+        outcome = m.outcome or "running"
+        if m.error:
+            outcome += f": {m.error}"
+        if m.lost_steps is not None:  # a node lost without grace, no replica of it
+            first, last = m.lost_steps
+            outcome += (f"; lost steps {first}-{last} (rebuilt from "
+                        f"{m.rebuilt_from or '?'} of step {first - 1}, trained again)")
+        mig.add_row(f"{m.from_generation}->{m.to_generation}", _bytes(m.moved_bytes),
+                    _bytes(m.lower_bound_bytes), "-" if ratio is None else f"{ratio:.3f}",
+                    _bytes(m.kept_bytes), f"{m.messages}/{m.rounds}",
+                    _seconds(m.estimated_seconds), _seconds(m.measured_seconds),
+                    _seconds(m.data_seconds), pause_text(m), in_flight_text(m),
+                    _seconds(m.stall_seconds), _seconds(m.preparation_seconds), outcome)
+    return [mig, Text("pause: the widest gap over the processes between the end of the "
+                      "last step in the old layout and the start of the first in the new "
+                      "one (in brackets: the workers' timing, until every process reported "
+                      "it); in flight: of the pause, the step a lost node interrupted "
+                      "(its work lost with the node; the rest is the recovery); stall: the "
+                      "widest gap between two old-layout steps before it, while the resize "
+                      "was prepared (the boundary that built the new world); prep: "
+                      "decision to pause, the old layout training on",
+                      style="dim")]
+
+
+def _pending_part(d: JobDetail, now: datetime) -> RenderableType:
+    """The pending events' table, or a line saying there are none."""
     pending = d.pending_events
     if pending:
         ev = _table("pending events", ">id|<kind|<source|>received UTC|<deadline|~payload")
@@ -471,10 +493,8 @@ def job_view(d: JobDetail, now: datetime) -> RenderableType:
                 left = f"passed {_short_when(e.deadline)}"
             ev.add_row(str(e.id), e.kind, e.source, _short_when(e.received_at), left,
                        "-" if e.payload is None else json.dumps(e.payload, sort_keys=True))
-        parts.append(ev)
-    else:
-        parts.append(Text("no pending events", style="dim"))
-    return Group(*parts)
+        return ev
+    return Text("no pending events", style="dim")
 
 
 def render(found: Found, job_id: str | None, now: datetime) -> RenderableType:

@@ -29,13 +29,16 @@ already running, a stop of a worker already stopped, all do nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 from slurm_etc.alloc.topology import Device
 
 from ..errors import InternalError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class BackendError(InternalError, RuntimeError):
@@ -297,6 +300,33 @@ class Backend(Protocol):
     def close(self) -> None:
         """Stop every worker still running and free what the backend holds."""
         ...
+
+
+class BackendDefaults:
+    """The optional methods of :class:`Backend`, as a backend without them behaves: a
+    backend inherits this and overrides the ones it has."""
+
+    def cancel_request(self, action: CancelRequest) -> None:
+        """No withdrawal: the request runs its course."""
+
+    def request_can_be_met(self, key: str) -> bool:
+        """Nothing known against it: True."""
+        return True
+
+    @property
+    def pending_reasons(self) -> Mapping[str, str | None]:
+        """No reasons known."""
+        return {}
+
+    # not a method: the coordinator never asks, and keeps the count it started with
+    usable_nodes: Callable[[], int | None] | None = None
+
+    def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
+        """Reattaches nothing."""
+        return []
+
+    def keep_state(self, path: Path, *, resume: bool) -> None:
+        """No state of its own to keep."""
 
 
 def perform(backend: Backend, action: Action) -> None:

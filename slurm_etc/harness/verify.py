@@ -110,43 +110,11 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
     train = dict(seed=seed, seq=seq, global_batch=gb)
     with_optimizer = megatron_reshards_optimizer(tr.old, tr.new)
     tmp = tempfile.mkdtemp(prefix="slurm-etc-verify-", dir=workdir)
-    losses: dict[str, list[float]] = {}
     t_start = time.perf_counter()
     try:
-        progress(f"building {tr.model.name} under {tr.old} and training {steps} step(s)")
-        pool.run(w_build, tr.model, tr.old, tag=tag, steps=steps, **train)
-        pool.run(w_seed_rng, seed)
-        progress("reading the old layout through megatron-core")
-        old_views = pool.run(w_megatron_view)[:tr.old.world]
-        progress("saving megatron's checkpoint of the old layout (the reference)")
-        pool.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
-        progress(f"migrating in place to {tr.new} ({plan.moved_bytes / 2**20:.1f} MiB move)")
-        pool.run(w_prepare, tr, tag=f"{tag}/resize", staging_bytes=None, relabel=relabel)
-        pool.run(w_resize, keep_bits=False)
-        by_device = pool.run(w_megatron_view)
-        new_views = [by_device[d] for d in plan.new.devices]
-        progress("loading the checkpoint into a state built for the new layout"
-                 + ("" if with_optimizer else " (model only: megatron cannot reshard this "
-                                               "distributed optimizer)"))
-        pool.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"),
-                    optimizer=with_optimizer)
-        by_device = pool.run(w_megatron_view, "loaded", model_only=not with_optimizer)
-        loaded_views = [by_device[d] for d in plan.new.devices]
-        if after_steps:
-            progress(f"{after_steps} training steps on the migrated state"
-                     + (" and on the checkpoint-loaded one" if with_optimizer else ""))
-            losses["migrated"] = _first(pool.run(w_train_steps, "state", first_step=steps,
-                                                    count=after_steps, **train))
-            if with_optimizer:
-                losses["checkpoint"] = _first(pool.run(
-                    w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
-        pool.run(w_drop)
-        if after_steps and not with_optimizer:
-            progress(f"reference: the old layout rebuilt and trained {after_steps} steps on")
-            ref = _first(pool.run(w_build, tr.model, tr.old, tag=f"{tag}/reference",
-                                     steps=steps + after_steps, **train))
-            losses["old_layout"] = ref["losses"][steps:]
-            pool.run(w_drop)
+        old_views, new_views, loaded_views, losses = _migrate_and_load(
+            pool, tr, plan, tmp, tag, train, seed=seed, steps=steps, after_steps=after_steps,
+            with_optimizer=with_optimizer, relabel=relabel, progress=progress)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if own:
@@ -164,6 +132,51 @@ def verify_transition(tr: Transition, *, workers: LocalWorkers | None = None,
                    losses, seconds)
 
 
+def _migrate_and_load(pool: LocalWorkers, tr: Transition, plan, tmp: str, tag: str,
+                      train: dict, *, seed: int, steps: int, after_steps: int,
+                      with_optimizer: bool, relabel: Relabel | None,
+                      progress: Progress) -> tuple:
+    """Build and train the old layout, read it, save megatron's checkpoint, resize in place,
+    read the new layout, load the checkpoint into a state built for the new layout and read
+    it, and train on: (old views, new views, loaded views, losses by state)."""
+    losses: dict[str, list[float]] = {}
+    progress(f"building {tr.model.name} under {tr.old} and training {steps} step(s)")
+    pool.run(w_build, tr.model, tr.old, tag=tag, steps=steps, **train)
+    pool.run(w_seed_rng, seed)
+    progress("reading the old layout through megatron-core")
+    old_views = pool.run(w_megatron_view)[:tr.old.world]
+    progress("saving megatron's checkpoint of the old layout (the reference)")
+    pool.run(w_save, os.path.join(tmp, "ckpt"), fsync=False)
+    progress(f"migrating in place to {tr.new} ({plan.moved_bytes / 2**20:.1f} MiB move)")
+    pool.run(w_prepare, tr, tag=f"{tag}/resize", staging_bytes=None, relabel=relabel)
+    pool.run(w_resize, keep_bits=False)
+    by_device = pool.run(w_megatron_view)
+    new_views = [by_device[d] for d in plan.new.devices]
+    progress("loading the checkpoint into a state built for the new layout"
+             + ("" if with_optimizer else " (model only: megatron cannot reshard this "
+                                           "distributed optimizer)"))
+    pool.run(w_load, tr.model, tr.new, os.path.join(tmp, "ckpt"),
+             optimizer=with_optimizer)
+    by_device = pool.run(w_megatron_view, "loaded", model_only=not with_optimizer)
+    loaded_views = [by_device[d] for d in plan.new.devices]
+    if after_steps:
+        progress(f"{after_steps} training steps on the migrated state"
+                 + (" and on the checkpoint-loaded one" if with_optimizer else ""))
+        losses["migrated"] = _first(pool.run(w_train_steps, "state", first_step=steps,
+                                             count=after_steps, **train))
+        if with_optimizer:
+            losses["checkpoint"] = _first(pool.run(
+                w_train_steps, "loaded", first_step=steps, count=after_steps, **train))
+    pool.run(w_drop)
+    if after_steps and not with_optimizer:
+        progress(f"reference: the old layout rebuilt and trained {after_steps} steps on")
+        ref = _first(pool.run(w_build, tr.model, tr.old, tag=f"{tag}/reference",
+                              steps=steps + after_steps, **train))
+        losses["old_layout"] = ref["losses"][steps:]
+        pool.run(w_drop)
+    return old_views, new_views, loaded_views, losses
+
+
 def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views, losses,
             seconds) -> dict:
     old = assemble(old_views, "old layout")
@@ -173,60 +186,12 @@ def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views,
     ckpt_mismatches, by_checkpoint = compare_ranks(new_views, loaded_views, ORACLE_CHECKPOINT,
                                                    keys=keys)
     mismatches += ckpt_mismatches
-
-    # step: every parameter's Adam step on every rank, read from torch's optimizer state
-    def steps_of(views):
-        return [v["steps"] for v in views if v is not None]
-
-    step_ok = (all(s == [float(steps)] for s in steps_of(old_views) + steps_of(new_views))
-               and (not with_optimizer or all(
-                   a is not None and b is not None and a["steps"] == b["steps"]
-                   for a, b in zip(new_views, loaded_views))))
-    step = {"expected": steps,
-            **{side: sorted({int(x) if float(x).is_integer() else x
-                             for s in steps_of(views) for x in s})
-               for side, views in (("old", old_views), ("migrated", new_views),
-                                   ("checkpoint", loaded_views if with_optimizer else []))},
-            "ok": step_ok}
-
-    # RNG: each new rank continues its source's generator (source from megatron coordinates)
-    sources = expected_rng_sources(old_views, new_views)
-    rng_wrong = [r for r, src in sources.items() if new_views[r]["rng"] != old_views[src]["rng"]]
-    # megatron's checkpoint holds old rank 0's generator (common state) and restores it
-    by_ckpt = [r for r, src in sources.items() if with_optimizer and src == 0]
-    rng_wrong += [r for r in by_ckpt
-                  if new_views[r]["rng"] != loaded_views[r]["rng"] and r not in rng_wrong]
-    rng = {"ok": not rng_wrong, "sources": sources, "wrong_ranks": sorted(rng_wrong),
-           "checked_against_checkpoint": by_ckpt}
-
-    # loss of the steps after the resize
-    finite = all(math.isfinite(x) for v in losses.values() for x in v)
-    loss = {**losses, "steps": len(losses.get("migrated", []))}
-    if "checkpoint" in losses:
-        loss.update(compared_with="checkpoint", tolerance=0.0,
-                    ok=finite and losses["checkpoint"] == losses["migrated"])
-    elif "old_layout" in losses:
-        rtol = LOSS_RTOL[tr.model.param_dtype]
-        diffs = [abs(a - b) / abs(b) for a, b in zip(losses["migrated"], losses["old_layout"])]
-        loss.update(compared_with="old-layout", tolerance=rtol,
-                    max_relative_difference=max(diffs, default=0.0),
-                    ok=finite and len(diffs) == len(losses["migrated"])
-                    and all(d <= rtol for d in diffs))
-    else:
-        loss.update(compared_with=None, ok=finite)
-
-    per_tensor = []
-    by_oracle: dict[str, list[str]] = {}
-    for key in sorted(set(old.tensors) | set(new.tensors)):
-        oracles = [o for o, seen in ((ORACLE_GATHER, by_gather), (ORACLE_CHECKPOINT,
-                                                                 by_checkpoint)) if key in seen]
-        entry = by_gather.get(key, {"shards": 0, "bytes": 0})
-        per_tensor.append({"tensor": key, "shards": entry["shards"], "bytes": entry["bytes"],
-                           "oracles": oracles})
-        for o in oracles:
-            by_oracle.setdefault(o, []).append(key)
+    step = _step_check(steps, with_optimizer, old_views, new_views, loaded_views)
+    rng = _rng_check(with_optimizer, old_views, new_views, loaded_views)
+    loss = _loss_check(tr, losses)
+    per_tensor, by_oracle = _per_tensor(old, new, by_gather, by_checkpoint)
     unchecked = [t["tensor"] for t in per_tensor if ORACLE_GATHER not in t["oracles"]]
-    verified = (not mismatches and not old.problems and not unchecked and step_ok
+    verified = (not mismatches and not old.problems and not unchecked and step["ok"]
                 and rng["ok"] and loss["ok"])
     return {
         "model": tr.model.name, "from": str(tr.old), "to": str(tr.new),
@@ -254,3 +219,68 @@ def _report(tr, plan, steps, with_optimizer, old_views, new_views, loaded_views,
         "loss_after": loss,
         "seconds": seconds,
     }
+
+def _step_check(steps, with_optimizer, old_views, new_views, loaded_views) -> dict:
+    """Every parameter's Adam step on every rank, read from torch's optimizer state: ``steps``
+    everywhere, and the checkpoint's where it holds the optimizer."""
+    def steps_of(views):
+        return [v["steps"] for v in views if v is not None]
+
+    step_ok = (all(s == [float(steps)] for s in steps_of(old_views) + steps_of(new_views))
+               and (not with_optimizer or all(
+                   a is not None and b is not None and a["steps"] == b["steps"]
+                   for a, b in zip(new_views, loaded_views))))
+    return {"expected": steps,
+            **{side: sorted({int(x) if float(x).is_integer() else x
+                             for s in steps_of(views) for x in s})
+               for side, views in (("old", old_views), ("migrated", new_views),
+                                   ("checkpoint", loaded_views if with_optimizer else []))},
+            "ok": step_ok}
+
+
+def _rng_check(with_optimizer, old_views, new_views, loaded_views) -> dict:
+    """Each new rank continues its source's generator (source from megatron coordinates)."""
+    sources = expected_rng_sources(old_views, new_views)
+    rng_wrong = [r for r, src in sources.items() if new_views[r]["rng"] != old_views[src]["rng"]]
+    # megatron's checkpoint holds old rank 0's generator (common state) and restores it
+    by_ckpt = [r for r, src in sources.items() if with_optimizer and src == 0]
+    rng_wrong += [r for r in by_ckpt
+                  if new_views[r]["rng"] != loaded_views[r]["rng"] and r not in rng_wrong]
+    return {"ok": not rng_wrong, "sources": sources, "wrong_ranks": sorted(rng_wrong),
+            "checked_against_checkpoint": by_ckpt}
+
+
+def _loss_check(tr, losses) -> dict:
+    """The losses of the steps after the resize against the checkpoint-loaded state's
+    (bit-equal) or the old layout's (within ``LOSS_RTOL``)."""
+    finite = all(math.isfinite(x) for v in losses.values() for x in v)
+    loss = {**losses, "steps": len(losses.get("migrated", []))}
+    if "checkpoint" in losses:
+        loss.update(compared_with="checkpoint", tolerance=0.0,
+                    ok=finite and losses["checkpoint"] == losses["migrated"])
+    elif "old_layout" in losses:
+        rtol = LOSS_RTOL[tr.model.param_dtype]
+        diffs = [abs(a - b) / abs(b) for a, b in zip(losses["migrated"], losses["old_layout"])]
+        loss.update(compared_with="old-layout", tolerance=rtol,
+                    max_relative_difference=max(diffs, default=0.0),
+                    ok=finite and len(diffs) == len(losses["migrated"])
+                    and all(d <= rtol for d in diffs))
+    else:
+        loss.update(compared_with=None, ok=finite)
+    return loss
+
+
+def _per_tensor(old, new, by_gather, by_checkpoint) -> tuple[list[dict], dict[str, list[str]]]:
+    """One entry per tensor (shards, bytes, the oracles that checked it), and the tensors
+    each oracle checked."""
+    per_tensor = []
+    by_oracle: dict[str, list[str]] = {}
+    for key in sorted(set(old.tensors) | set(new.tensors)):
+        oracles = [o for o, seen in ((ORACLE_GATHER, by_gather), (ORACLE_CHECKPOINT,
+                                                                 by_checkpoint)) if key in seen]
+        entry = by_gather.get(key, {"shards": 0, "bytes": 0})
+        per_tensor.append({"tensor": key, "shards": entry["shards"], "bytes": entry["bytes"],
+                           "oracles": oracles})
+        for o in oracles:
+            by_oracle.setdefault(o, []).append(key)
+    return per_tensor, by_oracle

@@ -48,6 +48,7 @@ from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.store.location import private_dir
 
 from ..coordinator.backend import (
+    BackendDefaults,
     BackendError,
     BackendEvent,
     CancelRequest,
@@ -84,7 +85,7 @@ class _Process:
 _Worker = Supervised[_Process]
 
 
-class LocalBackend:
+class LocalBackend(BackendDefaults):
     """Processes on this machine, devices of simulated nodes, events from a script.
 
     Args:

@@ -435,18 +435,38 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         MigrationAborted: on every process if any failed; ``state`` and its training groups
             are untouched and the job can train on in the old layout.
     """
-    import torch.distributed as dist
+    plan = prepared.plan
+    if prepared.world is not None and build_new is not None:
+        raise ValueError("the new layout was built by prepare_resize(world=True): pass "
+                         "build_new there, not to resize_in_place")
+    seconds: dict[str, float] = {"pause": time.time()}
+    result, new_resume = _migrate(prepared, state, held, faults, store_lost, seconds)
+    stats = result.stats
+    # committed: the old layout is gone (its shards went with _migrate's frame)
+    del state, held
+    if faults is not None:
+        faults.die_if(plan.participants.index(prepared.device), "after-commit")
+    if prepared.world is not None:
+        return _switch(prepared, result, new_resume, seconds, keep_shards=keep_shards,
+                       install_wait=install_wait)
+    _memory_stats(stats, prepared.memory)
+    return _build_new_layout(prepared, result, new_resume, seconds, keep_shards=keep_shards,
+                             build_new=build_new, install_wait=install_wait)
 
+
+def _migrate(prepared: PreparedResize, state: TrainingState | None,
+             held: tuple[list[LocalShard], ResumeState] | None, faults: FaultInjector | None,
+             store_lost: Callable[[Any], None] | None, seconds: dict[str, float]
+             ) -> tuple[MigrationResult, ResumeState | None]:
+    """The data phase: read the old shards and ResumeState, exchange step and RNG, run the
+    executor into the prepared destinations; then the migration group is shut (committed)
+    or aborted, and on an abort what was prepared for the new layout is given back."""
     from slurm_etc.migrate.decision import CommitDecision
     from slurm_etc.migrate.executor import execute_migration
 
     from .world import retire_backends
 
     plan, device, options = prepared.plan, prepared.device, prepared.options
-    if prepared.world is not None and build_new is not None:
-        raise ValueError("the new layout was built by prepare_resize(world=True): pass "
-                         "build_new there, not to resize_in_place")
-    seconds: dict[str, float] = {"pause": time.time()}
     t = time.perf_counter()
     catalog = plan.catalog
     resume: ResumeState | None
@@ -490,15 +510,20 @@ def resize_in_place(prepared: PreparedResize, state: TrainingState | None, *,
         if options.measure_memory and (prepared.world is None or not committed):
             prepared.memory.stop()
     seconds["migrate"] = time.perf_counter() - t
-    stats = result.stats
-    # committed: the old layout is gone
-    del old_shards, state, held
-    if faults is not None:
-        faults.die_if(plan.participants.index(device), "after-commit")
-    if prepared.world is not None:
-        return _switch(prepared, result, new_resume, seconds, keep_shards=keep_shards,
-                       install_wait=install_wait)
-    _memory_stats(stats, prepared.memory)
+    return result, new_resume
+
+
+def _build_new_layout(prepared: PreparedResize, result: MigrationResult,
+                      new_resume: ResumeState | None, seconds: dict[str, float], *,
+                      keep_shards: bool,
+                      build_new: Callable[[ParallelConfig], TrainingState] | None,
+                      install_wait: Callable[[float], bool] | None) -> ResizeOutcome:
+    """After the commit, without a prepared world: drop the old training groups; on a new
+    rank start the new training group, build the new model and optimizer and install the
+    received shards in them."""
+    import torch.distributed as dist
+
+    plan, catalog, stats = prepared.plan, prepared.plan.catalog, result.stats
     t = time.perf_counter()
     _drop_training_groups()
     new_state = None

@@ -250,6 +250,11 @@ class _Run:
     aliased: set[int] = field(default_factory=set)  # new shards that are old shards
     failure: _Failure | None = None
     t_start: float = 0.0
+    new_tensors: list[torch.Tensor] = field(default_factory=list)
+    send_bufs: list[torch.Tensor] = field(default_factory=list)
+    recv_bufs: list[torch.Tensor] = field(default_factory=list)
+    outgoing: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # packed, by step
+    local_done: bool = False
 
     # -- naming ----------------------------------------------------------------------------
 
@@ -364,6 +369,75 @@ class _Run:
         except Exception as exc:  # noqa: BLE001 - voted, then raised on every rank
             self.fail("failed in its local copies", exc)
         self.stats.local_seconds += time.perf_counter() - t0
+
+    def local_copies_once(self) -> None:
+        """The local copies, unless done already or this rank failed."""
+        if not self.local_done and self.failure is None:
+            self.local_copies()
+            self.local_done = True
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def pack_step(self, i: int) -> None:
+        """Pack step i's outgoing chunk (into send buffer i % 2)."""
+        prog = self.prog
+        st = prog.steps[i]
+        side = prog.sends.get(st.send) if st.send is not None else None
+        try:
+            if st.chunk == 0:
+                self.faults.check(prog.group_rank, "pack", st.round)
+            if side is not None:
+                self.outgoing[i] = self.pack(side, st,
+                                             self.send_bufs[i % len(self.send_bufs)])
+        except Exception as exc:  # noqa: BLE001
+            self.fail("failed to pack " + (self.where(side, st) if side else f"step {i}"), exc)
+
+    def unpack_step(self, i: int, received: list) -> None:
+        """Unpack what step i received; then the 'after' fault of its round."""
+        prog = self.prog
+        steps = prog.steps
+        st = steps[i]
+        if self.failure is not None:
+            return
+        for side, ops in received:
+            try:
+                if st.chunk == 0:
+                    self.faults.check(prog.group_rank, "unpack", st.round)
+                self.unpack(side, ops)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(f"failed to unpack {self.where(side, st)}", exc)
+                return
+            self.faults.die_if(prog.group_rank, "after-receive")
+        if i + 1 == len(steps) or steps[i + 1].round != st.round:
+            try:
+                self.faults.check(prog.group_rank, "after", st.round)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(f"failed after round {st.round}", exc)
+
+    def before_round(self, st: Step) -> None:
+        """The 'before' fault of a round, at its first chunk."""
+        if st.chunk == 0 and self.failure is None:
+            try:
+                self.faults.check(self.prog.group_rank, "before", st.round)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(f"failed before round {st.round}", exc)
+
+    def post_step(self, i: int, gated: bool) -> tuple[Any, list, list]:
+        """Post vote ``i`` (unless it was the gate) and step ``i``'s operations."""
+        st = self.prog.steps[i]
+        if i > 0:
+            self.before_round(st)
+        # Vote i travels with step i's data and is decided before that data is waited
+        # for: a rank that failed still posts its operations (without packing or
+        # unpacking) unless its transport failed, so no rank waits on a missing
+        # operation, and every rank stops at the same vote as with a vote per step.
+        ballot = self.post_vote(i) if i > 0 or not gated else None
+        recv_buf = self.recv_bufs[i % len(self.recv_bufs)] if self.recv_bufs else None
+        send_buf = self.send_bufs[i % len(self.send_bufs)] if self.send_bufs else None
+        pending, received = _post(self, st, self.outgoing.pop(i, None), recv_buf, send_buf)
+        if pending:
+            self.faults.die_if(self.prog.group_rank, "mid-transfer")
+        return ballot, pending, received
 
     # -- votes -----------------------------------------------------------------------------
 
@@ -645,6 +719,39 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
     options = options or MigrationOptions()
     faults = faults or FaultInjector()
     t_start = time.perf_counter()
+    prog = _checked_program(plan, transport, device, options, program)
+    catalog_keys = {st.key for g in plan.catalog.groups for st in g.states}
+    stats = _opening_stats(plan, prog, options, t_start)
+    run = _Run(prog, transport, options, faults, stats, t_start=t_start)
+    memory = PeakMemory(transport.device)
+    if options.measure_memory:
+        memory.start()
+    _start(run, catalog_keys, old_shards, destinations, staging)
+    try:
+        t_data = time.perf_counter()
+        gated = _open_gate(run, agreed)
+        _data_steps(run, gated)
+        _before_commit(run)
+        t_commit = time.perf_counter()
+        stats.data_seconds = t_commit - t_data
+        _commit_vote(run, len(prog.steps), faults, commit)
+        stats.commit_seconds = time.perf_counter() - t_commit
+    finally:
+        if options.measure_memory:
+            memory.stop()
+            stats.memory_base, stats.memory_peak = memory.base, memory.peak
+            stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
+    stats.total_seconds = time.perf_counter() - t_start
+    new_shards = [LocalShard(sp.state_key, sp.lo, sp.hi, sp.s, t)
+                  for sp, t in zip(prog.new_specs, run.new_tensors)]
+    return MigrationResult(device, prog.group_rank, prog.old_rank, prog.new_rank, new_shards,
+                           stats)
+
+
+def _checked_program(plan: MigrationPlan, transport: Transport, device: int,
+                     options: MigrationOptions, program: Program | None) -> Program:
+    """This device's program (compiled unless given), checked against the options and the
+    transport; ValueError where they do not match."""
     if program is None:
         program = compile_program(plan, device, options.staging_bytes, options.direct_min_bytes)
     prog = program
@@ -656,8 +763,13 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
         raise ValueError(f"device {device} is migration rank {prog.group_rank} of "
                          f"{len(prog.group_devices)} (devices {prog.group_devices}); the "
                          f"transport is rank {transport.rank} of {transport.size}")
-    catalog_keys = {st.key for g in plan.catalog.groups for st in g.states}
-    stats = MigrationStats(
+    return prog
+
+
+def _opening_stats(plan: MigrationPlan, prog: Program, options: MigrationOptions,
+                   t_start: float) -> MigrationStats:
+    """What the program says this rank will move, before anything moves."""
+    return MigrationStats(
         steps=len(prog.steps), rounds=plan.rounds, chunk_bytes=prog.chunk_bytes,
         messages_sent=len(prog.sends), messages_received=len(prog.recvs),
         sent_bytes=sum(s.nbytes for s in prog.sends.values()),
@@ -667,19 +779,17 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
         new_state_bytes=state_bytes(list(prog.new_specs)),
         staging_budget=options.staging_bytes,
         compile_seconds=time.perf_counter() - t_start)
-    run = _Run(prog, transport, options, faults, stats, t_start=t_start)
-    dev = transport.device
-    memory = PeakMemory(dev)
-    if options.measure_memory:
-        memory.start()
 
-    # 1. check the old state, allocate the new state and the staging buffers
-    steps = prog.steps
-    new_tensors: list[torch.Tensor] = []
-    send_bufs: list[torch.Tensor] = []
-    recv_bufs: list[torch.Tensor] = []
+
+def _start(run: _Run, catalog_keys: set[str], old_shards: Sequence[LocalShard],
+           destinations: Sequence[torch.Tensor | None] | None,
+           staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> None:
+    """Phase 1: check the old state, allocate the new state and the staging buffers. A
+    failure is not raised: it is voted at the first vote."""
+    prog, options, stats = run.prog, run.options, run.stats
+    dev = run.transport.device
     try:
-        faults.check(prog.group_rank, "start")
+        run.faults.check(prog.group_rank, "start")
         mine = [sh for sh in old_shards if sh.state_key in catalog_keys]
         old_flat = _check_old_shards(prog, mine, dev)
         run.old_bytes = [t.view(torch.uint8) for t in old_flat]
@@ -691,163 +801,106 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
                 slot = old.view(_new_dtype(prog.new_specs[j], options, old.dtype))
                 run.aliased.add(j)
                 stats.kept_whole_bytes += prog.new_specs[j].nbytes
-            new_tensors.append(slot)
-        run.new_bytes = [t.view(torch.uint8) for t in new_tensors]
-        send_bufs, recv_bufs = (_check_staging(prog, options, staging, dev)
-                                if staging is not None
-                                else allocate_staging(prog, options, transport,
-                                                      prefault=False))
-        stats.staging_bytes = sum(b.numel() for b in send_bufs + recv_bufs)
+            run.new_tensors.append(slot)
+        run.new_bytes = [t.view(torch.uint8) for t in run.new_tensors]
+        run.send_bufs, run.recv_bufs = (
+            _check_staging(prog, options, staging, dev) if staging is not None
+            else allocate_staging(prog, options, run.transport, prefault=False))
+        stats.staging_bytes = sum(b.numel() for b in run.send_bufs + run.recv_bufs)
     except Exception as exc:  # noqa: BLE001 - voted at the first vote
         run.fail("could not start", exc)
 
-    outgoing: dict[int, list[torch.Tensor]] = {}
 
-    def prepare(i: int) -> None:
-        """Pack step i's outgoing chunk (into send buffer i % 2)."""
-        st = steps[i]
-        side = prog.sends.get(st.send) if st.send is not None else None
-        try:
-            if st.chunk == 0:
-                faults.check(prog.group_rank, "pack", st.round)
-            if side is not None:
-                outgoing[i] = run.pack(side, st, send_bufs[i % len(send_bufs)])
-        except Exception as exc:  # noqa: BLE001
-            run.fail("failed to pack " + (run.where(side, st) if side else f"step {i}"), exc)
+def _open_gate(run: _Run, agreed: bool) -> bool:
+    """Pack step 0 and, unless the ranks agreed before, hold vote 0 as the gate; returns
+    whether vote 0 was the gate."""
+    steps = run.prog.steps
+    gated = not agreed
+    if not steps:
+        return gated
+    if run.failure is None:
+        run.pack_step(0)
+    run.before_round(steps[0])
+    run.faults.die_if(run.prog.group_rank, "before-send")
+    if gated:
+        # Vote 0 is the gate: nothing goes on the wire before every rank started
+        # and agrees on the plan and the chunking. The local copies need no peer:
+        # they run while the vote travels (and while slower ranks still arrive).
+        gate = run.post_vote(0)
+        run.local_copies_once()
+        run.decide(0, gate)
+    elif run.failure is not None:
+        # could not start (no buffers, no destinations): post nothing, and vote
+        # so that no peer waits on this rank's operations
+        run.failure.transport = True
+    return gated
 
-    def finish(i: int, received: list) -> None:
-        """Unpack what step i received; then the 'after' fault of its round."""
-        st = steps[i]
-        if run.failure is not None:
-            return
-        for side, ops in received:
-            try:
-                if st.chunk == 0:
-                    faults.check(prog.group_rank, "unpack", st.round)
-                run.unpack(side, ops)
-            except Exception as exc:  # noqa: BLE001
-                run.fail(f"failed to unpack {run.where(side, st)}", exc)
-                return
-            faults.die_if(prog.group_rank, "after-receive")
-        if i + 1 == len(steps) or steps[i + 1].round != st.round:
-            try:
-                faults.check(prog.group_rank, "after", st.round)
-            except Exception as exc:  # noqa: BLE001
-                run.fail(f"failed after round {st.round}", exc)
 
-    def before(st: Step) -> None:
-        if st.chunk == 0 and run.failure is None:
-            try:
-                faults.check(prog.group_rank, "before", st.round)
-            except Exception as exc:  # noqa: BLE001
-                run.fail(f"failed before round {st.round}", exc)
+def _data_steps(run: _Run, gated: bool) -> None:
+    """Phase 2: every step's sends and receives, each with its vote, the next step packed
+    and posted (with ``overlap``) while the current one is on the wire."""
+    steps, overlap = run.prog.steps, run.options.overlap
+    previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
+    ahead: tuple[Any, list, list] | None = None  # the next step, posted already
+    for i, st in enumerate(steps):
+        ballot, pending, received = ahead if ahead is not None else run.post_step(i, gated)
+        ahead = None
+        run.local_copies_once()  # while the first step's data is on the wire
+        if overlap:
+            if previous is not None:
+                run.unpack_step(*previous)
+                previous = None
+            if i + 1 < len(steps) and run.failure is None:
+                run.pack_step(i + 1)
+        if ballot is not None:
+            _decide_step(run, i, ballot, pending)
+        if overlap and i + 1 < len(steps):
+            # Step i + 1 goes on the wire before step i is waited for: its buffers are
+            # the other pair (step i - 1's, sent and unpacked above), and every rank
+            # posts it after deciding vote i, so an abort there leaves nothing posted
+            # ahead. A failure seen while waiting for step i is voted one vote later.
+            ahead = run.post_step(i + 1, gated)
+        if _wait(run, st, pending):
+            previous = (i, received)
+        if not overlap:
+            if previous is not None:
+                run.unpack_step(*previous)
+                previous = None
+            if i + 1 < len(steps) and run.failure is None:
+                run.pack_step(i + 1)
+    if previous is not None:
+        run.unpack_step(*previous)
 
+
+def _decide_step(run: _Run, i: int, ballot: Any, pending: list) -> None:
+    """Decide vote ``i``; on an abort, leave nothing of step ``i`` behind that can be
+    waited for, and raise."""
     try:
-        t_data = time.perf_counter()
-        local_done = False
-        gated = not agreed
-        if steps:
-            if run.failure is None:
-                prepare(0)
-            before(steps[0])
-            faults.die_if(prog.group_rank, "before-send")
-            if gated:
-                # Vote 0 is the gate: nothing goes on the wire before every rank started
-                # and agrees on the plan and the chunking. The local copies need no peer:
-                # they run while the vote travels (and while slower ranks still arrive).
-                gate = run.post_vote(0)
-                if run.failure is None:
-                    run.local_copies()
-                    local_done = True
-                run.decide(0, gate)
-            elif run.failure is not None:
-                # could not start (no buffers, no destinations): post nothing, and vote
-                # so that no peer waits on this rank's operations
-                run.failure.transport = True
+        run.decide(i, ballot)
+    except MigrationAborted as exc:
+        if exc.transport_failed:
+            _QUARANTINE.append(pending)
+        else:  # every rank posted this step: let it complete, leave nothing behind
+            _wait(run, run.prog.steps[i], pending)
+        raise
 
-        def post(i: int) -> tuple[Any, list, list]:
-            """Post vote ``i`` (unless it was the gate) and step ``i``'s operations."""
-            st = steps[i]
-            if i > 0:
-                before(st)
-            # Vote i travels with step i's data and is decided before that data is waited
-            # for: a rank that failed still posts its operations (without packing or
-            # unpacking) unless its transport failed, so no rank waits on a missing
-            # operation, and every rank stops at the same vote as with a vote per step.
-            ballot = run.post_vote(i) if i > 0 or not gated else None
-            recv_buf = recv_bufs[i % len(recv_bufs)] if recv_bufs else None
-            pending, received = _post(run, st, outgoing.pop(i, None), recv_buf,
-                                      send_bufs[i % len(send_bufs)] if send_bufs else None)
-            if pending:
-                faults.die_if(prog.group_rank, "mid-transfer")
-            return ballot, pending, received
 
-        previous: tuple[int, list] | None = None  # (step, received) not yet unpacked
-        ahead: tuple[Any, list, list] | None = None  # the next step, posted already
-        for i, st in enumerate(steps):
-            ballot, pending, received = ahead if ahead is not None else post(i)
-            ahead = None
-            if not local_done and run.failure is None:
-                run.local_copies()  # while the first step's data is on the wire
-                local_done = True
-            if options.overlap:
-                if previous is not None:
-                    finish(*previous)
-                    previous = None
-                if i + 1 < len(steps) and run.failure is None:
-                    prepare(i + 1)
-            if ballot is not None:
-                try:
-                    run.decide(i, ballot)
-                except MigrationAborted as exc:
-                    if exc.transport_failed:
-                        _QUARANTINE.append(pending)
-                    else:  # every rank posted this step: let it complete, leave nothing behind
-                        _wait(run, st, pending)
-                    raise
-            if options.overlap and i + 1 < len(steps):
-                # Step i + 1 goes on the wire before step i is waited for: its buffers are
-                # the other pair (step i - 1's, sent and unpacked above), and every rank
-                # posts it after deciding vote i, so an abort there leaves nothing posted
-                # ahead. A failure seen while waiting for step i is voted one vote later.
-                ahead = post(i + 1)
-            if _wait(run, st, pending):
-                previous = (i, received)
-            if not options.overlap:
-                if previous is not None:
-                    finish(*previous)
-                    previous = None
-                if i + 1 < len(steps) and run.failure is None:
-                    prepare(i + 1)
-        if previous is not None:
-            finish(*previous)
-        if not local_done and run.failure is None:
-            run.local_copies()
-        if run.failure is None:
-            try:
-                _settle_device(run.transport.device)
-            except RuntimeError as exc:  # an asynchronous CUDA error: voted, not raised
-                run.fail("the device failed before the commit vote", exc)
-        if run.failure is None:
-            try:
-                faults.check(prog.group_rank, "commit")
-            except Exception as exc:  # noqa: BLE001
-                run.fail("failed before the commit vote", exc)
-        faults.die_if(prog.group_rank, "before-commit")
-        t_commit = time.perf_counter()
-        stats.data_seconds = t_commit - t_data
-        _commit_vote(run, len(steps), faults, commit)
-        stats.commit_seconds = time.perf_counter() - t_commit
-    finally:
-        if options.measure_memory:
-            memory.stop()
-            stats.memory_base, stats.memory_peak = memory.base, memory.peak
-            stats.memory_peak_delta, stats.memory_reset = memory.peak_delta, memory.reset
-    stats.total_seconds = time.perf_counter() - t_start
-    new_shards = [LocalShard(sp.state_key, sp.lo, sp.hi, sp.s, t)
-                  for sp, t in zip(prog.new_specs, new_tensors)]
-    return MigrationResult(device, prog.group_rank, prog.old_rank, prog.new_rank, new_shards,
-                           stats)
+def _before_commit(run: _Run) -> None:
+    """The last local copies (a program without steps), then the device settled and the
+    commit fault checked: what fails here is voted at the commit vote."""
+    rank = run.prog.group_rank
+    run.local_copies_once()
+    if run.failure is None:
+        try:
+            _settle_device(run.transport.device)
+        except RuntimeError as exc:  # an asynchronous CUDA error: voted, not raised
+            run.fail("the device failed before the commit vote", exc)
+    if run.failure is None:
+        try:
+            run.faults.check(rank, "commit")
+        except Exception as exc:  # noqa: BLE001
+            run.fail("failed before the commit vote", exc)
+    run.faults.die_if(rank, "before-commit")
 
 
 def agree(transport: Transport, program: Program, timeout_s: float = 300.0) -> None:

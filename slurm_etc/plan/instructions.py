@@ -160,14 +160,7 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
             that out first, with the tensors named).
     """
     old_dev = np.asarray(old.devices, np.int64)
-    dev_to_old = np.full(max(int(old_dev.max()), int(dst_dev.max(initial=0))) + 1, -1, np.int64)
-    dev_to_old[old_dev] = np.arange(len(old_dev))
-    dst_old = dev_to_old[dst_dev]
-    keys = holder_keys(old_tab)
-    probe = np.where(dst_old >= 0, dst_old * len(old_tab) + frag.old_row[f], -1)
-    pos = np.minimum(np.searchsorted(keys, probe), len(keys) - 1)
-    local = (dst_old >= 0) & (keys[pos] == probe)
-    src_rank = np.where(local, dst_old, -1)
+    src_rank, local = _local_sources(old_dev, old_tab, frag, f, dst_dev)
 
     remote = np.flatnonzero(~local)
     if not len(remote):
@@ -182,12 +175,8 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
                         "has no surviving holder")
     # candidate lists: a set's holders on one node ("near"), else the whole set
     n_nodes = max(int(old_dev.max()), int(dst_dev.max())) // gpus_per_node + 1
-    member_set = np.repeat(np.arange(len(set_ptr) - 1), np.diff(set_ptr))
-    near_key = member_set * n_nodes + old_dev[set_rank] // gpus_per_node
-    by_key = np.lexsort((set_rank, near_key))       # stable in rank within a key
-    near_sorted, near_rank = near_key[by_key], set_rank[by_key]
-    near_keys, near_first, near_count = np.unique(near_sorted, return_index=True,
-                                                  return_counts=True)
+    near_keys, near_first, near_count, near_rank = _near_holders(old_dev, set_ptr, set_rank,
+                                                                 n_nodes, gpus_per_node)
     probe = t_set * n_nodes + dst_dev[remote] // gpus_per_node
     k = np.minimum(np.searchsorted(near_keys, probe), max(len(near_keys) - 1, 0))
     near = near_keys[k] == probe
@@ -223,32 +212,70 @@ def choose_sources(old: Layout, old_tab: RegionTable, frag: Fragments, frag_byte
                            set_rank, old_dev // gpus_per_node)
     free = np.flatnonzero(b_pick < 0)
     if len(free):
-        groups, g_of = np.unique(b_group[free], return_inverse=True)
-        g_of = g_of.ravel()
-        g_rep = np.zeros(len(groups), np.int64)
-        g_rep[g_of[::-1]] = free[::-1]
-        m_g = b_count[g_rep]
-        c_g = np.repeat(np.arange(len(groups)), m_g)
-        c_pos = np.arange(int(m_g.sum())) - np.repeat(np.cumsum(m_g) - m_g, m_g)
-        at = np.repeat(b_first[g_rep], m_g) + c_pos
-        c_rank = np.where(np.repeat(b_near[g_rep], m_g),
-                          near_rank[np.minimum(at, max(len(near_rank) - 1, 0))],
-                          set_rank[np.minimum(at, len(set_rank) - 1)])
-        rotated = (c_pos + np.repeat(groups, m_g)) % np.repeat(m_g, m_g)
-        c_order = np.lexsort((rotated, load0[c_rank], c_g))
-        c_rank = c_rank[c_order]
-        g_start = np.cumsum(m_g) - m_g
-        # bundles of a list biggest first (ties: new rank), dealt 0, 1, .., m-1, m-1, .., 0
-        order = free[np.lexsort((b_rank[free], -b_bytes[free], g_of))]
-        g_o = np.searchsorted(groups, b_group[order])
-        first_in = np.flatnonzero(np.r_[True, g_o[1:] != g_o[:-1]])
-        i = np.arange(len(order)) - np.repeat(first_in, np.diff(np.append(first_in, len(order))))
-        m = m_g[g_o]
-        lap, j = i // m, i % m
-        slot = np.where(lap % 2 == 0, j, m - 1 - j)
-        b_pick[order] = c_rank[g_start[g_o] + slot]
+        _deal(b_pick, free, b_group, b_count, b_first, b_near, b_rank, b_bytes, load0,
+              near_rank, set_rank)
     src_rank[remote] = b_pick[of_bundle]
     return old_dev[src_rank], src_rank
+
+
+def _local_sources(old_dev: np.ndarray, old_tab: RegionTable, frag: Fragments, f: np.ndarray,
+                   dst_dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(old rank of the source, -1 where not local; whether local) per (fragment, new rank)
+    pair: local where the destination device holds the fragment's old row."""
+    dev_to_old = np.full(max(int(old_dev.max()), int(dst_dev.max(initial=0))) + 1, -1, np.int64)
+    dev_to_old[old_dev] = np.arange(len(old_dev))
+    dst_old = dev_to_old[dst_dev]
+    keys = holder_keys(old_tab)
+    probe = np.where(dst_old >= 0, dst_old * len(old_tab) + frag.old_row[f], -1)
+    pos = np.minimum(np.searchsorted(keys, probe), len(keys) - 1)
+    local = (dst_old >= 0) & (keys[pos] == probe)
+    return np.where(local, dst_old, -1), local
+
+def _near_holders(old_dev: np.ndarray, set_ptr: np.ndarray, set_rank: np.ndarray,
+                  n_nodes: int, gpus_per_node: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each holder set's holders grouped by node: (set x node key, first and count of its
+    holders in the returned ranks, the ranks ordered by key then rank)."""
+    member_set = np.repeat(np.arange(len(set_ptr) - 1), np.diff(set_ptr))
+    near_key = member_set * n_nodes + old_dev[set_rank] // gpus_per_node
+    by_key = np.lexsort((set_rank, near_key))       # stable in rank within a key
+    near_sorted, near_rank = near_key[by_key], set_rank[by_key]
+    near_keys, near_first, near_count = np.unique(near_sorted, return_index=True,
+                                                  return_counts=True)
+    return near_keys, near_first, near_count, near_rank
+
+
+def _deal(b_pick: np.ndarray, free: np.ndarray, b_group: np.ndarray, b_count: np.ndarray,
+          b_first: np.ndarray, b_near: np.ndarray, b_rank: np.ndarray, b_bytes: np.ndarray,
+          load0: np.ndarray, near_rank: np.ndarray, set_rank: np.ndarray) -> None:
+    """Deal the ``free`` bundles (no sender yet) over their candidate lists, in place in
+    ``b_pick``: each list ordered by the forced bytes its members already send (least
+    first; ties rotated by the list's id), its bundles biggest first (ties: new rank),
+    dealt 0, 1, .., m-1, m-1, .., 0."""
+    groups, g_of = np.unique(b_group[free], return_inverse=True)
+    g_of = g_of.ravel()
+    g_rep = np.zeros(len(groups), np.int64)
+    g_rep[g_of[::-1]] = free[::-1]
+    m_g = b_count[g_rep]
+    c_g = np.repeat(np.arange(len(groups)), m_g)
+    c_pos = np.arange(int(m_g.sum())) - np.repeat(np.cumsum(m_g) - m_g, m_g)
+    at = np.repeat(b_first[g_rep], m_g) + c_pos
+    c_rank = np.where(np.repeat(b_near[g_rep], m_g),
+                      near_rank[np.minimum(at, max(len(near_rank) - 1, 0))],
+                      set_rank[np.minimum(at, len(set_rank) - 1)])
+    rotated = (c_pos + np.repeat(groups, m_g)) % np.repeat(m_g, m_g)
+    c_order = np.lexsort((rotated, load0[c_rank], c_g))
+    c_rank = c_rank[c_order]
+    g_start = np.cumsum(m_g) - m_g
+    # bundles of a list biggest first (ties: new rank), dealt 0, 1, .., m-1, m-1, .., 0
+    order = free[np.lexsort((b_rank[free], -b_bytes[free], g_of))]
+    g_o = np.searchsorted(groups, b_group[order])
+    first_in = np.flatnonzero(np.r_[True, g_o[1:] != g_o[:-1]])
+    i = np.arange(len(order)) - np.repeat(first_in, np.diff(np.append(first_in, len(order))))
+    m = m_g[g_o]
+    lap, j = i // m, i % m
+    slot = np.where(lap % 2 == 0, j, m - 1 - j)
+    b_pick[order] = c_rank[g_start[g_o] + slot]
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, dst_rank: np.ndarray, f: np.ndarray,

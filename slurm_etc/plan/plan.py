@@ -11,7 +11,7 @@ import numpy as np
 from .catalog import Catalog, build_catalog
 from .classes import assign_classes, assign_classes_tp_in_node, kept_upper_bound
 from .config import Layout, ParallelConfig
-from .cost import build_cost
+from .cost import CostMatrix, build_cost
 from .errors import ConfigError, require
 from .flow import assign_exact_tp_in_node, kept_exact
 from .instructions import Transfers, balance_stats, choose_sources, coalesce, needs
@@ -319,6 +319,24 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
     cost = build_cost(catalog, old, new_config, pool, old_tab, new_tab, frag)
 
     constrained = keep_tp_in_node and new_config.tp > 1
+    placement, lower_bound, sketch, bound_exact = _sketch(cost, new_config, topology,
+                                                          constrained)
+    naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
+    new = Layout(new_config, tuple(int(d) for d in pool[placement]))
+    transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology,
+                                        alive)
+    plan_seconds = time.perf_counter() - t0
+    return MigrationPlan(catalog, old, new, topology, old_tab, new_tab, frag, transfers,
+                         messages, cost.needed_bytes, lower_bound, naive, plan_seconds,
+                         stats={**balance_stats(transfers), "sketch": sketch,
+                                "lower_bound_exact": bound_exact}, lost=lost_devices)
+
+def _sketch(cost: CostMatrix, new_config: ParallelConfig, topology: Topology,
+            constrained: bool) -> tuple[np.ndarray, int, str, bool]:
+    """The migration sketch: (placement of the new ranks on the pool, byte lower bound, how
+    it was found, whether the bound is exact). Dense where the matrix is small; else by
+    classes, and the exact flow where the cheap bound leaves a real gap. ``constrained``:
+    tensor-parallel groups stay inside a node."""
     exact = cost.shape[0] * cost.shape[1] <= DENSE_CELLS
     if exact:
         sketch, bound_exact = "dense", True
@@ -343,15 +361,7 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
                 best = assign_exact_tp_in_node(cost, new_config.tp, topology.gpus_per_node)
             if cost.kept(best) > cost.kept(placement):
                 placement = best
-    naive = cost.needed_bytes - cost.kept(np.arange(new_config.world))
-    new = Layout(new_config, tuple(int(d) for d in pool[placement]))
-    transfers, messages = _instructions(catalog, old, new, old_tab, new_tab, frag, topology,
-                                        alive)
-    plan_seconds = time.perf_counter() - t0
-    return MigrationPlan(catalog, old, new, topology, old_tab, new_tab, frag, transfers,
-                         messages, cost.needed_bytes, lower_bound, naive, plan_seconds,
-                         stats={**balance_stats(transfers), "sketch": sketch,
-                                "lower_bound_exact": bound_exact}, lost=lost_devices)
+    return placement, lower_bound, sketch, bound_exact
 
 
 def _instructions(catalog: Catalog, old: Layout, new: Layout, old_tab: RegionTable,

@@ -410,12 +410,42 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     """
     tp, ep = config.tp, config.ep
     entries, buckets = dist_buffer(catalog, config, 0, p, chunk, expert, 0)
+    pieces = _dist_pieces(catalog, config, entries)
+    if pieces is None:
+        return
+    start, end, lo0, hi0, shift, eshift, group, layers, n_experts = pieces
+    shards = config.replicas if expert else config.dp_cp
+    _, k, a, z, m = _range_cuts(start, end, buckets, shards)
+    for t in range(tp):
+        if expert:
+            # one expert buffer per ep rank, cut over its expert data-parallel replicas
+            for e in range(ep):
+                off = t * shift[k] + e * eshift[k]
+                lay = np.where(layers[k] >= 0, (layers[k] + e * eshift[k][:, 0]) // n_experts[k],
+                               -1)
+                b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m,
+                              t + tp * (e + ep * p))
+        else:
+            # the dense buffer is cut over dp x cp ranks m: class ep rank m % ep, replica
+            # m // ep
+            # (at ep = 1 the experts are here too: their rows' layer is the model layer)
+            off = t * shift[k]
+            lay = np.where(layers[k] >= 0, layers[k] // n_experts[k], -1)
+            b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m // ep,
+                          t + tp * (m % ep + ep * p))
+
+
+def _dist_pieces(catalog: Catalog, config: ParallelConfig,
+                 entries: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, ...] | None:
+    """Every box of every entry of a flat buffer, in buffer order, at tp rank 0 and ep rank
+    0: (start, end, lo, hi, tp shift, ep shift, group, layer, experts per group) arrays, an
+    alias repeating its main entry's boxes; None for an empty buffer."""
+    tp, ep = config.tp, config.ep
     aliases: dict[int, tuple[int, ...]] = {}
     for gi, g in enumerate(catalog.groups):
         main = _alias_of(catalog, g, config) if g.dist else None
         if main is not None:
             aliases[main] = (main, gi)
-    # every box of every entry, in buffer order, with its rank-0 position and shifts
     p_group: list[int] = []
     p_layer: list[int] = []
     p_lo: list[list[int]] = []
@@ -444,7 +474,7 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
                 p_size.append(size)
             base += size
     if not p_start:
-        return
+        return None
     start = np.array(p_start, np.int64)
     end = start + np.array(p_size, np.int64)
     lo0, hi0 = np.array(p_lo, np.int64), np.array(p_hi, np.int64)
@@ -453,11 +483,17 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     eshift[:, 0] = p_eshift
     group, layers = np.array(p_group, np.int64), np.array(p_layer, np.int64)
     n_experts = np.array([max(catalog.groups[gi].experts, 1) for gi in p_group], np.int64)
-    # every data-parallel rank's range of every bucket, then the pieces it cuts: pieces are
-    # in buffer order and disjoint (an alias repeats its main entry's range), so the pieces
-    # a range [r0, r1) meets are the slice from the first ending after r0 to the last
-    # starting before r1
-    shards = config.replicas if expert else config.dp_cp
+    return start, end, lo0, hi0, shift, eshift, group, layers, n_experts
+
+
+def _range_cuts(start: np.ndarray, end: np.ndarray, buckets: Sequence[tuple[int, int]],
+                shards: int) -> tuple[np.ndarray, ...]:
+    """The pieces each of ``shards`` data-parallel ranks' range of every bucket cuts:
+    (range, piece, piece-relative start, end, rank) arrays.
+
+    Pieces are in buffer order and disjoint (an alias repeats its main entry's range), so
+    the pieces a range [r0, r1) meets are the slice from the first ending after r0 to the
+    last starting before r1."""
     bs = np.array([x for x, _ in buckets], np.int64)
     be = np.array([y for _, y in buckets], np.int64)
     part = (be - bs) // shards
@@ -473,21 +509,4 @@ def _add_dist_rows(b: _Builder, catalog: Catalog, config: ParallelConfig, p: int
     z = np.minimum(r1[which] - start[k], end[k] - start[k])
     ok = a < z
     which, k, a, z = which[ok], k[ok], a[ok], z[ok]
-    m = d[which]
-    for t in range(tp):
-        if expert:
-            # one expert buffer per ep rank, cut over its expert data-parallel replicas
-            for e in range(ep):
-                off = t * shift[k] + e * eshift[k]
-                lay = np.where(layers[k] >= 0, (layers[k] + e * eshift[k][:, 0]) // n_experts[k],
-                               -1)
-                b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m,
-                              t + tp * (e + ep * p))
-        else:
-            # the dense buffer is cut over dp x cp ranks m: class ep rank m % ep, replica
-            # m // ep
-            # (at ep = 1 the experts are here too: their rows' layer is the model layer)
-            off = t * shift[k]
-            lay = np.where(layers[k] >= 0, layers[k] // n_experts[k], -1)
-            b.add_columns(group[k], lay, lo0[k] + off, hi0[k] + off, a, z, m // ep,
-                          t + tp * (m % ep + ep * p))
+    return which, k, a, z, d[which]

@@ -198,13 +198,46 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
     lost = in_layout & leaving
     recent = sum(1 for t in s.resizes if 0 <= s.now - t < HOUR)
     capped = policy.max_resizes_per_hour is not None and recent >= policy.max_resizes_per_hour
-    counts = list(Counter(d.node for d in usable).values())
+    try:
+        choice = _choose(s, policy, usable, cost, planned, bool(lost) or not capped)
+    except ConfigError as exc:
+        ride = _ride_out_notice(s, policy, given_cost, lost)
+        if ride is not None:
+            return ride
+        grow = _grow_request(s, policy, usable, None, capped)
+        return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
+                        f"no configuration fits the {len(usable)} usable devices")
 
-    # Migration cost matters only when a resize can happen now (not at a first start, nor
-    # for a voluntary resize the cap forbids).
+    actions: list[Action] = []
+    target, keep, forced, why, summary = _weigh(s, policy, usable, lost, choice, recent,
+                                                capped)
+    if keep is not None:
+        config = keep
+        target = Allocation(dict(s.vranks), tuple(sorted(usable - in_layout - s.pinned)))
+    else:
+        config = choice.config
+        if len(target.nodes) < policy.min_nodes:
+            pause: list[Action] = [Pause(f"the best configuration ({config}) spans "
+                                         f"{len(target.nodes)} node(s), below the policy's "
+                                         f"min_nodes ({policy.min_nodes})")]
+            grow = _grow_request(s, policy, usable, None, capped)
+            return Decision(tuple(pause + ([grow] if grow else [])),
+                            "below the policy's minimum size")
+        deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
+        actions.append(ResizeDecision(config, target, forced, why, deadline))
+    actions += _release_and_grow(s, policy, config, target, choice, capped)
+    return Decision(tuple(actions), summary)
+
+
+def _choose(s: JobView, policy: EffectivePolicy, usable: frozenset[Device], cost: CostFn,
+            planned: bool, can_move: bool) -> Choice:
+    """The best configuration on the ``usable`` devices (raises ConfigError where none
+    fits); its migration cost counts only where a resize ``can_move`` now (not at a first
+    start, nor for a voluntary resize the cap forbids)."""
+    counts = list(Counter(d.node for d in usable).values())
     cost_of: Callable[[ParallelConfig], int] | None = None
     layout = s.layout
-    if layout is not None and (lost or not capped):
+    if layout is not None and can_move:
         def cost_from_layout(config: ParallelConfig) -> int:
             return cost(layout, config, _allocate(s, usable, config, policy))
         cost_of = cost_from_layout
@@ -219,19 +252,17 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
                                    _topology(s)).assignment
         return survives_node_loss(config, [allocation.vranks[v].node for v in order])
 
-    try:
-        choice = choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
-                               allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
-                               migration_cost=cost_of, survives_loss=survives)
-    except ConfigError as exc:
-        ride = _ride_out_notice(s, policy, given_cost, lost)
-        if ride is not None:
-            return ride
-        grow = _grow_request(s, policy, usable, None, capped)
-        return Decision(tuple([Pause(str(exc))] + ([grow] if grow else [])),
-                        f"no configuration fits the {len(usable)} usable devices")
+    return choose_config(s.job, s.hardware, counts, allowed_tp=policy.allowed_tp,
+                         allowed_pp=policy.allowed_pp, max_nodes=policy.max_nodes,
+                         migration_cost=cost_of, survives_loss=survives)
 
-    actions: list[Action] = []
+
+def _weigh(s: JobView, policy: EffectivePolicy, usable: frozenset[Device],
+           lost: frozenset[Device], choice: Choice, recent: int, capped: bool
+           ) -> tuple[Allocation, ParallelConfig | None, bool, str, str]:
+    """What ``choice`` means from where the job is: its allocation, the current
+    configuration where that stays instead, whether the move is forced, why, and the
+    decision's summary."""
     target = _allocate(s, usable, choice.config, policy)
     keep: ParallelConfig | None = None  # the current configuration, if it stays
     if s.layout is None:
@@ -254,20 +285,13 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
         else:
             summary = (f"keep {s.layout.config}: {recent} resizes in the last hour reach the "
                        f"policy cap ({policy.max_resizes_per_hour}); a {gain:.0%} gain waits")
-    if keep is not None:
-        config = keep
-        target = Allocation(dict(s.vranks), tuple(sorted(usable - in_layout - s.pinned)))
-    else:
-        config = choice.config
-        if len(target.nodes) < policy.min_nodes:
-            pause: list[Action] = [Pause(f"the best configuration ({config}) spans "
-                                         f"{len(target.nodes)} node(s), below the policy's "
-                                         f"min_nodes ({policy.min_nodes})")]
-            grow = _grow_request(s, policy, usable, None, capped)
-            return Decision(tuple(pause + ([grow] if grow else [])),
-                            "below the policy's minimum size")
-        deadline = (min(n.deadline for n in s.notices if n.devices & lost) if lost else None)
-        actions.append(ResizeDecision(config, target, forced, why, deadline))
+    return target, keep, forced, why, summary
+
+
+def _release_and_grow(s: JobView, policy: EffectivePolicy, config: ParallelConfig,
+                      target: Allocation, choice: Choice, capped: bool) -> list[Action]:
+    """After the resize (or none): a request withdrawn, devices released, growth asked."""
+    actions: list[Action] = []
     kept = frozenset(target.vranks.values())
     unmeetable = _unmeetable(s, kept)
     withdraw = unmeetable or _withdraw(s, policy, capped)
@@ -286,7 +310,7 @@ def decide(snapshot: JobView, policy: EffectivePolicy, *,
         actions.append(Release(released, _release_reason(config, target, policy)))
     if grow:
         actions.append(grow)
-    return Decision(tuple(actions), summary)
+    return actions
 
 
 def _growth(s: JobView, policy: EffectivePolicy, kept: frozenset[Device],

@@ -433,7 +433,9 @@ class StoreServer:
         if reply is not None:
             self._reply(routing, reply)
 
-    def _apply(self, routing: bytes, req: Request) -> Reply | None:  # noqa: C901 - one switch
+    def _apply(self, routing: bytes, req: Request) -> Reply | None:
+        """Carry out one request: its reply, or None where it waits for keys (answered
+        when they are set, or at its deadline)."""
         lim = self.limits
         if len(req.keys) > lim.keys_per_request or len(req.values) > lim.keys_per_request:
             raise _Refused("full", f"{len(req.keys)} keys in one request (at most "
@@ -444,87 +446,111 @@ class StoreServer:
                                        f"{lim.key_bytes})")
         op = req.op
         with self._lock:
-            if op == "set":
-                self._one(req)
-                self._put(req.keys[0], req.values[0] if req.values else b"")
-                return Reply(req.id, "ok")
-            if op == "multi_set":
-                if len(req.keys) != len(req.values):
-                    raise _Refused("bad", f"{len(req.keys)} keys, {len(req.values)} values")
-                self._fits(req.keys, req.values)
-                for k, v in zip(req.keys, req.values, strict=True):
-                    self._put(k, v)
-                return Reply(req.id, "ok")
-            if op == "add":
-                self._one(req)
-                key = req.keys[0]
-                try:
-                    now = int(self._data.get(key, b"0")) + req.amount
-                except ValueError:
-                    raise _Refused("bad", f"key {key[:80]!r} does not hold an integer"
-                                   ) from None
-                self._put(key, str(now).encode())
-                return Reply(req.id, "ok", number=now)
-            if op == "compare_set":
-                self._one(req)
-                if len(req.values) != 2:
-                    raise _Refused("bad", "compare_set takes expected and desired values")
-                key, (expected, desired) = req.keys[0], req.values
-                current = self._data.get(key)
-                if current is None:
-                    if expected:
-                        return Reply(req.id, "ok", values=[expected])
-                    self._put(key, desired)
-                    if self.on_first_set is not None:
-                        self.on_first_set(key, desired)
-                    return Reply(req.id, "ok", values=[desired])
-                if current == expected:
-                    self._put(key, desired)
-                    return Reply(req.id, "ok", values=[desired])
-                return Reply(req.id, "ok", values=[current])
-            if op == "check":
-                return Reply(req.id, "ok", number=int(all(k in self._data for k in req.keys)))
-            if op == "delete_key":
-                self._one(req)
-                value = self._data.pop(req.keys[0], None)
-                if value is not None:
-                    self._bytes -= len(req.keys[0]) + len(value)
-                return Reply(req.id, "ok", number=int(value is not None))
-            if op == "num_keys":
-                return Reply(req.id, "ok", number=len(self._data))
+            reply = self._at_once(req)
+            if reply is not None:
+                return reply
             wake, seen = "", b""
             if op == "agree":
-                # keys [own, stale or "", wake or "", *keys], values [own's, wake's seen]:
-                # set, delete, then a multi_get that a new value of the wake key ends early
-                if len(req.keys) < 4 or len(req.values) != 2:
-                    raise _Refused("bad", "agree takes its key, a stale key, a wake key and "
-                                          "the keys; its value and the wake key's seen value")
-                self._put(req.keys[0], req.values[0])
-                stale = self._data.pop(req.keys[1], None) if req.keys[1] else None
-                if stale is not None:
-                    self._bytes -= len(req.keys[1]) + len(stale)
-                wake, seen = req.keys[2], req.values[1]
-                if wake and self._data.get(wake, seen) != seen:
-                    return Reply(req.id, "woken", values=[self._data[wake]])
-                req = Request(req.id, "multi_get", req.keys[3:], [], 0, req.timeout_ms)
+                agreed = self._agree(req)
+                if isinstance(agreed, Reply):
+                    return agreed
+                req, wake, seen = agreed
                 op = req.op
             if op in ("get", "multi_get", "wait"):
-                missing = {k for k in req.keys if k not in self._data}
-                if not missing:
-                    return self._answer(req)
-                if req.timeout_ms <= 0:
-                    return Reply(req.id, "timeout", error=f"{len(missing)} keys missing")
-                if len(self._blocked) >= lim.waiters:
-                    raise _Refused("full", f"{len(self._blocked)} requests already waiting")
-                w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing,
-                            wake, seen)
-                self._blocked.add(w)
-                for k in missing:
-                    self._waiters.setdefault(k, []).append(w)
-                if wake:
-                    self._wakers.setdefault(wake, set()).add(w)
-                return None
+                return self._get_or_wait(routing, req, wake, seen)
         raise _Refused("bad", f"unknown operation {op[:40]!r}")
+
+    def _at_once(self, req: Request) -> Reply | None:  # noqa: C901 - one switch
+        """The reply to an operation answered at once (every write, ``check``,
+        ``num_keys``); None for the others."""
+        op = req.op
+        if op == "set":
+            self._one(req)
+            self._put(req.keys[0], req.values[0] if req.values else b"")
+            return Reply(req.id, "ok")
+        if op == "multi_set":
+            if len(req.keys) != len(req.values):
+                raise _Refused("bad", f"{len(req.keys)} keys, {len(req.values)} values")
+            self._fits(req.keys, req.values)
+            for k, v in zip(req.keys, req.values, strict=True):
+                self._put(k, v)
+            return Reply(req.id, "ok")
+        if op == "add":
+            self._one(req)
+            key = req.keys[0]
+            try:
+                now = int(self._data.get(key, b"0")) + req.amount
+            except ValueError:
+                raise _Refused("bad", f"key {key[:80]!r} does not hold an integer") from None
+            self._put(key, str(now).encode())
+            return Reply(req.id, "ok", number=now)
+        if op == "compare_set":
+            return self._compare_set(req)
+        if op == "check":
+            return Reply(req.id, "ok", number=int(all(k in self._data for k in req.keys)))
+        if op == "delete_key":
+            self._one(req)
+            value = self._data.pop(req.keys[0], None)
+            if value is not None:
+                self._bytes -= len(req.keys[0]) + len(value)
+            return Reply(req.id, "ok", number=int(value is not None))
+        if op == "num_keys":
+            return Reply(req.id, "ok", number=len(self._data))
+        return None
+
+    def _compare_set(self, req: Request) -> Reply:
+        self._one(req)
+        if len(req.values) != 2:
+            raise _Refused("bad", "compare_set takes expected and desired values")
+        key, (expected, desired) = req.keys[0], req.values
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return Reply(req.id, "ok", values=[expected])
+            self._put(key, desired)
+            if self.on_first_set is not None:
+                self.on_first_set(key, desired)
+            return Reply(req.id, "ok", values=[desired])
+        if current == expected:
+            self._put(key, desired)
+            return Reply(req.id, "ok", values=[desired])
+        return Reply(req.id, "ok", values=[current])
+
+    def _agree(self, req: Request) -> Reply | tuple[Request, str, bytes]:
+        """``agree``: keys [own, stale or "", wake or "", *keys], values [own's, wake's
+        seen]: set, delete, then a multi_get (returned, with the wake key and its seen
+        value) that a new value of the wake key ends early (the reply where it has one)."""
+        if len(req.keys) < 4 or len(req.values) != 2:
+            raise _Refused("bad", "agree takes its key, a stale key, a wake key and "
+                                  "the keys; its value and the wake key's seen value")
+        self._put(req.keys[0], req.values[0])
+        stale = self._data.pop(req.keys[1], None) if req.keys[1] else None
+        if stale is not None:
+            self._bytes -= len(req.keys[1]) + len(stale)
+        wake, seen = req.keys[2], req.values[1]
+        if wake and self._data.get(wake, seen) != seen:
+            return Reply(req.id, "woken", values=[self._data[wake]])
+        return Request(req.id, "multi_get", req.keys[3:], [], 0, req.timeout_ms), wake, seen
+
+    def _get_or_wait(self, routing: bytes, req: Request, wake: str, seen: bytes
+                     ) -> Reply | None:
+        """``get``, ``multi_get``, ``wait``: the reply where every key is there (or the
+        request does not wait), else None and the request waits for them."""
+        missing = {k for k in req.keys if k not in self._data}
+        if not missing:
+            return self._answer(req)
+        if req.timeout_ms <= 0:
+            return Reply(req.id, "timeout", error=f"{len(missing)} keys missing")
+        if len(self._blocked) >= self.limits.waiters:
+            raise _Refused("full", f"{len(self._blocked)} requests already waiting")
+        w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing,
+                    wake, seen)
+        self._blocked.add(w)
+        for k in missing:
+            self._waiters.setdefault(k, []).append(w)
+        if wake:
+            self._wakers.setdefault(wake, set()).add(w)
+        return None
 
     def _answer(self, req: Request) -> Reply:
         if req.op == "wait":

@@ -101,6 +101,7 @@ from typing import IO, Any, TypeVar
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
 from slurm_etc.coordinator.backend import (
+    BackendDefaults,
     BackendError,
     BackendEvent,
     CancelRequest,
@@ -320,7 +321,7 @@ class _Task:
 _Worker = Supervised[_Task]
 
 
-class SlurmBackend:
+class SlurmBackend(BackendDefaults):
     """Allocations and workers of one elastic job on Slurm.
 
     Args:

@@ -32,24 +32,19 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..errors import InputError
+from . import guard
+from .errors import BUSY_TIMEOUT_S, StoreError, locked_hint
 from .location import LocationError, check_writable_location, private_dir, private_file
 
 log = logging.getLogger(__name__)
 
 ENV_DB = "SLURM_ETC_DB"
 MIGRATIONS = Path(__file__).parent / "migrations"
-BUSY_TIMEOUT_S = 10.0
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # Set while a write transaction begins: SQLite then takes the write lock at BEGIN.
 _WRITE: ContextVar[bool] = ContextVar("slurm_etc_store_write", default=False)
-
-
-class StoreError(InputError, RuntimeError):
-    """The database cannot be opened, is not ours, or cannot be brought to the current
-    schema (one line: where and why)."""
 
 
 P = ParamSpec("P")
@@ -392,8 +387,6 @@ def open_store_readonly(target: str | os.PathLike[str], *, immutable: bool = Fal
 
 
 def _guarded_connect(uri: str, where: str, limits: Any) -> Callable[[], sqlite3.Connection]:
-    from . import guard  # guard names StoreError: imported here, not at the top
-
     deadline = time.monotonic() + limits.seconds
 
     def connect() -> sqlite3.Connection:
@@ -413,19 +406,8 @@ def _reason(exc: SQLAlchemyError, limits: Any = None) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig if orig is not None else exc).splitlines()[0]
     if limits is not None:
-        from . import guard
-
         text = guard.interrupted_reason(text, limits)
     return locked_hint(text)
-
-
-def locked_hint(text: str) -> str:
-    """A sqlite error text; "database is locked" says what that means."""
-    if "database is locked" in text:
-        # sqlite3 gave up after BUSY_TIMEOUT_S: say so rather than leave the user guessing
-        text += (f" (another process held its lock for {BUSY_TIMEOUT_S:g} s: a running "
-                 "coordinator or a stuck client; nothing was written, try again later)")
-    return text
 
 
 def _check_sqlite_header(db: Path) -> None:

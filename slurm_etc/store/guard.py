@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .db import StoreError, locked_hint
+from .errors import StoreError, locked_hint
 from .models import Base
 
 # Every table our migrations create, with its columns; alembic's own table too.

@@ -11,13 +11,14 @@ from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.coordinator.loop import Coordinator, JobSpec
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 from slurm_etc.store import jobs as record
 
 
-class HandDrivenBackend:
+class HandDrivenBackend(BackendDefaults):
     """Hands over the events queued in ``pending`` at each poll; actions do nothing."""
 
     def __init__(self, topology: ClusterTopology) -> None:

@@ -33,6 +33,7 @@ from click.testing import CliRunner
 from slurm_etc.cli.main import cli
 from slurm_etc.policy.admin import AdminVerdict
 from slurm_etc.store import db as store_db
+from slurm_etc.store import errors as store_errors
 
 pytestmark = pytest.mark.unit
 
@@ -333,7 +334,8 @@ def _assert_one_line(stderr: str, words: str, box: Path) -> str:
 @pytest.mark.parametrize(("args", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(
         sandbox: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], words: str) -> None:
-    monkeypatch.setattr(store_db, "BUSY_TIMEOUT_S", LOCK_WAIT_S)
+    monkeypatch.setattr(store_db, "BUSY_TIMEOUT_S", LOCK_WAIT_S)  # the wait
+    monkeypatch.setattr(store_errors, "BUSY_TIMEOUT_S", LOCK_WAIT_S)  # the hint's words
     monkeypatch.chdir(sandbox / "cwd")
     before = _tree(sandbox)
     started = time.monotonic()

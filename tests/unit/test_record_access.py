@@ -33,6 +33,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
+from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store
 from slurm_etc.store.location import snapshot_path
@@ -124,7 +125,7 @@ def test_a_snapshot_planted_by_another_user_is_not_adopted(attacker, victim, sha
     assert all(os.stat(p).st_uid == attacker.pw_uid for p in planted)
 
 
-class _RecordingBackend:
+class _RecordingBackend(BackendDefaults):
     """A backend that records every node request the coordinator sends."""
 
     def __init__(self, topology: Any) -> None:

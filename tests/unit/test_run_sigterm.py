@@ -15,6 +15,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
@@ -25,7 +26,7 @@ from slurm_etc.store.db import open_store_readonly
 SLURM_ETC = os.path.join(os.path.dirname(sys.executable), "slurm-etc")
 
 
-class SignalOnPoll:
+class SignalOnPoll(BackendDefaults):
     """A backend that sends the coordinator ``signum`` at its first poll and notes that it
     was closed."""
 
