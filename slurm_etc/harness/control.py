@@ -43,9 +43,10 @@ Starting is not measured and is slower than on a cluster: each host admits a few
 a time to the join (``control_ranks.JOINS_IN_FLIGHT``; 16,384 ranks join in a queue of
 minutes, so the bench gives the coordinator a join timeout that grows with N,
 :attr:`ControlBench.join_s`, where the product's default is 300 s), and ranks launched
-with the job meet in a simulated world rendezvous before their first step. A rank waiting
-for an order looks every ``control_ranks.ORDER_POLL_S`` (a real worker's channel reads its
-socket every 20 ms): up to that much of a resize's time is the simulation's. What the
+with the job meet in a simulated world rendezvous before their first step. The hosts'
+channels wait in slices of ``control_ranks.RANK_SOCKET_SLICE_S`` (a real worker's reads
+its socket every 20-100 ms; a reply or an order ends a wait at once either way), and their
+GIL switches every ``control_ranks.RANK_SWITCH_S``. What the
 figures cannot show here: the coordinator's network (all connections are loopback), the
 per-rank cost of a real process (an interpreter, CUDA, NCCL), and, at 16,384 ranks, a
 machine whose only 2 cores are shared by every rank thread, so resize times (which wait for

@@ -19,6 +19,13 @@ and running the worker's decisions (:class:`SimRank`). What that limits, on this
   joined) before their first step boundary: the first boundary's agreement then waits for
   nobody, as on a cluster. A real world's rendezvous goes through the store; here it costs
   the coordinator nothing (the figures exclude world building).
+- A thousand rank threads a process share one GIL: a lock held by a rank thread that loses
+  the CPU stalls its process's ranks (the idle class loses it to anything), so the ranks'
+  shared state is read without locks, the modules they use are imported before the host
+  turns idle, a wait in a simulated collective is on an event of the rank's own, the
+  channels wait in 1 s slices and the GIL switches every 50 ms. At 16,384 ranks on 2 cores
+  a step of 2 s took 8-15 s and a resize's store agreement minutes
+  (bench/results/bench_control/after-16384-attempt2.md).
 - The per-step figures are what a rank pays itself (its thread's CPU); the clock's view
   (``step_control_wall_ms``) includes the CPU thousands of other simulated ranks took.
 """
@@ -620,22 +627,10 @@ def _import_what_ranks_use() -> None:
         importlib.import_module(name)
 
 
-def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: float,
-              ranks: int, world_s: float) -> None:
-    """A host process: runs the simulated ranks the backend launches on its nodes.
-
-    Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
-    ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
-    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
-    restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
-    its generation's collectives at the fabric (its peers' next all-reduce raises).
-
-    The ranks run at the idle scheduling class: Linux shares the CPU per thread, and
-    thousands of rank threads would otherwise starve the coordinator's few (its handshakes
-    time out, its messages go stale) — on a cluster the ranks run on other nodes. The
-    host's zmq I/O thread and its fabric pump keep the normal class. Ranks start a few at a
-    time (:class:`_Admission`); ``world_s`` bounds the world's rendezvous before the
-    first step (the coordinator's join timeout)."""
+def _host_setup(fabric_conn: Connection, ranks: int, world_s: float
+                ) -> tuple["_HostFabric", _Shared]:
+    """A host process made ready for its ranks (its limits, the channels' slices, the
+    modules), its fabric end and shared state; then this thread turns to the idle class."""
     logging.basicConfig(level=logging.WARNING)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -655,6 +650,26 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux: the ranks compete as they are
         pass
+    return fabric, shared
+
+
+def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: float,
+              ranks: int, world_s: float) -> None:
+    """A host process: runs the simulated ranks the backend launches on its nodes.
+
+    Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
+    ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
+    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
+    restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
+    its generation's collectives at the fabric (its peers' next all-reduce raises).
+
+    The ranks run at the idle scheduling class: Linux shares the CPU per thread, and
+    thousands of rank threads would otherwise starve the coordinator's few (its handshakes
+    time out, its messages go stale) — on a cluster the ranks run on other nodes. The
+    host's zmq I/O thread and its fabric pump keep the normal class. Ranks start a few at a
+    time (:class:`_Admission`); ``world_s`` bounds the world's rendezvous before the
+    first step (the coordinator's join timeout)."""
+    fabric, shared = _host_setup(fabric_conn, ranks, world_s)
     gate_waits: list[float] = []
     began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
 
