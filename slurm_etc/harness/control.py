@@ -28,7 +28,8 @@ nothing here, and the resize times exclude them. Of a resize the ranks do what g
 the coordinator's store: old rank 0 publishes the trainer state and when its last step
 ended, joiners wait for it, every rank of the new layout takes the commit decision
 (compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`), then each reports.
-Resizes are not prepared beside training (the agreed step carries it out).
+Resizes are not prepared beside training (the agreed step carries it out). The ranks, their
+host processes and the fabric are :mod:`slurm_etc.harness.control_ranks`.
 
 What the machine limits: on 2 cores the ranks' threads, the coordinator and its store share
 the CPUs. The ranks' host processes run at the idle scheduling class, so the coordinator
@@ -38,6 +39,18 @@ own process) are what a coordinator node pays for a job of that size; a rank's
 nobody anything), and ``step_control_wall_ms`` the clock's view with the CPU the other
 simulated ranks took meanwhile. A coordinator holds one connection per rank (the channel,
 which carries the store): the open-file limit (:func:`descriptor_problem`) bounds N.
+Starting is not measured and is slower than on a cluster: each host admits a few ranks at
+a time to the join (``control_ranks.JOINS_IN_FLIGHT``; 16,384 ranks join in a queue of
+minutes, so the bench gives the coordinator a join timeout that grows with N,
+:attr:`ControlBench.join_s`, where the product's default is 300 s), and ranks launched
+with the job meet in a simulated world rendezvous before their first step. The hosts'
+channels wait in slices of ``control_ranks.RANK_SOCKET_SLICE_S`` (a real worker's reads
+its socket every 20-100 ms; a reply or an order ends a wait at once either way), and their
+GIL switches every ``control_ranks.RANK_SWITCH_S``. What the
+figures cannot show here: the coordinator's network (all connections are loopback), the
+per-rank cost of a real process (an interpreter, CUDA, NCCL), and, at 16,384 ranks, a
+machine whose only 2 cores are shared by every rank thread, so resize times (which wait for
+every rank's store requests) include the ranks' queue for the CPU.
 """
 from __future__ import annotations
 
@@ -45,20 +58,19 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import queue
 import resource
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from slurm_etc import bounds
 from slurm_etc.errors import InternalError
+from slurm_etc.harness.control_ranks import FDS_PER_SIM_RANK, fabric_main, host_main
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +79,9 @@ GPUS_PER_NODE = 8
 # descriptors a coordinator needs beyond its connection per rank (SQLite, zmq's own
 # mailboxes and listeners, the interpreter's)
 COORDINATOR_FDS_SPARE = 256
-# descriptors one simulated rank costs its host process (its TCP connection, the socket's
-# mailbox, the link monitor's pair, the eventfd that wakes the thread reading the socket)
-FDS_PER_SIM_RANK = 5
 EXTRAPOLATE_TO = 131_072
-# the fabric's key of a resize's migration group (a step number no step has)
-MIGRATION_GROUP = -1
+# the bench's join timeout a rank launched (ControlBench.join_s)
+JOIN_S_PER_RANK = 0.04
 # how long the job may take to end once the scenario ended it, before the bench cancels it
 END_GRACE_S = 60.0
 
@@ -101,6 +110,10 @@ class ControlBench:
         worker_timeout_s: the job's worker timeout (a rank's join, agreement and a resize's
             bound: unanswered for twice this, the coordinator aborts a resize); 0: 60 s and
             20 ms more a rank (thousands of simulated ranks start at once on 2 cores).
+        join_timeout_s: how long a launched rank has to say Hello (the coordinator's
+            ``JobSpec.join_timeout_s``); 0: the product's default (300 s) or 40 ms a rank
+            launched, whichever is longer (the hosts admit a few ranks at a time to the
+            join on 2 cores: 16,384 ranks queue for minutes; on a cluster they join at once).
     """
 
     ranks: int
@@ -116,6 +129,7 @@ class ControlBench:
     global_batch: int = 0  # 0: a multiple of every dp the run can choose
     timeout_s: float = 600.0
     worker_timeout_s: float = 0.0
+    join_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ranks < 16 or self.ranks % GPUS_PER_NODE:
@@ -144,6 +158,14 @@ class ControlBench:
         # 64 sequences a rank at least: compute outweighs the gradients' all-reduce in the
         # chooser's estimate, so it takes every device offered
         return every * max(1, -(-64 * self.ranks // every))
+
+    @property
+    def join_s(self) -> float:
+        """The coordinator's join timeout for this run (``join_timeout_s``)."""
+        from slurm_etc.coordinator.loop import DEFAULT_JOIN_TIMEOUT_S
+
+        most = self.ranks + GPUS_PER_NODE * self.grow_nodes
+        return self.join_timeout_s or max(DEFAULT_JOIN_TIMEOUT_S, JOIN_S_PER_RANK * most)
 
     @property
     def hosts(self) -> int:
@@ -177,694 +199,6 @@ def descriptor_problem(bench: ControlBench) -> str | None:
                 f"--ranks-per-host")
     return None
 
-
-# --------------------------------------------------------------------------- the ranks
-
-
-@dataclass
-class _Halt:
-    """Why a simulated rank must end now: ``kill`` (its node was lost: it says nothing, as a
-    killed process) or ``stop`` (StopWorkers: SIGTERM)."""
-
-    event: threading.Event = field(default_factory=threading.Event)
-    kind: str = ""
-
-    def set(self, kind: str) -> None:
-        self.kind = self.kind or kind
-        self.event.set()
-
-
-class _Shared:
-    """What the ranks of one host process share: the zmq context, parsed layouts, the
-    secret, and the host's end of the simulated all-reduce."""
-
-    def __init__(self, ranks: int, fabric: "_HostFabric") -> None:
-        import zmq
-
-        self.ctx: Any = zmq.Context(io_threads=1)
-        self.ctx.set(zmq.MAX_SOCKETS, max(1024, FDS_PER_SIM_RANK * ranks + 64))
-        self.fabric = fabric
-        self._lock = threading.Lock()
-        self._layouts: dict[str, Any] = {}
-        self._spec_layouts: dict[tuple[Any, ...], Any] = {}
-        self._secrets: dict[str, Any] = {}
-        self._ranks: dict[int, dict[int, int]] = {}
-
-    def secret(self, path: str) -> Any:
-        from slurm_etc.protocol.channel import load_secret
-
-        with self._lock:
-            if path not in self._secrets:
-                self._secrets[path] = load_secret(path)
-            return self._secrets[path]
-
-    def layout(self, text: str) -> Any:
-        """The layout of a worker's environment (``LAYOUT``), parsed once per process."""
-        from slurm_etc.protocol.messages import parse_layout
-
-        with self._lock:
-            if text not in self._layouts:
-                self._layouts[text] = parse_layout(text)
-            return self._layouts[text]
-
-    def layout_of(self, spec: Any) -> Any:
-        """The Layout of an order's LayoutSpec, one object per process (ranks are found in
-        it by identity)."""
-        key = (spec.config, spec.distributed_optimizer, spec.runs)
-        with self._lock:
-            got = self._spec_layouts.get(key)
-            if got is None:
-                got = self._spec_layouts[key] = spec.layout()
-            return got
-
-    def rank_of(self, layout: Any, vrank: int) -> int:
-        with self._lock:
-            index = self._ranks.get(id(layout))
-            if index is None:
-                index = self._ranks[id(layout)] = {v: i for i, v in enumerate(layout.devices)}
-            return index[vrank]
-
-
-class SimRank:
-    """One simulated rank: the worker's side of the control path, training nothing.
-
-    ``control`` collects ``(generation, step, cost, wall)`` of every step boundary: from the
-    end of a step's work (the sleep) to the start of the next (orders read, the agreement,
-    rank 0's Progress), its all-reduce apart (:meth:`_train`)."""
-
-    def __init__(self, shared: _Shared, vrank: int, generation: int, env: Mapping[str, str],
-                 model: Any, step_s: float, done: Callable[[int, int, int, bool], None]
-                 ) -> None:
-        from slurm_etc.protocol import env as envvars
-
-        self.shared, self.vrank, self.launched_in = shared, vrank, generation
-        self.job = env[envvars.JOB]
-        self.address = env[envvars.COORDINATOR]
-        self.secret = shared.secret(env[envvars.SECRET_FILE])
-        self.timeout_s = float(env.get(envvars.TIMEOUT, "300"))
-        self.layout = shared.layout(env[envvars.LAYOUT]) if env.get(envvars.LAYOUT) else None
-        self.generation = generation
-        self.model, self.step_s, self.done = model, step_s, done
-        self.halt = _Halt()
-        self.step = 0
-        self.control: list[tuple[int, int, float, float]] = []
-        self._pending: Any = None
-        self._woken_by = b""
-        self._last_ended: float | None = None
-        self._resumed_due = False
-        self._joined = False
-        self.failure = ""  # why the rank failed (a line), empty while it did not
-        self.restarts = 0  # times the store went unanswered past the client's grace
-        self._aborted: set[int] = set()
-        self.fabric = shared.fabric
-        self._gate: tuple[int, int, bool] | None = None
-        self.gate_wait: list[float] = []  # seconds in each step's gate all-reduce
-        self._asked = False  # whether this step boundary asked the store
-        self._boundary_at = 0.0  # when the boundary that asked the store (or failed) began
-        # generation -> when this rank's layout began the resize to it: the boundary that
-        # agreed on it, or the collective that failed (the step in flight is not control)
-        self.resize_began: dict[int, float] = {}
-        self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
-
-    # -- the thread ---------------------------------------------------------------------
-    def _main(self) -> None:
-        from slurm_etc.protocol.store import StoreUnreachable
-
-        code = 0
-        try:
-            code = self._run()
-        except _Halted:
-            code = -9 if self.halt.kind == "kill" else -15
-        except _Lost:
-            self._exit("coordinator-lost")
-        except StoreUnreachable as err:
-            # a real trainer holds here as if its coordinator had died (_await_restart) and
-            # drops the order it held as aborted; a simulated rank ends (counted)
-            self.failure = f"store unanswered: {str(err)[:120]}"
-            code = 1
-        except Exception as err:  # noqa: BLE001 - a rank's failure is its exit code
-            self.failure = f"{type(err).__name__}: {str(err)[:120]}"
-            code = 1
-        finally:
-            channel, store = getattr(self, "channel", None), getattr(self, "store", None)
-            try:
-                if channel is not None:
-                    # a killed rank's reports die with it; a stopped one's Exited leaves
-                    channel.close(linger_s=0 if self.halt.kind == "kill" else 0.5)
-                if store is not None:
-                    store.close()
-            except Exception:  # noqa: BLE001 - closing what a dead rank held
-                pass
-        self.done(self.vrank, self.launched_in, code, bool(self.halt.kind))
-
-    def _check(self) -> None:
-        if self.halt.event.is_set():
-            raise _Halted()
-
-    def _run(self) -> int:
-        from slurm_etc.protocol.channel import WorkerChannel
-        from slurm_etc.protocol.messages import ModelBuilt, Resize, Stop
-        from slurm_etc.protocol.store import StoreClient
-
-        self.channel = WorkerChannel(self.job, self.vrank, self.address, self.secret,
-                                     generation=self.generation, context=self.shared.ctx)
-        self._join()
-        self.store = StoreClient.over(self.channel)
-        if self.layout is None:  # a joiner: its first order brings it in
-            order = self._first_order()
-            if isinstance(order, Stop):
-                return self._exit("stopped")
-            if self._resize(order) == "left":
-                return 0
-        self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
-        while True:
-            self._check()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            self._asked = False
-            try:
-                order = self._agree()
-                if order is None:
-                    self._train(t0, c0)
-                    continue
-            except CollectiveFailed:
-                order = self._recover()
-            if isinstance(order, Stop):
-                return self._exit("stopped")
-            if isinstance(order, Resize) and self._resize(order) == "left":
-                return 0
-
-    def _train(self, t0: float, c0: float) -> None:
-        """One step: its work (a sleep), then the trainer's ``_reduce_loss``: the gate of the
-        next boundary (whether any rank holds an order) in the all-reduce the step runs
-        anyway (the fabric's, timed apart), then rank 0's Progress.
-
-        ``control`` gets ``(generation, step, cost, wall)`` of the boundary, outside the
-        step's work and its all-reduce: ``wall`` as the clock saw it (with the CPU the other
-        simulated ranks took meanwhile: thousands of threads on 2 cores), ``cost`` what the
-        rank itself paid: its own CPU time at a boundary that asked nobody anything, the
-        wall time at one that asked the store (a round trip is paid waiting)."""
-        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        started = time.time()
-        if self.halt.event.wait(self.step_s):
-            raise _Halted()
-        ended = time.time()
-        t1, c1 = time.perf_counter(), time.thread_time()
-        self.step += 1  # trained (the trainer counts it before the loss's all-reduce)
-        holds = self._holds_an_order()
-        layout = self.layout
-        assert layout is not None  # trained steps have one
-        t2, c2 = time.perf_counter(), time.thread_time()
-        try:
-            self._gate = (self.generation, self.step, self.fabric.all_reduce(
-                self.generation, self.step, layout.config.world, holds, self.halt.event,
-                self.timeout_s))
-        finally:
-            t3, c3 = time.perf_counter(), time.thread_time()
-            self.gate_wait.append(t3 - t2)
-        self._step_ended(started, ended)
-        wall += (t2 - t1) + (time.perf_counter() - t3)
-        cpu += (c2 - c1) + (time.thread_time() - c3)
-        self.control.append((self.generation, self.step - 1,
-                             wall if self._asked else cpu, wall))
-
-    def _join(self) -> Any:
-        from slurm_etc.protocol.channel import ChannelError
-
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._check()
-            try:
-                return self.channel.join(min(5.0, max(0.1, deadline - time.monotonic())),
-                                         host=f"sim-{os.getpid()}")
-            except ChannelError:
-                if time.monotonic() > deadline:
-                    raise
-
-    def _first_order(self) -> Any:
-        from slurm_etc.protocol.messages import Ready, Resize, Stop
-
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            self._check()
-            order = self.channel.wait(0.2)
-            if isinstance(order, Stop) or (isinstance(order, Resize)
-                                           and self.vrank in order.new.devices):
-                if isinstance(order, Resize):  # warmed up at once: nothing to import
-                    self.channel.report(Ready(self.job, order.generation, self.vrank, 0.0))
-                return order
-        raise TimeoutError(f"vrank {self.vrank}: no order to join within {self.timeout_s} s")
-
-    def _take_orders(self) -> None:
-        while (order := self.channel.poll()) is not None:
-            self._consider(order)
-
-    def _consider(self, order: Any) -> None:
-        from slurm_etc.protocol.messages import Abort
-
-        if order.generation <= self.generation or order.generation in self._aborted:
-            return
-        if isinstance(order, Abort):
-            if self._pending is not None and self._pending.generation == order.generation:
-                self._pending = None
-            return
-        if self._pending is None or order.generation >= self._pending.generation:
-            self._pending = order
-
-    def _holds_an_order(self) -> bool:
-        """The trainer's ``_holds_an_order``: an order pending, or the store's connection
-        closed (a coordinator died)."""
-        self._take_orders()
-        return self._pending is not None or self.store.disconnected()
-
-    def _agree(self) -> Any:
-        """The trainer's step agreement (``ElasticTrainer._agree``), its exact requests: none
-        when the last step's gate said no rank holds an order; else ``_arrive`` (O(1)
-        requests a rank: propose, count in, the last closes "no order") and the wait for
-        the decision, which the wake key ends at once when the coordinator names the dead.
-        A trainer that changes it changes this with it."""
-        from slurm_etc.protocol.messages import ORDER_DECODER
-        from slurm_etc.protocol.rendezvous import GenerationKeys
-        from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
-        from slurm_etc.worker.trainer import AGREE_SLICE_S, newest_order
-
-        layout = self.layout
-        assert layout is not None  # agreed steps have one
-        self._take_orders()
-        gate, self._gate = self._gate, None
-        if gate == (self.generation, self.step, False):
-            return None
-        self._asked, self._boundary_at = True, time.time()
-        rank = self.shared.rank_of(layout, self.vrank)
-        names = GenerationKeys(self.job, self.generation)
-        own = names.agreement(0, self.step, rank)
-        decided = names.agreement(0, self.step, "decided")
-        stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
-        arrived = names.agreement(0, self.step, "arrived")
-        self._arrive(decided, arrived, layout.config.world)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            self._check()
-            try:
-                got = agree_step(self.store, own, b"-", stale, [decided], AGREE_SLICE_S,
-                                 wake=names.lost, seen=self._woken_by)
-            except StoreUnreachable:
-                self._await_restart()
-                self._arrive(decided, arrived, layout.config.world)
-                deadline = time.monotonic() + self.timeout_s
-                continue
-            if isinstance(got, Woken):
-                self._woken_by = got.value
-                order = ORDER_DECODER.decode(got.value)
-                if order.generation > self.generation:
-                    self._pending = order
-            elif got is not None:
-                break
-            self._take_orders()
-            p = self._pending
-            if self._names_the_dead(p):
-                self._pending = None
-                return p
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vrank {self.vrank}: step {self.step} not agreed within "
-                                   f"{self.timeout_s} s")
-        decision = newest_order(got, self.generation, self._aborted)
-        held = self._pending
-        if held is None or (decision is not None and held.generation <= decision.generation) \
-                or held.generation in self._aborted:
-            self._pending = None
-        return decision
-
-    def _arrive(self, decided: str, arrived: str, world: int) -> None:
-        """The trainer's ``_arrive``: propose what this rank holds, count in, and the last
-        rank in closes the decision with "no order"."""
-        from slurm_etc.protocol.messages import ENCODER
-
-        if self._pending is not None:
-            self.store.compare_set(decided, b"", ENCODER.encode(self._pending))
-        if self.store.add(arrived, 1) == world:
-            self.store.compare_set(decided, b"", b"-")
-
-    def _names_the_dead(self, order: Any) -> bool:
-        from slurm_etc.protocol.messages import Resize
-
-        return (isinstance(order, Resize) and bool(order.lost) and self.layout is not None
-                and self.shared.layout_of(order.old) is self.layout)
-
-    def _recover(self) -> Any:
-        """The trainer's ``_recover``: a collective failed (a peer died); wait on the channel
-        for the coordinator's order naming the dead (or Stop)."""
-        from slurm_etc.protocol.messages import Stop
-
-        self._boundary_at = time.time()
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            self._check()
-            self._take_orders()
-            p = self._pending
-            if isinstance(p, Stop) or self._names_the_dead(p):
-                self._pending = None
-                return p
-            if (order := self.channel.wait(0.5)) is not None:
-                self._consider(order)
-        raise TimeoutError(f"vrank {self.vrank}: no order naming the dead within "
-                           f"{self.timeout_s} s")
-
-    def _await_restart(self) -> None:
-        """What the trainer does when the store leaves a request unanswered past the
-        client's grace (``ElasticTrainer._await_restart``): it takes its coordinator for
-        dead, drops the resize it held as aborted, says Hello again each second until a
-        coordinator answers, points the store client at the store of the Welcome, says
-        its model again and agrees on."""
-        from slurm_etc.protocol.messages import ModelBuilt, Resize, Stop
-
-        self.restarts += 1
-        if isinstance(self._pending, Resize):
-            self._aborted.add(self._pending.generation)
-        self._pending = None
-        next_hello = 0.0
-        while True:
-            self._check()
-            if time.monotonic() >= next_hello:
-                self.channel.rejoin(self.step, self.generation)
-                next_hello = time.monotonic() + 1.0
-            time.sleep(0.05)
-            self._take_orders()
-            if isinstance(self._pending, Stop):  # the trainer's CoordinatorLost: it exits
-                raise _Lost()
-            welcome = self.channel.rendezvous
-            if welcome is not None:
-                break
-        self.store.repoint(welcome.store_host, welcome.store_port)
-        self.channel.report(ModelBuilt(self.job, self.generation, self.vrank, self.model))
-
-    def _step_ended(self, started: float, ended: float) -> None:
-        from slurm_etc.protocol.messages import Progress, Resumed
-
-        layout = self.layout
-        assert layout is not None  # trained steps have one
-        if self.shared.rank_of(layout, self.vrank) == 0:
-            self.channel.report(Progress(self.job, self.generation, self.vrank, self.step,
-                                         1.0, 1e-4, self.step * 8, str(layout.config),
-                                         started, ended))
-        if self._resumed_due:
-            self._resumed_due = False
-            self.channel.report(Resumed(self.job, self.generation, self.vrank, self.step,
-                                        started, self._last_ended, joined=self._joined))
-        self._last_ended = ended
-
-    def _resize(self, order: Any) -> str:
-        """The resize's control part (module doc): what goes through the store, and the
-        migration group every rank of it joins (old survivors and joiners: the fabric's
-        barrier stands for its rendezvous and data phase, which no rank leaves before
-        all read the decision), then the report."""
-        from slurm_etc.lifecycle import ProcessOutcome
-        from slurm_etc.migrate.decision import CommitDecision
-        from slurm_etc.protocol.messages import Resized
-        from slurm_etc.protocol.rendezvous import GenerationKeys, commit_decision
-        from slurm_etc.protocol.store import wait_for_keys
-
-        keys = GenerationKeys(self.job, order.generation)
-        old, new = self.shared.layout_of(order.old), self.shared.layout_of(order.new)
-        t0 = time.perf_counter()
-        lost = set(order.lost)
-        if self.layout is not None:
-            self.resize_began[order.generation] = self._boundary_at
-            publisher = next(v for v in old.devices if v not in lost)
-            if self.vrank == publisher:
-                self.store.set(keys.trainer, str(self.step).encode())
-                self.store.set(keys.last_ended, repr(self._last_ended or time.time()).encode())
-        if self.layout is None:
-            # a joiner: the trainer state the old layout published, one request that waits
-            # at the store, as the trainer's get (its get after the wait reads what came)
-            if not wait_for_keys(self.store, [keys.trainer, keys.last_ended], self.timeout_s):
-                raise TimeoutError(f"vrank {self.vrank}: no trainer state of generation "
-                                   f"{order.generation}")
-            self._check()
-            self.step = int(self.store.get(keys.trainer))
-            self._last_ended = float(self.store.get(keys.last_ended))
-        self._joined = self.layout is None
-        members = ({v for v in old.devices if v not in lost} | set(new.devices))
-        self.fabric.all_reduce(order.generation, MIGRATION_GROUP, len(members), False,
-                               self.halt.event, self.timeout_s)
-        if self.vrank not in new.devices:
-            self.channel.report(Resized(self.job, order.generation, self.vrank,
-                                        ProcessOutcome.LEFT, self.step))
-            self._exit("left", order.generation)
-            return "left"
-        committed = CommitDecision(self.store, commit_decision(keys.prefix))(True)
-        outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
-        self.layout, self.generation = new, order.generation
-        self._resumed_due = True
-        self.channel.report(Resized(self.job, order.generation, self.vrank, outcome,
-                                    self.step, pause_seconds=time.perf_counter() - t0))
-        return "stay"
-
-    def _exit(self, why: str, generation: int | None = None) -> int:
-        from slurm_etc.protocol.messages import Exited
-
-        self.channel.report(Exited(self.job, self.generation if generation is None
-                                   else generation, self.vrank, why, self.step))
-        return 0
-
-
-class _Halted(InternalError):
-    """A simulated rank was stopped or killed (its backend's StopWorkers, a lost node)."""
-
-
-class _Lost(InternalError):
-    """Told to stop while holding for a restarted coordinator (the trainer's
-    ``CoordinatorLost``): the rank says it exits and ends."""
-
-
-def _host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: float,
-               ranks: int) -> None:
-    """A host process: runs the simulated ranks the backend launches on its nodes.
-
-    Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
-    ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
-    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
-    restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
-    its generation's collectives at the fabric (its peers' next all-reduce raises).
-
-    The host runs at the idle scheduling class: Linux shares the CPU per thread, and
-    thousands of rank threads would otherwise starve the coordinator's few (its handshakes
-    time out, its messages go stale) — on a cluster the ranks run on other nodes."""
-    logging.basicConfig(level=logging.WARNING)
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux: the ranks compete as they are
-        pass
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
-    fabric = _HostFabric(fabric_conn)
-    shared = _Shared(ranks, fabric)
-    gate_waits: list[float] = []
-    began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
-
-    def took(r: SimRank) -> None:
-        control.setdefault(r.vrank, []).extend(r.control)
-        gate_waits.extend(r.gate_wait)
-        for g, at in r.resize_began.items():
-            began[g] = min(began.get(g, at), at)
-    ranks_: dict[int, SimRank] = {}
-    restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
-    ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    control: dict[int, list[tuple[int, int, float, float]]] = {}
-
-    failures: dict[str, int] = {}
-
-    def done(vrank: int, generation: int, code: int, stopped: bool) -> None:
-        ended.put(("exited", vrank, generation, code, stopped))
-        why = ranks_[vrank].failure if vrank in ranks_ else ""
-        if why:
-            kind = why.split(":")[0]
-            if kind not in failures:
-                logger.warning("simulated vrank %d failed: %s (said once per host)", vrank,
-                               why)
-            failures[kind] = failures.get(kind, 0) + 1
-
-    while True:
-        while True:
-            try:
-                conn.send(ended.get_nowait())
-            except queue.Empty:
-                break
-        if not conn.poll(0.02):
-            continue
-        msg = conn.recv()
-        if msg[0] == "launch":
-            _, generation, workers = msg
-            for vrank, env in workers:
-                old = ranks_.get(vrank)
-                if old is not None:
-                    took(old)
-                    restarts += old.restarts
-                r = SimRank(shared, vrank, generation, env, model, step_s, done)
-                ranks_[vrank] = r
-                r.thread.start()
-        elif msg[0] in ("stop", "kill"):
-            for v in msg[1]:
-                if (halted := ranks_.get(v)) is not None:
-                    if halted.thread.is_alive() and halted.layout is not None:
-                        fabric.died(halted.generation)
-                    halted.halt.set(msg[0])
-        elif msg[0] == "quit":
-            for r in ranks_.values():
-                r.halt.set("stop")
-            for r in ranks_.values():
-                r.thread.join(10)
-                took(r)
-                restarts += r.restarts
-            fabric.close()
-            while True:
-                try:
-                    conn.send(ended.get_nowait())
-                except queue.Empty:
-                    break
-            conn.send(("control", control, failures, restarts, gate_waits, began))
-            return
-
-
-# --------------------------------------------------------------------------- the fabric
-
-
-class CollectiveFailed(InternalError, RuntimeError):
-    """A simulated collective of a generation one of whose ranks died (gloo: the closed
-    connection fails the peers' all-reduce; NCCL: the watchdog's abort)."""
-
-
-class _HostFabric:
-    """A host process's end of the simulated all-reduce: its ranks' contributions to a
-    step's gate (generation, step, world, flag) are summed here and sent on to the fabric
-    process in batches (one message per host per step, not one per rank); the fabric's
-    answer wakes every waiting rank of the host.
-
-    What it stands for: the few bytes the gate adds to the loss all-reduce every step
-    already runs among the ranks (the trainer's ``_reduce_loss``). It costs the coordinator
-    nothing and is not control time: a rank's wait in it (for the slowest rank, the CPU
-    the other simulated ranks use) is timed apart (``gate_wait_ms``)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._cond = threading.Condition()
-        self._sums: dict[tuple[int, int], list[int]] = {}  # (gen, step) -> [count, flag, world]
-        self._done: dict[tuple[int, int], bool] = {}
-        self._failed: set[int] = set()
-        self._dead: list[int] = []
-        self._thread = threading.Thread(target=self._pump, name="fabric", daemon=True)
-        self._closed = False
-        self._thread.start()
-
-    def all_reduce(self, generation: int, step: int, world: int, flag: bool,
-                   halt: threading.Event, timeout_s: float) -> bool:
-        """Whether any rank of the step's world raised ``flag`` (the gate), once all have
-        contributed. CollectiveFailed when a rank of ``generation`` died."""
-        key = (generation, step)
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            got = self._sums.setdefault(key, [0, 0, world])
-            got[0] += 1
-            got[1] |= int(flag)
-            self._cond.notify_all()
-            while key not in self._done:
-                if generation in self._failed:
-                    raise CollectiveFailed(f"generation {generation}: a peer died")
-                if halt.is_set():
-                    raise _Halted()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the gate of step {step} not reduced in {timeout_s} s")
-                self._cond.wait(min(left, 0.5))
-            return self._done[key]
-
-    def died(self, generation: int) -> None:
-        """A rank of ``generation`` ended without leaving it (killed, stopped): its peers'
-        collectives of that generation fail."""
-        with self._cond:
-            self._dead.append(generation)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(5)
-
-    def _pump(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                out: list[tuple[Any, ...]] = [
-                    ("sum", g, s, c, f, w) for (g, s), (c, f, w) in self._sums.items() if c]
-                for got in self._sums.values():
-                    got[0] = got[1] = 0
-                out += [("dead", g) for g in self._dead]
-                self._dead.clear()
-            for msg in out:
-                self.conn.send(msg)
-            if not self.conn.poll(0.001 if out else 0.005):
-                continue
-            while self.conn.poll(0):
-                msg = self.conn.recv()
-                with self._cond:
-                    if msg[0] == "done":
-                        _, g, s, flag = msg
-                        self._done[(g, s)] = flag
-                        self._sums.pop((g, s), None)
-                        if len(self._done) > 256:  # the oldest answers: read long since
-                            for k in sorted(self._done)[:128]:
-                                del self._done[k]
-                    elif msg[0] == "failed":
-                        self._failed.add(msg[1])
-                    self._cond.notify_all()
-
-
-def _fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
-    """The fabric process: sums the hosts' contributions to each step's gate and answers
-    every host when the step's world is complete; a generation one of whose ranks died
-    fails, now and for every later contribution. ``contributions`` (shared) counts the
-    ranks' contributions, a figure the benchmark checks."""
-    sums: dict[tuple[int, int], list[int]] = {}
-    failed: set[int] = set()
-    live = list(conns)
-    while live:
-        for ready in wait(live, timeout=1.0):
-            conn = cast(Connection, ready)
-            try:
-                msg = conn.recv()
-            except EOFError:
-                live.remove(conn)
-                continue
-            answer: tuple[Any, ...] | None = None
-            if msg[0] == "sum":
-                _, g, s, count, flag, world = msg
-                with contributions.get_lock():
-                    contributions.value += count
-                if g in failed:
-                    continue
-                got = sums.setdefault((g, s), [0, 0])
-                got[0] += count
-                got[1] |= flag
-                if got[0] >= world:
-                    del sums[(g, s)]
-                    answer = ("done", g, s, bool(got[1]))
-            elif msg[0] == "dead" and msg[1] not in failed:
-                failed.add(msg[1])
-                for key in [k for k in sums if k[0] == msg[1]]:
-                    del sums[key]
-                answer = ("failed", msg[1])
-            elif msg[0] == "quit":
-                return
-            if answer is not None:
-                for c in live:
-                    try:
-                        c.send(answer)
-                    except (BrokenPipeError, OSError):
-                        pass
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -1136,10 +470,10 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
     wires = [ctx.Pipe() for _ in range(bench.hosts)]
     per_host = bench.ranks_per_host
     contributions = ctx.Value("q", 0)
-    fabric = ctx.Process(target=_fabric_main, args=([a for a, _ in wires], contributions),
+    fabric = ctx.Process(target=fabric_main, args=([a for a, _ in wires], contributions),
                          daemon=True, name="bench-control-fabric")
-    hosts = [ctx.Process(target=_host_main,
-                         args=(child, wire, report, bench.step_s, per_host),
+    hosts = [ctx.Process(target=host_main,
+                         args=(child, wire, report, bench.step_s, per_host, bench.join_s),
                          daemon=True, name=f"bench-control-host-{i}")
              for i, ((_, child), (_, wire)) in enumerate(zip(pipes, wires, strict=True))]
     for h in (fabric, *hosts):
@@ -1174,6 +508,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                        EffectivePolicy(grow=False, allowed_tp=(1,), allowed_pp=(1,)),
                        Hardware(gpus_per_node=GPUS_PER_NODE),
                        worker_timeout_s=bench.worker_timeout_s or 60.0 + 0.02 * bench.ranks,
+                       join_timeout_s=bench.join_s,
                        prepare_while_training=False)
         coordinator = Coordinator(spec, cluster, store, channel, cluster.topology,
                                   post=lambda k, v: poster.set(k, v))
