@@ -70,6 +70,10 @@ FABRIC_WAIT_S = 10.0
 # lengthens those slices to this (a reply or an order still ends a wait at once; a link
 # drop or a closed channel is seen up to this late).
 RANK_SOCKET_SLICE_S = 1.0
+# ... only in hosts of more ranks than this (the 16,384-rank runs' --ranks-per-host 1024):
+# the 4,096-rank run with them everywhere resized 3-5 x slower (under 10 x the load, not
+# told apart); hosts of the default 512 keep a real worker's slices
+LENGTHEN_SLICES_ABOVE = 512
 # a rank waiting for the order that names the dead (its collective failed) looks at its
 # halt this often (the order itself ends the wait at once)
 RECOVER_WAIT_S = 2.0
@@ -639,7 +643,8 @@ def _host_setup(fabric_conn: Connection, ranks: int, world_s: float
         pass
     threading.stack_size(RANK_STACK_BYTES)
     sys.setswitchinterval(RANK_SWITCH_S)
-    _lengthen_socket_slices()
+    if ranks > LENGTHEN_SLICES_ABOVE:  # hosts of the default size keep a worker's slices
+        _lengthen_socket_slices()
     _import_what_ranks_use()
     # the fabric's pump and zmq's I/O thread (it answers the links' heartbeats) start at
     # the normal class: starved for the heartbeats' 30 s, a link drops and its rank's
