@@ -1296,6 +1296,9 @@ class Coordinator:
         if self.layout is None:
             return
         old = self.layout
+        if all(self.vranks[v] in self.lost for v in old.devices):
+            self._none_left(old)
+            return
         gen = max(self.generation, self.last_generation) + 1
         got = reconcile.order_resize(
             self.holdings, job_id=self.spec.job_id, generation=gen, config=action.config,
@@ -1364,6 +1367,23 @@ class Coordinator:
                     "%.1f MiB) in %d messages, %d rounds", gen, old.config, new.config,
                     action.reason, plan.moved_bytes / 2**20,
                     plan.lower_bound_moved_bytes / 2**20, len(plan.messages), plan.rounds)
+
+    def _none_left(self, old: Layout) -> None:
+        """Every vrank of the layout is lost (with its peer copies): no resize can move
+        anything, nobody is left to publish the layout's catalog to joiners. The first
+        layout starts again from the newest checkpoint; without one the state is gone and
+        the job stops with one line (soak seed 101: a rebuild ordered to joiners alone
+        waited for the dead)."""
+        devices_text = format_devices(self.vranks[v] for v in old.devices)
+        newest = newest_checkpoint(self.spec.recovery.checkpoint_dir)
+        if newest is None:
+            raise JobStopped(f"every device of generation {self.generation} is lost "
+                             f"({devices_text}) and no checkpoint holds its state: nothing "
+                             "is left to train on (periodic checkpoints: slurm-etc run "
+                             "--checkpoint-every M --checkpoint-dir D)")
+        self._start_again(f"every device of generation {self.generation} is lost "
+                          f"({devices_text}): the first layout again, from the checkpoint "
+                          f"of step {newest}")
 
     def _order_stayers(self) -> None:
         """Send the order to the workers of the old layout (the pause starts at their next

@@ -220,3 +220,37 @@ def test_the_exit_of_a_vranks_older_process_is_not_the_death_of_its_newer_one(
         backend.pending = [WorkerExited(2, 4, Device("n1", 0), -9, False)]
         c._observe_backend()
         assert c.launched_in == {2: 4}  # the newest process's own exit is still seen
+
+
+def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path: Path) -> None:
+    """Soak seed 101: the node holding the whole layout lost; the resize ordered to joiners
+    alone waited for the dead to publish the catalog. Now the first layout starts again from
+    the newest checkpoint, or, with none, the job stops saying the state is gone."""
+    from dataclasses import replace as _replace
+
+    from slurm_etc.alloc.vranks import identity_layout
+    from slurm_etc.coordinator import devices
+    from slurm_etc.coordinator.reconcile import JobStopped
+    from slurm_etc.plan.config import ParallelConfig
+    from slurm_etc.store import jobs as record
+
+    backend = RecordingBackend(TOPO)
+    backend.pending = [Grant("a0", ANCHOR)]
+    with coordinator_over(tmp_path, "lost-whole", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c._observe_backend()
+        layout = identity_layout(ParallelConfig.parse("dp=2,tp=1,pp=1"), (0, 1))
+        c.holdings = _replace(c.holdings, layout=layout, generation=3,
+                              vranks={0: ANCHOR[0], 1: ANCHOR[1]}, step=12)
+        record.open_generation(c.store, "lost-whole", 3, "dp=2,tp=1,pp=1", (0, 1),
+                               {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
+        c.holdings = devices.loss(c.holdings, ANCHOR, "a0", "failure", T0)
+        with pytest.raises(JobStopped, match="no checkpoint holds its state"):
+            c._resize(None)  # type: ignore[arg-type]  # decided before the action is read
+        (tmp_path / "ck" / "step-10").mkdir(parents=True)
+        c.spec = _replace(c.spec, recovery=_replace(c.spec.recovery,
+                                                    checkpoint_dir=str(tmp_path / "ck")))
+        c._resize(None)  # type: ignore[arg-type]
+        assert c.layout is None and c.restart_generation == 4 and c.dirty
