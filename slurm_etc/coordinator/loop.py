@@ -574,15 +574,17 @@ class Coordinator:
         detail = record.job_detail(self.store, self.spec.job_id)
         if detail is None:
             return []
-        still_open = {m.id: m for m in detail.migrations if m.outcome is None}
+        # by the generation it opens (the migration's id may not have been written yet when
+        # the decision was: a record catching up after a full disk)
+        still_open = {m.to_generation: m for m in detail.migrations if m.outcome is None}
         gens = {g.number: g for g in detail.generations}
         rolled = []
         for e in detail.events:
             p = e.payload
             if e.kind != "commit-decided" or not isinstance(p, dict) or \
-                    p.get("migration") not in still_open:
+                    p.get("generation") not in still_open:
                 continue
-            m = still_open.pop(p["migration"])
+            m = still_open.pop(p["generation"])
             old = gens.get(m.from_generation)
             step = max(old.last_step or 0, old.first_step or 0) if old is not None else 0
             self.journal.write(record.record_migration_finish, m.id,
@@ -1502,7 +1504,7 @@ class Coordinator:
                 GenerationKeys(self.spec.job_id, fl.order.generation).prefix):
             return
         new = fl.order.new.layout()
-        payload = {"migration": fl.migration_id, "generation": fl.order.generation,
+        payload = {"generation": fl.order.generation,
                    "layout": str(new.config), "ranks": list(new.devices),
                    "vranks": {str(v): str(fl.vranks[v]) for v in new.devices},
                    "rebuild": fl.rebuild}
