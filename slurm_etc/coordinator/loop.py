@@ -300,6 +300,9 @@ class Coordinator:
         # the generation each vrank's newest process was launched for (an exit of an older
         # one is not news of the one that runs)
         self.launched_in: dict[int, int] = {}
+        # a layout lost whole and started again from a checkpoint: (its generation, the
+        # step it reached), recorded with the next start (_record_rebuild)
+        self.rebuilt_into_next: tuple[int, int] | None = None
         self.reused: Counter[Device] = Counter()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
@@ -458,7 +461,7 @@ class Coordinator:
         if newest is not None:  # nothing of the layout lives, a checkpoint does
             self._start_again(f"every worker of generation {self.generation} exited at step "
                               f"{self.step}: the first layout again, from the checkpoint of "
-                              f"step {newest}")
+                              f"step {newest}", rebuild=True)
             return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
         said = self.exit_said.get(self.generation)
@@ -840,7 +843,7 @@ class Coordinator:
         self.exit_failed |= set(held)
         self.dirty = True
 
-    def _start_again(self, why: str) -> None:
+    def _start_again(self, why: str, *, rebuild: bool = False) -> None:
         """The reattached layout's workers are all gone and none came back to this
         coordinator (e.g. blocked in a collective on a dead peer past their reattach
         wait): nothing of their state survives, so the first layout starts again from the
@@ -848,11 +851,10 @@ class Coordinator:
         only because their workers died are whole again."""
         gen = self.generation
         logger.warning("%s; starting again", why)
-        # trained from the newest checkpoint again: the history the record gives ends there
-        newest = newest_checkpoint(self.spec.recovery.checkpoint_dir)
-        last = min(self.step, newest) if newest is not None else self.step
         self.journal.write(record.close_generation, self.spec.job_id, gen, reason=why[:250],
-                           last_step=last, last_loss=self.loss if last == self.step else None)
+                           last_step=self.step, last_loss=self.loss)
+        if rebuild:  # _start records the way through the checkpoint, with the steps lost
+            self.rebuilt_into_next = (gen, self.step)
         whole = self.exit_failed
         self.holdings = replace(self.holdings, layout=None, vranks={}, step=0, loss=None,
                                 lost=self.lost - whole, leaving=frozenset(),
@@ -1287,11 +1289,31 @@ class Coordinator:
         # the generation without all its workers alive and starts the layout again (_reattach)
         self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
                            layout.devices, self.vranks, first_step=self.step)
+        if self.rebuilt_into_next is not None and newest is not None:
+            self._record_rebuild(gen, newest)
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
         self._record_launch(gen, layout.devices)
         self.first_layout = True
         self._await_hello(layout.devices, gen)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
+
+    def _record_rebuild(self, gen: int, newest: int) -> None:
+        """A layout lost whole, started again from the checkpoint of step ``newest``: the
+        record holds it as a migration into ``gen`` that rebuilt the state from the
+        checkpoint, with the steps trained since lost (trained again)."""
+        old, last = self.rebuilt_into_next or (gen - 1, newest)
+        self.rebuilt_into_next = None
+        lost = (newest + 1, last) if last > newest else None
+        mid = self.journal.write(record.record_migration_start, self.spec.job_id,
+                                 from_generation=old, to_generation=gen, plan_digest="",
+                                 moved_bytes=0, kept_bytes=0, lower_bound_bytes=0,
+                                 messages=0, rounds=0)
+        self.journal.write(record.record_migration_finish, mid,
+                           outcome=ResizeOutcome.COMMITTED, measured_seconds=0.0,
+                           lost_steps=lost, rebuilt_from="checkpoint")
+        if lost is not None:
+            logger.warning("steps %d-%d lost with generation %d (rebuilt from the checkpoint "
+                           "of step %d); training them again", lost[0], lost[1], old, newest)
 
     def _resize(self, action: ResizeDecision) -> None:
         decided_at = time.time()  # wall clock, as the workers' step times
@@ -1385,7 +1407,7 @@ class Coordinator:
                              "--checkpoint-every M --checkpoint-dir D)")
         self._start_again(f"every device of generation {self.generation} is lost "
                           f"({devices_text}): the first layout again, from the checkpoint "
-                          f"of step {newest}")
+                          f"of step {newest}", rebuild=True)
 
     def _order_stayers(self) -> None:
         """Send the order to the workers of the old layout (the pause starts at their next

@@ -254,3 +254,13 @@ def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path:
                                                     checkpoint_dir=str(tmp_path / "ck")))
         c._resize(None)  # type: ignore[arg-type]
         assert c.layout is None and c.restart_generation == 4 and c.dirty
+        assert c.rebuilt_into_next == (3, 12)
+        # the start records the way through the checkpoint: steps 11-12 lost, trained again
+        c._record_rebuild(4, 10)
+        con = sqlite3.connect(f"file:{_db}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT from_generation, to_generation, outcome, lost_first_step, "
+                              "lost_last_step, rebuilt_from FROM migrations").fetchall()
+        finally:
+            con.close()
+        assert row == [(3, 4, "committed", 11, 12, "checkpoint")], row
