@@ -434,9 +434,11 @@ class Coordinator:
         is pending (no resize in flight, no node request open, no event waiting for its
         decision) for DEAD_GRACE_S (a worker's last report may trail its exit); None
         while anything is alive or pending. A vrank the backend never reported is not
-        counted as dead."""
-        if (self.layout is None or self.inflight is not None or self.growing
-                or self._event_ids):
+        counted as dead. With a checkpoint the first layout starts again from it instead
+        (an open node request then waits no longer)."""
+        if (self.layout is None or self.inflight is not None or self._event_ids or (
+                # a node request may bring devices; a checkpoint brings the state back now
+                self.growing and newest_checkpoint(self.spec.recovery.checkpoint_dir) is None)):
             self._dead_since = None
             return None
         workers = self.backend.workers()
