@@ -864,8 +864,11 @@ class Coordinator:
                                          if d not in whole})
         self.restart_generation = max(gen, self.last_generation) + 1
         self.last_generation = self.admit_from = self.restart_generation
+        # joiners of a resize given up are stopped, not forgotten: the first layout's launch
+        # waits for them to end (soak seed 101: launched over one, the job stopped)
+        self._stop_idle("the job starts again")
         self.reattached, self.found_dead, self.exit_failed = False, frozenset(), set()
-        self.dead_at_reattach, self.unjoined, self.idle = {}, {}, set()
+        self.dead_at_reattach, self.unjoined = {}, {}
         self._dead_since = None
         self.dirty = True
 

@@ -252,8 +252,11 @@ def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path:
         (tmp_path / "ck" / "step-10").mkdir(parents=True)
         c.spec = _replace(c.spec, recovery=_replace(c.spec.recovery,
                                                     checkpoint_dir=str(tmp_path / "ck")))
+        c.idle = {5}  # a joiner of a resize given up, launched on a device the start reuses
         c._resize(None)  # type: ignore[arg-type]
         assert c.layout is None and c.restart_generation == 4 and c.dirty
+        # soak seed 101: forgotten, it still ran where the first layout launched (job stopped)
+        assert [a.vranks for a in backend.stopped] == [(5,)] and not c.idle
         assert c.rebuilt_into_next == (3, 12)
         # the start records the way through the checkpoint: steps 11-12 lost, trained again
         c._record_rebuild(4, 10)
