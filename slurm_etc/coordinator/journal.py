@@ -75,7 +75,7 @@ class Journal:
         self.queue: deque[_Write] = deque()
         self.failing_since: float | None = None
         self.last_error = ""
-        self._next_try = 0.0
+        self._next_try = self._last_try = 0.0
         self._backoff = FIRST_RETRY_S
         self.outages = 0  # how many times the record fell behind (for tests and logs)
         self.dropped = 0  # writes dropped with MAX_BEHIND waiting
@@ -95,17 +95,20 @@ class Journal:
         """
         if self.queue:
             return self._enqueue(_Write(fn, args, kwargs))
-        try:
-            return fn(self.store, *args, **kwargs)
+        try:  # a value that waited (an event's id) is handed on as what it became
+            return fn(self.store, *(_resolved_one(a) for a in args),
+                      **{k: _resolved_one(v) for k, v in kwargs.items()})
         except Exception as err:  # noqa: BLE001 - sorted into disk trouble or a refusal
             if not transient(err):
                 raise
             self._fell_behind(err)
             return self._enqueue(_Write(fn, args, kwargs))
 
-    def retry(self) -> None:
-        """Apply the waiting writes, in order, when the backoff says so (every loop turn)."""
-        if self.queue and self.clock() >= self._next_try:
+    def retry(self, *, hurry: bool = False) -> None:
+        """Apply the waiting writes, in order, when the backoff says so (every loop turn);
+        ``hurry``: a decision waits for them, try every FIRST_RETRY_S whatever the backoff."""
+        due = min(self._next_try, self._last_try + FIRST_RETRY_S) if hurry else self._next_try
+        if self.queue and self.clock() >= due:
             self._drain()
 
     def catch_up(self, timeout_s: float) -> bool:
@@ -151,6 +154,7 @@ class Journal:
                        "catches up", self.last_error, FIRST_RETRY_S, MAX_RETRY_S)
 
     def _drain(self) -> None:
+        self._last_try = self.clock()
         while self.queue:
             w = self.queue[0]
             try:

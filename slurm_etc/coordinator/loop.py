@@ -303,6 +303,7 @@ class Coordinator:
         # a layout lost whole and started again from a checkpoint: (its generation, the
         # step it reached), recorded with the next start (_record_rebuild)
         self.rebuilt_into_next: tuple[int, int] | None = None
+        self._held_for_record = False  # a decision waits for the record (said once)
         self.reused: Counter[Device] = Counter()
         # a worker that lost its coordinator and says Hello again is taken up only if it
         # trains in this generation or a later one (not a killed coordinator's worker when
@@ -390,7 +391,7 @@ class Coordinator:
                     self._settle()
                 elif self.ending is not None:
                     self._stop_training()
-                elif self.dirty or self._request_overdue():
+                elif (self.dirty or self._request_overdue()) and self._record_holds():
                     self._decide()
                 if t_end is not None and time.monotonic() > t_end:
                     return self._end(JobState.FAILED, f"no end within {deadline_s:.0f} s",
@@ -398,6 +399,28 @@ class Coordinator:
         except (JobStopped, BackendError) as err:  # the backend refused an action: one line
             logger.error("job %s stops: %s", self.spec.job_id, err)
             return self._end(JobState.FAILED, str(err))
+
+    def _record_holds(self) -> bool:
+        """Whether the record holds everything so far, so that a decision may act (record,
+        then act). While a full disk keeps it behind, nothing is launched, resized,
+        released or requested: a coordinator killed then would restart on a record that
+        does not know what it did (soak seeds 101, 104, 107, 202: workers launched
+        unrecorded ran on beside the ones a restart launched again). Training goes on in
+        the layout it has; the decision is taken once the record caught up."""
+        if not self.journal.behind:
+            self._held_for_record = False
+            return True
+        self.journal.retry(hurry=True)
+        if not self.journal.behind:
+            self._held_for_record = False
+            return True
+        if not self._held_for_record:
+            self._held_for_record = True
+            logger.warning("decisions wait for the job record (%d write(s) behind: %s): "
+                           "nothing is launched, resized or released that it could not "
+                           "hold; generation %d trains on", self.journal.behind,
+                           self.journal.last_error, self.generation)
+        return False
 
     @property
     def _request_key(self) -> str:
@@ -463,7 +486,7 @@ class Coordinator:
         if newest is not None:  # nothing of the layout lives, a checkpoint does
             self._start_again(f"every worker of generation {self.generation} exited at step "
                               f"{self.step}: the first layout again, from the checkpoint of "
-                              f"step {newest}", rebuild=True)
+                              f"step {newest}")
             return None
         codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
         said = self.exit_said.get(self.generation)
@@ -562,6 +585,7 @@ class Coordinator:
             self.admit_from = min([self.generation, *(f for f, _t in rolled)])
             return
         if got.last_generation >= 0:
+            self.rebuilt_into_next = self._trained_last()
             self.restart_generation = got.last_generation + 1
             self.admit_from = self.restart_generation
             self.last_generation = max(self.last_generation, self.restart_generation)
@@ -569,6 +593,17 @@ class Coordinator:
                            "events pending, %d migrations aborted); workers start again",
                            self.spec.job_id, got.last_generation, len(got.pending_events),
                            len(got.aborted))
+
+    def _trained_last(self) -> tuple[int, int] | None:
+        """The newest generation that trained a step, and its last step recorded: what a
+        restart that finds no worker to reattach starts again from (the way through the
+        checkpoint is recorded with the next start, the steps since it lost)."""
+        detail = record.job_detail(self.store, self.spec.job_id)
+        ran = [g for g in detail.generations if g.last_step] if detail else []
+        if not ran:
+            return None
+        g = max(ran, key=lambda g: g.number)
+        return g.number, int(g.last_step or 0)
 
     def _roll_forward(self) -> list[tuple[int, int]]:
         """Resizes the killed coordinator saw decided commit (:meth:`commit_decided`) and
@@ -845,7 +880,7 @@ class Coordinator:
         self.exit_failed |= set(held)
         self.dirty = True
 
-    def _start_again(self, why: str, *, rebuild: bool = False) -> None:
+    def _start_again(self, why: str) -> None:
         """The reattached layout's workers are all gone and none came back to this
         coordinator (e.g. blocked in a collective on a dead peer past their reattach
         wait): nothing of their state survives, so the first layout starts again from the
@@ -855,8 +890,8 @@ class Coordinator:
         logger.warning("%s; starting again", why)
         self.journal.write(record.close_generation, self.spec.job_id, gen, reason=why[:250],
                            last_step=self.step, last_loss=self.loss)
-        if rebuild:  # _start records the way through the checkpoint, with the steps lost
-            self.rebuilt_into_next = (gen, self.step)
+        # _start records the way through the checkpoint, with the steps lost
+        self.rebuilt_into_next = (gen, self.step)
         whole = self.exit_failed
         self.holdings = replace(self.holdings, layout=None, vranks={}, step=0, loss=None,
                                 lost=self.lost - whole, leaving=frozenset(),
@@ -1294,7 +1329,7 @@ class Coordinator:
         # the generation without all its workers alive and starts the layout again (_reattach)
         self.journal.write(record.open_generation, self.spec.job_id, gen, str(layout.config),
                            layout.devices, self.vranks, first_step=self.step)
-        if self.rebuilt_into_next is not None and newest is not None:
+        if self.rebuilt_into_next is not None:
             self._record_rebuild(gen, newest)
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
         self._record_launch(gen, layout.devices)
@@ -1302,23 +1337,27 @@ class Coordinator:
         self._await_hello(layout.devices, gen)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
-    def _record_rebuild(self, gen: int, newest: int) -> None:
-        """A layout lost whole, started again from the checkpoint of step ``newest``: the
-        record holds it as a migration into ``gen`` that rebuilt the state from the
-        checkpoint, with the steps trained since lost (trained again)."""
-        old, last = self.rebuilt_into_next or (gen - 1, newest)
+    def _record_rebuild(self, gen: int, newest: int | None) -> None:
+        """A layout lost whole, started again from the checkpoint of step ``newest`` (None:
+        from step 1): the record holds it as a migration into ``gen`` that rebuilt the state
+        from the checkpoint, with the steps trained since lost (trained again)."""
+        base = newest or 0
+        old, last = self.rebuilt_into_next or (gen - 1, base)
         self.rebuilt_into_next = None
-        lost = (newest + 1, last) if last > newest else None
+        lost = (base + 1, last) if last > base else None
         mid = self.journal.write(record.record_migration_start, self.spec.job_id,
                                  from_generation=old, to_generation=gen, plan_digest="",
                                  moved_bytes=0, kept_bytes=0, lower_bound_bytes=0,
                                  messages=0, rounds=0)
         self.journal.write(record.record_migration_finish, mid,
                            outcome=ResizeOutcome.COMMITTED, measured_seconds=0.0,
-                           lost_steps=lost, rebuilt_from="checkpoint")
+                           lost_steps=lost,
+                           rebuilt_from=None if newest is None else "checkpoint")
         if lost is not None:
-            logger.warning("steps %d-%d lost with generation %d (rebuilt from the checkpoint "
-                           "of step %d); training them again", lost[0], lost[1], old, newest)
+            logger.warning("steps %d-%d lost with generation %d (%s); training them again",
+                           lost[0], lost[1], old, "no checkpoint: from the start"
+                           if newest is None else f"rebuilt from the checkpoint of step "
+                                                  f"{newest}")
 
     def _resize(self, action: ResizeDecision) -> None:
         decided_at = time.time()  # wall clock, as the workers' step times
@@ -1412,7 +1451,7 @@ class Coordinator:
                              "--checkpoint-every M --checkpoint-dir D)")
         self._start_again(f"every device of generation {self.generation} is lost "
                           f"({devices_text}): the first layout again, from the checkpoint "
-                          f"of step {newest}", rebuild=True)
+                          f"of step {newest}")
 
     def _order_stayers(self) -> None:
         """Send the order to the workers of the old layout (the pause starts at their next

@@ -73,6 +73,26 @@ def test_order_values_and_one_warning_per_outage(caplog, monkeypatch):
     assert len([m for m in warnings if "cannot be written" in m]) == 1, warnings
     assert len([m for m in warnings if "caught up" in m]) == 1, warnings
     assert j.write(writer("later", 5)) == 5  # direct again
+    # a value that waited, handed to a write made once the record caught up, is the value
+    # (it was bound as a Deferred, failed, and started an outage of its own)
+    j.write(writer("handle again"), mid, ids)
+    assert disk.log[-1][1] == (42, [7, 8]) and j.behind == 0 and j.outages == 1
+
+
+def test_a_decision_waiting_for_the_record_retries_it_every_half_second():
+    disk, clock = Disk(), Clock()
+    j = Journal(disk, clock=clock)
+    disk.full = True
+    j.write(writer("observe"), "job")
+    for _ in range(6):  # the backoff grows: 0.5, 1, 2, 4, 8 s
+        clock.t += 100
+        j.retry()
+    disk.full = False
+    clock.t += 0.6
+    j.retry()
+    assert j.behind == 1  # the backoff's 10 s
+    j.retry(hurry=True)
+    assert j.behind == 0
 
 
 def test_a_refusal_is_raised_not_queued():

@@ -267,3 +267,44 @@ def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path:
         finally:
             con.close()
         assert row == [(3, 4, "committed", 11, 12, "checkpoint")], row
+
+
+def test_a_restart_with_no_worker_to_take_up_records_the_steps_it_trains_again(
+        tmp_path: Path) -> None:
+    """Soak seed 101: a coordinator restarted with no worker of the open generation alive
+    starts the first layout again from the newest checkpoint; the record had no migration
+    into that generation and no lost steps (the history had steps trained twice, and the
+    generation entered by no committed migration). Now the start records the way through
+    the checkpoint from the last generation that trained, with the steps since lost."""
+    from slurm_etc.store import jobs as record
+
+    backend = RecordingBackend(TOPO)
+    with coordinator_over(tmp_path, "restart-rebuild", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, db):
+        record.open_generation(c.store, "restart-rebuild", 0, "dp=2,tp=1,pp=1", (0, 1),
+                               {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
+        record.record_progress(c.store, "restart-rebuild", 0, last_step=17)
+        record.open_generation(c.store, "restart-rebuild", 1, "dp=1,tp=1,pp=1", (0,),
+                               {0: ANCHOR[0]}, first_step=17)  # opened, trained nothing
+        c._recover()
+        assert c.rebuilt_into_next == (0, 17) and c.restart_generation == 2
+        c._record_rebuild(2, 10)
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows = con.execute("SELECT from_generation, to_generation, outcome, "
+                               "lost_first_step, lost_last_step, rebuilt_from "
+                               "FROM migrations").fetchall()
+        finally:
+            con.close()
+        assert rows == [(0, 2, "committed", 11, 17, "checkpoint")], rows
+        c.rebuilt_into_next = (2, 5)
+        c._record_rebuild(3, None)  # no checkpoint: from the start, every step lost
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            last = con.execute("SELECT lost_first_step, lost_last_step, rebuilt_from FROM "
+                               "migrations ORDER BY id DESC LIMIT 1").fetchone()
+        finally:
+            con.close()
+        assert last == (1, 5, None), last

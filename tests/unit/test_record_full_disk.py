@@ -153,3 +153,43 @@ def test_a_full_disk_at_the_start_is_one_line(small_fs):
     lines = [x for x in got.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in got.stderr, got.stderr[-2000:]
     assert lines[0].startswith("slurm-etc: error:") and "full" in lines[0], lines
+
+
+def test_a_grant_on_a_full_disk_is_launched_once_the_record_holds_it(small_fs, caplog):
+    """Record, then act (soak seeds 101, 104, 107, 202): a decision taken while the record
+    cannot be written launched workers the record never heard of; a coordinator killed then
+    restarted on a record without them and launched the layout again beside them. Now a
+    grant that comes on a full disk waits for the record: its joiner is launched after the
+    record caught up, and the record names the process (a restart would take it up)."""
+    job, grant_at = "full-disk-grant", FULL_AT + 10
+    spec = JobSpec(job, "t", (sys.executable, str(FAKE)),
+                   TrainingJob(load_model("small"), 16, 1, True),
+                   EffectivePolicy(grow=True, max_nodes=2), Hardware(gpus_per_node=1),
+                   worker_timeout_s=30.0,
+                   env={"FAKE_STEPS": str(STEPS), "FAKE_STEP_S": "0.05"})
+    backend = LocalBackend(script_from_options(2, 1, 1, [{"at_step": grant_at, "grant": 1}]),
+                           log_dir=small_fs.parent / "workers")
+    db = small_fs / "job.db"
+    ballast: list[Path] = []
+
+    def progress(p: dict) -> None:
+        if p["step"] >= FULL_AT and not ballast:
+            ballast.append(fill(small_fs))
+        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
+            ballast[0].unlink()
+
+    caplog.set_level(logging.INFO)
+    out = run_job(spec, backend, backend.topology, db=str(db), state_dir=str(small_fs / "st"),
+                  secret_dir=small_fs.parent / "keys", deadline_s=120, progress=progress)
+    assert out["state"] == "finished", out
+    said = [r.getMessage() for r in caplog.records]
+    held = [i for i, m in enumerate(said) if m.startswith("decisions wait for the job record")]
+    caught = next(i for i, m in enumerate(said) if "caught up" in m)
+    launched = next(i for i, m in enumerate(said) if "launched vrank 1" in m)
+    assert len(held) == 1 and held[0] < caught < launched, said[held[0] if held else 0:][:12]
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        kinds = [k for k, in con.execute("SELECT kind FROM events ORDER BY id")]
+    finally:
+        con.close()
+    assert kinds.count("launch") == 2, kinds  # the first worker's and the joiner's
