@@ -397,6 +397,9 @@ class Commit:
     data_s: float
     lost_steps: tuple[int, int] | None  # a rebuild rolled these steps back
     rebuilt_from: str | None  # where a rebuild took the lost state from
+    # the step the state was at when the new layout took it (the ranks' own word: the new
+    # layout's first steps may be heard before the commit is; None: nobody said)
+    switch_step: int | None = None
 
 
 Outcome = Wait | CloseVote | Abort | Commit
@@ -441,7 +444,9 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
     return Settlement(resend, Commit(
         pause_s=max((r.pause_seconds for r in trained), default=0.0),
         data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
-        lost_steps=lost_steps, rebuilt_from=rebuilt_from))
+        lost_steps=lost_steps, rebuilt_from=rebuilt_from,
+        switch_step=max((r.step for r in resize.reports.values()
+                         if r.outcome == ProcessOutcome.COMMITTED), default=None)))
 
 
 def _all_answered(resize: InflightResize) -> bool:
@@ -643,7 +648,13 @@ def commit(held: Holdings, resize: InflightResize, done: Commit, wall: float
     devices it released."""
     new = resize.order.new.layout()
     step, loss = held.step, held.loss
+    if done.switch_step is not None and done.switch_step != step:
+        # the new layout's first steps, heard before the commit, are not the old one's (soak
+        # seed 102: recorded the switch 2 steps late, the replay diverged from there)
+        step, loss = done.switch_step, None
+    last_old, last_loss = step, loss  # where the old generation ended
     if done.lost_steps is not None:  # rolled back: the steps after the copy train again
+        last_old, last_loss = held.step, held.loss
         step, loss = done.lost_steps[0] - 1, None
     vranks = {v: resize.vranks[v] for v in new.devices}
     # a device that failed after the commit is in the new layout: the next resize names it
@@ -659,8 +670,8 @@ def commit(held: Holdings, resize: InflightResize, done: Commit, wall: float
     effects: list[Effect] = [
         RecordFinish(resize.migration_id, ResizeOutcome.COMMITTED, wall, done.pause_s,
                      done.data_s, done.lost_steps, done.rebuilt_from),
-        CloseGeneration(held.generation, resize.order.reason[:200] or "resized", held.step,
-                        held.loss),
+        CloseGeneration(held.generation, resize.order.reason[:200] or "resized", last_old,
+                        last_loss),
         OpenGeneration(after.generation, new, vranks, step),
         ReleaseLater(frozenset(resize.release)),
     ]

@@ -78,11 +78,11 @@ def test_waits_until_every_live_participant_answered():
 def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
     fl = answers(resize(), said(0, pause_seconds=0.1, data_seconds=0.02),
                  said(1, pause_seconds=0.3, data_seconds=0.01), said(2, pause_seconds=0.2))
-    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
+    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None, 9)
     # a joiner's pause counts from its own order (it waited for the old layout): not
     # training stopped, so not the resize's pause (what a notice's grace is weighed by)
     fl = answered(fl, 2, said(2, pause_seconds=3.4))
-    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None)
+    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None, 9)
 
 
 def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
@@ -154,7 +154,7 @@ def test_the_coordinator_records_what_the_new_layout_reported():
         (7, 9), "peer-copies")
     got = settle(fl(True, said(0, lost_steps=(7, 9), rebuilt_from="checkpoint"), said(1),
                     said(2)), 102.0, TIMEOUT).outcome
-    assert got == Commit(0.0, 0.0, (7, 9), "checkpoint")
+    assert got == Commit(0.0, 0.0, (7, 9), "checkpoint", 9)
 
 
 TOPO = Topology(gpus_per_node=4)
@@ -268,6 +268,12 @@ def test_a_commit_records_first_then_opens_the_new_generation_then_releases():
     assert after.layout == ORDER.new.layout() and after.generation == 2
     assert after.step == 40 and after.loss == 2.5 and after.leaving == frozenset()
     assert held.generation == 1  # the input is not changed
+    # soak seed 102: the new layout's steps 41-42 heard before the commit: the switch is
+    # where the ranks said they took the state (40), not the step heard last
+    ahead = replace(held, step=42, loss=2.1)
+    after, effects = commit(ahead, fl, replace(done, switch_step=40), 1.5)
+    assert effects[1] == CloseGeneration(1, "resized", 40, None)
+    assert effects[2].first_step == 40 and after.step == 40
 
 
 def test_a_rebuild_rolls_the_step_back_and_forgets_lost_devices_it_no_longer_holds():
