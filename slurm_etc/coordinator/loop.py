@@ -459,16 +459,17 @@ class Coordinator:
         while anything is alive or pending. A vrank the backend never reported is not
         counted as dead. With a checkpoint the first layout starts again from it instead
         (an open node request then waits no longer)."""
-        if (self.layout is None or self.inflight is not None or self._event_ids or (
-                # a node request may bring devices; a checkpoint brings the state back now
-                self.growing and newest_checkpoint(self.spec.recovery.checkpoint_dir) is None)):
+        if self.layout is None or self.inflight is not None or self._event_ids:
             self._dead_since = None
             return None
         workers = self.backend.workers()
         # asked every turn of the loop: stops at the first worker alive (O(1) while the job
         # trains; building every rank's state first cost 0.3 ms a turn at 1,024 ranks)
         if any((w is None and v not in self.found_dead) or (w is not None and w.running)
-               for v, w in ((v, workers.get(v)) for v in self.layout.devices)):
+               for v, w in ((v, workers.get(v)) for v in self.layout.devices)) or (
+                # a node request may bring devices; a checkpoint brings the state back now
+                # (the directory listed only once every worker is gone)
+                self.growing and newest_checkpoint(self.spec.recovery.checkpoint_dir) is None):
             self._dead_since = None
             return None
         states = [workers.get(v) for v in self.layout.devices]
