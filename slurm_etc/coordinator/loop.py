@@ -1286,6 +1286,9 @@ class Coordinator:
         return True
 
     def _release_now(self) -> None:
+        if self.journal.behind:  # record, then act: given back once the record holds it
+            self.dirty = True
+            return
         free = devices.to_release(self.holdings, self.release_later, self.pinned)
         self.release_later.clear()
         if not free:

@@ -308,3 +308,28 @@ def test_a_restart_with_no_worker_to_take_up_records_the_steps_it_trains_again(
         finally:
             con.close()
         assert last == (1, 5, None), last
+
+
+def test_devices_are_given_back_only_once_the_record_holds_it(tmp_path: Path) -> None:
+    """Record, then act: a release is recorded before the backend gives the devices back
+    (a restarted coordinator is told by its backend what the job still holds, never the
+    reverse). While a full disk keeps the record behind, the devices wait; given back once
+    it caught up."""
+    from slurm_etc.coordinator.journal import _Write
+
+    other = (Device("n1", 0), Device("n1", 1))
+    backend = RecordingBackend(TOPO)
+    backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
+    with coordinator_over(tmp_path, "release-behind", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c._observe_backend()
+        c.journal.queue.append(_Write(lambda store: None, (), {}))  # one write waiting
+        c.release_later |= set(other)
+        c.dirty = False
+        c._release_now()
+        assert backend.released == [] and c.dirty and set(other) <= c.release_later
+        c.journal.retry(hurry=True)  # the disk has room again: the write goes through
+        c._release_now()
+        assert [a.devices for a in backend.released] == [other]
