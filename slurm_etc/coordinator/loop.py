@@ -1335,11 +1335,30 @@ class Coordinator:
                            layout.devices, self.vranks, first_step=self.step)
         if self.rebuilt_into_next is not None:
             self._record_rebuild(gen, newest)
+        self._clear_leaving({w.vrank: w.device for w in workers})
         perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv, env))
         self._record_launch(gen, layout.devices)
         self.first_layout = True
         self._await_hello(layout.devices, gen)
         logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
+
+    def _clear_leaving(self, launches: Mapping[int, Device]) -> None:
+        """Processes that left the job at the last commit and are still exiting (tearing
+        their groups down) where ``launches`` (vrank -> device) start new ones, under the
+        same vrank or on the same device: they have nothing left to do and stop; the
+        backend's launch waits for them to end (else it takes the launch for a retry of that
+        process and starts nothing, or refuses a device another vrank runs on: soak seed
+        107, a shrink onto the device a leaving vrank still ran on stopped the job)."""
+        if not self.leaving or not launches:
+            return
+        where = {v: w.device for v, w in self.backend.workers().items()
+                 if v in self.leaving and w.running}
+        taken = set(launches.values())
+        stop = {v for v in self.leaving if v in launches or where.get(v) in taken}
+        if stop:
+            perform(self.backend, StopWorkers(tuple(sorted(stop)), 2.0,
+                                              "its vrank or device joins again"))
+            self.holdings = replace(self.holdings, leaving=self.leaving - stop)
 
     def _record_rebuild(self, gen: int, newest: int | None) -> None:
         """A layout lost whole, started again from the checkpoint of step ``newest`` (None:
@@ -1414,15 +1433,7 @@ class Coordinator:
                                        rebuild=got.rebuild, decided_at=decided_at,
                                        step_at_launch=self.step)
         self.channel.generation = gen
-        # a joiner whose vrank's previous process left the job at the last commit and is
-        # still exiting (tearing its groups down): it has nothing left to do, it stops; the
-        # backend's launch waits for it to end (else it would take the launch for a retry of
-        # that process's and start nothing, and the resize would wait for a joiner forever)
-        rejoin = joiners & self.leaving
-        if rejoin:
-            perform(self.backend, StopWorkers(tuple(sorted(rejoin)), 2.0,
-                                              "its vrank joins again"))
-            self.holdings = replace(self.holdings, leaving=self.leaving - rejoin)
+        self._clear_leaving({v: vranks[v] for v in joiners})
         if joiners:
             workers = tuple(WorkerSpec(v, vranks[v]) for v in sorted(joiners))
             perform(self.backend, LaunchWorkers(gen, workers, self.spec.argv,

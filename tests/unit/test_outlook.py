@@ -333,3 +333,28 @@ def test_devices_are_given_back_only_once_the_record_holds_it(tmp_path: Path) ->
         c.journal.retry(hurry=True)  # the disk has room again: the write goes through
         c._release_now()
         assert [a.devices for a in backend.released] == [other]
+
+
+def test_a_launch_stops_a_leaving_process_on_its_vrank_or_its_device(tmp_path: Path) -> None:
+    """Soak seed 107: a shrink onto n0:1, where vrank 1 (left the layout at the last commit)
+    was still exiting, launched vrank 0 there; the backend refused ("vrank 1 runs there") and
+    the job stopped. A leaving process on a launch's device or vrank is stopped first (the
+    backend's launch waits for it to end); one elsewhere exits on its own."""
+    from dataclasses import replace as _replace
+
+    from slurm_etc.coordinator.backend import WorkerState
+
+    class Running(RecordingBackend):
+        def workers(self) -> dict:
+            return {1: WorkerState(1, 2, ANCHOR[1], 101), 2: WorkerState(2, 2, ANCHOR[0], 102),
+                    3: WorkerState(3, 2, Device("n1", 0), 103)}
+
+    backend = Running(TOPO)
+    with coordinator_over(tmp_path, "leaving", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c.holdings = _replace(c.holdings, leaving=frozenset({1, 3, 4}))
+        c._clear_leaving({0: ANCHOR[1], 4: Device("n1", 1)})  # n0:1 where 1 runs; vrank 4
+        assert [a.vranks for a in backend.stopped] == [(1, 4)]
+        assert c.leaving == {3}  # on a device nobody takes: it exits on its own
