@@ -136,7 +136,7 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
 def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path) -> None:
     from tests.unit.coordinator_harness import coordinator_over
 
-    backend: Any = Requests()  # no usable_nodes: a scripted cluster's nodes all stay
+    backend: Any = Requests()  # usable_nodes unknown (None): a scripted cluster's nodes all stay
     with coordinator_over(tmp_path, "topo", backend, training=JOB,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
