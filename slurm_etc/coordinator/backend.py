@@ -172,6 +172,12 @@ class RequestNodes:
             raise BackendError(f"request {self.key!r}: nodes must be >= 1, got {self.nodes}")
 
 
+def request_key(n: int) -> str:
+    """The :attr:`RequestNodes.key` of the job's ``n``-th node request (``grow-<n>``); a
+    restarted coordinator numbers on after the recorded requests, so no key comes twice."""
+    return f"grow-{n}"
+
+
 @dataclass(frozen=True)
 class CancelRequest:
     """Withdraw the :class:`RequestNodes` of ``key`` if it was not granted yet (Slurm:

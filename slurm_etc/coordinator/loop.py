@@ -101,6 +101,7 @@ from .backend import (
     WorkerExited,
     WorkerSpec,
     perform,
+    request_key,
 )
 from .journal import Journal
 from .pause import MeasuredPause, PauseTracker
@@ -402,7 +403,7 @@ class Coordinator:
     @property
     def _request_key(self) -> str:
         """The key of the newest node request (``grow-<n>``): the backend's, the record's."""
-        return f"grow-{self.requests}"
+        return request_key(self.requests)
 
     @property
     def _stop_generation(self) -> int:
@@ -1193,7 +1194,7 @@ class Coordinator:
                         self.growing, self.request_sent_at = 0, None
                         self.journal.write(
                             record.record_event, self.spec.job_id, "request-withdrawn",
-                            source="coordinator", key=f"withdraw:grow-{self.requests}",
+                            source="coordinator", key=f"withdraw:{self._request_key}",
                             payload={"nodes": action.nodes, "summary": action.reason[:200]})
                 case RequestGrow():
                     if not self.growing:
