@@ -21,11 +21,11 @@ from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
 from slurm_etc.slurm.model import NodeState
 from slurm_etc.testing.fake_slurm import FakeSlurmClient
-from tests.unit.test_requests_met import (
+from tests.unit.coordinator_harness import RecordingBackend
+from tests.unit.grow_harness import (
     HW,
     JOB,
     TOPO,
-    Requests,
     fake_cost,
     growing_from_one_node,
     node,
@@ -86,11 +86,11 @@ def test_a_young_request_that_can_no_longer_be_met_is_withdrawn_at_once() -> Non
 
 # ---- the coordinator re-reads the count -----------------------------------------------
 
-class CountingBackend(Requests):
-    """Requests, with the partition's usable node count a test sets."""
+class CountingBackend(RecordingBackend):
+    """The recording backend, with the partition's usable node count a test sets."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(TOPO)
         self.usable: int | None = 4
         self.reads = 0
 
@@ -117,7 +117,7 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
         assert c._snapshot().partition_nodes == 4 and backend.reads == 1  # not yet re-read
         # a loss: re-read at the decision that handles it
         backend.usable = 2
-        backend.inner.pending = [Loss("a1", tuple(node("n2")), "failure")]
+        backend.pending = [Loss("a1", tuple(node("n2")), "failure")]
         c._observe_backend()
         assert c._snapshot().partition_nodes == 2 and backend.reads == 2
         assert c._snapshot().partition_nodes == 2 and backend.reads == 2
@@ -133,10 +133,12 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
         assert c._snapshot().partition_nodes == 3 and backend.reads == 4
 
 
-def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path) -> None:
+def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path,
+                                                       recording_backend: Any) -> None:
     from tests.unit.coordinator_harness import coordinator_over
 
-    backend: Any = Requests()  # usable_nodes unknown (None): a scripted cluster's nodes all stay
+    # usable_nodes unknown (None): a scripted cluster's nodes all stay
+    backend = recording_backend(TOPO)
     with coordinator_over(tmp_path, "topo", backend, training=JOB,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
