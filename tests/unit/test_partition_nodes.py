@@ -22,16 +22,7 @@ from slurm_etc.slurm.backend import SlurmBackend
 from slurm_etc.slurm.model import NodeState
 from slurm_etc.testing.fake_slurm import FakeSlurmClient
 from tests.unit.coordinator_harness import RecordingBackend
-from tests.unit.grow_harness import (
-    HW,
-    JOB,
-    TOPO,
-    fake_cost,
-    growing_from_one_node,
-    node,
-    of,
-    on,
-)
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -18,16 +18,7 @@ from slurm_etc.policy.admin import AdminVerdict, stricter
 from slurm_etc.policy.decide import JobView, WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy, parse_assignments
 from slurm_etc.store import get_policy, open_store
-from tests.unit.grow_harness import (
-    HW,
-    JOB,
-    TOPO,
-    fake_cost,
-    growing_from_one_node,
-    node,
-    of,
-    on,
-)
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = pytest.mark.unit
 

@@ -7,16 +7,7 @@ import pytest
 from slurm_etc.policy import JobView, Release, RequestGrow, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
-from tests.unit.grow_harness import (
-    HW,
-    JOB,
-    TOPO,
-    fake_cost,
-    growing_from_one_node,
-    node,
-    of,
-    on,
-)
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = pytest.mark.unit
 
