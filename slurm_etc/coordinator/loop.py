@@ -1124,16 +1124,23 @@ class Coordinator:
         observed and otherwise at most every PARTITION_REREAD_S, since nodes of the
         partition that go down later raise no event of this job; the last count where the
         backend cannot say (a scripted cluster: all of its nodes)."""
-        now = time.monotonic()
-        if (self._partition_stale or self._partition_read_at is None
-                or now >= self._partition_read_at + PARTITION_REREAD_S):
-            self._partition_read_at, self._partition_stale = now, False
-            count = self.backend.usable_nodes()
-            if count is not None and count != self.partition_nodes:
-                logger.info("the partition has %d usable node(s) for this job (was %d)",
-                            count, self.partition_nodes)
-                self.partition_nodes = count
+        self._reread_partition()
         return self.partition_nodes
+
+    def _reread_partition(self) -> bool:
+        """Ask the backend for the count when it is due; True when it gave one (None: it
+        cannot say, now or ever, and the last count stays)."""
+        now = time.monotonic()
+        if not (self._partition_stale or self._partition_read_at is None
+                or now >= self._partition_read_at + PARTITION_REREAD_S):
+            return False
+        self._partition_read_at, self._partition_stale = now, False
+        count = self.backend.usable_nodes()
+        if count is not None and count != self.partition_nodes:
+            logger.info("the partition has %d usable node(s) for this job (was %d)",
+                        count, self.partition_nodes)
+            self.partition_nodes = count
+        return count is not None
 
     def _request_overdue(self) -> bool:
         """Decide again about the pending request: it waited past the policy's patience
@@ -1142,10 +1149,9 @@ class Coordinator:
         asked again smaller."""
         if not self.growing or self.request_sent_at is None:
             return False
-        read_at = self._partition_read_at
-        usable = self._partition_nodes()
+        counted = self._reread_partition()
         keeps = {d.node for d in self.held if d not in self.release_later}
-        if self._partition_read_at != read_at and self.growing > usable - len(keeps):
+        if counted and self.growing > self.partition_nodes - len(keeps):
             return True
         age = time.monotonic() - self.request_sent_at
         if age < self.spec.policy.patience_s or \

@@ -159,6 +159,22 @@ def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_rerea
         assert not c._request_overdue()  # decided: not again and again
 
 
+def test_a_backend_that_cannot_count_never_makes_a_request_unmeetable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording_backend: Any) -> None:
+    """The default ``usable_nodes`` (None: a scripted cluster) is asked when due, and no
+    answer is no fresh count: a request larger than the last count allows is left to its
+    patience, as a backend with no count at all always left it."""
+    backend = recording_backend(TOPO)
+    with growing_from_one_node(tmp_path, "nocount", backend,
+                               EffectivePolicy(grow=True, max_nodes=4), 5.0) as c:
+        c.partition_nodes = 2  # 3 more nodes of 2, kept n1: more than the count allows
+        real = time.monotonic
+        monkeypatch.setattr(coordinator_loop.time, "monotonic",
+                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
+        assert not c._request_overdue() and c.partition_nodes == 2
+        assert backend.withdrawn == []
+
+
 def test_nodes_being_released_do_not_make_a_pending_request_unmeetable() -> None:
     """A node the job releases (it fits no layout) is held until the release is carried out;
     a request sized on what the job keeps must not look unmeetable meanwhile (withdrawn and
