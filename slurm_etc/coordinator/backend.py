@@ -29,7 +29,7 @@ already running, a stop of a worker already stopped, all do nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
@@ -172,6 +172,12 @@ class RequestNodes:
             raise BackendError(f"request {self.key!r}: nodes must be >= 1, got {self.nodes}")
 
 
+def request_key(n: int) -> str:
+    """The :attr:`RequestNodes.key` of the job's ``n``-th node request (``grow-<n>``); a
+    restarted coordinator numbers on after the recorded requests, so no key comes twice."""
+    return f"grow-{n}"
+
+
 @dataclass(frozen=True)
 class CancelRequest:
     """Withdraw the :class:`RequestNodes` of ``key`` if it was not granted yet (Slurm:
@@ -301,6 +307,35 @@ class Backend(Protocol):
         """Stop every worker still running and free what the backend holds."""
         ...
 
+    # The optional part: a backend without one of these inherits :class:`BackendDefaults`'s.
+
+    def cancel_request(self, action: CancelRequest) -> None:
+        """Withdraw a request not granted yet; a granted or unknown one is left alone."""
+        ...
+
+    def request_can_be_met(self, key: str) -> bool:
+        """Whether the pending request ``key`` can still be granted (False: it cannot, e.g.
+        more nodes than the cluster has free)."""
+        ...
+
+    @property
+    def pending_reasons(self) -> Mapping[str, str | None]:
+        """Why each pending request waits (Slurm's reason), by request key."""
+        ...
+
+    def usable_nodes(self) -> int | None:
+        """The nodes this job can hold now (None: not known now, the last count stays)."""
+        ...
+
+    def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
+        """Take up the workers an earlier coordinator of the job launched: the vranks of
+        those still alive."""
+        ...
+
+    def keep_state(self, path: Path, *, resume: bool) -> None:
+        """Keep the backend's own state in ``path`` (``resume``: take up what is there)."""
+        ...
+
 
 class BackendDefaults:
     """The optional methods of :class:`Backend`, as a backend without them behaves: a
@@ -318,8 +353,9 @@ class BackendDefaults:
         """No reasons known."""
         return {}
 
-    # not a method: the coordinator never asks, and keeps the count it started with
-    usable_nodes: Callable[[], int | None] | None = None
+    def usable_nodes(self) -> int | None:
+        """Not known: the coordinator keeps the count it started with."""
+        return None
 
     def adopt(self, recorded: Sequence[WorkerState]) -> list[int]:
         """Reattaches nothing."""
@@ -341,9 +377,7 @@ def perform(backend: Backend, action: Action) -> None:
         case StopWorkers():
             backend.stop(action)
         case CancelRequest():
-            cancel = getattr(backend, "cancel_request", None)
-            if cancel is not None:  # a backend without one lets the request run its course
-                cancel(action)
+            backend.cancel_request(action)
         case _:
             raise BackendError(f"unknown action {action!r}")
 

@@ -101,6 +101,7 @@ from .backend import (
     WorkerExited,
     WorkerSpec,
     perform,
+    request_key,
 )
 from .journal import Journal
 from .pause import MeasuredPause, PauseTracker
@@ -425,7 +426,7 @@ class Coordinator:
     @property
     def _request_key(self) -> str:
         """The key of the newest node request (``grow-<n>``): the backend's, the record's."""
-        return f"grow-{self.requests}"
+        return request_key(self.requests)
 
     @property
     def _stop_generation(self) -> int:
@@ -552,14 +553,13 @@ class Coordinator:
             why = f"every worker of generation {self.generation} exited"
         else:
             why = "no layout started on the devices held"
-        met: Any = getattr(self.backend, "request_can_be_met", None)
         key = self._request_key
         since = (None if self.request_sent_at is None
                  else wall - (time.monotonic() - self.request_sent_at))
-        held: Mapping[str, str | None] = getattr(self.backend, "pending_reasons", {})
+        met = self.backend.request_can_be_met(key) if self.growing else True
         return outlook.Prospects(busy=False, idle_why=why, request_nodes=self.growing,
-                                 request_met=bool(met(key)) if met and self.growing else True,
-                                 request_since=since, request_held=held.get(key) or "")
+                                 request_met=met, request_since=since,
+                                 request_held=self.backend.pending_reasons.get(key) or "")
 
     def _recover(self) -> None:
         """Resume from the record (a coordinator restarted on the same job and database):
@@ -674,17 +674,16 @@ class Coordinator:
         worker of the layout alive, or a commit past the open generation recorded and not
         acted on (the workers left the layout the record has), every live one is stopped
         and False is returned: the first layout starts again (from the newest checkpoint).
-        A backend without ``adopt`` (Slurm, for now) reattaches nothing."""
-        adopt = getattr(self.backend, "adopt", None)
+        A backend that adopts nothing (:class:`BackendDefaults`) reattaches nothing."""
         detail = record.job_detail(self.store, self.spec.job_id)
-        if adopt is None or detail is None:
+        if detail is None:
             return False
         open_gen = resume.open_generation(detail)
         if open_gen is None:
             return False
         workers = resume.launched(detail.events)
         self.launched_in = {v: w.generation for v, w in workers.items()}
-        alive = set(adopt(list(workers.values())))
+        alive = set(self.backend.adopt(list(workers.values())))
         if not alive:
             return False
         got_up = resume.reattach(detail, open_gen, workers, alive)
@@ -1164,17 +1163,23 @@ class Coordinator:
         observed and otherwise at most every PARTITION_REREAD_S, since nodes of the
         partition that go down later raise no event of this job; the last count where the
         backend cannot say (a scripted cluster: all of its nodes)."""
-        read = getattr(self.backend, "usable_nodes", None)
-        now = time.monotonic()
-        if read is not None and (self._partition_stale or self._partition_read_at is None
-                                 or now >= self._partition_read_at + PARTITION_REREAD_S):
-            self._partition_read_at, self._partition_stale = now, False
-            count = read()
-            if count is not None and count != self.partition_nodes:
-                logger.info("the partition has %d usable node(s) for this job (was %d)",
-                            count, self.partition_nodes)
-                self.partition_nodes = count
+        self._reread_partition()
         return self.partition_nodes
+
+    def _reread_partition(self) -> bool:
+        """Ask the backend for the count when it is due; True when it gave one (None: it
+        cannot say, now or ever, and the last count stays)."""
+        now = time.monotonic()
+        if not (self._partition_stale or self._partition_read_at is None
+                or now >= self._partition_read_at + PARTITION_REREAD_S):
+            return False
+        self._partition_read_at, self._partition_stale = now, False
+        count = self.backend.usable_nodes()
+        if count is not None and count != self.partition_nodes:
+            logger.info("the partition has %d usable node(s) for this job (was %d)",
+                        count, self.partition_nodes)
+            self.partition_nodes = count
+        return count is not None
 
     def _request_overdue(self) -> bool:
         """Decide again about the pending request: it waited past the policy's patience
@@ -1183,10 +1188,9 @@ class Coordinator:
         asked again smaller."""
         if not self.growing or self.request_sent_at is None:
             return False
-        read_at = self._partition_read_at
-        usable = self._partition_nodes()
+        counted = self._reread_partition()
         keeps = {d.node for d in self.held if d not in self.release_later}
-        if self._partition_read_at != read_at and self.growing > usable - len(keeps):
+        if counted and self.growing > self.partition_nodes - len(keeps):
             return True
         age = time.monotonic() - self.request_sent_at
         if age < self.spec.policy.patience_s or \
@@ -1235,7 +1239,7 @@ class Coordinator:
                         self.growing, self.request_sent_at = 0, None
                         self.journal.write(
                             record.record_event, self.spec.job_id, "request-withdrawn",
-                            source="coordinator", key=f"withdraw:grow-{self.requests}",
+                            source="coordinator", key=f"withdraw:{self._request_key}",
                             payload={"nodes": action.nodes, "summary": action.reason[:200]})
                 case RequestGrow():
                     if not self.growing:

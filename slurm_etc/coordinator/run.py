@@ -107,9 +107,7 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
         raise record.RecordError(f"{refused}; nothing was written")
     # a backend whose cluster lives in this process (the local one) keeps its state beside
     # the record; a coordinator restarted on the job takes it up (what was granted is held)
-    keep = getattr(backend, "keep_state", None)
-    if keep is not None:
-        keep(cluster_state_path(store, spec.job_id), resume=known is not None)
+    backend.keep_state(cluster_state_path(store, spec.job_id), resume=known is not None)
     secret = create_secret(spec.job_id, secret_dir, exist_ok=True)
     uid, name = owner()
     record.create_job(store, spec.job_id, name=spec.name, owner_uid=uid, owner_name=name,

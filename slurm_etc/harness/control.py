@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_etc import bounds
+from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.errors import InternalError
 from slurm_etc.harness.control_ranks import FDS_PER_SIM_RANK, fabric_main, host_main
 
@@ -204,7 +205,7 @@ def descriptor_problem(bench: ControlBench) -> str | None:
 # --------------------------------------------------------------------------- the cluster
 
 
-class SimCluster:
+class SimCluster(BackendDefaults):
     """The backend seam over a simulated cluster: N/8 nodes hold the job, an eighth more is
     granted for the grow; launches and stops go to the host processes; the scenario (steady
     window, grow, preemption shrink, node loss, end) advances at the steps the coordinator

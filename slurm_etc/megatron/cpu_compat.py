@@ -26,19 +26,13 @@ Each patch and why it is needed:
     precision and distributed optimizers classify parameters by comparing that string with
     ``'torch.cuda.FloatTensor'`` / ``'torch.cuda.BFloat16Tensor'`` and reject anything else.
 
-Usage::
-
-    with cpu_compat.patched():
-        ...  # build, train, save, load
-
-or ``cpu_compat.install()`` once at process start (worker processes of CPU runs), undone by
-``cpu_compat.uninstall()``.
+Usage: ``cpu_compat.install()`` once at process start (worker processes of CPU runs),
+undone by ``cpu_compat.uninstall()``.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -151,18 +145,3 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether the CPU patches are active in this process."""
     return _installed is not None
-
-
-@contextlib.contextmanager
-def patched() -> Iterator[None]:
-    """Context manager form of :func:`install` / :func:`uninstall`.
-
-    Nested use is allowed: only the outermost context installs and removes the patches.
-    """
-    outermost = not installed()
-    install()
-    try:
-        yield
-    finally:
-        if outermost:
-            uninstall()

@@ -95,10 +95,6 @@ class ParallelConfig:
         """Ranks per holding class: dp x cp / ep (the expert data-parallel degree)."""
         return self.expert_dp
 
-    def holding_class(self, rank: int) -> int:
-        w = self.class_width
-        return rank % w + w * (rank // (w * self.replicas))
-
     def rank_of(self, cls: int, replica: int) -> int:
         w = self.class_width
         return cls % w + w * (replica + self.replicas * (cls // w))

@@ -2,7 +2,7 @@
 
 A row of a ``RegionTable`` is a box (``lo``/``hi`` per axis, padded to three axes) and an
 interval ``[s, e)`` of that box's row-major order, held by a set of holding classes
-(``t + tp * (e + ep * p)``, see ``ParallelConfig.holding_class``) on one replica of them
+(``t + tp * (e + ep * p)``, see ``ParallelConfig.rank_of``) on one replica of them
 (``dp_rank``: the expert data-parallel index, the dp rank when ep = cp = 1) or on all of
 them (``-1``). Dense state is held alike by the ep classes of its (t, p) and by all
 ``dp x cp`` ranks of each (parameters are replicated over cp); the distributed optimizer's

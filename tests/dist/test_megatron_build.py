@@ -37,7 +37,7 @@ from tests.dist.megatron_cases import (
     model_param_count,
     save_then_load,
 )
-from tests.unit.test_catalog_megatron import check_buffers, check_model_records, from_payload
+from tests.unit.megatron_oracle import check_buffers, check_model_records, from_payload
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

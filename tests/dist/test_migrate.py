@@ -14,7 +14,7 @@ import pytest
 
 from slurm_etc.migrate.faults import FaultInjector
 from tests.dist.harness import pool_fixture
-from tests.dist.test_migrate_helpers import Case, make_plan, run_case
+from tests.dist.migrate_helpers import Case, make_plan, run_case
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 

@@ -18,7 +18,7 @@ import pytest
 
 from slurm_etc.plan.model import PRESETS
 from tests.dist.harness import pool_fixture
-from tests.dist.test_migrate_helpers import Case, make_plan, measure_case, raw_p2p
+from tests.dist.migrate_helpers import Case, make_plan, measure_case, raw_p2p
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 

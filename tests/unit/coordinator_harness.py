@@ -39,7 +39,9 @@ class HandDrivenBackend(BackendDefaults):
 
 
 class RecordingBackend(HandDrivenBackend):
-    """Also keeps the launch, stop, release and request actions it was given, in order."""
+    """Also keeps the launch, stop, release, request and withdrawal (``cancel_request``)
+    actions it was given, in order. The unit tests' ``recording_backend`` fixture
+    (tests/unit/conftest.py) makes one."""
 
     def __init__(self, topology: ClusterTopology) -> None:
         super().__init__(topology)
@@ -47,6 +49,7 @@ class RecordingBackend(HandDrivenBackend):
         self.stopped: list[Any] = []
         self.released: list[Any] = []
         self.requested: list[Any] = []
+        self.withdrawn: list[Any] = []
 
     def launch(self, action: Any) -> None:
         self.launched.append(action)
@@ -59,6 +62,9 @@ class RecordingBackend(HandDrivenBackend):
 
     def request(self, action: Any) -> None:
         self.requested.append(action)
+
+    def cancel_request(self, action: Any) -> None:
+        self.withdrawn.append(action)
 
 
 @contextmanager

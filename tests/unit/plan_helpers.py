@@ -70,3 +70,25 @@ def expected_state(plan, tensors):
     return {(r, row): cut(tensors[new_tab.group[row]], new_tab.lo[row], new_tab.hi[row],
                           new_tab.s[row], new_tab.e[row])
             for r, row in zip(ranks.tolist(), rows.tolist())}
+
+
+def region_elements(tab, row):
+    """Flat global element indices (in the group's padded 3-d shape) of one region row."""
+    lo, hi = tab.lo[row], tab.hi[row]
+    grid = np.stack(np.meshgrid(*[np.arange(a, b) for a, b in zip(lo, hi)], indexing="ij"))
+    return grid.reshape(3, -1)[:, tab.s[row]:tab.e[row]]
+
+
+def brute_overlaps(catalog, old, new):
+    """{(old row, new row): element count} by enumerating elements: the oracle."""
+    out = {}
+    for i in range(len(old)):
+        gi = int(old.group[i])
+        shape = tuple(catalog.groups[gi].shape) + (1,) * (3 - len(catalog.groups[gi].shape))
+        a = set(np.ravel_multi_index(tuple(region_elements(old, i)), shape).tolist())
+        for j in np.flatnonzero(new.group == gi).tolist():
+            b = np.ravel_multi_index(tuple(region_elements(new, j)), shape)
+            n = int(np.isin(b, list(a)).sum()) if a else 0
+            if n:
+                out[(i, j)] = n
+    return out

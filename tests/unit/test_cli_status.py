@@ -8,7 +8,6 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from click.testing import CliRunner
 
-from slurm_etc.alloc import Device
 from slurm_etc.cli.main import cli
 from slurm_etc.store import (
     close_generation,
@@ -24,6 +23,7 @@ from slurm_etc.store import (
     record_progress,
     set_job_state,
 )
+from tests.unit.record_helpers import two_per_node
 
 pytestmark = pytest.mark.unit
 
@@ -33,10 +33,6 @@ OTHER = ME + 1000
 NOW = {"now": lambda: T0 + timedelta(minutes=10)}
 
 
-def _devices(n):
-    return {v: Device(f"n{v // 2 + 1:03d}", v % 2) for v in range(n)}
-
-
 def _fill(store, job_id, uid, name, resized=True):
     """A job that trained on dp=2,pp=2, was granted two nodes and resized to dp=4,pp=2."""
     create_job(store, job_id, name=f"gpt-{job_id}", owner_uid=uid, owner_name=name,
@@ -44,7 +40,7 @@ def _fill(store, job_id, uid, name, resized=True):
                at=T0)
     record_allocation(store, job_id, job_id, role="anchor", state="granted",
                       nodes=["n001", "n002"], at=T0)
-    open_generation(store, job_id, 0, "dp=2,tp=1,pp=2", [0, 1, 2, 3], _devices(4),
+    open_generation(store, job_id, 0, "dp=2,tp=1,pp=2", [0, 1, 2, 3], two_per_node(4),
                     first_step=0, at=T0)
     set_job_state(store, job_id, "running", at=T0)
     if not resized:
@@ -59,7 +55,7 @@ def _fill(store, job_id, uid, name, resized=True):
                                at=T0 + timedelta(minutes=2))
     close_generation(store, job_id, 0, reason="resized to dp=4,tp=1,pp=2", last_step=199,
                      last_loss=2.75, at=T0 + timedelta(minutes=2, seconds=2))
-    open_generation(store, job_id, 1, "dp=4,tp=1,pp=2", list(range(8)), _devices(8),
+    open_generation(store, job_id, 1, "dp=4,tp=1,pp=2", list(range(8)), two_per_node(8),
                     first_step=200, at=T0 + timedelta(minutes=2, seconds=2))
     record_migration_finish(store, m, outcome="committed", measured_seconds=1.5,
                             pause_seconds=0.75, at=T0 + timedelta(minutes=2, seconds=2))

@@ -17,7 +17,7 @@ from slurm_etc.store import (
     record_migration_start,
 )
 
-from .test_cli_status import _devices
+from .record_helpers import two_per_node
 
 pytestmark = pytest.mark.unit
 
@@ -31,13 +31,13 @@ def _record(path):
     try:
         create_job(store, "9", name="gpt", owner_uid=os.getuid(), owner_name="me",
                    backend="local", model="tiny", at=T0)
-        open_generation(store, "9", 0, "dp=2,tp=1,pp=2", [0, 1, 2, 3], _devices(4),
+        open_generation(store, "9", 0, "dp=2,tp=1,pp=2", [0, 1, 2, 3], two_per_node(4),
                         first_step=0, at=T0)
         m = record_migration_start(store, "9", from_generation=0, to_generation=1,
                                    plan_digest="d", moved_bytes=3 << 20, kept_bytes=1 << 20,
                                    lower_bound_bytes=3 << 20, messages=2, rounds=1, at=T0)
         close_generation(store, "9", 0, reason=REASON, last_step=5, last_loss=5.0, at=T0)
-        open_generation(store, "9", 1, "dp=4,tp=1,pp=2", list(range(8)), _devices(8),
+        open_generation(store, "9", 1, "dp=4,tp=1,pp=2", list(range(8)), two_per_node(8),
                         first_step=5, at=T0)
         record_migration_finish(store, m, outcome="committed", measured_seconds=2.5,
                                 pause_seconds=0.75, data_seconds=0.0125, at=T0)

@@ -178,3 +178,34 @@ def test_the_checker_finds_what_is_planted(tmp_path: Path) -> None:
     for planted in ("docs/missing.md", "#nowhere", "slurm_etc/plan/gone.py",
                     "coordinator/gone.py", "bench/nothing.py", "slurm_etc.plan.gone_too"):
         assert any(planted in p for p in problems), (planted, problems)
+
+
+def missing_from_architecture(root: Path = ROOT) -> list[str]:
+    """The package's modules without a row in docs/architecture.md's module map, and the
+    Alembic migrations the architecture does not name."""
+    text = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    package = root / "slurm_etc"
+    versions = package / "store" / "migrations" / "versions"
+    modules = [p for p in sorted(package.rglob("*.py"))
+               if p.name != "__init__.py" and "migrations" not in p.relative_to(package).parts]
+    return ([f"{p.relative_to(root).as_posix()}: no row in the module map" for p in modules
+             if f"| `{p.relative_to(root).as_posix()}` |" not in table]
+            + [f"migration {p.stem}: not named" for p in sorted(versions.glob("0*.py"))
+               if f"`{p.stem}`" not in text])
+
+
+def test_the_module_map_names_every_module_and_migration(tmp_path: Path) -> None:
+    assert missing_from_architecture() == []
+    # planted: a module and a migration the architecture does not name are reported
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(
+        "## Module map\n\n| `slurm_etc/a.py` | A |\n\n## Next\n\n`0001_one`\n")
+    versions = tmp_path / "slurm_etc" / "store" / "migrations" / "versions"
+    versions.mkdir(parents=True)
+    for name in ("a.py", "b.py", "__init__.py"):
+        (tmp_path / "slurm_etc" / name).write_text("")
+    for name in ("0001_one.py", "0002_two.py"):
+        (versions / name).write_text("")
+    assert missing_from_architecture(tmp_path) == [
+        "slurm_etc/b.py: no row in the module map", "migration 0002_two: not named"]

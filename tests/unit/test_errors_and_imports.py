@@ -283,3 +283,50 @@ def test_the_runtime_does_not_import_test_code():
     assert crossed == {}, crossed
     # an exception no longer needed goes from the table
     assert allowed_used == set(TEST_CODE_ALLOWED), set(TEST_CODE_ALLOWED) - allowed_used
+
+
+def _test_modules_imported(source: str, package: str) -> set[str]:
+    """The ``test_*`` modules of tests/<package>/ that ``source`` imports, at any depth."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):  # the module, and each name as a submodule
+            base = ".".join(filter(None, [f"tests.{package}" if node.level else "",
+                                          node.module or ""]))
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.startswith("tests.")
+                and n.rsplit(".", 1)[-1].startswith("test_")}
+    return out
+
+
+# a file of tests/ -> the test modules it may import, and why
+TEST_MODULE_IMPORTS_ALLOWED = {
+    # the script that regenerates the megatron fixtures builds the cases the test checks
+    "dist/make_megatron_fixtures.py": {"tests.dist.test_megatron_build"},
+}
+
+
+def test_test_modules_do_not_import_each_other():
+    """What two test modules share lives in a helper module (coordinator_harness,
+    grow_harness, plan_helpers, ...) or conftest.py: a test module imported by another runs
+    its module-level code twice and ties the two files' edits together. Planted: a relative,
+    an absolute and a function-level import of a test module are caught, a helper is not.
+    tests/slurm is not checked yet (its modules import test_client's waits)."""
+    assert _test_modules_imported("from .test_a import x\n", "unit") == {"tests.unit.test_a"}
+    assert _test_modules_imported("def f():\n    from tests.unit.test_b import y\n",
+                                  "dist") == {"tests.unit.test_b"}
+    assert _test_modules_imported("from . import test_c\n", "unit") == {"tests.unit.test_c"}
+    assert _test_modules_imported("from tests.dist import test_d\n", "unit") == {
+        "tests.dist.test_d"}
+    assert _test_modules_imported("from .plan_helpers import make_plan\n", "unit") == set()
+    tests = Path(__file__).parents[1]
+    found = {str(p.relative_to(tests)): got
+             for package in ("unit", "dist", "gpu", "workers")
+             for p in sorted((tests / package).rglob("*.py"))
+             if (got := _test_modules_imported(p.read_text(), package))}
+    assert {name: sorted(got) for name, got in found.items()
+            if not got <= TEST_MODULE_IMPORTS_ALLOWED.get(name, set())} == {}
+    assert set(found) == set(TEST_MODULE_IMPORTS_ALLOWED)  # an exception no longer needed goes

@@ -89,17 +89,19 @@ ANCHOR = (Device("n0", 0), Device("n0", 1))
 
 class LostAnchor(RecordingBackend):
     """The anchor is granted and lost before anything starts; ``can_meet``: the answer to
-    ``request_can_be_met`` (None: the backend has no such hook, as Slurm's)."""
+    ``request_can_be_met`` (None: the default answer, True, as Slurm's)."""
 
     def __init__(self, can_meet: bool | None) -> None:
         super().__init__(TOPO)
         self.pending = [Grant("a0", ANCHOR), Loss("a0", ANCHOR, "failure")]
-        if can_meet is not None:
-            self.request_can_be_met = lambda key: can_meet  # type: ignore[method-assign]
+        self.can_meet = can_meet
+
+    def request_can_be_met(self, key: str) -> bool:
+        return super().request_can_be_met(key) if self.can_meet is None else self.can_meet
 
 
 def _run(tmp_path: Path, backend: Any, grow: bool, deadline_s: float) -> tuple[str, Any]:
-    job = f"outlook-{grow}-{getattr(backend, 'request_can_be_met', None) is not None}"
+    job = f"outlook-{grow}-{backend.can_meet is not None}"
     with coordinator_over(tmp_path, job, backend,
                           training=TrainingJob(PRESETS["tiny"], 8, 1, False),
                           policy=EffectivePolicy(grow=grow, max_nodes=2),

@@ -21,17 +21,8 @@ from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.slurm.backend import SlurmBackend
 from slurm_etc.slurm.model import NodeState
 from slurm_etc.testing.fake_slurm import FakeSlurmClient
-from tests.unit.test_requests_met import (
-    HW,
-    JOB,
-    TOPO,
-    Requests,
-    fake_cost,
-    growing_from_one_node,
-    node,
-    of,
-    on,
-)
+from tests.unit.coordinator_harness import RecordingBackend
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -86,11 +77,11 @@ def test_a_young_request_that_can_no_longer_be_met_is_withdrawn_at_once() -> Non
 
 # ---- the coordinator re-reads the count -----------------------------------------------
 
-class CountingBackend(Requests):
-    """Requests, with the partition's usable node count a test sets."""
+class CountingBackend(RecordingBackend):
+    """The recording backend, with the partition's usable node count a test sets."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(TOPO)
         self.usable: int | None = 4
         self.reads = 0
 
@@ -117,7 +108,7 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
         assert c._snapshot().partition_nodes == 4 and backend.reads == 1  # not yet re-read
         # a loss: re-read at the decision that handles it
         backend.usable = 2
-        backend.inner.pending = [Loss("a1", tuple(node("n2")), "failure")]
+        backend.pending = [Loss("a1", tuple(node("n2")), "failure")]
         c._observe_backend()
         assert c._snapshot().partition_nodes == 2 and backend.reads == 2
         assert c._snapshot().partition_nodes == 2 and backend.reads == 2
@@ -133,10 +124,12 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
         assert c._snapshot().partition_nodes == 3 and backend.reads == 4
 
 
-def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path) -> None:
+def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path,
+                                                       recording_backend: Any) -> None:
     from tests.unit.coordinator_harness import coordinator_over
 
-    backend: Any = Requests()  # no usable_nodes: a scripted cluster's nodes all stay
+    # usable_nodes unknown (None): a scripted cluster's nodes all stay
+    backend = recording_backend(TOPO)
     with coordinator_over(tmp_path, "topo", backend, training=JOB,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
@@ -164,6 +157,22 @@ def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_rerea
         assert [w.key for w in backend.withdrawn] == ["grow-1"]
         assert all(r.nodes <= 1 for r in backend.requested), backend.requested
         assert not c._request_overdue()  # decided: not again and again
+
+
+def test_a_backend_that_cannot_count_never_makes_a_request_unmeetable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording_backend: Any) -> None:
+    """The default ``usable_nodes`` (None: a scripted cluster) is asked when due, and no
+    answer is no fresh count: a request larger than the last count allows is left to its
+    patience, as a backend with no count at all always left it."""
+    backend = recording_backend(TOPO)
+    with growing_from_one_node(tmp_path, "nocount", backend,
+                               EffectivePolicy(grow=True, max_nodes=4), 5.0) as c:
+        c.partition_nodes = 2  # 3 more nodes of 2, kept n1: more than the count allows
+        real = time.monotonic
+        monkeypatch.setattr(coordinator_loop.time, "monotonic",
+                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
+        assert not c._request_overdue() and c.partition_nodes == 2
+        assert backend.withdrawn == []
 
 
 def test_nodes_being_released_do_not_make_a_pending_request_unmeetable() -> None:

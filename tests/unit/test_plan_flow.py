@@ -27,7 +27,7 @@ from slurm_etc.plan.intersect import intersect
 from slurm_etc.plan.regions import region_table
 
 from .plan_helpers import make_plan
-from .test_plan_properties import transitions
+from .plan_strategies import transitions
 
 
 def _config(degrees, dist):

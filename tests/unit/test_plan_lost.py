@@ -26,7 +26,7 @@ from slurm_etc.plan import (
 )
 
 from .plan_helpers import apply_plan, expected_state, global_tensors
-from .test_plan_properties import configs, models
+from .plan_strategies import configs, models
 
 TINY, LLAMA = PRESETS["tiny"], PRESETS["tiny-llama"]
 TOPO = Topology(gpus_per_node=4)

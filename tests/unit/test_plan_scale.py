@@ -21,32 +21,10 @@ from slurm_etc.plan.intersect import intersect
 from slurm_etc.plan.regions import region_table
 from slurm_etc.plan.sketch import assign_unconstrained
 
-from .plan_helpers import make_plan
-from .test_plan_properties import transitions
+from .plan_helpers import brute_overlaps, make_plan, region_elements
+from .plan_strategies import transitions
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_scale.py"
-
-
-def _elements(tab, row):
-    """Flat global element indices (in the group's padded 3-d shape) of one region row."""
-    lo, hi = tab.lo[row], tab.hi[row]
-    grid = np.stack(np.meshgrid(*[np.arange(a, b) for a, b in zip(lo, hi)], indexing="ij"))
-    return grid.reshape(3, -1)[:, tab.s[row]:tab.e[row]]
-
-
-def _brute_overlaps(catalog, old, new):
-    """{(old row, new row): element count} by enumerating elements: the oracle."""
-    out = {}
-    for i in range(len(old)):
-        gi = int(old.group[i])
-        shape = tuple(catalog.groups[gi].shape) + (1,) * (3 - len(catalog.groups[gi].shape))
-        a = set(np.ravel_multi_index(tuple(_elements(old, i)), shape).tolist())
-        for j in np.flatnonzero(new.group == gi).tolist():
-            b = np.ravel_multi_index(tuple(_elements(new, j)), shape)
-            n = int(np.isin(b, list(a)).sum()) if a else 0
-            if n:
-                out[(i, j)] = n
-    return out
 
 
 @settings(max_examples=40, deadline=None)
@@ -71,9 +49,9 @@ def test_intersections_equal_element_enumeration(data):
             *[np.arange(a, b) for a, b in zip(lo, hi)], indexing="ij")).reshape(3, -1)), shape)
             for lo, hi in boxes])
         for tab, row in ((ot, key[0]), (nt, key[1])):
-            held = np.ravel_multi_index(tuple(_elements(tab, row)), shape)
+            held = np.ravel_multi_index(tuple(region_elements(tab, row)), shape)
             assert np.isin(idx, held).all()
-    assert got == _brute_overlaps(cat, ot, nt)
+    assert got == brute_overlaps(cat, ot, nt)
     # fragments come sorted by (new row, old row): the plan's order depends on it
     order = np.lexsort((frag.old_row, frag.new_row))
     np.testing.assert_array_equal(order, np.arange(len(frag)))

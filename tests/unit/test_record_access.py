@@ -33,7 +33,6 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
-from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store
 from slurm_etc.store.location import snapshot_path
@@ -125,27 +124,9 @@ def test_a_snapshot_planted_by_another_user_is_not_adopted(attacker, victim, sha
     assert all(os.stat(p).st_uid == attacker.pw_uid for p in planted)
 
 
-class _RecordingBackend(BackendDefaults):
-    """A backend that records every node request the coordinator sends."""
-
-    def __init__(self, topology: Any) -> None:
-        self.topology = topology
-        self.requests: list[Any] = []
-
-    def poll(self) -> list[Any]:
-        return []
-
-    def on_step(self, step: int) -> None: ...
-    def request(self, action: Any) -> None: self.requests.append(action)
-    def release(self, action: Any) -> None: ...
-    def launch(self, action: Any) -> None: ...
-    def stop(self, action: Any) -> None: ...
-    def workers(self) -> dict: return {}
-    def close(self) -> None: ...
-
-
 def test_the_real_coordinator_sends_nothing_in_a_planted_records_name(attacker, shared,
-                                                                       monkeypatch):
+                                                                       monkeypatch,
+                                                                       recording_backend):
     """The victim is root here, running the real coordinator's recovery: the planted open
     request is not sent again (before: RequestNodes(999999) in root's name)."""
     from slurm_etc.alloc.chooser import TrainingJob
@@ -165,12 +146,12 @@ def test_the_real_coordinator_sends_nothing_in_a_planted_records_name(attacker, 
     try:
         record.create_job(store, JOB, name="mine", owner_uid=0, owner_name="root",
                           backend="local")
-        backend = _RecordingBackend(ClusterTopology.uniform(1, 1))
+        backend = recording_backend(ClusterTopology.uniform(1, 1))
         spec = JobSpec(JOB, "mine", (sys.executable, "-c", "pass"),
                        TrainingJob(load_model("tiny"), 8, 1, False), EffectivePolicy(),
                        PROFILES["cpu"])
         Coordinator(spec, backend, store, channel, backend.topology)._recover()
-        assert backend.requests == []
+        assert backend.requested == []
         detail = record.job_detail(store, JOB)
         assert detail is not None and detail.job.name == "mine" and detail.events == ()
     finally:

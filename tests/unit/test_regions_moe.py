@@ -140,7 +140,7 @@ MOE_TRANSITIONS = [
 def test_moe_intersections_equal_element_enumeration(old, new, dist):
     from slurm_etc.plan.intersect import intersect
 
-    from .test_plan_scale import _brute_overlaps
+    from .plan_helpers import brute_overlaps
 
     model = PRESETS["tiny-moe"]
     oc, nc = (ParallelConfig.parse(x, distributed_optimizer=dist) for x in (old, new))
@@ -150,7 +150,7 @@ def test_moe_intersections_equal_element_enumeration(old, new, dist):
     got = {}
     for i, j, c in zip(frag.old_row.tolist(), frag.new_row.tolist(), frag.count.tolist()):
         got[(i, j)] = got.get((i, j), 0) + c
-    assert got == _brute_overlaps(catalog, ot, nt)
+    assert got == brute_overlaps(catalog, ot, nt)
 
 
 @pytest.mark.parametrize(("old", "new"), MOE_TRANSITIONS,

@@ -1,7 +1,7 @@
 """The coordinator and a request that ends without a grant (RequestFailed): the job stops
 "growing" and asks again on its next decision; an older request's failure changes nothing.
-Real coordinator, real SQLite record; the backend is a stub that records the requests (the
-Slurm backend's side is tests/unit/test_slurm_backend_fake.py)."""
+Real coordinator, real SQLite record; the backend is the recording one of
+tests/unit/conftest.py (the Slurm backend's side is tests/unit/test_slurm_backend_fake.py)."""
 from __future__ import annotations
 
 import sqlite3
@@ -12,28 +12,17 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
-from slurm_etc.coordinator.backend import RequestFailed, RequestNodes
+from slurm_etc.coordinator.backend import RequestFailed
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
-from tests.unit.coordinator_harness import HandDrivenBackend, coordinator_over
+from tests.unit.coordinator_harness import coordinator_over
 
 JOB = "reqfail"
 
 
-class Stub(HandDrivenBackend):
-    """Records the node requests."""
-
-    def __init__(self) -> None:
-        super().__init__(ClusterTopology(2, ("n1", "n2", "n3")))
-        self.requests: list[RequestNodes] = []
-
-    def request(self, action: RequestNodes) -> None:
-        self.requests.append(action)
-
-
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Any:
-    stub = Stub()
+def coordinator(tmp_path: Path, recording_backend: Any) -> Any:
+    stub = recording_backend(ClusterTopology(2, ("n1", "n2", "n3")))
     with coordinator_over(tmp_path, JOB, stub,
                           training=TrainingJob(load_model("tiny"), 8, 1, False),
                           policy=EffectivePolicy(grow=True, max_nodes=3),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -17,17 +18,7 @@ from slurm_etc.policy.admin import AdminVerdict, stricter
 from slurm_etc.policy.decide import JobView, WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy, parse_assignments
 from slurm_etc.store import get_policy, open_store
-from tests.unit.test_requests_met import (
-    HW,
-    JOB,
-    TOPO,
-    Requests,
-    fake_cost,
-    growing_from_one_node,
-    node,
-    of,
-    on,
-)
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = pytest.mark.unit
 
@@ -77,8 +68,8 @@ def test_a_policy_with_a_short_patience_withdraws_earlier() -> None:
 
 
 def test_the_coordinator_decides_again_once_the_policys_patience_passed(
-        tmp_path: Path) -> None:
-    backend = Requests()
+        tmp_path: Path, recording_backend: Any) -> None:
+    backend = recording_backend(TOPO)
     policy = EffectivePolicy(grow=True, max_nodes=4, request_patience_s=60)
     with growing_from_one_node(tmp_path, "patience", backend, policy, 30.0) as c:
         assert not c._request_overdue()

@@ -2,47 +2,14 @@
 the partition's nodes minus what the job keeps; a granted node that fits no valid layout now
 is kept while a request makes it useful, instead of released and asked for again; a request
 pending past its patience is withdrawn and asked again smaller. Each says why."""
-from contextlib import contextmanager
-from dataclasses import replace
-
 import pytest
 
-from slurm_etc.alloc import ClusterTopology, Device, Hardware, TrainingJob, identity_layout
-from slurm_etc.plan import PRESETS
-from slurm_etc.policy import JobView, Release, RequestGrow, ResizeDecision, decide
+from slurm_etc.policy import JobView, Release, RequestGrow, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
+from tests.unit.grow_harness import HW, JOB, TOPO, fake_cost, growing_from_one_node, node, of, on
 
 pytestmark = pytest.mark.unit
-
-# the issue's cluster: 4 nodes of 2 devices; a 4-layer GPT, global batch 16: 6 devices (3
-# nodes) fit no valid layout (dp | 16, pp | 4, tp in a node), 2, 4 and 8 do, each faster
-TOPO = ClusterTopology(2, ("n1", "n2", "n3", "n4"))
-JOB = TrainingJob(replace(PRESETS["gpt-1.3b"], num_layers=4, name="four-layers"),
-                  global_batch=16)
-HW = Hardware(gpus_per_node=2)
-
-
-def node(*names):
-    return frozenset(Device(n, i) for n in names for i in range(2))
-
-
-def fake_cost(layout, config, allocation):
-    return len(set(allocation.vranks) ^ set(layout.devices))
-
-
-ANCHOR = node("n1")
-
-
-def on(held, pinned=ANCHOR):
-    d = decide(JobView(0.0, JOB, HW, TOPO, held, pinned=pinned), EffectivePolicy(grow=False),
-               cost=fake_cost)
-    resize = next(a for a in d.actions if isinstance(a, ResizeDecision))
-    return resize.allocation.vranks, identity_layout(resize.config, resize.allocation.pool)
-
-
-def of(decision, kind):
-    return [a for a in decision.actions if isinstance(a, kind)]
 
 
 def test_no_request_beyond_the_partition_nodes_minus_what_is_kept():
@@ -106,51 +73,11 @@ def test_a_request_pending_past_its_patience_is_withdrawn_and_asked_again_smalle
 
 # ---- the coordinator carries them out -------------------------------------------------
 
-class Requests:
-    """A hand-driven backend that records requests and withdrawals."""
-
-    def __init__(self) -> None:
-        from tests.unit.coordinator_harness import HandDrivenBackend
-
-        self.inner = HandDrivenBackend(TOPO)
-        self.topology = TOPO
-        self.requested: list = []
-        self.withdrawn: list = []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def request(self, action) -> None:
-        self.requested.append(action)
-
-    def cancel_request(self, action) -> None:
-        self.withdrawn.append(action)
-
-
-@contextmanager
-def growing_from_one_node(tmp_path, job: str, backend, policy: EffectivePolicy,
-                          sent_ago_s: float):
-    """A coordinator over ``backend`` training on n1's devices, with a request for three
-    more nodes pending for ``sent_ago_s`` seconds; yields it."""
+def test_coordinator_withdraws_an_old_request_and_asks_again_smaller(tmp_path,
+                                                                     recording_backend):
     import time
 
-    from tests.unit.coordinator_harness import coordinator_over
-
-    vranks, layout = on(node("n1"))
-    with coordinator_over(tmp_path, job, backend, training=JOB, policy=policy,
-                          hardware=HW, backend_name="local") as (c, _db):
-        c.holdings = replace(c.holdings, held={d: "a0" for d in node("n1")},
-                             layout=layout, vranks=dict(vranks), step=5)
-        c.pinned = set(node("n1"))
-        c.requests, c.growing = 1, 3
-        c.request_sent_at = time.monotonic() - sent_ago_s
-        yield c
-
-
-def test_coordinator_withdraws_an_old_request_and_asks_again_smaller(tmp_path):
-    import time
-
-    backend = Requests()
+    backend = recording_backend(TOPO)
     with growing_from_one_node(tmp_path, "withdraw", backend,
                                EffectivePolicy(grow=True, max_nodes=4), 10.0) as c:
         assert not c._request_overdue()  # young: not decided again

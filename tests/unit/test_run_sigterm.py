@@ -15,22 +15,23 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
-from slurm_etc.coordinator.backend import BackendDefaults
 from slurm_etc.coordinator.loop import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
+from tests.unit.coordinator_harness import HandDrivenBackend
 
 SLURM_ETC = os.path.join(os.path.dirname(sys.executable), "slurm-etc")
 
 
-class SignalOnPoll(BackendDefaults):
+class SignalOnPoll(HandDrivenBackend):
     """A backend that sends the coordinator ``signum`` at its first poll and notes that it
     was closed."""
 
     def __init__(self, signum: int) -> None:
+        super().__init__(ClusterTopology(2, ("n0",)))
         self.signum = signum
         self.closed = 0
         self.polls = 0
@@ -40,24 +41,6 @@ class SignalOnPoll(BackendDefaults):
         if self.polls == 1:
             os.kill(os.getpid(), self.signum)
         return []
-
-    def on_step(self, step):
-        pass
-
-    def request(self, action):
-        pass
-
-    def release(self, action):
-        pass
-
-    def launch(self, action):
-        pass
-
-    def stop(self, action):
-        pass
-
-    def workers(self):
-        return {}
 
     def close(self):
         self.closed += 1

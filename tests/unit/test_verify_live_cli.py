@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
 from slurm_etc.harness import verify
-from tests.unit.test_cli_verify import report
+from tests.unit.verify_reports import report
 
 
 @pytest.mark.parametrize("args, says", [

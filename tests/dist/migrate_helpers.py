@@ -1,7 +1,5 @@
 """Worker-side functions of the executor's multi-process tests (pickled by reference).
 
-No tests here: the name only puts the module among the executor's test files.
-
 Every function runs on every rank of a pool from :func:`tests.dist.harness.pool_fixture`;
 the device id of a worker is its pool rank. Plans are computed on each worker from a
 :class:`Case` (every rank computes the same plan, as in production). Migration groups are
