@@ -310,6 +310,9 @@ class Coordinator:
         # trains in this generation or a later one (not a killed coordinator's worker when
         # the job started again without them)
         self.admit_from = 0
+        # generations of resizes the restart closed as aborted: a worker that trains in one
+        # heard a commit the record never had (a full disk), and is not taken up
+        self.gave_up: frozenset[int] = frozenset()
         channel.admit = self._admits
 
     # -- what the job holds (self.holdings), by name ---------------------------------------
@@ -648,13 +651,14 @@ class Coordinator:
     def _seed_decisions(self, committed: Iterable[int], aborted: Iterable[Any]) -> None:
         """This coordinator's store starts empty: the commit decision of each resize the
         restart settled is set again, so that a worker whose vote lost the store finds it
-        there once reattached."""
-        if self.post is None:
-            return
+        there once reattached. The aborted ones' generations are remembered: a worker that
+        trains in one is not taken up (:meth:`_admits`)."""
         detail = record.job_detail(self.store, self.spec.job_id)
         to_gen = {m.id: m.to_generation for m in detail.migrations} if detail else {}
-        decided = [(g, COMMIT) for g in committed] + \
-            [(to_gen[m], ABORT) for m in aborted if m in to_gen]
+        self.gave_up = frozenset(to_gen[m] for m in aborted if m in to_gen)
+        if self.post is None:
+            return
+        decided = [(g, COMMIT) for g in committed] + [(g, ABORT) for g in self.gave_up]
         for gen, value in decided:
             self.post(commit_decision(GenerationKeys(self.spec.job_id, gen).prefix), value)
 
@@ -728,6 +732,11 @@ class Coordinator:
         """Whether the sender of ``hello`` is taken for the vrank it names: one just started
         (``step`` < 0), or one that lost its coordinator and trains in a generation this
         coordinator runs."""
+        if hello.step >= 0 and hello.trained in self.gave_up:
+            logger.warning("vrank %d trains in generation %d, whose resize the record does "
+                           "not hold committed (its commit was not written before the kill): "
+                           "not taken up", hello.vrank, hello.trained)
+            return False
         return hello.step < 0 or hello.trained >= self.admit_from
 
     def _resend_open_request(self, request: record.OpenRequest | None) -> None:

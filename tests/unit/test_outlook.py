@@ -360,3 +360,31 @@ def test_a_launch_stops_a_leaving_process_on_its_vrank_or_its_device(tmp_path: P
         c._clear_leaving({0: ANCHOR[1], 4: Device("n1", 1)})  # n0:1 where 1 runs; vrank 4
         assert [a.vranks for a in backend.stopped] == [(1, 4)]
         assert c.leaving == {3}  # on a device nobody takes: it exits on its own
+
+
+def test_a_worker_in_a_generation_the_restart_aborted_is_not_taken_up(tmp_path: Path) -> None:
+    """Soak seed 101: a shrink committed by its workers while a full disk kept the record
+    behind, then the coordinator killed: the restart closed the migration as aborted and
+    took the workers (training in the new layout) up as the old layout's: the history and
+    the replay diverged. A worker that trains in a generation whose resize the restart
+    closed as aborted is not taken up (told to stop; the job goes on from what survives)."""
+    from slurm_etc.protocol.messages import Hello
+    from slurm_etc.store import jobs as record
+
+    backend = RecordingBackend(TOPO)
+    with coordinator_over(tmp_path, "gave-up", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        record.open_generation(c.store, "gave-up", 0, "dp=2,tp=1,pp=1", (0, 1),
+                               {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
+        record.record_progress(c.store, "gave-up", 0, last_step=45)
+        record.record_migration_start(c.store, "gave-up", from_generation=0, to_generation=1,
+                                      plan_digest="", moved_bytes=0, kept_bytes=0,
+                                      lower_bound_bytes=0, messages=0, rounds=0)
+        c._recover()
+        assert c.gave_up == {1}
+        c.admit_from = 0  # as _reattach leaves it, taking generation 0's live workers up
+        assert not c._admits(Hello("gave-up", 1, 0, "h", 1, step=48, trained=1))
+        assert c._admits(Hello("gave-up", 0, 0, "h", 1, step=45, trained=0))
+        assert c._admits(Hello("gave-up", 2, 0, "h", 1))  # a worker just started
