@@ -829,6 +829,7 @@ class Coordinator:
                     self.exit_failed -= set(event.devices)  # lost, not only their workers
                     self.holdings = devices.loss(self.holdings, event.devices,
                                                  event.allocation, event.cause, now)
+                    self._lost_in_flight(event.devices)
                     seen.append(self._observed("loss", event, f"{len(event.devices)} devices "
                                                f"({event.cause})", state="lost"))
                 case EndTraining():
@@ -928,6 +929,22 @@ class Coordinator:
             return
         self.holdings = devices.failed(self.holdings, [event.device], now)
         self.exit_failed.add(event.device)
+
+    def _lost_in_flight(self, lost: Iterable[Device]) -> None:
+        """Participants of the resize in flight on lost devices are dead to it, as after an
+        unexplained death: it settles without them (the survivors' vote is closed, the
+        resize retried without them). Their exit is the loss's, not news of its own (soak
+        seed 201: a notice of 0.5 s ran out inside the shrink it ordered; the survivors
+        waited 120 s for the killed, aborted, and the job stopped)."""
+        fl = self.inflight
+        if fl is None:
+            return
+        gone = set(lost)
+        dead = [v for v in fl.participants if v not in fl.dead
+                and (fl.vranks.get(v) or self.vranks.get(v)) in gone]
+        for v in dead:
+            fl = reconcile.died(fl, v)
+        self.inflight = fl
 
     def _unjoined(self, vrank: int, generation: int) -> bool:
         """Whether the process of ``vrank`` launched for ``generation`` ended (or is given

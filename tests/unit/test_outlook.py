@@ -388,3 +388,31 @@ def test_a_worker_in_a_generation_the_restart_aborted_is_not_taken_up(tmp_path: 
         assert not c._admits(Hello("gave-up", 1, 0, "h", 1, step=48, trained=1))
         assert c._admits(Hello("gave-up", 0, 0, "h", 1, step=45, trained=0))
         assert c._admits(Hello("gave-up", 2, 0, "h", 1))  # a worker just started
+
+
+def test_participants_on_lost_devices_are_dead_to_the_resize_in_flight(tmp_path: Path) -> None:
+    """Soak seed 201: a 0.5 s notice ran out inside the shrink it ordered; the leaving
+    ranks were killed with their devices (an explained exit, not a death), the resize never
+    counted them dead, the survivors waited 120 s, aborted, and the job stopped. A loss
+    now marks the resize's participants on the lost devices dead (it settles without them:
+    the vote closed, the resize retried)."""
+    from slurm_etc.coordinator.reconcile import InflightResize
+    from slurm_etc.protocol.messages import LayoutSpec, Resize
+
+    other = (Device("n1", 0), Device("n1", 1))
+    backend = RecordingBackend(TOPO)
+    backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
+    with coordinator_over(tmp_path, "lost-in-flight", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        c._observe_backend()
+        order = Resize("lost-in-flight", 2, LayoutSpec.make("dp=4,tp=1,pp=1", (0, 1, 2, 3)),
+                       LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
+        c.inflight = InflightResize(
+            order=order, plan=None, migration_id=1, participants=frozenset({0, 1, 2, 3}),
+            joiners=frozenset(), vranks={0: ANCHOR[0], 1: ANCHOR[1], 2: other[0], 3: other[1]},
+            release=frozenset(), started=0.0)
+        backend.pending = [Loss("a1", other, "preempted")]
+        c._observe_backend()
+        assert set(c.inflight.dead) == {2, 3}
