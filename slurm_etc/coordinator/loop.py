@@ -114,6 +114,8 @@ POLL_S = 0.02
 END_CATCH_UP_S = 10.0
 # Every worker of the layout gone and nothing pending for this long: the job has failed.
 DEAD_GRACE_S = 1.0
+# said once when a decision waits for the record to catch up (record, then act)
+HELD_FOR_RECORD = "decisions wait for the job record"
 # How long a launched worker has to say Hello (slurm-etc run --join-timeout): a cold import of
 # torch and megatron-core takes seconds; a script that never calls run_worker never says it.
 DEFAULT_JOIN_TIMEOUT_S = 300.0
@@ -420,10 +422,10 @@ class Coordinator:
             return True
         if not self._held_for_record:
             self._held_for_record = True
-            logger.warning("decisions wait for the job record (%d write(s) behind: %s): "
-                           "nothing is launched, resized or released that it could not "
-                           "hold; generation %d trains on", self.journal.behind,
-                           self.journal.last_error, self.generation)
+            logger.warning("%s (%d write(s) behind: %s): nothing is launched, resized or "
+                           "released that it could not hold; generation %d trains on",
+                           HELD_FOR_RECORD, self.journal.behind, self.journal.last_error,
+                           self.generation)
         return False
 
     @property

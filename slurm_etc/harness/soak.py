@@ -44,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from slurm_etc.coordinator.loop import HELD_FOR_RECORD
 from slurm_etc.errors import InternalError
 
 from .soak_checks import (
@@ -72,6 +73,8 @@ TURN_TIMEOUT_S = 180.0
 DUPLICATE_TIMEOUT_S = 60.0
 # how long a resize-kill waits for a migration to open
 RESIZE_WAIT_S = 60.0
+# a full-disk window ends this long after a decision began to wait for the record
+RECORD_HOLD_S = 3.0
 TMPFS_SIZE = "64m"
 
 
@@ -611,13 +614,39 @@ def _act(run: SoakRun, e: SoakEvent) -> str:
                                 f"({err.strerror}): {taken}")
             return f"FAILED: already full ({taken})"
         start = run.max_step
+        held = _HeldForRecord(run.work / f"coordinator-{run.starts}.log")
         try:
-            run.wait(partial(_reached, run, start + e.steps),
+            run.wait(lambda: _reached(run, start + e.steps) or held(),
                      f"{e.steps} steps on a full disk", timeout_s=120)
         finally:
             _free(run)
+        if held.since is not None:  # a decision (a loss, a notice) waited for the record
+            return (f"full from step {start}; a decision waited for the record at step "
+                    f"{run.max_step} (record, then act), freed after {RECORD_HOLD_S:g} s")
         return f"full from step {start} to {run.max_step}"
     raise ValueError(f"not a soak event: {e.kind}")
+
+
+class _HeldForRecord:
+    """Whether the coordinator (its log from now on) has said for RECORD_HOLD_S that a
+    decision waits for the record: training cannot go on past it while the disk is full (a
+    loss's survivors wait for their order), so the window ends there."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.since = log, None
+        self.mark = log.stat().st_size if log.exists() else 0
+
+    def __call__(self) -> bool:
+        if self.since is None:
+            try:
+                with open(self.log, "rb") as f:
+                    f.seek(self.mark)
+                    said = HELD_FOR_RECORD.encode() in f.read()
+            except OSError:
+                return False
+            if said:
+                self.since = time.monotonic()
+        return self.since is not None and time.monotonic() - self.since >= RECORD_HOLD_S
 
 
 def _free(run: SoakRun) -> None:

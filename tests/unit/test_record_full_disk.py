@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator.loop import HELD_FOR_RECORD, JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.script import script_from_options
@@ -183,7 +183,7 @@ def test_a_grant_on_a_full_disk_is_launched_once_the_record_holds_it(small_fs, c
                   secret_dir=small_fs.parent / "keys", deadline_s=120, progress=progress)
     assert out["state"] == "finished", out
     said = [r.getMessage() for r in caplog.records]
-    held = [i for i, m in enumerate(said) if m.startswith("decisions wait for the job record")]
+    held = [i for i, m in enumerate(said) if m.startswith(HELD_FOR_RECORD)]
     caught = next(i for i, m in enumerate(said) if "caught up" in m)
     launched = next(i for i, m in enumerate(said) if "launched vrank 1" in m)
     assert len(held) == 1 and held[0] < caught < launched, said[held[0] if held else 0:][:12]

@@ -263,3 +263,25 @@ def test_the_disk_is_filled_and_freed_again(tmp_path):
             ballast.unlink()
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_window_ends_once_a_decision_waits_for_the_record(tmp_path, monkeypatch):
+    """Record, then act: on a full disk a decision (a loss's resize) waits for the record,
+    so training cannot go on the window's steps; the window ends RECORD_HOLD_S after the
+    coordinator said so in its log (only what it logged after the window began counts)."""
+    from slurm_etc.coordinator.loop import HELD_FOR_RECORD
+    from slurm_etc.harness import soak
+
+    log = tmp_path / "coordinator-1.log"
+    log.write_text(f"01:00 WARNING {HELD_FOR_RECORD} (an earlier window)\n")
+    monkeypatch.setattr(soak, "RECORD_HOLD_S", 0.2)
+    held = soak._HeldForRecord(log)
+    assert not held()  # said before this window began
+    with open(log, "a") as f:
+        f.write("01:01 INFO event: loss 2 devices (failure)\n")
+    assert not held()
+    with open(log, "a") as f:
+        f.write(f"01:02 WARNING {HELD_FOR_RECORD} (3 write(s) behind)\n")
+    assert not held()  # said, not yet for RECORD_HOLD_S
+    time.sleep(0.25)
+    assert held()
