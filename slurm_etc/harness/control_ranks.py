@@ -416,7 +416,7 @@ class SimRank:
         from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER
         from slurm_etc.protocol.rendezvous import GenerationKeys
         from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, arrive_step
-        from slurm_etc.worker.trainer import AGREE_SLICE_S, newest_order
+        from slurm_etc.worker.trainer import agree_slice_s, newest_order
 
         layout = self.layout
         assert layout is not None  # agreed steps have one
@@ -433,17 +433,18 @@ class SimRank:
         arrived = names.agreement(0, self.step, "arrived")
         deadline = time.monotonic() + self.timeout_s
         arriving = True
+        slice_s = agree_slice_s(layout.config.world)
         while True:
             self._check()
             try:
                 if arriving:
                     proposal = b"" if self._pending is None else ENCODER.encode(self._pending)
                     got = arrive_step(self.store, decided, arrived, layout.config.world,
-                                      proposal, own, stale, AGREE_SLICE_S, wake=names.lost,
+                                      proposal, own, stale, slice_s, wake=names.lost,
                                       seen=self._woken_by)
                     arriving = False
                 else:
-                    got = agree_step(self.store, own, b"-", stale, [decided], AGREE_SLICE_S,
+                    got = agree_step(self.store, own, b"-", stale, [decided], slice_s,
                                      wake=names.lost, seen=self._woken_by)
             except StoreUnreachable:
                 self._await_restart()

@@ -142,6 +142,17 @@ EARLY_COMMIT_REPORT_S = 2.0
 # coordinator names the dead (the wake key), so the slice only bounds a wait on another
 # store: short slices re-ask N times a second while a 16k-rank job arrives (seconds).
 AGREE_SLICE_S = 1.0
+# ...and in a large job at least world / AGREE_ASKS_PER_S seconds: the waiting ranks' slices
+# together ask the store at most about this many times a second, whatever the job's size
+# (at 4,096 ranks, slices of 1 s were more than half of a resize's requests at the store).
+AGREE_ASKS_PER_S = 1024
+
+
+def agree_slice_s(world: int) -> float:
+    """How long one slice of a rank's wait at a step's decision lasts in a ``world``-rank
+    layout (:data:`AGREE_SLICE_S`, longer past :data:`AGREE_ASKS_PER_S` ranks)."""
+    return max(AGREE_SLICE_S, world / AGREE_ASKS_PER_S)
+
 # The phases of resize_in_place that the worker's "resized" line shows, in their order.
 PAUSE_PARTS = ("resume", "migrate", "train_group", "rebuild", "install", "switch")
 # A worker whose coordinator died says Hello this often until a restarted one answers.
@@ -966,11 +977,12 @@ class ElasticTrainer:
         (:func:`arrive_step`; ``mine`` is then "-")."""
         proc = self._proc()
         wake = GenerationKeys(proc.job, self.generation).lost
+        slice_s = agree_slice_s(self.layout.config.world if self.layout is not None else 1)
         if arrive is not None:
-            got = arrive_step(proc.store, *arrive, own, stale, AGREE_SLICE_S, wake=wake,
+            got = arrive_step(proc.store, *arrive, own, stale, slice_s, wake=wake,
                               seen=self._woken_by)
         else:
-            got = agree_step(proc.store, own, mine, stale, keys, AGREE_SLICE_S, wake=wake,
+            got = agree_step(proc.store, own, mine, stale, keys, slice_s, wake=wake,
                              seen=self._woken_by)
         if isinstance(got, Woken):
             self._woken_by = got.value
