@@ -40,6 +40,12 @@ rebuild from peer copies or a checkpoint when the job has either, else the job s
 
 The settlement's rules:
 
+- **decided**: the resize's commit vote holds commit at the coordinator's store (its first
+  value, seen there by ``Coordinator.commit_decided``): committed at once, with the answers
+  in so far (every rank voted after its part of the data phase and follows that decision;
+  the pause is measured at the step boundaries, and the longest data phase is recorded when
+  the late answers came: :class:`LateAnswers`). A rebuild waits for the answers below (the
+  steps it lost and where from are the workers');
 - **resend**: an order sent more than :data:`RESEND_S` ago goes again to every vrank told
   that has neither answered nor died (a message lost to a reconnect is not a lost resize);
 - **a joiner died before the old layout was ordered**: nobody paused; the resize aborts and is
