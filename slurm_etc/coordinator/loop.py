@@ -43,7 +43,7 @@ from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device, format_devices
-from slurm_etc.lifecycle import JobState, ResizeOutcome
+from slurm_etc.lifecycle import JobState, ProcessOutcome, ResizeOutcome
 from slurm_etc.migrate.decision import ABORT, COMMIT
 from slurm_etc.plan import Layout, Topology
 from slurm_etc.policy.decide import (
@@ -287,6 +287,11 @@ class Coordinator:
             batch_from_workers=spec.batch_from_workers,
             micro_batch_given=spec.micro_batch_given, model_label=spec.model_label)
         self.pauses = PauseTracker()  # the gaps the new layouts' processes report
+        # the newest generation whose commit vote the store saw decided commit (set on the
+        # store's thread by commit_decided; the loop settles that resize from it)
+        self.commit_heard = 0
+        # the answers still to come to the resize last committed from its decision
+        self.late: reconcile.LateAnswers | None = None
         self.reattached = False  # the layout is a killed coordinator's, taken up again
         # its members found dead at the restart: failed once the backend holds their
         # devices again (a grant whole again would otherwise clear the failure)
@@ -1048,9 +1053,9 @@ class Coordinator:
                     if fl and report.generation == fl.order.generation:
                         self.inflight = reconcile.answered(fl, vrank, report)
                         if self.inflight.reports[vrank] is not report:
-                            logger.error("vrank %d answered %s to generation %d after it "
-                                         "committed (%s): its commit stands", vrank,
-                                         report.outcome, report.generation, report.error)
+                            self._answered_after_commit(vrank, report)
+                    elif self.late is not None and report.generation == self.late.generation:
+                        self._late_answer(vrank, report)
                 case Resumed():
                     self._record_pauses(self.pauses.add(report))
                 case Exited():
@@ -1079,6 +1084,31 @@ class Coordinator:
                         logger.info("vrank %d ready for generation %d after %.2f s of warm-up",
                                     vrank, report.generation, report.seconds)
                         self._order_when_joined()
+
+    @staticmethod
+    def _answered_after_commit(vrank: int, report: Resized) -> None:
+        logger.error("vrank %d answered %s to generation %d after it committed (%s): its "
+                     "commit stands", vrank, report.outcome, report.generation, report.error)
+
+    def _late_answer(self, vrank: int, report: Resized) -> None:
+        """An answer to the resize committed from its decision before it came: the
+        longest data phase is recorded once the last came (reconcile.late_answer)."""
+        late = self.late
+        assert late is not None
+        if report.outcome == ProcessOutcome.ABORTED:
+            self._answered_after_commit(vrank, report)
+        self.late, longest = reconcile.late_answer(late, report)
+        if longest is not None:
+            self.journal.write(record.record_migration_data, late.migration_id,
+                               data_seconds=longest)
+
+    def _flush_late(self) -> None:
+        """Record the longest data phase heard of the last resize committed from its
+        decision where it grew and some answers never came (a participant died since)."""
+        late, self.late = self.late, None
+        if late is not None and late.longest > late.recorded:
+            self.journal.write(record.record_migration_data, late.migration_id,
+                               data_seconds=late.longest)
 
     def _copies_chosen(self, got: CopiesChosen) -> None:
         """The workers chose the peer-copy interval ("auto"): said once, and recorded
@@ -1114,7 +1144,12 @@ class Coordinator:
             self.dirty = True
 
     def _progress(self, report: Progress) -> bool:
-        """A step reported: recorded and shown; whether the backend was told of it."""
+        """A step reported: recorded and shown; whether the backend was told of it. A step
+        of a layout whose commit is not settled here yet is shown, not the job's step yet
+        (the commit's switch step is the old layout's last: soak seed 102)."""
+        if report.generation > self.generation:
+            self._show_progress(report)
+            return False
         if report.step <= self.step:
             return False
         self.holdings = replace(self.holdings, step=report.step, loss=report.loss)
@@ -1127,11 +1162,14 @@ class Coordinator:
             self.journal.write(record.record_progress, self.spec.job_id,
                                    report.generation, last_step=report.step,
                                    last_loss=report.loss)
+        self._show_progress(report)
+        return told
+
+    def _show_progress(self, report: Progress) -> None:
         self.progress({"step": report.step, "loss": report.loss,
                        "lr": report.lr, "layout": report.layout,
                        "generation": report.generation, "started": report.started,
                        "ended": report.ended})
-        return told
 
     def _record_pauses(self, pauses: list[tuple[Any, MeasuredPause]]) -> None:
         """Write the pauses measured at the step boundaries into their migrations."""
@@ -1563,6 +1601,8 @@ class Coordinator:
     def _settle(self) -> None:
         fl = self.inflight
         assert fl is not None
+        if self.commit_heard == fl.order.generation and not fl.decided:
+            self.inflight = fl = reconcile.decided_commit(fl)
         now = time.monotonic()
         settled = reconcile.settle(fl, now, self.spec.worker_timeout_s)
         if settled.resend:
@@ -1581,6 +1621,8 @@ class Coordinator:
         self.aside_preparation_s = reconcile.longest_aside(self.aside_preparation_s, fl, now,
                                                            pause)
         after, effects = reconcile.commit(self.holdings, fl, outcome, wall)
+        self._flush_late()
+        self.late = reconcile.late_answers(fl, outcome)
         if lost_steps is not None:  # rolled back: the steps after the copy are trained again
             logger.warning("steps %d-%d lost with devices %s (rebuilt from %s of step %d); "
                            "training them again", lost_steps[0], lost_steps[1],
@@ -1632,6 +1674,9 @@ class Coordinator:
             logger.warning("resize to generation %d: its commit decision is not recorded "
                            "(%s): a coordinator restarted before its commit is recorded "
                            "would abort it", fl.order.generation, str(err)[:200])
+        # the loop commits the resize at its next turn (reconcile.settle: every rank follows
+        # this decision), not after an answer from each rank
+        self.commit_heard = max(self.commit_heard, fl.order.generation)
 
     def _close_vote(self, fl: InflightResize, close: reconcile.CloseVote
                     ) -> reconcile.Wait | reconcile.Abort:

@@ -40,6 +40,12 @@ rebuild from peer copies or a checkpoint when the job has either, else the job s
 
 The settlement's rules:
 
+- **decided**: the resize's commit vote holds commit at the coordinator's store (its first
+  value, seen there by ``Coordinator.commit_decided``): committed at once, with the answers
+  in so far (every rank voted after its part of the data phase and follows that decision;
+  the pause is measured at the step boundaries, and the longest data phase is recorded when
+  the late answers came: :class:`LateAnswers`). A rebuild waits for the answers below (the
+  steps it lost and where from are the workers');
 - **resend**: an order sent more than :data:`RESEND_S` ago goes again to every vrank told
   that has neither answered nor died (a message lost to a reconnect is not a lost resize);
 - **a joiner died before the old layout was ordered**: nobody paused; the resize aborts and is
@@ -287,6 +293,10 @@ class InflightResize:
     # the coordinator looked at the commit vote after a death and found it decided commit
     # (or could not close it): the resize is waited out by the rules without a death
     vote_looked_at: bool = False
+    # its store's commit vote was decided commit (the coordinator hosts the store and sees
+    # the decision's first value): every rank voted after its part of the data phase, and
+    # every rank follows that decision, so the resize is committed without an answer a rank
+    decided: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in _PERSISTENT:
@@ -314,6 +324,11 @@ def vote_looked_at(resize: InflightResize) -> InflightResize:
     """The commit vote was looked at after a death and holds commit (or cannot be
     closed): the live participants' answers settle it."""
     return replace(resize, vote_looked_at=True)
+
+
+def decided_commit(resize: InflightResize) -> InflightResize:
+    """The commit vote of ``resize`` was decided commit at the coordinator's store."""
+    return replace(resize, decided=True)
 
 
 def became_ready(resize: InflightResize, vrank: int) -> InflightResize:
@@ -413,6 +428,10 @@ class Settlement:
 
 def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settlement:
     """What happens next to ``resize`` (the rules in the module doc)."""
+    if resize.decided and not resize.rebuild:
+        # the store's decision is the outcome every rank follows: nothing to wait for (a
+        # rebuild waits for an answer: the steps it lost and where from are the workers')
+        return Settlement(frozenset(), _committed(resize))
     resend: frozenset[int] = frozenset()
     if resize.sent_at and now - resize.sent_at > RESEND_S:  # then sent again: once a RESEND_S
         resend = frozenset(v for v in resize.told
@@ -436,17 +455,64 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
         why = aborted[0].error if aborted else "no answer from " + ", ".join(
             str(v) for v in sorted(resize.participants) if v not in resize.reports)
         return Settlement(resend, Abort(why, retry=bool(resize.dead)))
+    return Settlement(resend, _committed(resize))
+
+
+def _committed(resize: InflightResize) -> Commit:
+    """The commit of ``resize`` with the figures of the answers in so far (a resize
+    committed from its decision has few or none yet: :class:`LateAnswers` completes its
+    data phase; its pause is measured at the step boundaries anyway)."""
     lost_steps, rebuilt_from = rebuilt(resize)
     # a joiner's pause runs from its own order, waiting for the old layout: not training
     # stopped (where only joiners answered, theirs is all there is)
     trained = [r for v, r in resize.reports.items() if v not in resize.joiners] or \
         list(resize.reports.values())
-    return Settlement(resend, Commit(
+    return Commit(
         pause_s=max((r.pause_seconds for r in trained), default=0.0),
         data_s=max((r.data_seconds for r in resize.reports.values()), default=0.0),
         lost_steps=lost_steps, rebuilt_from=rebuilt_from,
         switch_step=max((r.step for r in resize.reports.values()
-                         if r.outcome == ProcessOutcome.COMMITTED), default=None)))
+                         if r.outcome == ProcessOutcome.COMMITTED), default=None))
+
+
+@dataclass(frozen=True)
+class LateAnswers:
+    """The answers still to come to a resize committed from its decision: the longest data
+    phase is recorded once all came (one write, not one a rank).
+
+    Attributes:
+        generation, migration_id: the resize.
+        waiting: participants that had neither answered nor died at its commit.
+        recorded: the data phase recorded at its commit.
+        longest: the longest data phase of the answers so far.
+    """
+
+    generation: int
+    migration_id: int
+    waiting: int
+    recorded: float
+    longest: float
+
+
+def late_answers(resize: InflightResize, done: Commit) -> LateAnswers | None:
+    """What is left to hear of ``resize``, committed (``done``) before every participant
+    answered; None where none is."""
+    waiting = len(resize.participants) - len(resize.reports) - len(resize.dead)
+    if waiting <= 0:
+        return None
+    return LateAnswers(resize.order.generation, resize.migration_id, waiting, done.data_s,
+                       done.data_s)
+
+
+def late_answer(late: LateAnswers, report: Resized) -> tuple[LateAnswers | None, float | None]:
+    """One more answer to the resize of ``late``: what is left to hear (None: nothing),
+    and the data phase to record now (None: nothing to write) once the last came and the
+    longest grew."""
+    after = replace(late, waiting=late.waiting - 1,
+                    longest=max(late.longest, report.data_seconds))
+    if after.waiting > 0:
+        return after, None
+    return None, (after.longest if after.longest > after.recorded else None)
 
 
 def _all_answered(resize: InflightResize) -> bool:

@@ -409,14 +409,14 @@ class SimRank:
 
     def _agree(self) -> Any:
         """The trainer's step agreement (``ElasticTrainer._agree``), its exact requests: none
-        when the last step's gate said no rank holds an order; else ``_arrive`` (O(1)
-        requests a rank: propose, count in, the last closes "no order") and the wait for
-        the decision, which the wake key ends at once when the coordinator names the dead.
-        A trainer that changes it changes this with it."""
-        from slurm_etc.protocol.messages import ORDER_DECODER
+        when the last step's gate said no rank holds an order; else one request that
+        arrives (propose, count in, the last closes "no order": ``arrive_step``) and waits
+        for the decision, then the wait's next slices, which the wake key ends at once when
+        the coordinator names the dead. A trainer that changes it changes this with it."""
+        from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER
         from slurm_etc.protocol.rendezvous import GenerationKeys
-        from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step
-        from slurm_etc.worker.trainer import AGREE_SLICE_S, newest_order
+        from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, arrive_step
+        from slurm_etc.worker.trainer import agree_slice_s, newest_order
 
         layout = self.layout
         assert layout is not None  # agreed steps have one
@@ -431,16 +431,24 @@ class SimRank:
         decided = names.agreement(0, self.step, "decided")
         stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
         arrived = names.agreement(0, self.step, "arrived")
-        self._arrive(decided, arrived, layout.config.world)
         deadline = time.monotonic() + self.timeout_s
+        arriving = True
+        slice_s = agree_slice_s(layout.config.world)
         while True:
             self._check()
             try:
-                got = agree_step(self.store, own, b"-", stale, [decided], AGREE_SLICE_S,
-                                 wake=names.lost, seen=self._woken_by)
+                if arriving:
+                    proposal = b"" if self._pending is None else ENCODER.encode(self._pending)
+                    got = arrive_step(self.store, decided, arrived, layout.config.world,
+                                      proposal, own, stale, slice_s, wake=names.lost,
+                                      seen=self._woken_by)
+                    arriving = False
+                else:
+                    got = agree_step(self.store, own, b"-", stale, [decided], slice_s,
+                                     wake=names.lost, seen=self._woken_by)
             except StoreUnreachable:
                 self._await_restart()
-                self._arrive(decided, arrived, layout.config.world)
+                arriving = True
                 deadline = time.monotonic() + self.timeout_s
                 continue
             if isinstance(got, Woken):
@@ -464,16 +472,6 @@ class SimRank:
                 or held.generation in self._aborted:
             self._pending = None
         return decision
-
-    def _arrive(self, decided: str, arrived: str, world: int) -> None:
-        """The trainer's ``_arrive``: propose what this rank holds, count in, and the last
-        rank in closes the decision with "no order"."""
-        from slurm_etc.protocol.messages import ENCODER
-
-        if self._pending is not None:
-            self.store.compare_set(decided, b"", ENCODER.encode(self._pending))
-        if self.store.add(arrived, 1) == world:
-            self.store.compare_set(decided, b"", b"-")
 
     def _names_the_dead(self, order: Any) -> bool:
         from slurm_etc.protocol.messages import Resize

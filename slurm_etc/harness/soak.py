@@ -633,7 +633,8 @@ class _HeldForRecord:
     loss's survivors wait for their order), so the window ends there."""
 
     def __init__(self, log: Path) -> None:
-        self.log, self.since = log, None
+        self.log = log
+        self.since: float | None = None
         self.mark = log.stat().st_size if log.exists() else 0
 
     def __call__(self) -> bool:

@@ -38,6 +38,8 @@ map, can never be ``STORE_FRAME``).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -203,9 +205,16 @@ class StoreServer:
         self._data: dict[str, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._waiters: dict[str, list[_Waiter]] = {}
+        # by key: the requests waiting for it, in the order they came (a dict as an ordered
+        # set: forgetting one answered early is O(1), however many wait on the same key)
+        self._waiters: dict[str, dict[_Waiter, None]] = {}
         self._wakers: dict[str, set[_Waiter]] = {}  # by wake key
         self._blocked: set[_Waiter] = set()
+        # (deadline, order, waiter) of every request blocked, the soonest first; a waiter
+        # answered is left in it and skipped when it comes up (O(log n) a request, where
+        # looking at every blocked request at each turn of the thread was O(n))
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._blocked_count = itertools.count()
         self.refused = 0  # requests refused for a bound
         self.requests = 0  # requests served (what the job's ranks ask of the coordinator)
         self.dropped = 0  # frames neither the store's nor taken by a channel
@@ -342,8 +351,8 @@ class StoreServer:
             poller.register(sends, zmq.POLLIN)
         while not self._stop.is_set():
             wait_ms = 100
-            if self._blocked:
-                soonest = min(w.deadline for w in self._blocked)
+            soonest = self._soonest()
+            if soonest is not None:
                 wait_ms = max(0, min(wait_ms, int((soonest - time.monotonic()) * 1000) + 1))
             try:
                 ready = dict(poller.poll(wait_ms))
@@ -368,7 +377,8 @@ class StoreServer:
                     self._handle(frames)
                 else:
                     self._forward(frames)
-            if self._blocked:
+            soonest = self._soonest()
+            if soonest is not None and soonest <= time.monotonic():
                 self._expire(time.monotonic())
             self._handshakes.drain()
 
@@ -450,6 +460,9 @@ class StoreServer:
             if reply is not None:
                 return reply
             wake, seen = "", b""
+            if op == "arrive":
+                req = self._arrive(req)
+                op = req.op
             if op == "agree":
                 agreed = self._agree(req)
                 if isinstance(agreed, Reply):
@@ -516,6 +529,26 @@ class StoreServer:
             return Reply(req.id, "ok", values=[desired])
         return Reply(req.id, "ok", values=[current])
 
+    def _arrive(self, req: Request) -> Request:
+        """``arrive``: keys [decided, arrived, own, stale or "", wake or "", *keys], values
+        [proposal or "", own's, wake's seen], amount the world: a rank's arrival at a step's
+        decision in one request: the proposal set where the decision holds none yet
+        (compare-and-set), ``arrived`` counted up by one, the decision closed as "-" (no
+        order) by the last of the world to arrive where nobody proposed, then the
+        ``agree`` of the rest (returned) that waits for the decision."""
+        if len(req.keys) < 6 or len(req.values) != 3 or req.amount < 1:
+            raise _Refused("bad", "arrive takes the decision's key, the count's, its own, a "
+                                  "stale key, a wake key and the keys; a proposal, its value "
+                                  "and the wake key's seen value; the world")
+        decided, arrived = req.keys[0], req.keys[1]
+        proposal = req.values[0]
+        if proposal:
+            self._compare_set(Request(req.id, "compare_set", [decided], [b"", proposal]))
+        counted = self._at_once(Request(req.id, "add", [arrived], [], 1))
+        if counted is not None and counted.number >= req.amount:
+            self._compare_set(Request(req.id, "compare_set", [decided], [b"", b"-"]))
+        return Request(req.id, "agree", req.keys[2:], req.values[1:], 0, req.timeout_ms)
+
     def _agree(self, req: Request) -> Reply | tuple[Request, str, bytes]:
         """``agree``: keys [own, stale or "", wake or "", *keys], values [own's, wake's
         seen]: set, delete, then a multi_get (returned, with the wake key and its seen
@@ -546,8 +579,12 @@ class StoreServer:
         w = _Waiter(routing, req, time.monotonic() + req.timeout_ms / 1000, missing,
                     wake, seen)
         self._blocked.add(w)
+        heapq.heappush(self._deadlines, (w.deadline, next(self._blocked_count), w))
+        if len(self._deadlines) > 4 * len(self._blocked) + 1024:  # mostly answered: rebuilt
+            self._deadlines = [e for e in self._deadlines if e[2] in self._blocked]
+            heapq.heapify(self._deadlines)
         for k in missing:
-            self._waiters.setdefault(k, []).append(w)
+            self._waiters.setdefault(k, {})[w] = None
         if wake:
             self._wakers.setdefault(wake, set()).add(w)
         return None
@@ -591,7 +628,7 @@ class StoreServer:
                 w.missing = {k for k in w.request.keys if k not in self._data}
                 if w.missing:  # one of its keys was deleted meanwhile: wait on for it
                     for k in w.missing:
-                        self._waiters.setdefault(k, []).append(w)
+                        self._waiters.setdefault(k, {})[w] = None
                     continue
                 self._unblock(w)
                 self._reply(w.routing, self._answer(w.request))
@@ -605,7 +642,7 @@ class StoreServer:
         for k in w.missing:
             ws = self._waiters.get(k)
             if ws is not None:
-                ws[:] = [x for x in ws if x is not w]
+                ws.pop(w, None)
                 if not ws:
                     del self._waiters[k]
         wakers = self._wakers.get(w.wake)
@@ -614,9 +651,22 @@ class StoreServer:
             if not wakers:
                 del self._wakers[w.wake]
 
+    def _soonest(self) -> float | None:
+        """The soonest deadline of a request still blocked (None: none is); the answered
+        ones ahead of it are dropped from the heap on the way."""
+        heap = self._deadlines
+        while heap and heap[0][2] not in self._blocked:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
     def _expire(self, now: float) -> None:
         with self._lock:
-            late = [w for w in self._blocked if w.deadline <= now]
+            late = []
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                w = heapq.heappop(heap)[2]
+                if w in self._blocked:
+                    late.append(w)
             for w in late:
                 self._unblock(w)
                 self._reply(w.routing, Reply(w.request.id, "timeout",
@@ -1006,14 +1056,47 @@ class StoreClient(dist.Store):
         :class:`Woken` as soon as ``wake`` (if not empty) holds a value other than
         ``seen``."""
         self._forget([own, stale])
+        return self._agreed("agree", [own, stale, wake, *keys], [value, seen], 0, timeout_s)
+
+    def arrive(self, decided: str, arrived: str, world: int, proposal: bytes, own: str,
+               stale: str, keys: list[str], timeout_s: float, *, wake: str = "",
+               seen: bytes = b"") -> list[bytes] | Woken | None:
+        """A rank's arrival at a step's decision, then :meth:`agree` (``own``'s value
+        "-"), in one round trip (:func:`arrive_step`)."""
+        self._forget([decided, arrived, own, stale])
+        return self._agreed("arrive", [decided, arrived, own, stale, wake, *keys],
+                            [proposal, b"-", seen], world, timeout_s)
+
+    def _agreed(self, op: str, keys: list[str], values: list[bytes], amount: int,
+                timeout_s: float) -> list[bytes] | Woken | None:
         try:
-            reply = self._call("agree", [own, stale, wake, *keys], [value, seen],
+            reply = self._call(op, keys, values, amount=amount,
                                timeout=timedelta(seconds=timeout_s))
         except StoreTimeout:
             return None
         if reply.status == "woken":
             return Woken(reply.values[0])
         return list(reply.values)
+
+
+def arrive_step(store: Any, decided: str, arrived: str, world: int, proposal: bytes,
+                own: str, stale: str, timeout_s: float, *, wake: str = "", seen: bytes = b""
+                ) -> list[bytes] | Woken | None:
+    """A rank's arrival at a step's decision and the first slice of its wait, as
+    :func:`agree_step` answers it: ``proposal`` (b"": none) proposed under ``decided``
+    (the first proposal is the decision), this rank counted in under ``arrived``, and the
+    last of ``world`` to arrive closes the decision with "-" where nobody proposed. One round
+    trip on the job's store (its ``arrive``); on another store (the tests' TCPStore) those
+    steps one request each, then :func:`agree_step`. Not idempotent (it counts): call it
+    once per store and step, then :func:`agree_step` for the next slices."""
+    if isinstance(store, StoreClient):
+        return store.arrive(decided, arrived, world, proposal, own, stale, [decided],
+                            timeout_s, wake=wake, seen=seen)
+    if proposal:
+        store.compare_set(decided, b"", proposal)
+    if store.add(arrived, 1) >= world:
+        store.compare_set(decided, b"", b"-")
+    return agree_step(store, own, b"-", stale, [decided], timeout_s, wake=wake, seen=seen)
 
 
 def _bytes(value: Any) -> bytes:

@@ -1148,12 +1148,7 @@ def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: fl
     if _at(resumed_at) < _at(paused_at):
         raise RecordError(f"resumed_at {resumed_at} is before paused_at {paused_at}")
     with store.transaction(write=True) as s:
-        row = s.get(MigrationRow, migration_id)
-        if row is None:
-            raise RecordError(f"no migration {migration_id}")
-        if row.outcome != ResizeOutcome.COMMITTED:
-            raise RecordError(f"migration {migration_id} is {row.outcome or 'running'}: only a "
-                              "committed one resumed training")
+        row = _committed_row(s, migration_id, "resumed training")
         row.pause_seconds, row.preparation_seconds = float(pause_seconds), \
             float(preparation_seconds)
         row.paused_at, row.resumed_at = _at(paused_at), _at(resumed_at)
@@ -1161,6 +1156,33 @@ def record_migration_pause(store: Store, migration_id: int, *, pause_seconds: fl
         row.stall_seconds = float(stall_seconds)
         row.interrupted_seconds = float(interrupted_seconds)
         _touch(s, row.job_id, _now())
+
+
+@_guarded
+def record_migration_data(store: Store, migration_id: int, *, data_seconds: float) -> None:
+    """The longest data phase of a committed migration, from the workers' answers that came
+    after its commit (the coordinator commits a resize from its store's commit decision,
+    before most answers come).
+
+    Raises:
+        RecordError: unknown or uncommitted migration, or not a finite number >= 0.
+    """
+    if not isinstance(data_seconds, (int, float)) or not 0 <= data_seconds < float("inf"):
+        raise RecordError(f"data_seconds must be a finite number >= 0, got {data_seconds!r}")
+    with store.transaction(write=True) as s:
+        row = _committed_row(s, migration_id, "has a data phase")
+        row.data_seconds = float(data_seconds)
+        _touch(s, row.job_id, _now())
+
+
+def _committed_row(s: Session, migration_id: int, what: str) -> MigrationRow:
+    row = s.get(MigrationRow, migration_id)
+    if row is None:
+        raise RecordError(f"no migration {migration_id}")
+    if row.outcome != ResizeOutcome.COMMITTED:
+        raise RecordError(f"migration {migration_id} is {row.outcome or 'running'}: only a "
+                          f"committed one {what}")
+    return row
 
 
 # ---------------------------------------------------------------- reads

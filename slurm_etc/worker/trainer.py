@@ -75,6 +75,7 @@ from slurm_etc.protocol.store import (
     StoreUnreachable,
     Woken,
     agree_step,
+    arrive_step,
     wait_for_keys,
 )
 from slurm_etc.protocol.values import decode_value, encode_value
@@ -141,6 +142,17 @@ EARLY_COMMIT_REPORT_S = 2.0
 # coordinator names the dead (the wake key), so the slice only bounds a wait on another
 # store: short slices re-ask N times a second while a 16k-rank job arrives (seconds).
 AGREE_SLICE_S = 1.0
+# ...and in a large job at least world / AGREE_ASKS_PER_S seconds: the waiting ranks' slices
+# together ask the store at most about this many times a second, whatever the job's size
+# (at 4,096 ranks, slices of 1 s were more than half of a resize's requests at the store).
+AGREE_ASKS_PER_S = 1024
+
+
+def agree_slice_s(world: int) -> float:
+    """How long one slice of a rank's wait at a step's decision lasts in a ``world``-rank
+    layout (:data:`AGREE_SLICE_S`, longer past :data:`AGREE_ASKS_PER_S` ranks)."""
+    return max(AGREE_SLICE_S, world / AGREE_ASKS_PER_S)
+
 # The phases of resize_in_place that the worker's "resized" line shows, in their order.
 PAUSE_PARTS = ("resume", "migrate", "train_group", "rebuild", "install", "switch")
 # A worker whose coordinator died says Hello this often until a restarted one answers.
@@ -358,6 +370,7 @@ class ElasticTrainer:
         # again on a restarted coordinator's store
         self._published: dict[str, bytes] = {}
         self._woken_by = b""  # the last order naming the dead that ended a vote early
+        self._agreeing = ("", "")  # the step agreement's own and stale keys (_arrive's)
         # resizes that ended without a new layout (aborted or refused, on every rank alike):
         # the agreement at the same step after one must not read the keys of the one before
         self._attempt = 0
@@ -897,17 +910,19 @@ class ElasticTrainer:
         stale = names.agreement(self._attempt, self.step - 2, rank) if self.step >= 2 else ""
         arrive = (decided, names.agreement(self._attempt, self.step, "arrived"),
                   layout.config.world)
-        self._arrive(*arrive)
+        self._agreeing = (own, stale)
+        values = self._arrive(*arrive)
         deadline = time.monotonic() + proc.timeout_s
         # the store answers when the decision is there (one round trip); each slice, orders
         # are looked at
-        while (values := self._agree_slice(own, b"-", stale, [decided])) is None:
+        while values is None:
             if self._rejoined:
                 # reattached to a restarted coordinator: its store is new, and this rank
                 # arrives there once with what it holds now (the new coordinator's order)
                 self._rejoined = False
-                self._arrive(*arrive)
                 deadline = time.monotonic() + proc.timeout_s
+                if (values := self._arrive(*arrive)) is not None:
+                    break
             self._take_orders()
             if self._names_the_dead(self._pending):
                 order, self._pending = self._pending, None
@@ -915,6 +930,7 @@ class ElasticTrainer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
+            values = self._agree_slice(own, b"-", stale, [decided])
         order = newest_order(values, self.generation, self._aborted)
         held = self._pending
         if held is None or (order is not None and held.generation <= order.generation) \
@@ -924,20 +940,19 @@ class ElasticTrainer:
         # gate of the next boundary, where it is decided
         return order
 
-    def _arrive(self, decided: str, arrived: str, world: int) -> None:
-        """This rank's part of a step's decision, O(1) requests whatever the job's size: it
+    def _arrive(self, decided: str, arrived: str, world: int) -> list[bytes] | None:
+        """This rank's part of a step's decision and the first slice of its wait
+        (:meth:`_vote`), one request whatever the job's size (:func:`arrive_step`): it
         proposes the order it holds (the first proposal is the decision: compare-and-set),
         then counts itself in; the last rank in closes the decision with "no order" where
         nobody proposed one. A store that stopped answering (its coordinator died) is waited
         out and the part done again on the restarted one."""
-        proc = self._proc()
+        own, stale = self._agreeing
         while True:
+            proposal = b"" if self._pending is None else ENCODER.encode(self._pending)
             try:
-                if self._pending is not None:
-                    proc.store.compare_set(decided, b"", ENCODER.encode(self._pending))
-                if proc.store.add(arrived, 1) == world:
-                    proc.store.compare_set(decided, b"", b"-")
-                return
+                return self._vote(own, b"-", stale, [decided],
+                                  arrive=(decided, arrived, world, proposal))
             except StoreUnreachable as err:
                 self._await_restart(err)
                 self._rejoined = False
@@ -952,15 +967,23 @@ class ElasticTrainer:
             self._await_restart(err)
             return None
 
-    def _vote(self, own: str, mine: bytes, stale: str, keys: list[str]) -> list[bytes] | None:
+    def _vote(self, own: str, mine: bytes, stale: str, keys: list[str], *,
+              arrive: tuple[str, str, int, bytes] | None = None) -> list[bytes] | None:
         """Every rank's vote of ``keys`` (this rank's ``mine`` under ``own``), or None after
         a slice, or at once when the coordinator posts an order naming devices of this
         layout as lost (it is then in ``_pending``): a dead peer never votes, and the
-        survivors learn of the loss without waiting out the slice."""
+        survivors learn of the loss without waiting out the slice. ``arrive`` (decided,
+        arrived, world, proposal): this rank arrives at the decision in the same request
+        (:func:`arrive_step`; ``mine`` is then "-")."""
         proc = self._proc()
         wake = GenerationKeys(proc.job, self.generation).lost
-        got = agree_step(proc.store, own, mine, stale, keys, AGREE_SLICE_S, wake=wake,
-                         seen=self._woken_by)
+        slice_s = agree_slice_s(self.layout.config.world if self.layout is not None else 1)
+        if arrive is not None:
+            got = arrive_step(proc.store, *arrive, own, stale, slice_s, wake=wake,
+                              seen=self._woken_by)
+        else:
+            got = agree_step(proc.store, own, mine, stale, keys, slice_s, wake=wake,
+                             seen=self._woken_by)
         if isinstance(got, Woken):
             self._woken_by = got.value
             self._consider(ORDER_DECODER.decode(got.value))

@@ -416,3 +416,29 @@ def test_participants_on_lost_devices_are_dead_to_the_resize_in_flight(tmp_path:
         backend.pending = [Loss("a1", other, "preempted")]
         c._observe_backend()
         assert set(c.inflight.dead) == {2, 3}
+
+
+def test_a_step_of_a_layout_not_committed_here_is_shown_not_counted(tmp_path: Path) -> None:
+    """Soak seed 102: the new layout's first steps, heard before its commit was settled
+    here, advanced the job's step; the commit then recorded the switch at them, two steps
+    late. They are shown (heard) but the job's step stays the old layout's last."""
+    from dataclasses import replace as _replace
+
+    from slurm_etc.protocol.messages import Progress
+
+    backend = RecordingBackend(TOPO)
+    shown: list[dict] = []
+    with coordinator_over(tmp_path, "uncommitted", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+        from slurm_etc.store import jobs as record
+
+        c.progress = shown.append
+        record.open_generation(c.store, "uncommitted", 9, "dp=4,tp=1,pp=1", (0,),
+                               {0: ANCHOR[0]}, first_step=80)
+        c.holdings = _replace(c.holdings, generation=9, step=94)
+        c._progress(Progress("uncommitted", 10, 0, 95, 5.5, 1e-3, 0, "dp=2,tp=1,pp=1"))
+        assert c.step == 94 and [p["step"] for p in shown] == [95]
+        c._progress(Progress("uncommitted", 9, 0, 95, 5.5, 1e-3, 0, "dp=4,tp=1,pp=1"))
+        assert c.step == 95

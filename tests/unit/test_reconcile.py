@@ -24,7 +24,10 @@ from slurm_etc.coordinator.reconcile import (
     Wait,
     answered,
     became_ready,
+    decided_commit,
     died,
+    late_answer,
+    late_answers,
     late_to_be_ready,
     late_to_join,
     longest_aside,
@@ -83,6 +86,39 @@ def test_commit_takes_the_longest_pause_of_the_old_layout_and_data_phase():
     # training stopped, so not the resize's pause (what a notice's grace is weighed by)
     fl = answered(fl, 2, said(2, pause_seconds=3.4))
     assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.3, 0.02, None, None, 9)
+
+
+def test_a_commit_decided_at_the_store_settles_without_the_answers():
+    # every rank voted after its data phase and follows the store's decision: the resize is
+    # committed with the answers in so far (issue #42: not one Resized a rank waited for)
+    fl = answers(resize(), said(0, data_seconds=0.02))
+    assert settle(fl, 102.0, TIMEOUT).outcome == Wait()
+    got = settle(decided_commit(fl), 102.0, TIMEOUT)
+    assert got.outcome == Commit(0.0, 0.02, None, None, 9) and got.resend == frozenset()
+    # a participant dead after the decision does not hold it (the vote holds commit)
+    assert settle(decided_commit(died(fl, 2)), 102.0, TIMEOUT).outcome == \
+        Commit(0.0, 0.02, None, None, 9)
+    # a rebuild waits for the answers: the steps it lost and where from are the workers'
+    rebuild = decided_commit(resize(rebuild=True))
+    assert settle(rebuild, 102.0, TIMEOUT).outcome == Wait()
+
+
+def test_the_late_answers_record_the_longest_data_phase_once():
+    fl = answers(resize(), said(0, data_seconds=0.02))
+    late = late_answers(fl, Commit(0.0, 0.02, None, None))
+    assert late is not None and late.waiting == 2
+    late, write = late_answer(late, said(1, data_seconds=0.5))
+    assert late is not None and write is None  # one still to come: nothing written
+    late, write = late_answer(late, said(2, data_seconds=0.1))
+    assert late is None and write == 0.5
+    # nothing longer than what was recorded: nothing to write
+    again = late_answers(fl, Commit(0.0, 0.9, None, None))
+    assert again is not None
+    for v in (1, 2):
+        again, write = late_answer(again, said(v, data_seconds=0.1))  # type: ignore[arg-type]
+    assert again is None and write is None
+    # every participant answered (or died) at the commit: nothing late
+    assert late_answers(answers(fl, said(1), said(2)), Commit(0.0, 0.0, None, None)) is None
 
 
 def test_order_is_resent_to_the_told_that_neither_answered_nor_died():

@@ -387,6 +387,40 @@ def test_agreement_in_one_round_trip(client: StoreClient, server: StoreServer) -
     assert agree_step(tcp, keys[0], b"-", "", keys, 1.0) == [b"-", b"stop"]
 
 
+def test_arriving_at_a_decision_is_one_round_trip(client: StoreClient, server: StoreServer
+                                                 ) -> None:
+    """What ElasticTrainer._arrive sends (issue #42): the proposal (the first is the
+    decision), the count, the last of the world closing "-" where nobody proposed, and the
+    wait for the decision, in one request; the same steps on torch's TCPStore."""
+    from slurm_etc.protocol.store import arrive_step
+
+    names = GenerationKeys("j", 0)
+    decided, arrived = names.agreement(0, 5, "decided"), names.agreement(0, 5, "arrived")
+    own = [names.agreement(0, 5, r) for r in range(3)]
+    before = server.requests
+    # the first of three, with nothing to propose: counted in, the decision still open
+    assert arrive_step(client, decided, arrived, 3, b"", own[0], "", 0.2) is None
+    assert server.requests == before + 1
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(
+        arrive_step(client, decided, arrived, 3, b"order 2", own[1], "", 5.0)))
+    t.start()
+    t.join(5)
+    assert got == [[b"order 2"]]  # its proposal is the decision, answered at once
+    # the last one proposes too: the first proposal stands
+    assert arrive_step(client, decided, arrived, 3, b"order 3", own[2], "", 5.0) == \
+        [b"order 2"]
+    assert client.get(arrived) == b"3"
+    # nobody proposed: the last of the world closes the decision with "-"
+    closed = names.agreement(0, 6, "decided")
+    count = names.agreement(0, 6, "arrived")
+    assert arrive_step(client, closed, count, 2, b"", own[0], "", 0.1) is None
+    assert arrive_step(client, closed, count, 2, b"", own[1], "", 1.0) == [b"-"]
+    assert not server._blocked and not server._waiters
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert arrive_step(tcp, closed, count, 1, b"", own[0], "", 1.0) == [b"-"]
+
+
 def test_an_order_naming_the_dead_ends_the_agreement_at_once(key: bytes) -> None:
     """A survivor waits at a step boundary for a dead peer's vote that never comes; the
     coordinator's order naming the dead, set under the generation's ``lost`` key, answers
