@@ -636,3 +636,23 @@ def test_end_step_before_the_last_event_is_refused() -> None:
     with pytest.raises(ScriptError, match="end_step 10 comes before the last event's "
                                           "at_step 18"):
         parse_script(json.dumps({**EXAMPLE, "end_step": 10}))
+
+
+def test_a_signal_reaches_a_worker_not_yet_leading_its_own_group() -> None:
+    """Soak seed 104: a joiner forked by the preloader was killed before its setsid (no
+    process group of its own yet): killpg found no group, the kill was lost, and the process
+    lived on; its vrank's next launch was refused ("its process of generation 10 still
+    runs"). The process itself gets the signal then."""
+    import subprocess
+    from types import SimpleNamespace
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert os.getpgid(child.pid) != child.pid  # in this test's group, as before setsid
+        w = SimpleNamespace(handle=SimpleNamespace(proc=child))
+        LocalBackend._signal(w, signal.SIGKILL)  # type: ignore[arg-type]
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
