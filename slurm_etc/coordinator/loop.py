@@ -795,6 +795,12 @@ class Coordinator:
             except record.RecordError:
                 pass  # never opened: its launch was refused
         self._record_pauses(self.pauses.flush())
+        fl = self.inflight
+        if fl is not None and not fl.decided:  # the job ends inside a resize: no commit
+            self.inflight = None
+            self._perform(reconcile.RecordFinish(fl.migration_id, ResizeOutcome.ABORTED,
+                                                 time.monotonic() - fl.started,
+                                                 error=f"the job ended: {reason}"[:250]))
         self.journal.write(record.set_job_state, self.spec.job_id, state, reason=reason)
         self.journal.catch_up(END_CATCH_UP_S)
         logger.info("job %s %s: %s", self.spec.job_id, state, reason)

@@ -442,3 +442,35 @@ def test_a_step_of_a_layout_not_committed_here_is_shown_not_counted(tmp_path: Pa
         assert c.step == 94 and [p["step"] for p in shown] == [95]
         c._progress(Progress("uncommitted", 9, 0, 95, 5.5, 1e-3, 0, "dp=4,tp=1,pp=1"))
         assert c.step == 95
+
+
+def test_a_job_that_ends_inside_a_resize_closes_its_migration_aborted(tmp_path: Path) -> None:
+    """Soak seed 104: the job stopped (a launch refused) with a resize in flight, and the
+    record kept its migration open for ever. Its end closes it aborted."""
+    from slurm_etc.coordinator.reconcile import InflightResize
+    from slurm_etc.lifecycle import JobState
+    from slurm_etc.protocol.messages import LayoutSpec, Resize
+    from slurm_etc.store import jobs as record
+
+    backend = RecordingBackend(TOPO)
+    with coordinator_over(tmp_path, "ends-inside", backend,
+                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                          policy=EffectivePolicy(grow=False, max_nodes=2),
+                          hardware=DEMO_HARDWARE, backend_name="local") as (c, db):
+        mid = record.record_migration_start(c.store, "ends-inside", from_generation=0,
+                                            to_generation=1, plan_digest="", moved_bytes=0,
+                                            kept_bytes=0, lower_bound_bytes=0, messages=0,
+                                            rounds=0)
+        order = Resize("ends-inside", 1, LayoutSpec.make("dp=1,tp=1,pp=1", (0,)),
+                       LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
+        c.inflight = InflightResize(order=order, plan=None, migration_id=mid,
+                                    participants=frozenset({0, 1}), joiners=frozenset({1}),
+                                    vranks={0: ANCHOR[0], 1: ANCHOR[1]}, release=frozenset(),
+                                    started=0.0)
+        c._end(JobState.FAILED, "launch refused")
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            got = con.execute("SELECT outcome, error FROM migrations").fetchall()
+        finally:
+            con.close()
+        assert got == [("aborted", "the job ended: launch refused")], got
