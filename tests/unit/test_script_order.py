@@ -27,7 +27,9 @@ class Told(HandDrivenBackend):
 
 
 def progress(step: int) -> Progress:
-    return Progress(JOB, 7, 0, step, 1.0, 1e-3, 8 * step, "dp=2")  # gen 7: not recorded
+    # a generation before the job's (counted, not written to the record; a later one, not
+    # committed here yet, would be shown only)
+    return Progress(JOB, -1, 0, step, 1.0, 1e-3, 8 * step, "dp=2")
 
 
 def test_steps_reach_the_backend_only_when_settled(tmp_path: Path) -> None:
