@@ -87,6 +87,14 @@ TOPO = ClusterTopology(2, ("n0", "n1"))
 ANCHOR = (Device("n0", 0), Device("n0", 1))
 
 
+def tiny_job(tmp_path: Path, job: str, backend: RecordingBackend) -> Any:
+    """The Coordinator of a tiny job over ``backend`` that does not grow (at most 2 nodes)."""
+    return coordinator_over(tmp_path, job, backend,
+                            training=TrainingJob(PRESETS["tiny"], 8, 1, False),
+                            policy=EffectivePolicy(grow=False, max_nodes=2),
+                            hardware=DEMO_HARDWARE, backend_name="local")
+
+
 class LostAnchor(RecordingBackend):
     """The anchor is granted and lost before anything starts; ``can_meet``: the answer to
     ``request_can_be_met`` (None: the default answer, True, as Slurm's)."""
@@ -181,10 +189,7 @@ def test_the_anchors_devices_whose_workers_died_are_used_again_when_nothing_fits
 
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR)]
-    with coordinator_over(tmp_path, "reuse", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "reuse", backend) as (c, _db):
         c._observe_backend()
         assert c.pinned == set(ANCHOR) and c.anchor_allocation == "a0"
         for _ in range(MAX_REUSES):
@@ -210,10 +215,7 @@ def test_the_exit_of_a_vranks_older_process_is_not_the_death_of_its_newer_one(
     from slurm_etc.coordinator.backend import WorkerExited
 
     backend = RecordingBackend(TOPO)
-    with coordinator_over(tmp_path, "stale-exit", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "stale-exit", backend) as (c, _db):
         c._record_launch(4, [2])
         c.exit_failed.clear()
         backend.pending = [WorkerExited(2, 3, Device("n1", 0), -9, False)]
@@ -238,10 +240,7 @@ def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path:
 
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR)]
-    with coordinator_over(tmp_path, "lost-whole", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "lost-whole", backend) as (c, _db):
         c._observe_backend()
         layout = identity_layout(ParallelConfig.parse("dp=2,tp=1,pp=1"), (0, 1))
         c.holdings = _replace(c.holdings, layout=layout, generation=3,
@@ -281,10 +280,7 @@ def test_a_restart_with_no_worker_to_take_up_records_the_steps_it_trains_again(
     from slurm_etc.store import jobs as record
 
     backend = RecordingBackend(TOPO)
-    with coordinator_over(tmp_path, "restart-rebuild", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, db):
+    with tiny_job(tmp_path, "restart-rebuild", backend) as (c, db):
         record.open_generation(c.store, "restart-rebuild", 0, "dp=2,tp=1,pp=1", (0, 1),
                                {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
         record.record_progress(c.store, "restart-rebuild", 0, last_step=17)
@@ -322,10 +318,7 @@ def test_devices_are_given_back_only_once_the_record_holds_it(tmp_path: Path) ->
     other = (Device("n1", 0), Device("n1", 1))
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
-    with coordinator_over(tmp_path, "release-behind", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "release-behind", backend) as (c, _db):
         c._observe_backend()
         c.journal.queue.append(_Write(lambda store: None, (), {}))  # one write waiting
         c.release_later |= set(other)
@@ -352,10 +345,7 @@ def test_a_launch_stops_a_leaving_process_on_its_vrank_or_its_device(tmp_path: P
                     3: WorkerState(3, 2, Device("n1", 0), 103)}
 
     backend = Running(TOPO)
-    with coordinator_over(tmp_path, "leaving", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "leaving", backend) as (c, _db):
         c.holdings = _replace(c.holdings, leaving=frozenset({1, 3, 4}))
         c._clear_leaving({0: ANCHOR[1], 4: Device("n1", 1)})  # n0:1 where 1 runs; vrank 4
         assert [a.vranks for a in backend.stopped] == [(1, 4)]
@@ -372,10 +362,7 @@ def test_a_worker_in_a_generation_the_restart_aborted_is_not_taken_up(tmp_path: 
     from slurm_etc.store import jobs as record
 
     backend = RecordingBackend(TOPO)
-    with coordinator_over(tmp_path, "gave-up", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "gave-up", backend) as (c, _db):
         record.open_generation(c.store, "gave-up", 0, "dp=2,tp=1,pp=1", (0, 1),
                                {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
         record.record_progress(c.store, "gave-up", 0, last_step=45)
@@ -402,10 +389,7 @@ def test_participants_on_lost_devices_are_dead_to_the_resize_in_flight(tmp_path:
     other = (Device("n1", 0), Device("n1", 1))
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
-    with coordinator_over(tmp_path, "lost-in-flight", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "lost-in-flight", backend) as (c, _db):
         c._observe_backend()
         order = Resize("lost-in-flight", 2, LayoutSpec.make("dp=4,tp=1,pp=1", (0, 1, 2, 3)),
                        LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
@@ -428,10 +412,7 @@ def test_a_step_of_a_layout_not_committed_here_is_shown_not_counted(tmp_path: Pa
 
     backend = RecordingBackend(TOPO)
     shown: list[dict] = []
-    with coordinator_over(tmp_path, "uncommitted", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, _db):
+    with tiny_job(tmp_path, "uncommitted", backend) as (c, _db):
         from slurm_etc.store import jobs as record
 
         c.progress = shown.append
@@ -453,10 +434,7 @@ def test_a_job_that_ends_inside_a_resize_closes_its_migration_aborted(tmp_path: 
     from slurm_etc.store import jobs as record
 
     backend = RecordingBackend(TOPO)
-    with coordinator_over(tmp_path, "ends-inside", backend,
-                          training=TrainingJob(PRESETS["tiny"], 8, 1, False),
-                          policy=EffectivePolicy(grow=False, max_nodes=2),
-                          hardware=DEMO_HARDWARE, backend_name="local") as (c, db):
+    with tiny_job(tmp_path, "ends-inside", backend) as (c, db):
         mid = record.record_migration_start(c.store, "ends-inside", from_generation=0,
                                             to_generation=1, plan_digest="", moved_bytes=0,
                                             kept_bytes=0, lower_bound_bytes=0, messages=0,

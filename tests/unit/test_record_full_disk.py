@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,17 @@ def fill(where: Path) -> Path:
     return ballast
 
 
+def full_between(where: Path, ballast: list[Path]) -> Any:
+    """A progress callback that fills ``where`` at step FULL_AT and frees it at FREE_AT (the
+    ballast file kept in ``ballast``)."""
+    def progress(p: dict) -> None:
+        if p["step"] >= FULL_AT and not ballast:
+            ballast.append(fill(where))
+        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
+            ballast[0].unlink()
+    return progress
+
+
 def test_training_goes_on_through_a_full_disk_and_the_record_catches_up(small_fs, caplog):
     job = "full-disk"
     spec = JobSpec(job, "t", (sys.executable, str(FAKE)),
@@ -74,12 +86,11 @@ def test_training_goes_on_through_a_full_disk_and_the_record_catches_up(small_fs
     seen: list[int] = []
     ballast: list[Path] = []
 
+    fill_and_free = full_between(small_fs, ballast)
+
     def progress(p: dict) -> None:
         seen.append(p["step"])
-        if p["step"] >= FULL_AT and not ballast:
-            ballast.append(fill(small_fs))
-        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
-            ballast[0].unlink()
+        fill_and_free(p)
 
     caplog.set_level(logging.INFO)
     out = run_job(spec, backend, backend.topology, db=str(db), state_dir=str(states),
@@ -119,12 +130,7 @@ def test_a_full_state_directory_warns_once_and_publishes_when_space_returns(smal
     backend = LocalBackend(script_from_options(1, 2), log_dir=small_fs.parent / "workers")
     db, states = small_fs.parent / "job.db", small_fs / "state"
     ballast: list[Path] = []
-
-    def progress(p: dict) -> None:
-        if p["step"] >= FULL_AT and not ballast:
-            ballast.append(fill(small_fs))
-        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
-            ballast[0].unlink()
+    progress = full_between(small_fs, ballast)
 
     caplog.set_level(logging.INFO)
     out = run_job(spec, backend, backend.topology, db=str(db), state_dir=str(states),
@@ -171,12 +177,7 @@ def test_a_grant_on_a_full_disk_is_launched_once_the_record_holds_it(small_fs, c
                            log_dir=small_fs.parent / "workers")
     db = small_fs / "job.db"
     ballast: list[Path] = []
-
-    def progress(p: dict) -> None:
-        if p["step"] >= FULL_AT and not ballast:
-            ballast.append(fill(small_fs))
-        elif p["step"] >= FREE_AT and ballast and ballast[0].exists():
-            ballast[0].unlink()
+    progress = full_between(small_fs, ballast)
 
     caplog.set_level(logging.INFO)
     out = run_job(spec, backend, backend.topology, db=str(db), state_dir=str(small_fs / "st"),
