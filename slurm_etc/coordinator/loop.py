@@ -84,7 +84,7 @@ from slurm_etc.protocol.rendezvous import GenerationKeys, commit_decision
 from slurm_etc.store import jobs as record
 from slurm_etc.store.jobs import PEER_COPIES_EVENT
 
-from . import devices, job_model, outlook, reconcile, resume
+from . import devices, job_model, outlook, reconcile, resume, verdicts
 from .backend import (
     Backend,
     BackendError,
@@ -125,16 +125,12 @@ DEFAULT_JOIN_TIMEOUT_S = 300.0
 PARTITION_REREAD_S = 60.0
 # How often the loop asks whether a job with nothing training has anything to wait for.
 OUTLOOK_EVERY_S = 1.0
-# What a worker that never joined most likely got wrong.
-NEVER_JOINED_HINT = "TRAIN_CMD must run a script that ends in run_worker(trainer)"
 # where the crash hook is called (a test's SIGKILL: slurm_etc.testing.hooks): events
 # polled and not recorded; recorded and not acted on; a node request sent (recorded before
 # it); a resize ordered and its outcome not recorded; its commit recorded and not acted on
 # (old generation not closed, new one not opened, nothing released)
 KILL_POINTS = ("before-record", "after-record", "after-request", "after-order",
                "after-commit-record")
-# how often an anchor device whose worker died is used again when nothing else fits
-MAX_REUSES = 3
 # reached only with workers that vote (a resize's commit decision recorded, no rank told)
 VOTE_KILL_POINTS = ("after-commit-decided",)
 
@@ -389,8 +385,7 @@ class Coordinator:
                 self._join_deadlines()
                 if self.fatal is not None:
                     raise JobStopped(self.fatal)
-                if self.layout is not None and len(self.done) >= len(self.layout.devices) \
-                        and self.done.issuperset(self.layout.devices):  # O(1) a turn
+                if verdicts.finished(self.layout, self.done):
                     if self.inflight is not None:
                         self._finished_first(self.inflight)
                     return self._end(JobState.FINISHED, f"trained to step {self.step}")
@@ -440,9 +435,7 @@ class Coordinator:
 
     @property
     def _stop_generation(self) -> int:
-        """A Stop's generation: past every one ordered (an aborted resize's included), so
-        that no worker takes it for a copy of an order it has carried out or given up."""
-        return max(self.generation, self.last_generation) + 1
+        return verdicts.stop_generation(self.generation, self.last_generation)
 
     def _stop_training(self) -> None:
         """The backend ended training and no resize is in flight: Stop the layout's
@@ -474,40 +467,27 @@ class Coordinator:
             self._dead_since = None
             return None
         workers = self.backend.workers()
-        # asked every turn of the loop: stops at the first worker alive (O(1) while the job
-        # trains; building every rank's state first cost 0.3 ms a turn at 1,024 ranks)
-        if any((w is None and v not in self.found_dead) or (w is not None and w.running)
-               for v, w in ((v, workers.get(v)) for v in self.layout.devices)) or (
+        if verdicts.anyone_left(self.layout, workers, self.found_dead) or (
                 # a node request may bring devices; a checkpoint brings the state back now
                 # (the directory listed only once every worker is gone)
                 self.growing and newest_checkpoint(self.spec.recovery.checkpoint_dir) is None):
             self._dead_since = None
             return None
-        states = [workers.get(v) for v in self.layout.devices]
         now = time.monotonic()
         if self._dead_since is None:
             self._dead_since = now
         if now - self._dead_since < DEAD_GRACE_S:
             return None
-        if self.reattached and not self.came_back:
-            self._start_again(f"coordinator restarted: none of the "
-                              f"{len(self.layout.devices)} worker(s) of generation "
-                              f"{self.generation} came back after the restart")
-            return None
-        newest = newest_checkpoint(self.spec.recovery.checkpoint_dir)
-        if newest is not None:  # nothing of the layout lives, a checkpoint does
-            self._start_again(f"every worker of generation {self.generation} exited at step "
-                              f"{self.step}: the first layout again, from the checkpoint of "
-                              f"step {newest}")
-            return None
-        codes = ", ".join(f"vrank {w.vrank}: {w.returncode}" for w in states if w is not None)
-        said = self.exit_said.get(self.generation)
-        if said is not None:  # a worker said why (e.g. a rebuilt state failed its check)
-            return (f"every worker of generation {self.generation} exited ({codes}) at step "
-                    f"{self.step}: {said}")
-        return (f"every worker of generation {self.generation} exited ({codes}) at step "
-                f"{self.step} and nothing is pending: nothing left to train (the workers' "
-                "logs say why)")
+        got = verdicts.none_left(
+            generation=self.generation, step=self.step, members=len(self.layout.devices),
+            reattached=self.reattached, came_back=self.came_back,
+            newest=newest_checkpoint(self.spec.recovery.checkpoint_dir),
+            exits=[w for w in map(workers.get, self.layout.devices) if w is not None],
+            said=self.exit_said.get(self.generation))
+        if isinstance(got, verdicts.Stop):
+            return got.line
+        self._start_again(got.why)
+        return None
 
     def _outlook(self) -> str | None:
         """Whether a job with nothing training has anything left to wait for (asked every
@@ -548,10 +528,8 @@ class Coordinator:
         """What the job could go on with now (the inputs of :func:`outlook.outlook`). A
         layout's worker the backend never reported counts as alive (it may be starting);
         the loop over the layout ends at its first live worker."""
-        workers = self.backend.workers()
-        training = self.layout is not None and any(
-            ((w := workers.get(v)) is None and v not in self.found_dead)
-            or (w is not None and w.running) for v in self.layout.devices)
+        training = self.layout is not None and verdicts.anyone_left(
+            self.layout, self.backend.workers(), self.found_dead)
         if training or self.inflight is not None or self._event_ids or \
                 self.ending is not None:
             return outlook.Prospects(busy=True)
@@ -739,18 +717,20 @@ class Coordinator:
         """Whether the sender of ``hello`` is taken for the vrank it names: one just started
         (``step`` < 0), or one that lost its coordinator and trains in a generation this
         coordinator runs."""
-        if hello.step >= 0 and hello.trained in self.gave_up:
+        if verdicts.admits(step=hello.step, trained=hello.trained, gave_up=self.gave_up,
+                           admit_from=self.admit_from):
+            return True
+        if hello.trained in self.gave_up:
             logger.warning("vrank %d trains in generation %d, whose resize the record does "
                            "not hold committed (its commit was not written before the kill): "
                            "not taken up", hello.vrank, hello.trained)
-            return False
-        return hello.step < 0 or hello.trained >= self.admit_from
+        return False
 
     def _resend_open_request(self, request: record.OpenRequest | None) -> None:
         if request is None or request.key != self._request_key:
             return
         key, nodes = request.key, request.nodes
-        refusal = self._refuse_restored(nodes)
+        refusal = verdicts.refuse_restored(self.spec.policy, len(self.topology.nodes), nodes)
         if refusal is not None:
             # recorded as answered: no later restart sends it either
             eid = self.journal.write(record.record_event, self.spec.job_id, "request-failed",
@@ -764,22 +744,6 @@ class Coordinator:
         logger.warning("coordinator restarted: request %s (%d node(s)) is still open; sent "
                        "again under its own key", key, self.growing)
         perform(self.backend, RequestNodes(self.growing, key, "open at a coordinator restart"))
-
-    def _refuse_restored(self, nodes: int) -> str | None:
-        """Why a node request restored from the record may not be sent again (the record
-        may be stale, or planted): the job's policy and the cluster's size are checked
-        again, as a new request would be; None when it fits."""
-        policy, cluster = self.spec.policy, len(self.topology.nodes)
-        if not policy.grow:
-            return "the job's policy does not allow growing"
-        anchor = max(1, policy.min_nodes)
-        if policy.max_nodes is not None and anchor + nodes > policy.max_nodes:
-            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the policy's "
-                    f"max_nodes {policy.max_nodes}")
-        if anchor + nodes > cluster:
-            return (f"{nodes} node(s) beside the anchor's {anchor} exceed the cluster's "
-                    f"{cluster} nodes")
-        return None
 
     def _end(self, state: JobState, reason: str, result: str | None = None) -> str:
         reason = reason[:250]
@@ -1016,18 +980,18 @@ class Coordinator:
         counts as dead on a failed device, and the resize, whose old layout is ordered only
         once every joiner said Hello, ends without having paused anyone (see _settle)."""
         fl = self.inflight
-        in_layout = self.layout is not None and vrank in self.layout.devices
-        why = f"vrank {vrank} {what} before joining the job: " + (
-            NEVER_JOINED_HINT if clean else f"its log says why ({NEVER_JOINED_HINT})")
-        if self.first_layout and in_layout:
-            self.fatal = self.fatal or why
+        in_resize = fl is not None and vrank in fl.participants
+        got = verdicts.never_joined(
+            vrank, what, clean, first_layout=self.first_layout, in_resize=in_resize,
+            in_layout=self.layout is not None and vrank in self.layout.devices)
+        if got.fatal:
+            self.fatal = self.fatal or got.why
             return
-        if fl is not None and vrank in fl.participants:
-            self.inflight = reconcile.died(fl, vrank, why)
-        elif not in_layout:
-            return
-        self.holdings = devices.failed(self.holdings, [device], self.clock())
-        self.exit_failed.add(device)
+        if in_resize:
+            self.inflight = reconcile.died(fl, vrank, got.why)
+        if got.dead:
+            self.holdings = devices.failed(self.holdings, [device], self.clock())
+            self.exit_failed.add(device)
 
     def _observed(self, kind: str, event: Any, summary: str, *, state: str | None = None,
                   role: str = "member", deadline: float | None = None) -> record.Observed:
@@ -1260,16 +1224,16 @@ class Coordinator:
         asked again smaller."""
         if not self.growing or self.request_sent_at is None:
             return False
-        counted = self._reread_partition()
-        keeps = {d.node for d in self.held if d not in self.release_later}
-        if counted and self.growing > self.partition_nodes - len(keeps):
-            return True
-        age = time.monotonic() - self.request_sent_at
-        if age < self.spec.policy.patience_s or \
-                time.monotonic() < self._overdue_checked + 60.0:
-            return False
-        self._overdue_checked = time.monotonic()
-        return True
+        now = time.monotonic()
+        usable = self.partition_nodes if self._reread_partition() else None
+        why = verdicts.request_overdue(
+            nodes=self.growing, usable_nodes=usable,
+            keeps=len({d.node for d in self.held if d not in self.release_later}),
+            age_s=now - self.request_sent_at, patience_s=self.spec.policy.patience_s,
+            since_last_look_s=now - self._overdue_checked)
+        if why == verdicts.PAST_PATIENCE:
+            self._overdue_checked = now
+        return why is not None
 
     def _decide(self) -> None:
         self.dirty = False
@@ -1343,14 +1307,13 @@ class Coordinator:
     def _reuse_anchor(self) -> bool:
         """Nothing fits the usable devices: the anchor's devices whose workers died (their
         process, not a loss the backend reported: the anchor is the job's own allocation and
-        its node is up) are used again, each at most :data:`MAX_REUSES` times (a device
+        its node is up) are used again, each at most :data:`verdicts.MAX_REUSES` times (a device
         whose workers keep dying stays out). Whether any was."""
         in_layout = ({self.vranks[v] for v in self.layout.devices}
                      if self.layout is not None else set())
         # a device of the layout stays its dead vrank's (whose state is gone) until a
         # resize or a start again moves the layout off it
-        again = sorted(d for d in self.pinned if d in self.exit_failed and
-                       d not in in_layout and self.reused[d] < MAX_REUSES)
+        again = verdicts.anchor_again(self.pinned, self.exit_failed, in_layout, self.reused)
         if not again or self.anchor_allocation is None:
             return False
         self.reused.update(again)
@@ -1358,7 +1321,7 @@ class Coordinator:
         self.holdings = devices.grant(self.holdings, again, self.anchor_allocation)
         logger.warning("nothing fits the usable devices: the anchor's %s, whose workers died, "
                        "are used again (at most %d times each)", format_devices(again),
-                       MAX_REUSES)
+                       verdicts.MAX_REUSES)
         return True
 
     def _release_now(self) -> None:

@@ -185,7 +185,7 @@ def test_the_anchors_devices_whose_workers_died_are_used_again_when_nothing_fits
     died (not lost by the backend) are used again when nothing else fits, at most
     MAX_REUSES times each; a device the backend reported lost never is."""
     from slurm_etc.coordinator import devices
-    from slurm_etc.coordinator.loop import MAX_REUSES
+    from slurm_etc.coordinator.verdicts import MAX_REUSES
 
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR)]
