@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator import deciding, observe
 from slurm_etc.coordinator.backend import (
     BackendDefaults,
     BackendEvent,
@@ -53,7 +54,8 @@ from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 from slurm_etc.store import jobs as record
 
 if TYPE_CHECKING:  # the coordinator (torch) is imported by the bench, not by its readers
-    from slurm_etc.coordinator.loop import Coordinator, JobSpec
+    from slurm_etc.coordinator.job import JobSpec
+    from slurm_etc.coordinator.loop import Coordinator
 
 JOB = "load"
 
@@ -164,7 +166,7 @@ def run_round(coordinator: Coordinator, cluster: BurstCluster, events: int,
     burst = cluster.burst(events, round_)
     cluster.arm(burst)
     latencies: list[float] = []
-    store = coordinator.store
+    store = coordinator.io.store
     original = store.transaction
 
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -176,9 +178,9 @@ def run_round(coordinator: Coordinator, cluster: BurstCluster, events: int,
     store.transaction = timed  # type: ignore[method-assign]
     try:
         t0, c0 = time.perf_counter(), time.process_time()
-        coordinator._observe_backend()
+        observe.observe_backend(coordinator)
         t_recorded = time.perf_counter() - t0
-        coordinator._decide()
+        deciding.decide_now(coordinator)
         t_handled = time.perf_counter() - t0
         cpu = time.process_time() - c0
     finally:
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--readers and --busy >= 0")
     logging.basicConfig(level=logging.ERROR)
     from slurm_etc.alloc.chooser import Hardware, TrainingJob
-    from slurm_etc.coordinator.loop import JobSpec
+    from slurm_etc.coordinator.job import JobSpec
     from slurm_etc.plan import load_model
     from slurm_etc.policy.rules import EffectivePolicy
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.script import script_from_dict

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from slurm_etc.coordinator.backend import Grant, RequestNodes
-from slurm_etc.coordinator.loop import PARTITION_REREAD_S
+from slurm_etc.coordinator.deciding import PARTITION_REREAD_S
 from slurm_etc.slurm import BatchSpec, CliSlurmClient, SlurmJobState, SlurmRunner
 from slurm_etc.slurm.backend import SlurmBackend
 

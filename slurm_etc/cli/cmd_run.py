@@ -255,8 +255,8 @@ def run(backend, events_file, nodes, gpus_per_node, model_spec, global_batch, mi
     be = _backend(script, preload, job_id, policy, srun_args)
     topology = be.topology
     # the job's own machinery, once all is checked
+    from ..coordinator.job import JobSpec
     from ..coordinator.job_model import provisional_job
-    from ..coordinator.loop import JobSpec
     from ..coordinator.run import run_job
 
     job = provisional_job(model, global_batch, micro_batch, distributed_optimizer)

@@ -7,7 +7,7 @@ one's model (batch) is what the job plans with from then on. Every later one, an
 where they were given, must match, field for field: a difference stops the job at once with
 one line naming the first one (before any resize: none is decided until both are known, and
 a worker plans with its own). :func:`model_built` is that rule over a frozen :class:`Known`;
-the loop records what it returns (``Coordinator._model_built``).
+the loop records what it returns (``observe.model_built``).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ would pause forever; :func:`outlook` bounds that wait. The rules, in order:
    (why, and what would help).
 
 ``now`` and ``since`` are passed in; the loop keeps ``since`` (the ``since`` of the last
-:class:`Stranded`, None otherwise) and performs the outcome (``Coordinator._outlook``).
+:class:`Stranded`, None otherwise) and performs the outcome (``deciding.check_outlook``).
 """
 from __future__ import annotations
 

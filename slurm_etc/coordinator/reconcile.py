@@ -26,7 +26,7 @@ timeout of their launch (no Hello: :class:`NeverJoined`; a joiner's Hello but no
 settled resize changes in what the job holds (:class:`Holdings`) and the effects that carry
 it out, in the order they must happen: the record first (a coordinator killed between two
 effects resumes from the record), then what acts on it. The loop performs each
-(:meth:`~.loop.Coordinator._perform`).
+(:func:`.acting.perform_effect`).
 
 ``order_resize(holdings, decision, ...)`` turns the policy's decision into the resize to
 order: the vranks (a leaving device's never given to another), the plan, the generation, the

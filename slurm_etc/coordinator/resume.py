@@ -13,7 +13,7 @@ lost without grace), the live workers outside it (joiners of the resize the rest
 as aborted) to stop. Anything else (no member alive, a commit past it, a member's process
 of a later generation) gives :class:`Refuse`: every live worker is stopped and the first
 layout starts again (from the newest checkpoint). The loop performs either
-(``Coordinator._reattach``).
+(``restart.reattach``).
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from slurm_etc.store.lease import take_lease
 
 from ..protocol.channel import ChannelError, CoordinatorChannel, create_secret, split_bind
 from .backend import Backend
-from .loop import Coordinator, JobSpec, owner
+from .job import JobSpec
+from .loop import Coordinator, owner
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
             store.close()
         finally:
             _restore_signals(previous)
-    out: dict[str, Any] = {"state": state, "reaction_s": coordinator.reaction_s,
+    out: dict[str, Any] = {"state": state, "reaction_s": coordinator.watch.reaction_s,
                            "generation": coordinator.generation, "step": coordinator.step}
     if got:
         out["signal"] = got[0]

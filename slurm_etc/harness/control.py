@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ class ControlBench:
     @property
     def join_s(self) -> float:
         """The coordinator's join timeout for this run (``join_timeout_s``)."""
-        from slurm_etc.coordinator.loop import DEFAULT_JOIN_TIMEOUT_S
+        from slurm_etc.coordinator.job import DEFAULT_JOIN_TIMEOUT_S
 
         most = self.ranks + GPUS_PER_NODE * self.grow_nodes
         return self.join_timeout_s or max(DEFAULT_JOIN_TIMEOUT_S, JOIN_S_PER_RANK * most)
@@ -199,7 +200,6 @@ def descriptor_problem(bench: ControlBench) -> str | None:
                 f"{per_host:,} open files, over the hard limit of {hard:,}: give fewer "
                 f"--ranks-per-host")
     return None
-
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -240,6 +240,9 @@ class SimCluster(BackendDefaults):
         self._resizes_before = 0
         self._event_step = 0
         self.control: dict[int, list[tuple[int, int, float, float]]] = {}
+        # the same, as each host had them when the steady window closed
+        self.steady_control: dict[int, list[tuple[int, int, float, float]]] = {}
+        self.steady_gate_waits: list[float] = []
         self.hosts_done = 0
         self.rank_failures: dict[str, int] = {}
         self.rank_restarts = 0
@@ -258,12 +261,14 @@ class SimCluster(BackendDefaults):
         elif self.phase == "steady" and step >= self.window["step0"] + b.steady_steps and \
                 time.monotonic() - self.window["at0"]["t"] >= b.steady_min_s:
             self.window.update(step1=step, at1=self.sample())
+            for conn in self.hosts:  # the window's step timings now: a run stopped later
+                conn.send(("report",))  # (or whose hosts end late) keeps them
             if not b.resizes:
                 self.phase, self._event_at = "end", time.monotonic()
                 self.events.append(EndTraining("the steady window is measured"))
                 return
             self._next("grow", step, Grant("a2", tuple(d for n in self.grown
-                                                      for d in self._devices[n])))
+                                                       for d in self._devices[n])))
         elif self.phase in ("grow", "shrink", "loss"):
             if not self._settled(step):
                 return
@@ -287,7 +292,7 @@ class SimCluster(BackendDefaults):
         self.events.append(event)
         self._event_at = time.monotonic()
         self._event_step = step
-        self._resizes_before = len(self.coordinator.resize_times)
+        self._resizes_before = len(self.coordinator.resize.times)
 
     def _settled(self, step: int) -> bool:
         """The resize of the current phase committed and ``settle_steps`` trained since
@@ -295,7 +300,7 @@ class SimCluster(BackendDefaults):
         c = self.coordinator
         got = self.resizes.get(self.phase)
         if got is None:
-            if len(c.resize_times) > self._resizes_before:
+            if len(c.resize.times) > self._resizes_before:
                 got = self.resizes[self.phase] = {"step": step, "committed": True}
                 self.spans[self.phase]["at1"] = self.sample()
             elif step >= self._event_step + 4 * self.bench.settle_steps + 4:
@@ -326,6 +331,9 @@ class SimCluster(BackendDefaults):
                         continue
                     self._workers[vrank] = replace(w, returncode=code)
                     out.append(WorkerExited(vrank, gen, w.device, code, stopped))
+                elif msg[0] == "steady":
+                    self.steady_control.update(msg[1])
+                    self.steady_gate_waits.extend(msg[2])
                 elif msg[0] == "control":
                     self.control.update(msg[1])
                     for kind, n in msg[2].items():
@@ -452,7 +460,8 @@ def _coordinator_main(bench: ControlBench, out: Connection, log_level: int,
 
 def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
     from slurm_etc.alloc.chooser import Hardware, TrainingJob
-    from slurm_etc.coordinator.loop import Coordinator, JobSpec
+    from slurm_etc.coordinator.job import JobSpec
+    from slurm_etc.coordinator.loop import Coordinator
     from slurm_etc.plan import load_model
     from slurm_etc.policy.rules import EffectivePolicy
     from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
@@ -465,20 +474,9 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
         raise ControlBenchError(problem)
     desc = load_model(bench.model)
     training = TrainingJob(desc, bench.batch, 1, False)
-    report = ModelReport.of(desc, training.global_batch, training.micro_batch)
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(bench.hosts)]
-    wires = [ctx.Pipe() for _ in range(bench.hosts)]
-    per_host = bench.ranks_per_host
-    contributions = ctx.Value("q", 0)
-    fabric = ctx.Process(target=fabric_main, args=([a for a, _ in wires], contributions),
-                         daemon=True, name="bench-control-fabric")
-    hosts = [ctx.Process(target=host_main,
-                         args=(child, wire, report, bench.step_s, per_host, bench.join_s),
-                         daemon=True, name=f"bench-control-host-{i}")
-             for i, ((_, child), (_, wire)) in enumerate(zip(pipes, wires, strict=True))]
-    for h in (fabric, *hosts):
-        h.start()
+    procs = _Processes.start(bench, ModelReport.of(desc, training.global_batch,
+                                                   training.micro_batch))
+    pipes, contributions = procs.pipes, procs.contributions
     rss_before = _rss_bytes()
     with tempfile.TemporaryDirectory(prefix="etc-bench-control-") as tmp:
         db = Path(tmp) / "job.db"
@@ -521,24 +519,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
         finally:
             wall, ended = time.monotonic() - t0, sample()
             cluster.close()
-            for parent, _ in pipes:
-                try:
-                    parent.send(("quit",))
-                except OSError:
-                    pass
-            until = time.monotonic() + 60
-            while cluster.hosts_done < len(hosts) and time.monotonic() < until:
-                cluster.poll()
-                time.sleep(0.05)
-            cluster.poll()
-            for h in hosts:
-                h.join(10)
-                if h.is_alive():
-                    h.kill()
-            wires[0][1].send(("quit",))
-            fabric.join(10)
-            if fabric.is_alive():
-                fabric.kill()
+            procs.stop(cluster)
             poster.close()
             channel.close()
             migrations = _migrations(db)
@@ -549,6 +530,56 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
         span.setdefault("at1", ended)
     return _figures(bench, cluster, state, wall, migrations, record_bytes, peak_kib,
                     rss_before)
+
+
+@dataclass
+class _Processes:
+    """The bench's host processes (each running ``ranks_per_host`` simulated ranks) and the
+    fabric process that simulates their collectives, with their pipes."""
+
+    pipes: list[tuple[Connection, Connection]]
+    wires: list[tuple[Connection, Connection]]
+    contributions: Any
+    fabric: BaseProcess
+    hosts: Sequence[BaseProcess]
+
+    @classmethod
+    def start(cls, bench: ControlBench, report: Any) -> _Processes:
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(bench.hosts)]
+        wires = [ctx.Pipe() for _ in range(bench.hosts)]
+        contributions = ctx.Value("q", 0)
+        fabric = ctx.Process(target=fabric_main, args=([a for a, _ in wires], contributions),
+                             daemon=True, name="bench-control-fabric")
+        hosts = [ctx.Process(target=host_main, args=(child, wire, report, bench.step_s,
+                                                     bench.ranks_per_host, bench.join_s),
+                             daemon=True, name=f"bench-control-host-{i}")
+                 for i, ((_, child), (_, wire)) in enumerate(zip(pipes, wires, strict=True))]
+        for h in (fabric, *hosts):
+            h.start()
+        return cls(pipes, wires, contributions, fabric, hosts)
+
+    def stop(self, cluster: SimCluster) -> None:
+        """Tell every host to quit, give them 60 s to report their ranks' timings (polled
+        into ``cluster``), then end them and the fabric."""
+        for parent, _ in self.pipes:
+            try:
+                parent.send(("quit",))
+            except OSError:
+                pass
+        until = time.monotonic() + 60
+        while cluster.hosts_done < len(self.hosts) and time.monotonic() < until:
+            cluster.poll()
+            time.sleep(0.05)
+        cluster.poll()
+        for h in self.hosts:
+            h.join(10)
+            if h.is_alive():
+                h.kill()
+        self.wires[0][1].send(("quit",))
+        self.fabric.join(10)
+        if self.fabric.is_alive():
+            self.fabric.kill()
 
 
 def _rss_bytes() -> int:
@@ -596,9 +627,59 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
     seconds = w["at1"]["t"] - w["at0"]["t"]
     counts = _counted(w["at0"], w["at1"], steps)
     reply_mb = counts.pop("store_reply_bytes") / 1e6
-    timed = [(cost, wall) for per in cluster.control.values() for (g, step, cost, wall) in per
+    # every host's timings at its end; those that ended before they said them (16,384 rank
+    # threads take long to stop), as they had them when the window closed
+    measured = {**cluster.steady_control, **cluster.control}
+    timed = [(cost, wall) for per in measured.values() for (g, step, cost, wall) in per
              if g == 0 and w["step0"] <= step < w["step1"]]
+    gate_waits = cluster.gate_waits or cluster.steady_gate_waits
     control = [cost for cost, _ in timed]
+    resize_s, detail = _resize_figures(cluster, migrations)
+    out.update({
+        "step_control_ms": round(1e3 * statistics.median(control), 4) if control else None,
+        "coordinator_cpu_s_per_s": round((w["at1"]["cpu"] - w["at0"]["cpu"]) / seconds, 3),
+        "coordinator_messages_per_step": round(sum(counts.values()), 1),
+        "resize_control_s": resize_s,
+        "coordinator_rss_mib": round(peak_kib / 1024, 1),
+        "record_bytes": record_bytes,
+        "steady": {"steps": steps, "seconds": round(seconds, 2),
+                   "step_s": round(seconds / steps, 3),
+                   "messages_per_step": {k: round(v, 1) for k, v in counts.items()},
+                   "store_reply_mb_per_step": round(reply_mb, 2),
+                   # the simulated all-reduce of the gate (module doc): ranks' contributions
+                   # per step, and a rank's wait in it (not control time, not counted above)
+                   "gate_contributions_per_step": round(
+                       (w["at1"]["gate_contributions"] - w["at0"]["gate_contributions"])
+                       / steps, 1),
+                   "gate_wait_ms": round(1e3 * statistics.median(gate_waits), 2)
+                   if gate_waits else None,
+                   "coordinator_rss_mib_at_end": round(w["at1"]["rss"] / 2**20, 1),
+                   "boundaries_timed": len(control),
+                   # as the clock saw it: with the CPU thousands of simulated ranks share
+                   "step_control_wall_ms": round(
+                       1e3 * statistics.median(wall for _, wall in timed), 4) if timed else None},
+        "resizes": detail,
+        "migrations": migrations,
+        "job": job,
+        "coordinator_rss_mib_before_run": round(rss_before / 2**20, 1),
+        # a rank's store request unanswered past the client's 10 s grace: it held as the
+        # trainer does for a restarted coordinator (Hello, a new Welcome, repoint)
+        "rank_store_timeouts": cluster.rank_restarts,
+        "problems": list(cluster.failures) + [
+            f"{cluster.rank_restarts} time(s) a rank's store request went unanswered past "
+            f"the client's grace (it held for a restarted coordinator, as the trainer does)"
+            for _ in range(1 if cluster.rank_restarts else 0)] + [
+            f"{n} simulated rank(s) failed: {kind}" for kind, n in cluster.rank_failures.items()],
+        "bench": asdict(bench),
+    })
+    return out
+
+
+def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
+                    ) -> tuple[dict[str, float | None], dict[str, Any]]:
+    """Each resize phase's control time (from the step boundary that took the order up to
+    the commit) and its detail: outcome, order to commit, the coordinator's CPU and
+    messages in it."""
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
     phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
@@ -629,44 +710,7 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
             "store_requests": round(moved["store_requests"]),
             "store_replies": round(moved["store_replies"]),
             "store_reply_mb": round(moved["store_reply_bytes"] / 1e6, 1)}
-    out.update({
-        "step_control_ms": round(1e3 * statistics.median(control), 4) if control else None,
-        "coordinator_cpu_s_per_s": round((w["at1"]["cpu"] - w["at0"]["cpu"]) / seconds, 3),
-        "coordinator_messages_per_step": round(sum(counts.values()), 1),
-        "resize_control_s": resize_s,
-        "coordinator_rss_mib": round(peak_kib / 1024, 1),
-        "record_bytes": record_bytes,
-        "steady": {"steps": steps, "seconds": round(seconds, 2),
-                   "step_s": round(seconds / steps, 3),
-                   "messages_per_step": {k: round(v, 1) for k, v in counts.items()},
-                   "store_reply_mb_per_step": round(reply_mb, 2),
-                   # the simulated all-reduce of the gate (module doc): ranks' contributions
-                   # per step, and a rank's wait in it (not control time, not counted above)
-                   "gate_contributions_per_step": round(
-                       (w["at1"]["gate_contributions"] - w["at0"]["gate_contributions"])
-                       / steps, 1),
-                   "gate_wait_ms": round(1e3 * statistics.median(cluster.gate_waits), 2)
-                   if cluster.gate_waits else None,
-                   "coordinator_rss_mib_at_end": round(w["at1"]["rss"] / 2**20, 1),
-                   "boundaries_timed": len(control),
-                   # as the clock saw it: with the CPU thousands of simulated ranks share
-                   "step_control_wall_ms": round(
-                       1e3 * statistics.median(wall for _, wall in timed), 4) if timed else None},
-        "resizes": detail,
-        "migrations": migrations,
-        "job": job,
-        "coordinator_rss_mib_before_run": round(rss_before / 2**20, 1),
-        # a rank's store request unanswered past the client's 10 s grace: it held as the
-        # trainer does for a restarted coordinator (Hello, a new Welcome, repoint)
-        "rank_store_timeouts": cluster.rank_restarts,
-        "problems": list(cluster.failures) + [
-            f"{cluster.rank_restarts} time(s) a rank's store request went unanswered past "
-            f"the client's grace (it held for a restarted coordinator, as the trainer does)"
-            for _ in range(1 if cluster.rank_restarts else 0)] + [
-            f"{n} simulated rank(s) failed: {kind}" for kind, n in cluster.rank_failures.items()],
-        "bench": asdict(bench),
-    })
-    return out
+    return resize_s, detail
 
 
 def _counted(a: Mapping[str, float], b: Mapping[str, float], per: int) -> dict[str, float]:

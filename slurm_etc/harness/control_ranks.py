@@ -661,7 +661,8 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     """A host process: runs the simulated ranks the backend launches on its nodes.
 
     Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
-    ``("kill", [vranks])``, ``("quit",)``; it sends ``("exited", vrank, generation, code,
+    ``("kill", [vranks])``, ``("report",)`` (answered ``("steady", {vrank: [(gen, step, cost,
+    wall)...]}, gate_waits)``), ``("quit",)``; it sends ``("exited", vrank, generation, code,
     stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
     restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
     its generation's collectives at the fabric (its peers' next all-reduce raises).
@@ -672,76 +673,103 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     host's zmq I/O thread and its fabric pump keep the normal class. Ranks start a few at a
     time (:class:`_Admission`); ``world_s`` bounds the world's rendezvous before the
     first step (the coordinator's join timeout)."""
-    fabric, shared = _host_setup(fabric_conn, ranks, world_s)
-    gate_waits: list[float] = []
-    began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
-
-    def took(r: SimRank) -> None:
-        control.setdefault(r.vrank, []).extend(r.control)
-        gate_waits.extend(r.gate_wait)
-        for g, at in r.resize_began.items():
-            began[g] = min(began.get(g, at), at)
-    ranks_: dict[int, SimRank] = {}
-    restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
-    ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    control: dict[int, list[tuple[int, int, float, float]]] = {}
-
-    failures: dict[str, int] = {}
-
-    def done(vrank: int, generation: int, code: int, stopped: bool) -> None:
-        ended.put(("exited", vrank, generation, code, stopped))
-        why = ranks_[vrank].failure if vrank in ranks_ else ""
-        if why:
-            kind = why.split(":")[0]
-            if kind not in failures:
-                logger.warning("simulated vrank %d failed: %s (said once per host)", vrank,
-                               why)
-            failures[kind] = failures.get(kind, 0) + 1
-
+    host = _Host(conn, *_host_setup(fabric_conn, ranks, world_s), model, step_s)
     while True:
-        while True:
-            try:
-                conn.send(ended.get_nowait())
-            except queue.Empty:
-                break
+        host.flush()
         if not conn.poll(0.02):
             continue
         msg = conn.recv()
         if msg[0] == "launch":
-            _, generation, workers = msg
-            for vrank, env in workers:
-                old = ranks_.get(vrank)
-                if old is not None:
-                    took(old)
-                    restarts += old.restarts
-                r = SimRank(shared, vrank, generation, env, model, step_s, done)
-                ranks_[vrank] = r
-                shared.admission.add(r)
+            host.launch(msg[1], msg[2])
         elif msg[0] in ("stop", "kill"):
-            for v in msg[1]:
-                if (halted := ranks_.get(v)) is not None:
-                    if halted.thread.is_alive() and halted.layout is not None:
-                        fabric.died(halted.generation)
-                    halted.halt.set(msg[0])
-            fabric.wake()
+            host.halt(msg[0], msg[1])
+        elif msg[0] == "report":
+            host.report()
         elif msg[0] == "quit":
-            shared.admission.close()
-            for r in ranks_.values():
-                r.halt.set("stop")
-            fabric.wake()
-            for r in ranks_.values():
-                if r.thread.ident is not None:  # started
-                    r.thread.join(10)
-                took(r)
-                restarts += r.restarts
-            fabric.close()
-            while True:
-                try:
-                    conn.send(ended.get_nowait())
-                except queue.Empty:
-                    break
-            conn.send(("control", control, failures, restarts, gate_waits, began))
+            host.quit()
             return
+
+
+class _Host:
+    """The simulated ranks of one host process, and what they measured (sent at quit)."""
+
+    def __init__(self, conn: Connection, fabric: Any, shared: Any, model: Any,
+                 step_s: float) -> None:
+        self.conn, self.fabric, self.shared = conn, fabric, shared
+        self.model, self.step_s = model, step_s
+        self.ranks: dict[int, SimRank] = {}
+        self.ended: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.control: dict[int, list[tuple[int, int, float, float]]] = {}
+        self.failures: dict[str, int] = {}
+        self.gate_waits: list[float] = []
+        self.began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
+        self.restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
+
+    def flush(self) -> None:
+        """Send the exits queued by the rank threads."""
+        while True:
+            try:
+                self.conn.send(self.ended.get_nowait())
+            except queue.Empty:
+                return
+
+    def done(self, vrank: int, generation: int, code: int, stopped: bool) -> None:
+        """A rank thread ended (called on it): its exit queued, its failure counted."""
+        self.ended.put(("exited", vrank, generation, code, stopped))
+        why = self.ranks[vrank].failure if vrank in self.ranks else ""
+        if why:
+            kind = why.split(":")[0]
+            if kind not in self.failures:
+                logger.warning("simulated vrank %d failed: %s (said once per host)", vrank,
+                               why)
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+
+    def took(self, r: SimRank) -> None:
+        """Keep what a rank measured (it ended, or its vrank is launched again)."""
+        self.control.setdefault(r.vrank, []).extend(r.control)
+        self.gate_waits.extend(r.gate_wait)
+        for g, at in r.resize_began.items():
+            self.began[g] = min(self.began.get(g, at), at)
+        self.restarts += r.restarts
+
+    def launch(self, generation: int, workers: list[tuple[int, dict[str, str]]]) -> None:
+        for vrank, env in workers:
+            old = self.ranks.get(vrank)
+            if old is not None:
+                self.took(old)
+            r = SimRank(self.shared, vrank, generation, env, self.model, self.step_s,
+                        self.done)
+            self.ranks[vrank] = r
+            self.shared.admission.add(r)
+
+    def halt(self, how: str, vranks: list[int]) -> None:
+        for v in vranks:
+            if (halted := self.ranks.get(v)) is not None:
+                if halted.thread.is_alive() and halted.layout is not None:
+                    self.fabric.died(halted.generation)
+                halted.halt.set(how)
+        self.fabric.wake()
+
+    def report(self) -> None:
+        """Send the step timings the ranks hold now (the steady window closed)."""
+        control = {v: list(r.control) for v, r in self.ranks.items()}
+        waits = [w for r in self.ranks.values() for w in list(r.gate_wait)]
+        self.conn.send(("steady", control, waits))
+
+    def quit(self) -> None:
+        """Stop every rank, wait for their threads, and send what they measured."""
+        self.shared.admission.close()
+        for r in self.ranks.values():
+            r.halt.set("stop")
+        self.fabric.wake()
+        for r in self.ranks.values():
+            if r.thread.ident is not None:  # started
+                r.thread.join(10)
+            self.took(r)
+        self.fabric.close()
+        self.flush()
+        self.conn.send(("control", self.control, self.failures, self.restarts,
+                        self.gate_waits, self.began))
 
 
 # --------------------------------------------------------------------------- the fabric

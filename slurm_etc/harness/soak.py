@@ -44,7 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from slurm_etc.coordinator.loop import HELD_FOR_RECORD
+from slurm_etc.coordinator.deciding import HELD_FOR_RECORD
 from slurm_etc.errors import InternalError
 
 from .soak_checks import (

@@ -24,8 +24,8 @@ from slurm_etc.plan.model import ModelDesc
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.testing.hooks import INJECT_ENV
 
+from ..coordinator.job import JobSpec
 from ..coordinator.job_model import provisional_job
-from ..coordinator.loop import JobSpec
 from .script import EventsScript, script_from_dict
 
 # The workers' train_steps, in the demo's steps: room for the steps trained through the two

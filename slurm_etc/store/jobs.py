@@ -818,10 +818,11 @@ def recover(store: Store, job_id: str, *, reason: str = "coordinator restarted",
 
 
 def _open_request(s: Session, job_id: str) -> OpenRequest | None:
-    """The newest ``request`` event that no grant or request failure answered."""
+    """The newest ``request`` event that no grant, request failure or withdrawal answered."""
     rows = s.scalars(select(EventRow).where(
         EventRow.job_id == job_id,
-        EventRow.kind.in_(("request", "grant", "request-failed"))).order_by(EventRow.id)).all()
+        EventRow.kind.in_(("request", "grant", "request-failed", "request-withdrawn"))
+    ).order_by(EventRow.id)).all()
     answered = set()
     for r in rows:
         payload = _event(r).payload

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.coordinator.backend import ReleaseDevices, RequestNodes
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy

@@ -12,7 +12,8 @@ from typing import Any
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
 from slurm_etc.coordinator.backend import BackendDefaults
-from slurm_etc.coordinator.loop import Coordinator, JobSpec
+from slurm_etc.coordinator.job import JobSpec
+from slurm_etc.coordinator.loop import Coordinator
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
 from slurm_etc.store import jobs as record

@@ -56,7 +56,7 @@ def growing_from_one_node(tmp_path: Any, job: str, backend: Any, policy: Effecti
                           hardware=HW, backend_name="local") as (c, _db):
         c.holdings = replace(c.holdings, held={d: "a0" for d in node("n1")},
                              layout=layout, vranks=dict(vranks), step=5)
-        c.pinned = set(node("n1"))
-        c.requests, c.growing = 1, 3
-        c.request_sent_at = time.monotonic() - sent_ago_s
+        c.launches.pinned = set(node("n1"))
+        c.request.count, c.request.growing = 1, 3
+        c.request.sent_at = time.monotonic() - sent_ago_s
         yield c

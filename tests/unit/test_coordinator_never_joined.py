@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from slurm_etc.alloc.chooser import TrainingJob
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import DEMO_HARDWARE

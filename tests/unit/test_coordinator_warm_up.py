@@ -13,7 +13,8 @@ import time
 from dataclasses import replace
 
 from slurm_etc.alloc.chooser import TrainingJob
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator import deciding, observe
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import DEMO_HARDWARE
@@ -151,21 +152,21 @@ def test_preemption_notice_during_a_grows_warm_up_supersedes_it_at_once(tmp_path
                           hardware=DEMO_HARDWARE, backend_name="local") as (c, db):
         n1, n2 = (Device("n1", 0), Device("n1", 1)), (Device("n2", 0), Device("n2", 1))
         stub.pending = [Grant("a0", n1)]
-        c._observe_backend()
-        c._decide()
+        observe.observe_backend(c)
+        deciding.decide_now(c)
         first = c.layout
         assert first is not None
         c.holdings = replace(c.holdings, step=5)  # the first layout trains
         stub.pending = [Grant("a1", n2)]
-        c._observe_backend()
-        c._decide()
-        fl = c.inflight
+        observe.observe_backend(c)
+        deciding.decide_now(c)
+        fl = c.resize.inflight
         assert fl is not None and fl.joiners and not fl.sent_at  # warming up, not ordered
         assert [len(a.workers) for a in stub.launched] == [len(first.devices), len(fl.joiners)]
         stub.pending = [PreemptNotice("a1", n2, time.time() + 60)]
-        c._observe_backend()
-        assert c.inflight is None and not fl.sent_at  # superseded at once, nobody ordered
-        c._decide()
+        observe.observe_backend(c)
+        assert c.resize.inflight is None and not fl.sent_at  # superseded at once, nobody ordered
+        deciding.decide_now(c)
         assert sorted(v for a in stub.stopped for v in a.vranks) == sorted(fl.joiners)
         assert [d for a in stub.released for d in a.devices] == list(n2)
         assert c.layout == first
@@ -193,16 +194,16 @@ def test_a_short_notice_prepares_at_full_speed_a_long_one_beside_training(tmp_pa
                               backend_name="local", order_after_joined=False) as (c, _):
             n1, n2 = (Device("n1", 0), Device("n1", 1)), (Device("n2", 0), Device("n2", 1))
             backend.pending = [Grant("a0", n1 + n2)]
-            c._observe_backend()
-            c._decide()
+            observe.observe_backend(c)
+            deciding.decide_now(c)
             assert c.layout is not None and len(c.layout.devices) == 4
             c.holdings = replace(c.holdings, step=5)
-            c.aside_preparation_s = measured_aside_s
+            c.resize.aside_preparation_s = measured_aside_s
             backend.pending = [PreemptNotice("a0", n2, time.time() + grace_s)]
-            c._observe_backend()
-            c._decide()
-            assert c.inflight is not None, "the notice ordered no shrink"
-            return c.inflight.order
+            observe.observe_backend(c)
+            deciding.decide_now(c)
+            assert c.resize.inflight is not None, "the notice ordered no shrink"
+            return c.resize.inflight.order
 
     for job in ("short", "long", "fast", "slow"):
         (tmp_path / job).mkdir()
@@ -232,25 +233,25 @@ def test_a_device_granted_again_is_not_the_one_that_was_lost(tmp_path):
                           hardware=DEMO_HARDWARE, backend_name="local") as (c, _):
         n1, n2 = (Device("n1", 0), Device("n1", 1)), (Device("n2", 0), Device("n2", 1))
         stub.pending = [Grant("a0", n1)]
-        c._observe_backend()
-        c._decide()
+        observe.observe_backend(c)
+        deciding.decide_now(c)
         c.holdings = replace(c.holdings, step=5)
         stub.pending = [Grant("a1", n2)]
-        c._observe_backend()
-        c._decide()
-        assert c.inflight is not None and c.inflight.joiners  # the grow warms up
+        observe.observe_backend(c)
+        deciding.decide_now(c)
+        assert c.resize.inflight is not None and c.resize.inflight.joiners  # the grow warms up
         stub.pending = [Loss("a1", n2)]  # its node fails during the warm-up
-        c._observe_backend()
-        c._decide()
-        assert c.inflight is None and set(n2) <= c.lost
+        observe.observe_backend(c)
+        deciding.decide_now(c)
+        assert c.resize.inflight is None and set(n2) <= c.lost
         stub.pending = [Grant("a2", n2)]  # the same node, a new allocation
-        c._observe_backend()
+        observe.observe_backend(c)
         assert not set(n2) & c.lost and all(c.held[d] == "a2" for d in n2)
         assert not set(n2) & set(c.notices)
         stub.pending = [Loss("a1", n2)]  # the old allocation's end, reported late
-        c._observe_backend()
+        observe.observe_backend(c)
         assert not set(n2) & c.lost, "a late loss of a1 marked a2's devices lost"
-        c._decide()
-        fl = c.inflight
+        deciding.decide_now(c)
+        fl = c.resize.inflight
         assert fl is not None and {fl.vranks[v] for v in fl.joiners} == set(n2), \
             "the job did not grow onto the node granted again"

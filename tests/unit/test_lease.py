@@ -14,7 +14,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
-from slurm_etc.coordinator.loop import JobSpec
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy

@@ -19,6 +19,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator import deciding, observe
 from slurm_etc.coordinator.backend import Grant, Loss, PreemptNotice
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
@@ -83,20 +84,20 @@ def test_burst_of_1000_recorded_once_and_handled(coordinator: Any) -> None:
     burst = cluster.events(1000, "a")
     assert len({(type(e), e.allocation) for e in burst}) == 1000  # 1000 distinct events
     cluster.pending = burst
-    c._observe_backend()
+    observe.observe_backend(c)
     assert counts(db)[:2] == (1000, 1000)  # recorded before any is acted on
     kinds = {Grant: "grant", PreemptNotice: "preempt-notice", Loss: "loss"}
     assert in_order(db) == [(kinds[type(e)], e.allocation) for e in burst]
-    c._decide()
+    deciding.decide_now(c)
     assert counts(db) == (1000, 1000, 1000)
     # the same burst reported again (a restarted coordinator re-reading the cluster) adds
     # nothing; a new one adds exactly its events
     cluster.pending = burst
-    c._observe_backend()
-    c._decide()
+    observe.observe_backend(c)
+    deciding.decide_now(c)
     assert counts(db) == (1000, 1000, 1000)
     cluster.pending = cluster.events(10, "b")
-    c._observe_backend()
+    observe.observe_backend(c)
     assert counts(db)[:2] == (1010, 1010)
 
 
@@ -104,7 +105,7 @@ def test_count_oracle_catches_a_lost_row(coordinator: Any) -> None:
     """Planted bug: one recorded event deleted behind the store's back; the count says so."""
     c, cluster, db = coordinator
     cluster.pending = cluster.events(50, "a")
-    c._observe_backend()
+    observe.observe_backend(c)
     con = sqlite3.connect(db)
     con.execute("DELETE FROM events WHERE id = (SELECT max(id) FROM events)")
     con.commit()
@@ -153,12 +154,12 @@ def _hold_while_writing(db: str, write: Any) -> tuple[bool, list[int], Any]:
 def test_reader_holding_a_transaction_does_not_block_the_writer(coordinator: Any) -> None:
     c, cluster, db = coordinator
     cluster.pending = cluster.events(20, "a")
-    c._observe_backend()
+    observe.observe_backend(c)
 
     def burst() -> None:
         cluster.pending = cluster.events(1000, "b")
-        c._observe_backend()
-        c._decide()
+        observe.observe_backend(c)
+        deciding.decide_now(c)
 
     finished, seen, error = _hold_while_writing(db, burst)
     assert finished, error

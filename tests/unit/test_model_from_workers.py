@@ -14,6 +14,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator import deciding, observe
 from slurm_etc.coordinator.backend import Grant, LaunchWorkers
 from slurm_etc.coordinator.job_model import PROVISIONAL_MODEL, provisional_job
 from slurm_etc.plan import PRESETS, load_model
@@ -103,22 +104,23 @@ def test_without_model_first_layout_is_one_worker_then_plans_with_the_reported_o
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
     with ctx as (c, _db):
         backend.pending = [ANCHOR]
-        c._observe_backend()
-        c._decide()
+        observe.observe_backend(c)
+        deciding.decide_now(c)
         assert c.layout is not None and str(c.layout.config).startswith("dp=1,tp=1,pp=1")
         assert len(backend.launched) == 1
         backend.pending = [MEMBER]
-        c._observe_backend()
-        c._decide()
-        assert c.inflight is None and c.dirty  # nothing decided before the model is known
-        c._model_built(0, ModelReport.of(OWN, 8, 2))
-        assert c.fatal is None
+        observe.observe_backend(c)
+        deciding.decide_now(c)
+        # nothing decided before the model is known
+        assert c.resize.inflight is None and c.phase.dirty
+        observe.model_built(c, 0, ModelReport.of(OWN, 8, 2))
+        assert c.phase.fatal is None
         assert c.spec.job.model.hidden == 96 and c.spec.job.global_batch == 8
-        assert c.spec.job.micro_batch == 2 and c.dirty
-        c._model_built(1, ModelReport.of(OWN, 8, 2))  # the same: nothing happens
-        assert c.fatal is None
-        c._model_built(2, ModelReport.of(replace(OWN, num_heads=4), 8, 2))
-        assert c.fatal == ("the model differs: num_heads: 4 in vrank 2's training script, "
+        assert c.spec.job.micro_batch == 2 and c.phase.dirty
+        observe.model_built(c, 1, ModelReport.of(OWN, 8, 2))  # the same: nothing happens
+        assert c.phase.fatal is None
+        observe.model_built(c, 2, ModelReport.of(replace(OWN, num_heads=4), 8, 2))
+        assert c.phase.fatal == ("the model differs: num_heads: 4 in vrank 2's training script, "
                            "6 in vrank 0's training script")
 
 
@@ -132,10 +134,10 @@ def test_vpp_is_offered_once_a_worker_says_its_script_builds_chunks(tmp_path: Pa
                                 model_label="--model tiny")
     with ctx as (c, _db):
         assert "vpp" not in c.spec.job.supports
-        c._chunks_said(False)
+        observe.chunks_said(c, False)
         assert "vpp" not in c.spec.job.supports
-        c._chunks_said(True)
-        assert "vpp" in c.spec.job.supports and "ep" in c.spec.job.supports and c.dirty
+        observe.chunks_said(c, True)
+        assert "vpp" in c.spec.job.supports and "ep" in c.spec.job.supports and c.phase.dirty
     said = ModelBuilt(JOB, 0, 3, ModelReport.of(LIVE_TINY, 8, 1), True)
     assert REPORT_DECODER.decode(ENCODER.encode(said)) == said
     assert ModelBuilt(JOB, 0, 3, ModelReport.of(LIVE_TINY, 8, 1)).chunks is False
@@ -145,8 +147,8 @@ def test_given_model_that_differs_stops_the_job_with_one_line(tmp_path: Path) ->
     backend, ctx = _coordinator(tmp_path, training=provisional_job(TINY, 8, 1, False),
                                 model_label="--model tiny")
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(OWN, 8, 1))
-        assert c.fatal == ("the model differs: num_layers: 2 in vrank 0's training script, "
+        observe.model_built(c, 0, ModelReport.of(OWN, 8, 1))
+        assert c.phase.fatal == ("the model differs: num_layers: 2 in vrank 0's training script, "
                            "4 in --model tiny")
         assert c.spec.job.model == TINY
 
@@ -156,10 +158,10 @@ def test_given_batch_that_differs_stops_the_job_and_a_matching_model_passes(
     backend, ctx = _coordinator(tmp_path, training=provisional_job(TINY, 8, 1, False),
                                 model_label="--model tiny")
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(LIVE_TINY, 8, 1))
-        assert c.fatal is None
-        c._model_built(1, ModelReport.of(LIVE_TINY, 8, 2))
-        assert c.fatal == ("the batch differs: micro_batch: 2 in vrank 1's training script, "
+        observe.model_built(c, 0, ModelReport.of(LIVE_TINY, 8, 1))
+        assert c.phase.fatal is None
+        observe.model_built(c, 1, ModelReport.of(LIVE_TINY, 8, 2))
+        assert c.phase.fatal == ("the batch differs: micro_batch: 2 in vrank 1's training script, "
                            "1 in --micro-batch")
 
 
@@ -167,11 +169,11 @@ def test_given_model_without_batch_takes_the_batch_from_the_workers(tmp_path: Pa
     backend, ctx = _coordinator(tmp_path, training=provisional_job(TINY, None, 1, False),
                                 batch_from_workers=True, model_label="--model tiny")
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(LIVE_TINY, 16, 2))
-        assert c.fatal is None and c.spec.job.model == TINY
+        observe.model_built(c, 0, ModelReport.of(LIVE_TINY, 16, 2))
+        assert c.phase.fatal is None and c.spec.job.model == TINY
         assert (c.spec.job.global_batch, c.spec.job.micro_batch) == (16, 2)
-        c._model_built(1, ModelReport.of(LIVE_TINY, 8, 2))
-        assert c.fatal == ("the batch differs: global_batch: 8 in vrank 1's training script, "
+        observe.model_built(c, 1, ModelReport.of(LIVE_TINY, 8, 2))
+        assert c.phase.fatal == ("the batch differs: global_batch: 8 in vrank 1's training script, "
                            "16 in vrank 0's training script")
 
 
@@ -229,8 +231,8 @@ def test_expert_fields_out_of_their_bounds_are_refused_on_the_wire(field: str,
 def test_without_model_a_moe_script_is_planned_as_the_moe_it_is(tmp_path: Path) -> None:
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1))
-        assert c.fatal is None
+        observe.model_built(c, 0, ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1))
+        assert c.phase.fatal is None
         planned = c.spec.job.model
         assert planned.moe and planned.num_experts == 4 and planned.topk == 2
         assert planned.expert_ffn_size == 64
@@ -242,16 +244,16 @@ def test_given_model_that_differs_only_in_experts_is_named_in_one_line(
     backend, ctx = _coordinator(tmp_path, training=provisional_job(moe, 8, 1, False),
                                 model_label="--model tiny-moe")
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(_resolved(moe), 8, 1))
-        assert c.fatal is None  # the same model, its defaults spelled out
-        c._model_built(1, ModelReport.of(_resolved(replace(moe, num_experts=8)), 8, 1))
-        assert c.fatal == ("the model differs: num_experts: 8 in vrank 1's training script, "
+        observe.model_built(c, 0, ModelReport.of(_resolved(moe), 8, 1))
+        assert c.phase.fatal is None  # the same model, its defaults spelled out
+        observe.model_built(c, 1, ModelReport.of(_resolved(replace(moe, num_experts=8)), 8, 1))
+        assert c.phase.fatal == ("the model differs: num_experts: 8 in vrank 1's training script, "
                            "4 in --model tiny-moe")
     backend, ctx = _coordinator(tmp_path / "dense", training=provisional_job(TINY, 8, 1, False),
                                 model_label="--model tiny")
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(replace(LIVE_TINY, qk_layernorm=True), 8, 1))
-        assert c.fatal == ("the model differs: qk_layernorm: true in vrank 0's training "
+        observe.model_built(c, 0, ModelReport.of(replace(LIVE_TINY, qk_layernorm=True), 8, 1))
+        assert c.phase.fatal == ("the model differs: qk_layernorm: true in vrank 0's training "
                            "script, false in --model tiny")
 
 
@@ -262,16 +264,16 @@ def test_micro_batch_alone_is_checked_against_the_workers(tmp_path: Path) -> Non
                                 model_from_workers=True, batch_from_workers=True,
                                 micro_batch_given=True)
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(OWN, 8, 2))
-        assert c.fatal == ("the batch differs: micro_batch: 2 in vrank 0's training script, "
+        observe.model_built(c, 0, ModelReport.of(OWN, 8, 2))
+        assert c.phase.fatal == ("the batch differs: micro_batch: 2 in vrank 0's training script, "
                            "4 in --micro-batch")
     backend, ctx = _coordinator(tmp_path / "same", training=provisional_job(None, None, 4,
                                                                              False),
                                 model_from_workers=True, batch_from_workers=True,
                                 micro_batch_given=True)
     with ctx as (c, _db):
-        c._model_built(0, ModelReport.of(OWN, 16, 4))
-        assert c.fatal is None
+        observe.model_built(c, 0, ModelReport.of(OWN, 16, 4))
+        assert c.phase.fatal is None
         assert (c.spec.job.global_batch, c.spec.job.micro_batch) == (16, 4)
 
 
@@ -314,8 +316,8 @@ def test_a_reported_moe_that_does_not_fit_together_stops_the_job_and_the_log_sho
     moe = ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1)
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
     with ctx as (c, _db):
-        c._model_built(0, msgspec.structs.replace(moe, num_experts=2, router_topk=4))
-        assert c.fatal == ("vrank 0's training script builds a model that cannot be planned: "
+        observe.model_built(c, 0, msgspec.structs.replace(moe, num_experts=2, router_topk=4))
+        assert c.phase.fatal == ("vrank 0's training script builds a model that cannot be planned: "
                            "model tiny-moe: router_topk (4) must be at most num_experts (2)")
     line = describe_job(TrainingJob(PRESETS["tiny-moe"], 8, 1))
     assert "ffn 128, 4 experts (top 2, expert ffn 64), vocab 256" in line, line

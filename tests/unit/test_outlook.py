@@ -13,7 +13,9 @@ import pytest
 
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator import acting, deciding, observe, restart
 from slurm_etc.coordinator.backend import Grant, Loss
+from slurm_etc.coordinator.loop import Coordinator
 from slurm_etc.coordinator.outlook import (
     DEFAULT_GIVE_UP_AFTER_S,
     GiveUp,
@@ -152,7 +154,8 @@ def test_a_request_that_can_be_met_keeps_it_waiting_and_status_says_for_what(
     assert reason.startswith("no end within")  # the deadline's line, recorded at the end
 
 
-def test_the_waiting_reason_is_in_the_record_while_it_waits(tmp_path: Path) -> None:
+def test_the_waiting_reason_is_in_the_record_while_it_waits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = LostAnchor(True)
     seen: list[Any] = []
     with coordinator_over(tmp_path, "outlook-status", backend,
@@ -160,10 +163,10 @@ def test_the_waiting_reason_is_in_the_record_while_it_waits(tmp_path: Path) -> N
                           policy=EffectivePolicy(grow=True, max_nodes=2),
                           hardware=DEMO_HARDWARE, backend_name="local",
                           give_up_after_s=1.0) as (coordinator, db):
-        real = coordinator._outlook
+        real = deciding.check_outlook
 
-        def spy() -> str | None:
-            out = real()
+        def spy(c: Coordinator) -> str | None:
+            out = real(c)
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
             try:
                 seen.append(con.execute("SELECT state, reason FROM jobs").fetchone())
@@ -171,7 +174,7 @@ def test_the_waiting_reason_is_in_the_record_while_it_waits(tmp_path: Path) -> N
                 con.close()
             return out
 
-        coordinator._outlook = spy  # type: ignore[method-assign]
+        monkeypatch.setattr(deciding, "check_outlook", spy)
         assert coordinator.run(deadline_s=3.5) == "timeout"
     waiting = [r for s, r in seen if s == "running" and r]
     assert waiting and waiting[-1].startswith("waiting for 1 node(s) requested at"), seen
@@ -190,20 +193,20 @@ def test_the_anchors_devices_whose_workers_died_are_used_again_when_nothing_fits
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR)]
     with tiny_job(tmp_path, "reuse", backend) as (c, _db):
-        c._observe_backend()
-        assert c.pinned == set(ANCHOR) and c.anchor_allocation == "a0"
+        observe.observe_backend(c)
+        assert c.launches.pinned == set(ANCHOR) and c.launches.anchor_allocation == "a0"
         for _ in range(MAX_REUSES):
             c.holdings = devices.failed(c.holdings, ANCHOR, T0)
-            c.exit_failed |= set(ANCHOR)
-            assert c._reuse_anchor()
+            c.launches.exit_failed |= set(ANCHOR)
+            assert deciding.reuse_anchor(c)
             assert not set(ANCHOR) & c.lost and set(ANCHOR) <= set(c.held)
         c.holdings = devices.failed(c.holdings, ANCHOR, T0)
-        c.exit_failed |= set(ANCHOR)
-        assert not c._reuse_anchor() and set(ANCHOR) <= c.lost  # kept out past the cap
-        c.reused.clear()
+        c.launches.exit_failed |= set(ANCHOR)
+        assert not deciding.reuse_anchor(c) and set(ANCHOR) <= c.lost  # kept out past the cap
+        c.launches.reused.clear()
         backend.pending = [Loss("a0", ANCHOR, "failure")]
-        c._observe_backend()
-        assert not c._reuse_anchor()  # lost by the backend: never taken back
+        observe.observe_backend(c)
+        assert not deciding.reuse_anchor(c)  # lost by the backend: never taken back
 
 
 def test_the_exit_of_a_vranks_older_process_is_not_the_death_of_its_newer_one(
@@ -216,14 +219,14 @@ def test_the_exit_of_a_vranks_older_process_is_not_the_death_of_its_newer_one(
 
     backend = RecordingBackend(TOPO)
     with tiny_job(tmp_path, "stale-exit", backend) as (c, _db):
-        c._record_launch(4, [2])
-        c.exit_failed.clear()
+        acting.record_launch(c, 4, [2])
+        c.launches.exit_failed.clear()
         backend.pending = [WorkerExited(2, 3, Device("n1", 0), -9, False)]
-        c._observe_backend()
-        assert not c.exit_failed and not c.lost  # the old process: nothing died
+        observe.observe_backend(c)
+        assert not c.launches.exit_failed and not c.lost  # the old process: nothing died
         backend.pending = [WorkerExited(2, 4, Device("n1", 0), -9, False)]
-        c._observe_backend()
-        assert c.launched_in == {2: 4}  # the newest process's own exit is still seen
+        observe.observe_backend(c)
+        assert c.launches.launched_in == {2: 4}  # the newest process's own exit is still seen
 
 
 def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path: Path) -> None:
@@ -241,26 +244,26 @@ def test_a_layout_lost_whole_starts_again_from_the_checkpoint_or_stops(tmp_path:
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR)]
     with tiny_job(tmp_path, "lost-whole", backend) as (c, _db):
-        c._observe_backend()
+        observe.observe_backend(c)
         layout = identity_layout(ParallelConfig.parse("dp=2,tp=1,pp=1"), (0, 1))
         c.holdings = _replace(c.holdings, layout=layout, generation=3,
                               vranks={0: ANCHOR[0], 1: ANCHOR[1]}, step=12)
-        record.open_generation(c.store, "lost-whole", 3, "dp=2,tp=1,pp=1", (0, 1),
+        record.open_generation(c.io.store, "lost-whole", 3, "dp=2,tp=1,pp=1", (0, 1),
                                {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
         c.holdings = devices.loss(c.holdings, ANCHOR, "a0", "failure", T0)
         with pytest.raises(JobStopped, match="no checkpoint holds its state"):
-            c._resize(None)  # type: ignore[arg-type]  # decided before the action is read
+            acting.resize(c, None)  # type: ignore[arg-type]  # decided before the action is read
         (tmp_path / "ck" / "step-10").mkdir(parents=True)
         c.spec = _replace(c.spec, recovery=_replace(c.spec.recovery,
                                                     checkpoint_dir=str(tmp_path / "ck")))
-        c.idle = {5}  # a joiner of a resize given up, launched on a device the start reuses
-        c._resize(None)  # type: ignore[arg-type]
-        assert c.layout is None and c.restart_generation == 4 and c.dirty
+        c.resize.idle = {5}  # a joiner of a resize given up, launched on a device the start reuses
+        acting.resize(c, None)  # type: ignore[arg-type]
+        assert c.layout is None and c.restart.generation == 4 and c.phase.dirty
         # soak seed 101: forgotten, it still ran where the first layout launched (job stopped)
-        assert [a.vranks for a in backend.stopped] == [(5,)] and not c.idle
-        assert c.rebuilt_into_next == (3, 12)
+        assert [a.vranks for a in backend.stopped] == [(5,)] and not c.resize.idle
+        assert c.restart.rebuilt_into_next == (3, 12)
         # the start records the way through the checkpoint: steps 11-12 lost, trained again
-        c._record_rebuild(4, 10)
+        restart.record_rebuild(c, 4, 10)
         con = sqlite3.connect(f"file:{_db}?mode=ro", uri=True)
         try:
             row = con.execute("SELECT from_generation, to_generation, outcome, lost_first_step, "
@@ -281,14 +284,14 @@ def test_a_restart_with_no_worker_to_take_up_records_the_steps_it_trains_again(
 
     backend = RecordingBackend(TOPO)
     with tiny_job(tmp_path, "restart-rebuild", backend) as (c, db):
-        record.open_generation(c.store, "restart-rebuild", 0, "dp=2,tp=1,pp=1", (0, 1),
+        record.open_generation(c.io.store, "restart-rebuild", 0, "dp=2,tp=1,pp=1", (0, 1),
                                {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
-        record.record_progress(c.store, "restart-rebuild", 0, last_step=17)
-        record.open_generation(c.store, "restart-rebuild", 1, "dp=1,tp=1,pp=1", (0,),
+        record.record_progress(c.io.store, "restart-rebuild", 0, last_step=17)
+        record.open_generation(c.io.store, "restart-rebuild", 1, "dp=1,tp=1,pp=1", (0,),
                                {0: ANCHOR[0]}, first_step=17)  # opened, trained nothing
-        c._recover()
-        assert c.rebuilt_into_next == (0, 17) and c.restart_generation == 2
-        c._record_rebuild(2, 10)
+        restart.recover(c)
+        assert c.restart.rebuilt_into_next == (0, 17) and c.restart.generation == 2
+        restart.record_rebuild(c, 2, 10)
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         try:
             rows = con.execute("SELECT from_generation, to_generation, outcome, "
@@ -297,8 +300,8 @@ def test_a_restart_with_no_worker_to_take_up_records_the_steps_it_trains_again(
         finally:
             con.close()
         assert rows == [(0, 2, "committed", 11, 17, "checkpoint")], rows
-        c.rebuilt_into_next = (2, 5)
-        c._record_rebuild(3, None)  # no checkpoint: from the start, every step lost
+        c.restart.rebuilt_into_next = (2, 5)
+        restart.record_rebuild(c, 3, None)  # no checkpoint: from the start, every step lost
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         try:
             last = con.execute("SELECT lost_first_step, lost_last_step, rebuilt_from FROM "
@@ -319,14 +322,14 @@ def test_devices_are_given_back_only_once_the_record_holds_it(tmp_path: Path) ->
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
     with tiny_job(tmp_path, "release-behind", backend) as (c, _db):
-        c._observe_backend()
-        c.journal.queue.append(_Write(lambda store: None, (), {}))  # one write waiting
-        c.release_later |= set(other)
-        c.dirty = False
-        c._release_now()
-        assert backend.released == [] and c.dirty and set(other) <= c.release_later
-        c.journal.retry(hurry=True)  # the disk has room again: the write goes through
-        c._release_now()
+        observe.observe_backend(c)
+        c.io.journal.queue.append(_Write(lambda store: None, (), {}))  # one write waiting
+        c.resize.release_later |= set(other)
+        c.phase.dirty = False
+        deciding.release_now(c)
+        assert backend.released == [] and c.phase.dirty and set(other) <= c.resize.release_later
+        c.io.journal.retry(hurry=True)  # the disk has room again: the write goes through
+        deciding.release_now(c)
         assert [a.devices for a in backend.released] == [other]
 
 
@@ -347,7 +350,7 @@ def test_a_launch_stops_a_leaving_process_on_its_vrank_or_its_device(tmp_path: P
     backend = Running(TOPO)
     with tiny_job(tmp_path, "leaving", backend) as (c, _db):
         c.holdings = _replace(c.holdings, leaving=frozenset({1, 3, 4}))
-        c._clear_leaving({0: ANCHOR[1], 4: Device("n1", 1)})  # n0:1 where 1 runs; vrank 4
+        acting.clear_leaving(c, {0: ANCHOR[1], 4: Device("n1", 1)})  # n0:1 where 1 runs; vrank 4
         assert [a.vranks for a in backend.stopped] == [(1, 4)]
         assert c.leaving == {3}  # on a device nobody takes: it exits on its own
 
@@ -363,18 +366,18 @@ def test_a_worker_in_a_generation_the_restart_aborted_is_not_taken_up(tmp_path: 
 
     backend = RecordingBackend(TOPO)
     with tiny_job(tmp_path, "gave-up", backend) as (c, _db):
-        record.open_generation(c.store, "gave-up", 0, "dp=2,tp=1,pp=1", (0, 1),
+        record.open_generation(c.io.store, "gave-up", 0, "dp=2,tp=1,pp=1", (0, 1),
                                {0: ANCHOR[0], 1: ANCHOR[1]}, first_step=0)
-        record.record_progress(c.store, "gave-up", 0, last_step=45)
-        record.record_migration_start(c.store, "gave-up", from_generation=0, to_generation=1,
+        record.record_progress(c.io.store, "gave-up", 0, last_step=45)
+        record.record_migration_start(c.io.store, "gave-up", from_generation=0, to_generation=1,
                                       plan_digest="", moved_bytes=0, kept_bytes=0,
                                       lower_bound_bytes=0, messages=0, rounds=0)
-        c._recover()
-        assert c.gave_up == {1}
-        c.admit_from = 0  # as _reattach leaves it, taking generation 0's live workers up
-        assert not c._admits(Hello("gave-up", 1, 0, "h", 1, step=48, trained=1))
-        assert c._admits(Hello("gave-up", 0, 0, "h", 1, step=45, trained=0))
-        assert c._admits(Hello("gave-up", 2, 0, "h", 1))  # a worker just started
+        restart.recover(c)
+        assert c.restart.gave_up == {1}
+        c.restart.admit_from = 0  # as _reattach leaves it, taking generation 0's live workers up
+        assert not restart.admits(c, Hello("gave-up", 1, 0, "h", 1, step=48, trained=1))
+        assert restart.admits(c, Hello("gave-up", 0, 0, "h", 1, step=45, trained=0))
+        assert restart.admits(c, Hello("gave-up", 2, 0, "h", 1))  # a worker just started
 
 
 def test_participants_on_lost_devices_are_dead_to_the_resize_in_flight(tmp_path: Path) -> None:
@@ -390,16 +393,16 @@ def test_participants_on_lost_devices_are_dead_to_the_resize_in_flight(tmp_path:
     backend = RecordingBackend(TOPO)
     backend.pending = [Grant("a0", ANCHOR), Grant("a1", other)]
     with tiny_job(tmp_path, "lost-in-flight", backend) as (c, _db):
-        c._observe_backend()
+        observe.observe_backend(c)
         order = Resize("lost-in-flight", 2, LayoutSpec.make("dp=4,tp=1,pp=1", (0, 1, 2, 3)),
                        LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
-        c.inflight = InflightResize(
+        c.resize.inflight = InflightResize(
             order=order, plan=None, migration_id=1, participants=frozenset({0, 1, 2, 3}),
             joiners=frozenset(), vranks={0: ANCHOR[0], 1: ANCHOR[1], 2: other[0], 3: other[1]},
             release=frozenset(), started=0.0)
         backend.pending = [Loss("a1", other, "preempted")]
-        c._observe_backend()
-        assert set(c.inflight.dead) == {2, 3}
+        observe.observe_backend(c)
+        assert set(c.resize.inflight.dead) == {2, 3}
 
 
 def test_a_step_of_a_layout_not_committed_here_is_shown_not_counted(tmp_path: Path) -> None:
@@ -415,13 +418,13 @@ def test_a_step_of_a_layout_not_committed_here_is_shown_not_counted(tmp_path: Pa
     with tiny_job(tmp_path, "uncommitted", backend) as (c, _db):
         from slurm_etc.store import jobs as record
 
-        c.progress = shown.append
-        record.open_generation(c.store, "uncommitted", 9, "dp=4,tp=1,pp=1", (0,),
+        c.io.progress = shown.append
+        record.open_generation(c.io.store, "uncommitted", 9, "dp=4,tp=1,pp=1", (0,),
                                {0: ANCHOR[0]}, first_step=80)
         c.holdings = _replace(c.holdings, generation=9, step=94)
-        c._progress(Progress("uncommitted", 10, 0, 95, 5.5, 1e-3, 0, "dp=2,tp=1,pp=1"))
+        observe.progress(c, Progress("uncommitted", 10, 0, 95, 5.5, 1e-3, 0, "dp=2,tp=1,pp=1"))
         assert c.step == 94 and [p["step"] for p in shown] == [95]
-        c._progress(Progress("uncommitted", 9, 0, 95, 5.5, 1e-3, 0, "dp=4,tp=1,pp=1"))
+        observe.progress(c, Progress("uncommitted", 9, 0, 95, 5.5, 1e-3, 0, "dp=4,tp=1,pp=1"))
         assert c.step == 95
 
 
@@ -435,13 +438,13 @@ def test_a_job_that_ends_inside_a_resize_closes_its_migration_aborted(tmp_path: 
 
     backend = RecordingBackend(TOPO)
     with tiny_job(tmp_path, "ends-inside", backend) as (c, db):
-        mid = record.record_migration_start(c.store, "ends-inside", from_generation=0,
+        mid = record.record_migration_start(c.io.store, "ends-inside", from_generation=0,
                                             to_generation=1, plan_digest="", moved_bytes=0,
                                             kept_bytes=0, lower_bound_bytes=0, messages=0,
                                             rounds=0)
         order = Resize("ends-inside", 1, LayoutSpec.make("dp=1,tp=1,pp=1", (0,)),
                        LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)))
-        c.inflight = InflightResize(order=order, plan=None, migration_id=mid,
+        c.resize.inflight = InflightResize(order=order, plan=None, migration_id=mid,
                                     participants=frozenset({0, 1}), joiners=frozenset({1}),
                                     vranks={0: ANCHOR[0], 1: ANCHOR[1]}, release=frozenset(),
                                     started=0.0)

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from slurm_etc.alloc.topology import Device
+from slurm_etc.coordinator import deciding, observe
+from slurm_etc.coordinator import deciding as coordinator_deciding
 from slurm_etc.coordinator import loop as coordinator_loop
 from slurm_etc.coordinator.backend import Loss
 from slurm_etc.policy import JobView, RequestGrow, decide
@@ -102,26 +104,26 @@ def test_coordinator_rereads_the_count_after_a_loss_and_at_a_bounded_rate(
         c.holdings = replace(c.holdings, held={**{d: "a0" for d in node("n1")},
                                                **{d: "a1" for d in node("n2")}},
                              layout=layout, vranks=dict(vranks), step=5)
-        c.pinned = set(node("n1"))
-        assert c._snapshot().partition_nodes == 4 and backend.reads == 1
+        c.launches.pinned = set(node("n1"))
+        assert deciding.snapshot(c).partition_nodes == 4 and backend.reads == 1
         backend.usable = 3  # n4 DOWN: no event, this job did not hold it
-        assert c._snapshot().partition_nodes == 4 and backend.reads == 1  # not yet re-read
+        assert deciding.snapshot(c).partition_nodes == 4 and backend.reads == 1  # not yet re-read
         # a loss: re-read at the decision that handles it
         backend.usable = 2
         backend.pending = [Loss("a1", tuple(node("n2")), "failure")]
-        c._observe_backend()
-        assert c._snapshot().partition_nodes == 2 and backend.reads == 2
-        assert c._snapshot().partition_nodes == 2 and backend.reads == 2
+        observe.observe_backend(c)
+        assert deciding.snapshot(c).partition_nodes == 2 and backend.reads == 2
+        assert deciding.snapshot(c).partition_nodes == 2 and backend.reads == 2
         # no loss: again once PARTITION_REREAD_S passed
         backend.usable = 3
         real = time.monotonic
         monkeypatch.setattr(coordinator_loop.time, "monotonic",
-                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
-        assert c._snapshot().partition_nodes == 3 and backend.reads == 3
+                            lambda: real() + coordinator_deciding.PARTITION_REREAD_S + 1)
+        assert deciding.snapshot(c).partition_nodes == 3 and backend.reads == 3
         backend.usable = None  # Slurm did not answer: the last count stays
         monkeypatch.setattr(coordinator_loop.time, "monotonic",
-                            lambda: real() + 2 * coordinator_loop.PARTITION_REREAD_S + 2)
-        assert c._snapshot().partition_nodes == 3 and backend.reads == 4
+                            lambda: real() + 2 * coordinator_deciding.PARTITION_REREAD_S + 2)
+        assert deciding.snapshot(c).partition_nodes == 3 and backend.reads == 4
 
 
 def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path,
@@ -134,7 +136,7 @@ def test_coordinator_without_a_count_uses_the_topology(tmp_path: Path,
                           policy=EffectivePolicy(grow=True, max_nodes=4),
                           hardware=HW, backend_name="local") as (c, _db):
         c.holdings = replace(c.holdings, held={d: "a0" for d in node("n1")})
-        assert c._snapshot().partition_nodes == len(TOPO.nodes) == 4
+        assert deciding.snapshot(c).partition_nodes == len(TOPO.nodes) == 4
         assert Device("n1", 0) in c.held
 
 
@@ -146,17 +148,17 @@ def test_a_node_down_beyond_the_job_withdraws_its_pending_request_within_a_rerea
     backend = CountingBackend()
     with growing_from_one_node(tmp_path, "downbeyond", backend,
                                EffectivePolicy(grow=True, max_nodes=4), 5.0) as c:
-        assert not c._request_overdue() and backend.reads == 1  # 3 more of 4: can come
-        assert not c._request_overdue() and backend.reads == 1  # not read again at once
+        assert not deciding.request_overdue(c) and backend.reads == 1  # 3 more of 4: can come
+        assert not deciding.request_overdue(c) and backend.reads == 1  # not read again at once
         backend.usable = 2  # n3, n4 DOWN
         real = time.monotonic
         monkeypatch.setattr(coordinator_loop.time, "monotonic",
-                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
-        assert c._request_overdue() and backend.reads == 2
-        c._decide()
+                            lambda: real() + coordinator_deciding.PARTITION_REREAD_S + 1)
+        assert deciding.request_overdue(c) and backend.reads == 2
+        deciding.decide_now(c)
         assert [w.key for w in backend.withdrawn] == ["grow-1"]
         assert all(r.nodes <= 1 for r in backend.requested), backend.requested
-        assert not c._request_overdue()  # decided: not again and again
+        assert not deciding.request_overdue(c)  # decided: not again and again
 
 
 def test_a_backend_that_cannot_count_never_makes_a_request_unmeetable(
@@ -167,11 +169,11 @@ def test_a_backend_that_cannot_count_never_makes_a_request_unmeetable(
     backend = recording_backend(TOPO)
     with growing_from_one_node(tmp_path, "nocount", backend,
                                EffectivePolicy(grow=True, max_nodes=4), 5.0) as c:
-        c.partition_nodes = 2  # 3 more nodes of 2, kept n1: more than the count allows
+        c.request.partition_nodes = 2  # 3 more nodes of 2, kept n1: more than the count allows
         real = time.monotonic
         monkeypatch.setattr(coordinator_loop.time, "monotonic",
-                            lambda: real() + coordinator_loop.PARTITION_REREAD_S + 1)
-        assert not c._request_overdue() and c.partition_nodes == 2
+                            lambda: real() + coordinator_deciding.PARTITION_REREAD_S + 1)
+        assert not deciding.request_overdue(c) and c.request.partition_nodes == 2
         assert backend.withdrawn == []
 
 

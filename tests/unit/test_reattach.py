@@ -23,7 +23,14 @@ import pytest
 
 from slurm_etc.alloc.chooser import TrainingJob
 from slurm_etc.alloc.topology import Device
-from slurm_etc.coordinator.backend import UNKNOWN_EXIT, StopWorkers, WorkerExited, WorkerState
+from slurm_etc.coordinator import acting, deciding, observe, restart
+from slurm_etc.coordinator.backend import (
+    UNKNOWN_EXIT,
+    Grant,
+    StopWorkers,
+    WorkerExited,
+    WorkerState,
+)
 from slurm_etc.coordinator.loop import Coordinator
 from slurm_etc.coordinator.processes import process_start
 from slurm_etc.local.backend import LocalBackend
@@ -184,28 +191,29 @@ def test_a_restarted_coordinator_finds_the_recorded_launches(tmp_path: Path,
                           policy=EffectivePolicy(grow=False), hardware=DEMO_HARDWARE,
                           backend_name="local") as (first, db):
         vranks = {v: Device("n0", v) for v in (0, 1)}
-        record.open_generation(first.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
+        record.open_generation(first.io.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
                                first_step=0)
-        record.record_progress(first.store, JOB, 0, last_step=7, last_loss=5.5)
-        first._record_launch(0, (0, 1))
+        record.record_progress(first.io.store, JOB, 0, last_step=7, last_loss=5.5)
+        acting.record_launch(first, 0, (0, 1))
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         rows = con.execute("SELECT payload, handled_at IS NOT NULL FROM events WHERE "
                            "kind = 'launch' ORDER BY id").fetchall()
         con.close()
         assert [(json.loads(p)["pid"], json.loads(p)["start"], h) for p, h in rows] == [
             (1000, 500, 1), (1001, 501, 1)]
-        again = Coordinator(first.spec, backend, first.store, first.channel, first.topology)
-        took = again._reattach(record.recover(first.store, JOB))
+        io = first.io
+        again = Coordinator(first.spec, backend, io.store, io.channel, io.topology)
+        took = restart.reattach(again, record.recover(first.io.store, JOB))
         assert [(w.vrank, w.pid, w.start, w.device) for w in backend.given] == [
             (0, 1000, 500, Device("n0", 0)), (1, 1001, 501, Device("n0", 1))]
         if alive == {0, 1}:
             assert took and again.layout is not None and again.layout.devices == (0, 1)
-            assert (again.step, again.generation, again.reattached) == (7, 0, True)
+            assert (again.step, again.generation, again.restart.reattached) == (7, 0, True)
             assert backend.stopped == []
         else:
             assert took and again.layout is not None and again.layout.devices == (0, 1)
-            assert again.dead_at_reattach == {Device("n0", 1): 1} and backend.stopped == []
-            assert again.unjoined.keys() == {0}  # the dead one is not waited for
+            assert again.restart.dead_at_reattach == {Device("n0", 1): 1} and backend.stopped == []
+            assert again.launches.unjoined.keys() == {0}  # the dead one is not waited for
 
 
 @pytest.mark.parametrize("came_back", [False, True])
@@ -216,37 +224,36 @@ def test_a_reattached_layout_none_of_whose_workers_came_back_starts_again(
     reattach wait), nothing of the state survives: the first layout starts again on a new
     generation (the devices failed by the deaths whole again), as a restart that found none
     alive. Had it come back, its exit is the job's end like any other."""
-    import slurm_etc.coordinator.loop as loop
-
-    monkeypatch.setattr(loop, "DEAD_GRACE_S", 0.0)
+    monkeypatch.setattr(deciding, "DEAD_GRACE_S", 0.0)
     backend = _AdoptingBackend({0})
     with coordinator_over(tmp_path, JOB, backend, training=TrainingJob(PRESETS["tiny"], 8, 1),
                           policy=EffectivePolicy(grow=False), hardware=DEMO_HARDWARE,
                           backend_name="local") as (first, db):
         vranks = {v: Device("n0", v) for v in (0, 1)}
-        record.open_generation(first.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
+        record.open_generation(first.io.store, JOB, 0, "dp=2,tp=1,pp=1", (0, 1), vranks,
                                first_step=0)
-        record.record_progress(first.store, JOB, 0, last_step=7, last_loss=5.5)
-        first._record_launch(0, (0, 1))
-        again = Coordinator(first.spec, backend, first.store, first.channel, first.topology)
-        again._recover()
-        assert again.reattached and again.found_dead == {1}
-        backend.pending = [loop.Grant("a0", tuple(vranks.values()))]
-        again._observe_backend()
-        again._event_ids.clear()  # decided (the grant)
-        assert again.lost == {Device("n0", 1)} and again.exit_failed == {Device("n0", 1)}
-        again.came_back = came_back
+        record.record_progress(first.io.store, JOB, 0, last_step=7, last_loss=5.5)
+        acting.record_launch(first, 0, (0, 1))
+        io = first.io
+        again = Coordinator(first.spec, backend, io.store, io.channel, io.topology)
+        restart.recover(again)
+        assert again.restart.reattached and again.restart.found_dead == {1}
+        backend.pending = [Grant("a0", tuple(vranks.values()))]
+        observe.observe_backend(again)
+        again.phase.event_ids.clear()  # decided (the grant)
+        assert again.lost == {Device("n0", 1)} and again.launches.exit_failed == {Device("n0", 1)}
+        again.restart.came_back = came_back
         backend.states = {0: replace(backend.states[0], returncode=UNKNOWN_EXIT)}
-        said = again._nothing_left()  # no grace (DEAD_GRACE_S 0)
+        said = deciding.nothing_left(again)  # no grace (DEAD_GRACE_S 0)
         if came_back:
             assert said is not None and "every worker of generation 0 exited" in said
             # with a checkpoint the state survives: the first layout again, from it
             (tmp_path / "ck" / "step-5").mkdir(parents=True)
             again.spec = replace(again.spec, recovery=replace(
                 again.spec.recovery, checkpoint_dir=str(tmp_path / "ck")))
-            assert again._nothing_left() is None and again.layout is None
-            assert again.rebuilt_into_next == (0, 7)  # steps 6-7 recorded lost at the start
+            assert deciding.nothing_left(again) is None and again.layout is None
+            assert again.restart.rebuilt_into_next == (0, 7)  # steps 6-7 recorded lost at the start
             return
-        assert said is None and again.layout is None and not again.reattached
-        assert (again.restart_generation, again.step, again.lost) == (1, 0, frozenset())
-        assert again.dirty and again.admit_from == 1
+        assert said is None and again.layout is None and not again.restart.reattached
+        assert (again.restart.generation, again.step, again.lost) == (1, 0, frozenset())
+        assert again.phase.dirty and again.restart.admit_from == 1

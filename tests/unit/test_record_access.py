@@ -132,7 +132,9 @@ def test_the_real_coordinator_sends_nothing_in_a_planted_records_name(attacker, 
     from slurm_etc.alloc.chooser import TrainingJob
     from slurm_etc.alloc.hardware import PROFILES
     from slurm_etc.alloc.topology import ClusterTopology
-    from slurm_etc.coordinator.loop import Coordinator, JobSpec
+    from slurm_etc.coordinator import restart
+    from slurm_etc.coordinator.job import JobSpec
+    from slurm_etc.coordinator.loop import Coordinator
     from slurm_etc.plan import load_model
     from slurm_etc.policy.rules import EffectivePolicy
     from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
@@ -150,7 +152,7 @@ def test_the_real_coordinator_sends_nothing_in_a_planted_records_name(attacker, 
         spec = JobSpec(JOB, "mine", (sys.executable, "-c", "pass"),
                        TrainingJob(load_model("tiny"), 8, 1, False), EffectivePolicy(),
                        PROFILES["cpu"])
-        Coordinator(spec, backend, store, channel, backend.topology)._recover()
+        restart.recover(Coordinator(spec, backend, store, channel, backend.topology))
         assert backend.requested == []
         detail = record.job_detail(store, JOB)
         assert detail is not None and detail.job.name == "mine" and detail.events == ()

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
-from slurm_etc.coordinator.loop import HELD_FOR_RECORD, JobSpec
+from slurm_etc.coordinator.deciding import HELD_FOR_RECORD
+from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.script import script_from_options

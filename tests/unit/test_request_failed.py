@@ -12,6 +12,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator import observe
 from slurm_etc.coordinator.backend import RequestFailed
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
@@ -32,13 +33,13 @@ def coordinator(tmp_path: Path, recording_backend: Any) -> Any:
 
 def test_failed_request_resets_growing(coordinator: Any) -> None:
     c, stub, db = coordinator
-    c.requests, c.growing = 2, 1  # grow-2 is pending
+    c.request.count, c.request.growing = 2, 1  # grow-2 is pending
     stub.pending = [RequestFailed("grow-1", "99", "CANCELLED")]  # an older one: no change
-    c._observe_backend()
-    assert c.growing == 1
+    observe.observe_backend(c)
+    assert c.request.growing == 1
     stub.pending = [RequestFailed("grow-2", "100", "CANCELLED")]
-    c._observe_backend()
-    assert c.growing == 0 and c.dirty
+    observe.observe_backend(c)
+    assert c.request.growing == 0 and c.phase.dirty
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         kinds = [k for (k,) in con.execute(

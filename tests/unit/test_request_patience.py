@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_etc.cli.main import cli
+from slurm_etc.coordinator import deciding
 from slurm_etc.policy import PolicyError, ResizePolicy, Scope, decide, effective
 from slurm_etc.policy.admin import AdminVerdict, stricter
 from slurm_etc.policy.decide import JobView, WithdrawRequest
@@ -72,10 +73,10 @@ def test_the_coordinator_decides_again_once_the_policys_patience_passed(
     backend = recording_backend(TOPO)
     policy = EffectivePolicy(grow=True, max_nodes=4, request_patience_s=60)
     with growing_from_one_node(tmp_path, "patience", backend, policy, 30.0) as c:
-        assert not c._request_overdue()
-        c.request_sent_at = time.monotonic() - 100.0  # past 60 s, not 300 s
-        assert c._request_overdue()
-        c._decide()
+        assert not deciding.request_overdue(c)
+        c.request.sent_at = time.monotonic() - 100.0  # past 60 s, not 300 s
+        assert deciding.request_overdue(c)
+        deciding.decide_now(c)
         assert [w.key for w in backend.withdrawn] == ["grow-1"]
         assert backend.requested and backend.requested[0].nodes < 3
 

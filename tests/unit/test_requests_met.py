@@ -4,6 +4,7 @@ is kept while a request makes it useful, instead of released and asked for again
 pending past its patience is withdrawn and asked again smaller. Each says why."""
 import pytest
 
+from slurm_etc.coordinator import deciding
 from slurm_etc.policy import JobView, Release, RequestGrow, decide
 from slurm_etc.policy.decide import WithdrawRequest
 from slurm_etc.policy.rules import EffectivePolicy
@@ -80,12 +81,12 @@ def test_coordinator_withdraws_an_old_request_and_asks_again_smaller(tmp_path,
     backend = recording_backend(TOPO)
     with growing_from_one_node(tmp_path, "withdraw", backend,
                                EffectivePolicy(grow=True, max_nodes=4), 10.0) as c:
-        assert not c._request_overdue()  # young: not decided again
-        c.request_sent_at = time.monotonic() - 400.0
-        assert c._request_overdue()
-        snap = c._snapshot()
+        assert not deciding.request_overdue(c)  # young: not decided again
+        c.request.sent_at = time.monotonic() - 400.0
+        assert deciding.request_overdue(c)
+        snap = deciding.snapshot(c)
         assert snap.partition_nodes == 4 and snap.request_age_s >= 400.0
-        c._decide()
+        deciding.decide_now(c)
         assert [w.key for w in backend.withdrawn] == ["grow-1"]
         assert len(backend.requested) == 1 and backend.requested[0].key == "grow-2"
-        assert backend.requested[0].nodes < 3 and c.growing == backend.requested[0].nodes
+        assert backend.requested[0].nodes < 3 and c.request.growing == backend.requested[0].nodes

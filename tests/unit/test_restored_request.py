@@ -12,6 +12,7 @@ import pytest
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology
+from slurm_etc.coordinator import restart
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.store import jobs as record
@@ -35,18 +36,18 @@ def test_a_restored_request_is_checked_before_it_is_sent(tmp_path, caplog, nodes
                           policy=policy, hardware=Hardware(gpus_per_node=2),
                           backend_name="local") as (coordinator, _db):
         # what a planted or stale snapshot holds: a request recorded and never answered
-        record.record_event(coordinator.store, job, "request", source="coordinator",
+        record.record_event(coordinator.io.store, job, "request", source="coordinator",
                             key="request:grow-1", payload={"nodes": nodes, "summary": "x"})
         caplog.set_level(logging.INFO)
-        coordinator._recover()
-        detail = record.job_detail(coordinator.store, job)
+        restart.recover(coordinator)
+        detail = record.job_detail(coordinator.io.store, job)
     assert detail is not None
     failed = [e for e in detail.events if e.kind == "request-failed"]
     if refused is None:
         assert [(a.nodes, a.key) for a in backend.requested] == [(nodes, "grow-1")]
-        assert coordinator.growing == nodes and failed == []
+        assert coordinator.request.growing == nodes and failed == []
         return
-    assert backend.requested == [] and coordinator.growing == 0
+    assert backend.requested == [] and coordinator.request.growing == 0
     assert len(failed) == 1 and failed[0].payload["request"] == "grow-1", failed
     lines = [r.getMessage() for r in caplog.records if "grow-1" in r.getMessage()]
     assert len(lines) == 1 and "dropped" in lines[0] and refused in lines[0], lines

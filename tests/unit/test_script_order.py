@@ -8,6 +8,7 @@ from pathlib import Path
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.coordinator import deciding, observe
 from slurm_etc.coordinator.backend import Grant
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
@@ -38,14 +39,14 @@ def test_steps_reach_the_backend_only_when_settled(tmp_path: Path) -> None:
                           training=TrainingJob(load_model("tiny"), 8, 1, False),
                           policy=EffectivePolicy(grow=False),
                           hardware=Hardware(gpus_per_node=2), backend_name="local") as (c, _db):
-        c._progress(progress(1))                       # settled: told
+        observe.progress(c, progress(1))                       # settled: told
         told.pending = [Grant("a0", (Device("n0", 0), Device("n0", 1)))]
-        c._observe_backend()                           # recorded, not decided yet
-        c._progress(progress(2))                       # not told: an event waits
-        c._decide()
-        c._progress(progress(3))                       # decided: told again
-        c.inflight = object()  # type: ignore[assignment]  # a resize in flight
-        c._progress(progress(4))                       # not told
-        c.inflight = None
-        c._progress(progress(5))
+        observe.observe_backend(c)                           # recorded, not decided yet
+        observe.progress(c, progress(2))                       # not told: an event waits
+        deciding.decide_now(c)
+        observe.progress(c, progress(3))                       # decided: told again
+        c.resize.inflight = object()  # type: ignore[assignment]  # a resize in flight
+        observe.progress(c, progress(4))                       # not told
+        c.resize.inflight = None
+        observe.progress(c, progress(5))
         assert told.steps == [1, 3, 5]

@@ -269,7 +269,7 @@ def test_a_full_disk_window_ends_once_a_decision_waits_for_the_record(tmp_path, 
     """Record, then act: on a full disk a decision (a loss's resize) waits for the record,
     so training cannot go on the window's steps; the window ends RECORD_HOLD_S after the
     coordinator said so in its log (only what it logged after the window began counts)."""
-    from slurm_etc.coordinator.loop import HELD_FOR_RECORD
+    from slurm_etc.coordinator.deciding import HELD_FOR_RECORD
     from slurm_etc.harness import soak
 
     log = tmp_path / "coordinator-1.log"
