@@ -55,7 +55,8 @@ def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[i
 class StepAgreement:
     """The step agreement's part of :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     _pending: Order | None
     _gate: tuple[int, int, bool] | None
 

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 class Building:
     """Building the training state of :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     catalog: Catalog | None
     _model_said: ModelReport | None
 

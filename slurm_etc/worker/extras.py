@@ -28,7 +28,8 @@ class TrainerExtras:
     """Publishing and adopting the trainer state and RNG extras of
     :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     _held_extras: tuple[dict, dict]
 
     def _publish_extras(self: ElasticTrainer, keys: GenerationKeys, old: Layout

@@ -36,7 +36,8 @@ class OutageHandling:
     """What :class:`~slurm_etc.worker.trainer.ElasticTrainer` does when its coordinator or
     a peer goes away."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     _pending: Order | None
 
     def _superseded(self: ElasticTrainer, generation: int) -> str | None:

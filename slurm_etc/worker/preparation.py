@@ -54,7 +54,8 @@ class Preparation:
 class PreparationSteps:
     """The preparation's part of :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     _preparing: Preparation | None
 
     def _start_preparation(self: ElasticTrainer, order: Resize, plan: MigrationPlan,

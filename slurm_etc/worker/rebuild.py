@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 class Rebuild:
     """Rebuilding a lost node's state for :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     layout: Layout | None
     _held: tuple[list, Any] | None
     state: TrainingState | None

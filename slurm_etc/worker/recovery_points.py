@@ -32,7 +32,8 @@ class RecoveryPoints:
     """Peer copies and periodic checkpoints of
     :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     peers: PeerCopies | None
     _choosing: tuple[int, float, int, int] | None
     copy_interval: CopyInterval | None

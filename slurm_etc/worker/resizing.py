@@ -46,7 +46,8 @@ PAUSE_PARTS = ("resume", "migrate", "train_group", "rebuild", "install", "switch
 class ResizeSteps:
     """The resize's part of :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
 
-    # the trainer's fields these steps assign (declared in ElasticTrainer.__init__)
+    # trainer fields these steps set to another type than mypy would infer from them here
+    # (ElasticTrainer.__init__ sets them first)
     layout: Layout | None
     _held: tuple[list, Any] | None
 

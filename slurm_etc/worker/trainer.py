@@ -64,7 +64,6 @@ from .lifeline import children_die_with_me
 from .outage import OutageHandling
 from .preparation import STEP_TIMES_KEPT, Preparation, PreparationSteps
 from .process import (
-    DEFAULT_TIMEOUT_S,
     CommitUnknown,
     CoordinatorLost,
     RebuiltStateMismatch,
@@ -78,8 +77,8 @@ from .redundancy import PeerCopies
 from .reporting import Reporting, ResizeRecord, Resumption, StepRecord
 from .resizing import ResizeSteps
 
-# what other modules and user scripts import from here
-__all__ = ["DEFAULT_TIMEOUT_S", "CommitUnknown", "CoordinatorLost", "ElasticTrainer",
+# what other modules and user scripts import from here (moved to the modules of their roles)
+__all__ = ["CommitUnknown", "CoordinatorLost", "ElasticTrainer",
            "RebuiltStateMismatch", "ResizeRecord", "SchedulerConfig", "StepRecord",
            "TrainerHooks", "WorkerProcess", "agree_slice_s", "newest_order"]
 
