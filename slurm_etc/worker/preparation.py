@@ -37,7 +37,6 @@ class Preparation:
     new world's groups (``stage`` "groups") and its model (``stage`` "world") at two step
     boundaries, then the pause."""
 
-
     order: Resize
     plan: MigrationPlan
     started: float

@@ -77,7 +77,8 @@ from .redundancy import PeerCopies
 from .reporting import Reporting, ResizeRecord, Resumption, StepRecord
 from .resizing import ResizeSteps
 
-# what other modules and user scripts import from here (moved to the modules of their roles)
+# what other modules and user scripts import from here (all but ElasticTrainer defined in
+# the modules of their roles)
 __all__ = ["CommitUnknown", "CoordinatorLost", "ElasticTrainer",
            "RebuiltStateMismatch", "ResizeRecord", "SchedulerConfig", "StepRecord",
            "TrainerHooks", "WorkerProcess", "agree_slice_s", "newest_order"]
