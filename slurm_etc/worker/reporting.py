@@ -1,0 +1,139 @@
+# mypy: disable-error-code="misc, has-type"
+"""What a worker tells of its training: each step's record (and rank 0's Progress to the
+coordinator), the first step of a layout it came to by a resize (Resumed: the pause measured
+at the step boundaries), and each resize's outcome (Resized).
+
+A mixin of :class:`~slurm_etc.worker.trainer.ElasticTrainer`: the records read its step,
+generation and layout; the resumption's own state is a :class:`Resumption`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from slurm_etc.lifecycle import ProcessOutcome
+from slurm_etc.plan import ParallelConfig
+from slurm_etc.protocol.rendezvous import GenerationKeys
+
+from ..protocol.messages import Progress, Resize, Resized, Resumed
+
+if TYPE_CHECKING:
+    from .trainer import ElasticTrainer
+
+
+@dataclass
+class StepRecord:
+    """One trained step as every rank sees it; ``started``/``ended``: when it began and
+    ended on this rank (unix seconds)."""
+
+    step: int
+    loss: float
+    lr: float
+    consumed_samples: int
+    layout: str
+    generation: int
+    started: float = 0.0
+    ended: float = 0.0
+
+
+@dataclass
+class ResizeRecord:
+    """One resize as this process saw it."""
+
+    generation: int
+    old: str
+    new: str
+    outcome: str
+    step: int
+    moved_bytes: int
+    pause_seconds: float
+    data_seconds: float
+    error: str = ""
+    lost_steps: tuple[int, int] | None = None  # (first, last) trained, lost with a node
+
+
+@dataclass
+class Resumption:
+    """What the Resumed of a layout's first step reports, gathered since the last one."""
+
+    # (generation, unix end) of the last step this process trained; the generation it
+    # first trained in without a resize (its first layout: no gap to report)
+    ended_in: tuple[int, float] | None = None
+    first_generation: int | None = None
+    # the widest gap between two old-layout steps while a resize was prepared beside
+    # training (the boundary that built the new world): reported with the first new step
+    stalled: float = 0.0
+    # when this process's step in flight failed (a peer died): reported with the first
+    # new step, which tells the step lost with the node from the recovery
+    failed_at: float | None = None
+
+
+class Reporting:
+    """The records and reports of :class:`~slurm_etc.worker.trainer.ElasticTrainer`."""
+
+    def _step_ended(self: ElasticTrainer, started: float, ended: float, loss: float, lr: float,
+                    cfg: ParallelConfig, *, report: bool) -> None:
+        """A step trained: the Resumed of a new layout's first step, the stall, the log line;
+        with ``report`` (its loss known) its record and the coordinator's Progress (rank 0)."""
+        proc = self._proc()
+        if report:
+            self.history.append(StepRecord(self.step, loss, lr, self.consumed_samples,
+                                           str(cfg), self.generation, started, ended))
+            self._live()[0].losses.append(loss)
+            if dist.get_rank() == 0:
+                proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step,
+                                             loss, lr, self.consumed_samples, str(cfg),
+                                             started, ended))
+        self._report_resumed(started)
+        seen = self.resumption
+        if self._preparing is not None and seen.ended_in is not None and \
+                seen.ended_in[0] == self.generation:  # training stopped at that boundary
+            seen.stalled = max(seen.stalled, started - seen.ended_in[1])
+        seen.ended_in = (self.generation, ended)
+        self._log("step %d loss %.6f lr %.3e consumed %d started %.6f ended %.6f%s", self.step,
+                  loss, lr, self.consumed_samples, started, ended,
+                  "" if report else " (its loss's reduce failed: a peer died)")
+
+    def _report_resumed(self: ElasticTrainer, started: float) -> None:
+        """The first step of a layout this process came to by a resize: report when it
+        began and when this process's last step in the old layout ended (a joiner: the
+        old layout's, as its publisher left it in the store), measured at the step
+        boundaries, whatever the resize did in between."""
+        seen = self.resumption
+        if seen.ended_in is not None and seen.ended_in[0] == self.generation:
+            return  # not the first step of this layout
+        if seen.ended_in is None and self.generation == seen.first_generation:
+            return  # the layout this process started in: no resize before it
+        proc = self._proc()
+        last: float | None = seen.ended_in[1] if seen.ended_in is not None else None
+        if last is None:
+            key = GenerationKeys(proc.job, self.generation).last_ended
+            if proc.store.check([key]):
+                last = float(proc.store.get(key).decode())
+        proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
+                                    last, joined=seen.ended_in is None,
+                                    stalled=seen.stalled, failed_at=seen.failed_at))
+        seen.stalled = 0.0
+        seen.failed_at = None
+        # the old layout's groups, retired at the switch, are shut down beside the next
+        # steps: neither the pause nor a later step boundary waits for it
+        from slurm_etc.megatron.world import retire_in_background
+
+        retire_in_background()
+
+    def _record(self: ElasticTrainer, order: Resize, outcome: ProcessOutcome, moved: int,
+                pause: float, data: float, error: str, stats: dict | None = None) -> None:
+        proc = self._proc()
+        stats = stats or {}
+        lost = (self._rollback[1:] if self._rollback and self._rollback[0] == order.generation
+                else None)
+        rebuilt = (self._rebuilt_from.get(order.generation, "")
+                   if outcome != ProcessOutcome.ABORTED else "")
+        self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
+                                         outcome, self.step, moved, pause, data, error, lost))
+        proc.control.report(Resized(proc.job, order.generation, proc.vrank,
+                                    outcome,
+                                    self.step, pause, data, int(stats.get("sent_bytes", 0)),
+                                    int(stats.get("received_bytes", 0)), error, lost,
+                                    rebuilt))  # type: ignore[arg-type]
