@@ -43,7 +43,7 @@ from ..coordinator.processes import PolledProcess
 
 logger = logging.getLogger(__name__)
 
-# What a worker imports before it trains (the warm-up's list too, worker/trainer.py).
+# What a worker imports before it trains (the warm-up's list too, worker/resizing.py).
 PRELOAD: tuple[str, ...] = (
     "torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
     "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
