@@ -240,7 +240,8 @@ class SimCluster(BackendDefaults):
         self._resizes_before = 0
         self._event_step = 0
         self.control: dict[int, list[tuple[int, int, float, float]]] = {}
-        # the same, as each host had them when the steady window closed
+        # the same, as each host had them when the steady window closed (read_steady)
+        self.report_dir = Path(tempfile.gettempdir())
         self.steady_control: dict[int, list[tuple[int, int, float, float]]] = {}
         self.steady_gate_waits: list[float] = []
         self.hosts_done = 0
@@ -261,8 +262,11 @@ class SimCluster(BackendDefaults):
         elif self.phase == "steady" and step >= self.window["step0"] + b.steady_steps and \
                 time.monotonic() - self.window["at0"]["t"] >= b.steady_min_s:
             self.window.update(step1=step, at1=self.sample())
-            for conn in self.hosts:  # the window's step timings now: a run stopped later
-                conn.send(("report",))  # (or whose hosts end late) keeps them
+            # the window's step timings as the hosts hold them now, written to files read at
+            # the end (not here: the grow that follows is measured): a run whose hosts end
+            # late keeps them
+            for i, conn in enumerate(self.hosts):
+                conn.send(("report", str(self.report_dir / f"steady-{i}.pickle")))
             if not b.resizes:
                 self.phase, self._event_at = "end", time.monotonic()
                 self.events.append(EndTraining("the steady window is measured"))
@@ -331,9 +335,6 @@ class SimCluster(BackendDefaults):
                         continue
                     self._workers[vrank] = replace(w, returncode=code)
                     out.append(WorkerExited(vrank, gen, w.device, code, stopped))
-                elif msg[0] == "steady":
-                    self.steady_control.update(msg[1])
-                    self.steady_gate_waits.extend(msg[2])
                 elif msg[0] == "control":
                     self.control.update(msg[1])
                     for kind, n in msg[2].items():
@@ -344,6 +345,15 @@ class SimCluster(BackendDefaults):
                         self.resize_began[g] = min(self.resize_began.get(g, at), at)
                     self.hosts_done += 1
         return out
+
+    def read_steady(self) -> None:
+        """The step timings the hosts wrote when the steady window closed."""
+        import pickle
+
+        for path in sorted(self.report_dir.glob("steady-*.pickle")):
+            control, waits = pickle.loads(path.read_bytes())
+            self.steady_control.update(control)
+            self.steady_gate_waits.extend(waits)
 
     def request(self, action: Any) -> None:
         pass
@@ -501,6 +511,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                     "gate_contributions": contributions.value}
 
         cluster = SimCluster(bench, [parent for parent, _ in pipes], sample)
+        cluster.report_dir = Path(tmp)
         spec = JobSpec(JOB, "bench", ("simulated-rank",), training,
                        # data-parallel layouts only: a node lost is covered by its replicas
                        # (no peer copies to rebuild from in a simulation)
@@ -520,6 +531,7 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
             wall, ended = time.monotonic() - t0, sample()
             cluster.close()
             procs.stop(cluster)
+            cluster.read_steady()
             poster.close()
             channel.close()
             migrations = _migrations(db)

@@ -661,11 +661,12 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     """A host process: runs the simulated ranks the backend launches on its nodes.
 
     Commands on ``conn``: ``("launch", generation, [(vrank, env)])``, ``("stop", [vranks])``,
-    ``("kill", [vranks])``, ``("report",)`` (answered ``("steady", {vrank: [(gen, step, cost,
-    wall)...]}, gate_waits)``), ``("quit",)``; it sends ``("exited", vrank, generation, code,
-    stopped)`` as ranks end, and ``("control", {vrank: [(gen, step, cost, wall)...]}, failures,
-    restarts, gate_waits, began)`` at quit. A rank killed or stopped while in a layout fails
-    its generation's collectives at the fabric (its peers' next all-reduce raises).
+    ``("kill", [vranks])``, ``("report", path)`` (the ranks' step timings written to ``path``:
+    ``({vrank: [(gen, step, cost, wall)...]}, gate_waits)``), ``("quit",)``; it sends
+    ``("exited", vrank, generation, code, stopped)`` as ranks end, and ``("control", {vrank:
+    [(gen, step, cost, wall)...]}, failures, restarts, gate_waits, began)`` at quit. A rank
+    killed or stopped while in a layout fails its generation's collectives at the fabric (its
+    peers' next all-reduce raises).
 
     The ranks run at the idle scheduling class: Linux shares the CPU per thread, and
     thousands of rank threads would otherwise starve the coordinator's few (its handshakes
@@ -684,7 +685,7 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
         elif msg[0] in ("stop", "kill"):
             host.halt(msg[0], msg[1])
         elif msg[0] == "report":
-            host.report()
+            host.report(msg[1])
         elif msg[0] == "quit":
             host.quit()
             return
@@ -750,11 +751,18 @@ class _Host:
                 halted.halt.set(how)
         self.fabric.wake()
 
-    def report(self) -> None:
-        """Send the step timings the ranks hold now (the steady window closed)."""
+    def report(self, path: str) -> None:
+        """Write the step timings the ranks hold now (the steady window closed) to
+        ``path``: read at the bench's end, where this host may have ended before it said
+        them."""
+        import pickle
+
         control = {v: list(r.control) for v, r in self.ranks.items()}
         waits = [w for r in self.ranks.values() for w in list(r.gate_wait)]
-        self.conn.send(("steady", control, waits))
+        tmp = f"{path}.part"
+        with open(tmp, "wb") as f:
+            pickle.dump((control, waits), f)
+        os.replace(tmp, path)
 
     def quit(self) -> None:
         """Stop every rank, wait for their threads, and send what they measured."""
