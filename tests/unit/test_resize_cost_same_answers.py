@@ -249,3 +249,36 @@ def test_divisors_are_every_divisor_ascending(n):
         assert got == sorted(set(got)) and all(n % d == 0 for d in got)
         assert len(got) == sum(2 - (d * d == n) for d in range(1, int(n**0.5) + 1)
                                if n % d == 0)
+
+
+# ---------------------------------------------------------------- the sketch kept
+
+
+def test_a_sketch_kept_plans_as_one_solved_afresh(monkeypatch):
+    """The chooser's pricing and the resize's plan share one sketch (same cost matrix);
+    the plan from the kept sketch is the plan solved afresh, and another matrix is solved
+    anew."""
+    from slurm_etc.alloc.migration import migration_cost
+    from slurm_etc.plan import Topology, plan_migration
+    from slurm_etc.plan import plan as plan_module
+    from slurm_etc.plan.fingerprint import plan_digest
+
+    model = load_model("tiny")
+    topo = Topology(gpus_per_node=4)
+    old = Layout(ParallelConfig(8, 1, 1), tuple(range(8)))
+    new = ParallelConfig(10, 1, 1)
+    monkeypatch.setattr(plan_module, "_SKETCHES", type(plan_module._SKETCHES)())
+    solved = []
+    solve = plan_module._solve_sketch
+    monkeypatch.setattr(plan_module, "_solve_sketch",
+                        lambda *a: solved.append(1) or solve(*a))
+    priced = migration_cost(model, old, new, tuple(range(12)), topo)
+    kept = plan_migration(model, old, new, range(12), topo)
+    assert len(solved) == 1
+    plan_module._SKETCHES.clear()
+    afresh = plan_migration(model, old, new, range(12), topo)
+    assert len(solved) == 2
+    assert plan_digest(kept) == plan_digest(afresh)
+    assert kept.assignment == afresh.assignment == priced.assignment
+    plan_migration(model, old, ParallelConfig(12, 1, 1), range(12), topo)
+    assert len(solved) == 3
