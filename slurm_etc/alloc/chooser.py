@@ -17,6 +17,8 @@ candidates against each other; they are not performance predictions.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
@@ -387,6 +389,13 @@ def _eps(job: TrainingJob, dp_cp: int) -> list[int]:
     return [e for e in range(1, experts + 1) if experts % e == 0 and dp_cp % e == 0]
 
 
+def _divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` >= 1, ascending, in O(sqrt n) (the global batch in sequences
+    runs to millions at 16,384 ranks: a pass over 1..n took 60 ms a decision)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
+
+
 def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
                allowed_tp: Collection[int] | None = None,
                allowed_pp: Collection[int] | None = None,
@@ -412,7 +421,7 @@ def candidates(job: TrainingJob, hw: Hardware, node_counts: Sequence[int], *,
     if max_nodes is not None:
         total = min(total, max_nodes * G)
     steps = job.global_batch // job.micro_batch
-    dps = [d for d in range(1, steps + 1) if steps % d == 0]  # dp keeps the global batch
+    dps = _divisors(steps)  # dp keeps the global batch
     out: list[Candidate] = []
     for tp in range(1, G + 1):
         if G % tp or (allowed_tp is not None and tp not in allowed_tp):

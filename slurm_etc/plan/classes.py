@@ -105,15 +105,26 @@ class _ShardLookup:
     def block(self, devs: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """D[devs][:, ranks] as a dense (len(devs), len(ranks)) array; devs ascending."""
         out = np.zeros((len(devs), len(ranks)))
-        lo, hi = np.searchsorted(self.pool, [devs[0], devs[-1] + 1])
-        if hi > lo:
-            self.slot[ranks] = np.arange(len(ranks))
-            pos = np.searchsorted(devs, self.pool[lo:hi]).clip(0, len(devs) - 1)
-            col = self.slot[self.rank[lo:hi]]
-            ok = (col >= 0) & (devs[pos] == self.pool[lo:hi])
-            np.add.at(out, (pos[ok], col[ok]), self.bytes[lo:hi][ok])
-            self.slot[ranks] = -1
+        pos, col, nbytes = self.entries(devs, ranks)
+        np.add.at(out, (pos, col), nbytes)
         return out
+
+    def entries(self, devs: np.ndarray, ranks: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The non-zero entries of :meth:`block` before they are summed: (index in
+        ``devs``, index in ``ranks``, bytes), in the order ``block`` adds them."""
+        empty = (np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0))
+        if not len(devs) or not len(ranks):
+            return empty
+        lo, hi = np.searchsorted(self.pool, [devs[0], devs[-1] + 1])
+        if hi <= lo:
+            return empty
+        self.slot[ranks] = np.arange(len(ranks))
+        pos = np.searchsorted(devs, self.pool[lo:hi]).clip(0, len(devs) - 1)
+        col = self.slot[self.rank[lo:hi]]
+        ok = (col >= 0) & (devs[pos] == self.pool[lo:hi])
+        self.slot[ranks] = -1
+        return pos[ok], col[ok], self.bytes[lo:hi][ok]
 
 
 def _match_block(cost: CostMatrix, shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray,
@@ -238,6 +249,78 @@ def _shard_upper_bound(cost: CostMatrix) -> int:
     return int(np.minimum(side_r, side_d).astype(np.int64).sum())
 
 
+def _block_gain(shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The non-zero cells of ``shards.block(devs, ranks).T + (ranks == devs) * 0.25`` (the
+    gain of rank ``ranks[i]`` on device ``devs[j]``) as (i, j, value), one per cell, row by
+    row, each summed in the order the dense block sums it (the same floats)."""
+    if not len(devs) or not len(ranks):
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0)
+    pos, col, nbytes = shards.entries(devs, ranks)
+    at = np.searchsorted(devs, ranks).clip(0, len(devs) - 1)
+    same = np.flatnonzero(devs[at] == ranks)
+    rows = np.concatenate([col, same])
+    cols = np.concatenate([pos, at[same]])
+    vals = np.concatenate([nbytes, np.full(len(same), 0.25)])
+    key, inv = np.unique(rows * len(devs) + cols, return_inverse=True)
+    summed = np.bincount(inv.ravel(), vals, minlength=len(key))
+    keep = summed != 0
+    return key[keep] // len(devs), key[keep] % len(devs), summed[keep]
+
+
+def _strict_best(line: np.ndarray, other: np.ndarray, vals: np.ndarray, n_lines: int,
+                 n_other: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per line (row or column) of a non-negative sparse matrix given as (line, other, vals)
+    cells: its largest value, where it is (its lowest index on a tie; -1 for an empty
+    line), and whether that largest is strictly above every other value of the line, the
+    zeros of the cells not given included."""
+    top = np.zeros(n_lines)
+    best = np.full(n_lines, -1, np.int64)
+    second = np.zeros(n_lines)
+    if len(vals):
+        order = np.lexsort((other, -vals, line))    # by line, then value down, index up
+        ln, ot, v = line[order], other[order], vals[order]
+        first = np.r_[True, ln[1:] != ln[:-1]]
+        top[ln[first]], best[ln[first]] = v[first], ot[first]
+        nxt = np.flatnonzero(first) + 1
+        has = (nxt < len(ln)) & (ln[np.minimum(nxt, len(ln) - 1)] == ln[first])
+        second[ln[first][has]] = v[nxt[has]]
+    # a line without a value in every cell has a zero there: the runner-up is at least 0
+    return top, best, (top > second) & (n_other >= 2)
+
+
+def _pick_block(shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray, k: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``pick_pairs`` of the gain of ``ranks`` (rows) on ``devs`` (columns) (see
+    :func:`_block_gain`), the same pairs, without the dense block where the answer is
+    forced: ``k`` = rows, as ``_forced_pairs`` reads it; or ``k`` = columns with every
+    column's best row strictly best and no two columns wanting one row, the unique optimum
+    (any other choice gives some column less than its best), which the assignment solve
+    finds too. Else the dense block and ``pick_pairs``."""
+    n_rows, n_cols = len(ranks), len(devs)
+    rows, cols, vals = _block_gain(shards, devs, ranks)
+    if n_rows and k == n_rows and n_rows <= n_cols:
+        top, best, strict = _strict_best(rows, cols, vals, n_rows, n_cols)
+        pos = top > 0
+        if n_cols >= 2 and not np.any(pos & ~strict):
+            taken = best[pos]
+            if len(np.unique(taken)) == len(taken):
+                col = np.empty(n_rows, np.int64)
+                col[pos] = taken
+                free = np.ones(n_cols, bool)
+                free[taken] = False
+                col[~pos] = np.flatnonzero(free)[:int((~pos).sum())]
+                return np.arange(n_rows), col
+    elif n_cols and k == n_cols and n_cols < n_rows:
+        top, best, strict = _strict_best(cols, rows, vals, n_cols, n_rows)
+        if np.all(strict) and len(np.unique(best)) == n_cols:
+            order = np.argsort(best)  # rows ascending, as the solve returns them
+            return best[order], order
+    gain = np.zeros((n_rows, n_cols))
+    gain[rows, cols] = vals
+    return pick_pairs(gain, k)
+
+
 def assign_classes(cost: CostMatrix) -> np.ndarray:
     """Pool index of each new rank, maximising replicated bytes kept, then shard bytes."""
     value = _rep_value(cost)
@@ -252,8 +335,7 @@ def assign_classes(cost: CostMatrix) -> np.ndarray:
         ranks = np.flatnonzero(cost.rank_class == b)
         for a in np.flatnonzero(x[:, b]).tolist():
             devs = free[a]
-            gain = shards.block(devs, ranks).T + (ranks[:, None] == devs[None, :]) * 0.25
-            r, c = pick_pairs(gain, int(x[a, b]))
+            r, c = _pick_block(shards, devs, ranks, int(x[a, b]))
             placement[ranks[r]] = devs[c]
             free[a] = np.delete(devs, c)
             ranks = np.delete(ranks, r)

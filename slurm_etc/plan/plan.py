@@ -1,7 +1,9 @@
 """plan_migration: cost matrix -> sketch -> instructions -> rounds, validated once."""
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,8 +333,42 @@ def plan_migration(model: ModelDesc, old: Layout, new_config: ParallelConfig,
                          stats={**balance_stats(transfers), "sketch": sketch,
                                 "lower_bound_exact": bound_exact}, lost=lost_devices)
 
+# Sketches kept by their inputs (the cost matrix's arrays, tp, node size, the thresholds
+# above): the chooser prices
+# a candidate with the very matrix the resize it picks is then planned with (a dense solve of
+# 0.1 s at 1,024 ranks, asked twice). A placement of N ints an entry.
+_SKETCHES: OrderedDict[bytes, tuple[np.ndarray, int, str, bool]] = OrderedDict()
+_SKETCHES_KEPT = 32
+
+
+def _sketch_key(cost: CostMatrix, tp: int, gpus_per_node: int, constrained: bool) -> bytes:
+    # the module's thresholds too: which way it is solved is part of the answer
+    h = hashlib.sha256(repr((cost.shape, cost.M.shape, cost.needed_bytes, tp, gpus_per_node,
+                             constrained, DENSE_CELLS, FLOW_GAP)).encode())
+    for a in (cost.pool, cost.pool_old_rank, cost.pool_class, cost.rank_class, cost.M,
+              cost.dist_pool, cost.dist_rank, cost.dist_bytes):
+        h.update(np.ascontiguousarray(a, np.int64).tobytes())
+    return h.digest()
+
+
 def _sketch(cost: CostMatrix, new_config: ParallelConfig, topology: Topology,
             constrained: bool) -> tuple[np.ndarray, int, str, bool]:
+    """:func:`_solve_sketch`, once per distinct input (a pure function of it: the same
+    inputs give the same answer, so it is kept)."""
+    key = _sketch_key(cost, new_config.tp, topology.gpus_per_node, constrained)
+    got = _SKETCHES.get(key)
+    if got is None:
+        got = _SKETCHES[key] = _solve_sketch(cost, new_config, topology, constrained)
+        got[0].setflags(write=False)
+        while len(_SKETCHES) > _SKETCHES_KEPT:
+            _SKETCHES.popitem(last=False)
+    else:
+        _SKETCHES.move_to_end(key)
+    return got
+
+
+def _solve_sketch(cost: CostMatrix, new_config: ParallelConfig, topology: Topology,
+                  constrained: bool) -> tuple[np.ndarray, int, str, bool]:
     """The migration sketch: (placement of the new ranks on the pool, byte lower bound, how
     it was found, whether the bound is exact). Dense where the matrix is small; else by
     classes, and the exact flow where the cheap bound leaves a real gap. ``constrained``:
