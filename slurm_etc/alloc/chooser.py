@@ -18,7 +18,6 @@ candidates against each other; they are not performance predictions.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product

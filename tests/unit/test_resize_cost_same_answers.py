@@ -32,7 +32,6 @@ from slurm_etc.plan.cost import build_cost
 from slurm_etc.plan.intersect import intersect
 from slurm_etc.plan.regions import region_table
 
-
 # ---------------------------------------------------------------- the class sketch
 
 
