@@ -60,6 +60,7 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -259,9 +260,11 @@ class SimCluster(BackendDefaults):
         if self.phase == "warm" and step >= b.warm_steps:
             self.window = {"step0": step, "at0": self.sample()}
             self.phase = "steady"
+            self._say(f"step {step}: the steady window opens")
         elif self.phase == "steady" and step >= self.window["step0"] + b.steady_steps and \
                 time.monotonic() - self.window["at0"]["t"] >= b.steady_min_s:
             self.window.update(step1=step, at1=self.sample())
+            self._say(f"step {step}: the steady window closed")
             # the window's step timings as the hosts hold them now, written to files read at
             # the end (not here: the grow that follows is measured): a run whose hosts end
             # late keeps them
@@ -290,7 +293,12 @@ class SimCluster(BackendDefaults):
                 self.phase, self._event_at = "end", time.monotonic()
                 self.events.append(EndTraining("the scenario played out"))
 
+    def _say(self, what: str) -> None:
+        """Progress of a long run, on stderr (stdout holds the JSON)."""
+        print(f"bench control, {self.bench.ranks} ranks: {what}", file=sys.stderr, flush=True)
+
     def _next(self, phase: str, step: int, event: Any) -> None:
+        self._say(f"step {step}: {phase}")
         self.spans[phase] = {"at0": self.sample(), "wall": time.time()}
         self.phase = phase
         self.events.append(event)
