@@ -100,6 +100,19 @@ def global_batch(ranks: int) -> int:
     return every * max(1, -(-64 * ranks // every))
 
 
+def seal_all(sealer: Any, generation: int, order: Any, vranks: list[int]) -> list[Any]:
+    """The order sealed to each rank as ``CoordinatorChannel.broadcast`` does: its body
+    encoded once where the checkout's ``Sealer.seal`` takes it (``body=``), else for each."""
+    import inspect
+
+    from slurm_etc.protocol.messages import ENCODER
+
+    if "body" not in inspect.signature(sealer.seal).parameters:
+        return [sealer.seal(v, generation, order) for v in vranks]
+    body = ENCODER.encode(order)
+    return [sealer.seal(v, generation, order, body=body) for v in vranks]
+
+
 def scenario(ranks: int, tmp: Path, clock: Clock) -> dict[str, Any]:
     """The grow, shrink and loss of ``bench control`` at ``ranks``; their phases' seconds and
     a digest of what each decided."""
@@ -216,7 +229,7 @@ def scenario(ranks: int, tmp: Path, clock: Clock) -> dict[str, Any]:
                             stayers=frozenset(set(old.devices) - set(got.order.lost)),
                             rebuild=got.rebuild, decided_at=now, step_at_launch=h.step)
         with clock.phase("order"):
-            sealed = [sealer.seal(v, gen, got.order) for v in sorted(fl.stayers)]
+            sealed = seal_all(sealer, gen, got.order, sorted(fl.stayers))
         with clock.phase("commit"):
             after, effects = reconcile.commit(h, fl, Commit(0.5, 0.2, None, None), 1.0)
             for effect in effects:

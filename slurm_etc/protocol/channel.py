@@ -384,9 +384,12 @@ class Sealer:
         self._seq = 0
         self._lock = threading.Lock()
 
-    def seal(self, to: Peer, generation: int, message: msgspec.Struct) -> list[bytes]:
-        """The two frames ``[envelope, mac]`` carrying ``message`` to ``to``."""
-        body = ENCODER.encode(message)
+    def seal(self, to: Peer, generation: int, message: msgspec.Struct, *,
+             body: bytes | None = None) -> list[bytes]:
+        """The two frames ``[envelope, mac]`` carrying ``message`` to ``to``; ``body``: the
+        message already encoded (one encoding for every receiver of a broadcast)."""
+        if body is None:
+            body = ENCODER.encode(message)
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -680,6 +683,7 @@ class CoordinatorChannel:
             raise ValueError(f"message of job {message.job!r} sent on the channel of "
                              f"job {self.job!r}")
         name = type(message).__name__
+        body = ENCODER.encode(message)  # once, whatever the number of receivers
         missed, batch = [], []
         for vrank in vranks:
             routing = self._peers.get(vrank)
@@ -688,8 +692,8 @@ class CoordinatorChannel:
                              self.job, vrank, name)
                 missed.append(vrank)
             else:
-                batch.append((vrank, routing,
-                              self._sealer.seal(vrank, message.generation, message)))
+                batch.append((vrank, routing, self._sealer.seal(
+                    vrank, message.generation, message, body=body)))
         if not batch:
             return missed
         statuses = self._deliver([(routing, frames) for _, routing, frames in batch],

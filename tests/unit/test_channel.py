@@ -740,3 +740,18 @@ def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes,
     finally:
         w.close(linger_s=0)
         coord.close()
+
+
+def test_a_body_encoded_once_seals_as_the_message_would(key: bytes) -> None:
+    """A broadcast encodes its order once and seals it to each rank (``body=``): each
+    receiver opens the same body as if the message had been encoded for it alone."""
+    from slurm_etc.protocol.messages import ENCODER
+
+    stop = Stop(JOB, 3, "the end")
+    sealer = Sealer(JOB, key, COORDINATOR)
+    body = ENCODER.encode(stop)
+    for vrank in (0, 5):
+        opener = Opener(JOB, key, vrank)
+        alone = opener.open(sealer.seal(vrank, 3, stop))
+        shared = opener.open(sealer.seal(vrank, 3, stop, body=body))
+        assert shared.body == alone.body == body and shared.seq == alone.seq + 1
