@@ -29,7 +29,7 @@ def finished(layout: Layout | None, done: Collection[int]) -> bool:
     """Every worker of the layout said it finished training (O(1) a turn until the count
     of those done reaches the layout's)."""
     return layout is not None and len(done) >= len(layout.devices) and \
-        set(done).issuperset(layout.devices)
+        all(v in done for v in layout.devices)
 
 
 def stop_generation(generation: int, last_generation: int) -> int:

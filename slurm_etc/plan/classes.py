@@ -64,12 +64,18 @@ def _forced_pairs(value: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     taken = best[pos]
     if len(np.unique(taken)) != len(taken):
         return None
-    col = np.empty(n_rows, np.int64)
+    return np.arange(n_rows), _with_free_columns(pos, taken, n_cols)
+
+
+def _with_free_columns(pos: np.ndarray, taken: np.ndarray, n_cols: int) -> np.ndarray:
+    """Each row's column: its own best (``taken``, distinct) where it gains (``pos``), the
+    columns nobody took, in order, for the rest."""
+    col = np.empty(len(pos), np.int64)
     col[pos] = taken
     free = np.ones(n_cols, bool)
     free[taken] = False
     col[~pos] = np.flatnonzero(free)[:int((~pos).sum())]
-    return np.arange(n_rows), col
+    return col
 
 
 def pick_pairs(value: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -305,12 +311,7 @@ def _pick_block(shards: _ShardLookup, devs: np.ndarray, ranks: np.ndarray, k: in
         if n_cols >= 2 and not np.any(pos & ~strict):
             taken = best[pos]
             if len(np.unique(taken)) == len(taken):
-                col = np.empty(n_rows, np.int64)
-                col[pos] = taken
-                free = np.ones(n_cols, bool)
-                free[taken] = False
-                col[~pos] = np.flatnonzero(free)[:int((~pos).sum())]
-                return np.arange(n_rows), col
+                return np.arange(n_rows), _with_free_columns(pos, taken, n_cols)
     elif n_cols and k == n_cols and n_cols < n_rows:
         top, best, strict = _strict_best(cols, rows, vals, n_cols, n_rows)
         if np.all(strict) and len(np.unique(best)) == n_cols:
