@@ -121,6 +121,7 @@ class _Shared:
         self._spec_layouts: dict[tuple[Any, ...], Any] = {}
         self._secrets: dict[str, Any] = {}
         self._ranks: dict[int, dict[int, int]] = {}
+        self._members: dict[tuple[int, int, tuple[int, ...]], int] = {}
 
     def secret(self, path: str) -> Any:
         from slurm_etc.protocol.channel import load_secret
@@ -162,6 +163,28 @@ class _Shared:
                     index = {v: i for i, v in enumerate(layout.devices)}
                     self._ranks[id(layout)] = index
         return index[vrank]
+
+    def holds(self, layout: Any, vrank: int) -> bool:
+        """Whether ``vrank`` is a rank of ``layout`` (one dict look-up, not a scan of its
+        devices: a thousand ranks a process scanning 18,432 vranks each is the whole
+        simulation's O(N^2))."""
+        self.rank_of(layout, layout.devices[0])  # the index made
+        return vrank in self._ranks[id(layout)]
+
+    def migration_size(self, old: Any, new: Any, lost: tuple[int, ...]) -> int:
+        """How many ranks a resize's migration group has (old survivors and joiners),
+        counted once per process: a real worker counts it once, as here; a set of 18,432
+        vranks held by each of a host's thousand rank threads while they wait in the group
+        was ~1 GB a host process at 16,384 ranks (the grows that ran out of memory)."""
+        key = (id(old), id(new), lost)
+        if (got := self._members.get(key)) is None:
+            with self._lock:
+                got = self._members.get(key)
+                if got is None:
+                    gone = set(lost)
+                    got = len({v for v in old.devices if v not in gone} | set(new.devices))
+                    self._members[key] = got
+        return got
 
 
 class _Admission:
@@ -378,8 +401,8 @@ class SimRank:
         while time.monotonic() < deadline:
             self._check()
             order = self.channel.wait(0.2)
-            if isinstance(order, Stop) or (isinstance(order, Resize)
-                                           and self.vrank in order.new.devices):
+            if isinstance(order, Stop) or (isinstance(order, Resize) and self.shared.holds(
+                    self.shared.layout_of(order.new), self.vrank)):
                 if isinstance(order, Resize):  # warmed up at once: nothing to import
                     self.channel.report(Ready(self.job, order.generation, self.vrank, 0.0))
                 return order
@@ -572,10 +595,10 @@ class SimRank:
             self.step = int(self.store.get(keys.trainer))
             self._last_ended = float(self.store.get(keys.last_ended))
         self._joined = self.layout is None
-        members = ({v for v in old.devices if v not in lost} | set(new.devices))
-        self.fabric.all_reduce(order.generation, MIGRATION_GROUP, len(members), False,
+        self.fabric.all_reduce(order.generation, MIGRATION_GROUP,
+                               self.shared.migration_size(old, new, tuple(order.lost)), False,
                                self.halt.event, self.timeout_s)
-        if self.vrank not in new.devices:
+        if not self.shared.holds(new, self.vrank):
             self.channel.report(Resized(self.job, order.generation, self.vrank,
                                         ProcessOutcome.LEFT, self.step))
             self._exit("left", order.generation)
