@@ -1078,18 +1078,27 @@ class WorkerChannel:
         """Return once ``done()`` (evaluated under the turn's condition, after every read
         of the socket), at ``deadline`` (monotonic), or when the channel is closed. The
         calling thread reads the socket for everyone while it is free; else it waits for
-        the holder to wake it (a reply of its own read, or the socket handed over)."""
+        the holder to wake it (a reply of its own read, or the socket handed over).
+
+        At the deadline the socket is read once more, without waiting, before giving up: a
+        thread that runs late (a busy host, a long GIL hold, a paused process) takes a reply
+        that came in time for one, and a waiting rank is not taken for one whose
+        coordinator died (it would rejoin: a handshake and a new arrival at the store)."""
+        last_read = False
         while True:
             with self._turn:
                 while True:
                     now = time.monotonic()
-                    if done() or self._closed or now >= deadline:
+                    if done() or self._closed or last_read:
                         return
                     if self._lock.acquire(blocking=False):
                         break
+                    if now >= deadline:  # another thread reads the socket now
+                        return
                     self._turn.wait(min(deadline - now, _FOLLOW_S))
+            last_read = time.monotonic() >= deadline
             try:
-                self._pump(min(deadline - time.monotonic(), _LEAD_SLICE_S))
+                self._pump(max(0.0, min(deadline - time.monotonic(), _LEAD_SLICE_S)))
             finally:
                 self._hand_over()
 

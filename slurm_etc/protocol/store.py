@@ -889,8 +889,10 @@ class StoreClient(dist.Store):
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         while True:
+            # past the deadline, one look without waiting: a reply that came in time is
+            # taken even by a thread that runs late (over the channel: WorkerChannel.pump_until)
             remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000))) if remaining > 0 else {}
+            ready = dict(poller.poll(max(0, int(remaining * 1000))))
             if monitor in ready and sock not in ready:
                 recv_monitor_message(monitor)  # only disconnections are monitored
                 raise StoreUnreachable(
