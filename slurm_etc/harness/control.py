@@ -727,6 +727,8 @@ def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
             # ranks' share of the machine: the wall figures above wait for the ranks too
             "coordinator_cpu_s": round(span["at1"]["cpu"] - span["at0"]["cpu"], 2),
             "messages": round(sum(v for k, v in moved.items() if k != "store_reply_bytes")),
+            "channel_in": round(moved["channel_in"]),
+            "channel_out": round(moved["channel_out"]),
             "store_requests": round(moved["store_requests"]),
             "store_replies": round(moved["store_replies"]),
             "store_reply_mb": round(moved["store_reply_bytes"] / 1e6, 1)}

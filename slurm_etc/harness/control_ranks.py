@@ -68,8 +68,9 @@ FABRIC_WAIT_S = 10.0
 # worker's one channel, but 16,384 ranks' channels waking so are ~1.6 million wake-ups a
 # second, more than 2 cores do, and the ranks' requests queue behind them. A host process
 # lengthens those slices to this (a reply or an order still ends a wait at once; a link
-# drop or a closed channel is seen up to this late).
-RANK_SOCKET_SLICE_S = 1.0
+# drop or a closed channel is seen up to this late). At 1 s, 16,384 waiting ranks still
+# woke 16,384 times a second: about a core of the two.
+RANK_SOCKET_SLICE_S = 4.0
 # ... only in hosts of more ranks than this (the 16,384-rank runs' --ranks-per-host 1024):
 # the 4,096-rank run with them everywhere resized 3-5 x slower (under 10 x the load, not
 # told apart); hosts of the default 512 keep a real worker's slices

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 AGREE_SLICE_S = 1.0
 # ...and in a large job at least world / AGREE_ASKS_PER_S seconds: the waiting ranks' slices
 # together ask the store at most about this many times a second, whatever the job's size
-# (at 4,096 ranks, slices of 1 s were more than half of a resize's requests at the store).
-AGREE_ASKS_PER_S = 1024
+# (at 4,096 ranks, slices of 1 s were more than half of a resize's requests at the store;
+# at 16,384 simulated ranks, 1,024 asks a second were 334,169 of a 435 s grow's requests,
+# 20 a rank, where the decision and the wake key end every wait at once anyway).
+AGREE_ASKS_PER_S = 128
 
 
 def agree_slice_s(world: int) -> float:
