@@ -258,7 +258,7 @@ def settle(c: Coordinator) -> None:
     settled = reconcile.settle(fl, now, c.spec.worker_timeout_s)
     if settled.resend:
         c.io.channel.broadcast(fl.order, set(settled.resend))
-        c.resize.inflight = fl = reconcile.ordered(fl, (), now)
+        c.resize.inflight = fl = reconcile.resent(fl, now)
     outcome = settled.outcome
     if isinstance(outcome, reconcile.CloseVote):
         outcome = close_vote(c, fl, outcome)

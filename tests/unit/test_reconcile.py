@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from slurm_etc.coordinator.reconcile import (
+    RESEND_MAX_S,
     RESEND_S,
     Abort,
     CloseVote,
@@ -38,6 +39,7 @@ from slurm_etc.coordinator.reconcile import (
     plan_resize,
     rebuilt,
     replayed,
+    resent,
     settle,
     supersede,
     told,
@@ -128,6 +130,20 @@ def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
     assert got.resend == {2} and got.outcome == Wait()
     # never sent (joiners still warming up): nothing to send again
     assert settle(resize(sent_at=0.0), 500.0, 1000.0).resend == frozenset()
+
+
+def test_resends_come_twice_as_late_each_time_up_to_the_bound():
+    """5 s, then 10, 20, 40, then every 60 s (half the workers' replay window): an
+    unanswered order is not sent every 5 s for the whole of a long resize."""
+    fl = vote_looked_at(answers(resize(dead=frozenset({1})), said(0)))
+    now, gaps = fl.sent_at, []
+    for _ in range(800):  # 400 s in steps of 0.5
+        now += 0.5
+        if settle(fl, now, 1000.0).resend:
+            gaps.append(now - fl.sent_at)
+            fl = resent(fl, now)
+    assert [int(g) for g in gaps] == [5, 10, 20, 40, 60, 60, 60, 60, 60], gaps
+    assert RESEND_MAX_S <= 60.0  # a copy is refreshed well inside the 120 s replay window
 
 
 def test_an_abort_with_somebody_dead_is_retried_and_without_stops_the_job():
