@@ -254,6 +254,8 @@ def settle(c: Coordinator) -> None:
     assert fl is not None
     if c.resize.commit_heard == fl.order.generation and not fl.decided:
         c.resize.inflight = fl = reconcile.decided_commit(fl)
+    if c.resize.agreed_heard == fl.order.generation and not fl.agreed:
+        c.resize.inflight = fl = reconcile.agreed(fl)
     now = time.monotonic()
     settled = reconcile.settle(fl, now, c.spec.worker_timeout_s)
     if settled.resend:

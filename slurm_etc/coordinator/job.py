@@ -141,6 +141,7 @@ class Resizing:
     times: list[float] = field(default_factory=list)
     aside_preparation_s: float | None = None
     commit_heard: int = 0
+    agreed_heard: int = 0  # the newest generation a step's decision held (the store's thread)
     late: LateAnswers | None = None
 
 

@@ -221,8 +221,16 @@ class Coordinator:
         the new layout, so that a coordinator killed before it records the commit itself
         rolls the resize forward at its restart (:func:`.restart.roll_forward`) rather than back:
         the workers that heard the decision train in the new layout. A record that cannot
-        be written (a full disk) is one warning: the restart then aborts the resize."""
+        be written (a full disk) is one warning: the restart then aborts the resize.
+
+        Also a step's decision in the old layout that holds the order: the loop no longer
+        sends it again to that layout's ranks (:func:`.verdicts.step_decided_the_order`)."""
         fl = self.resize.inflight
+        if fl is not None and verdicts.step_decided_the_order(
+                key, value, GenerationKeys(self.spec.job_id, self.generation).prefix,
+                fl.order.generation):
+            self.resize.agreed_heard = max(self.resize.agreed_heard, fl.order.generation)
+            return
         if value != COMMIT or fl is None or key != commit_decision(
                 GenerationKeys(self.spec.job_id, fl.order.generation).prefix):
             return

@@ -289,6 +289,8 @@ class InflightResize:
     told: VrankSet = VrankSet()
     sent_at: float = 0.0  # when the old layout was ordered (0: not yet)
     resends: int = 0  # times the order went again to the told that had not answered
+    # a step's decision in the old layout held the order: its ranks read it from the store
+    agreed: bool = False
     dead: VrankSet = VrankSet()  # participants whose process died
     rebuild: bool = False  # lost state no replica holds: from peer copies or a checkpoint
     early: Replays = field(default_factory=Replays)  # the new layout's, before settling
@@ -366,10 +368,16 @@ def resent(resize: InflightResize, now: float) -> InflightResize:
     return replace(resize, sent_at=now, resends=resize.resends + 1)
 
 
+def agreed(resize: InflightResize) -> InflightResize:
+    """A step's decision in the old layout held the order (the store's hook saw it): the
+    old layout's ranks are not sent it again; joiners still are, until they answer."""
+    return replace(resize, agreed=True)
+
+
 def resend_after(resends: int) -> float:
     """How long after its last sending an unanswered order goes again, once it went
     ``resends`` times again: :data:`RESEND_S`, doubling, at most :data:`RESEND_MAX_S`."""
-    return min(RESEND_S * 2 ** min(resends, 16), RESEND_MAX_S)
+    return min(RESEND_S * (1 << min(resends, 16)), RESEND_MAX_S)
 
 
 def may_order(resize: InflightResize | None, order_after_joined: bool) -> bool:
@@ -453,7 +461,8 @@ def settle(resize: InflightResize, now: float, worker_timeout_s: float) -> Settl
     resend: frozenset[int] = frozenset()
     if resize.sent_at and now - resize.sent_at > resend_after(resize.resends):
         resend = frozenset(v for v in resize.told
-                           if v not in resize.reports and v not in resize.dead)
+                           if v not in resize.reports and v not in resize.dead
+                           and not (resize.agreed and v in resize.stayers))
     dead_joiners = _dead_joiners(resize)
     if dead_joiners and not resize.sent_at and resize.stayers:
         why = (resize.never_joined[min(resize.never_joined)] if resize.never_joined else

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from slurm_etc.alloc.topology import Device
 from slurm_etc.plan import Layout
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.protocol.messages import ORDER_DECODER, Resize
 
 from .backend import WorkerState
 
@@ -30,6 +33,21 @@ def finished(layout: Layout | None, done: Collection[int]) -> bool:
     of those done reaches the layout's)."""
     return layout is not None and len(done) >= len(layout.devices) and \
         all(v in done for v in layout.devices)
+
+
+def step_decided_the_order(key: str, value: bytes, old_prefix: str, generation: int) -> bool:
+    """Whether a first value the store set (``key``, ``value``: its hook) is a step's
+    decision in the old layout (whose keys are under ``old_prefix``) holding the order that
+    opens ``generation``: every rank of that layout then reads the order from the store,
+    and none of them needs it sent again."""
+    if value == b"-" or not key.endswith("/decided") or \
+            not key.startswith(old_prefix + "/agree"):
+        return False
+    try:
+        order = ORDER_DECODER.decode(value)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(order, Resize) and order.generation == generation
 
 
 def stop_generation(generation: int, last_generation: int) -> int:

@@ -23,6 +23,7 @@ from slurm_etc.coordinator.reconcile import (
     VrankMap,
     VrankSet,
     Wait,
+    agreed,
     answered,
     became_ready,
     decided_commit,
@@ -130,6 +131,16 @@ def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
     assert got.resend == {2} and got.outcome == Wait()
     # never sent (joiners still warming up): nothing to send again
     assert settle(resize(sent_at=0.0), 500.0, 1000.0).resend == frozenset()
+
+
+def test_once_a_step_decided_the_order_only_joiners_get_it_again():
+    """The old layout's ranks read an order a step's decision holds from the store: only
+    the joiner (2), which waits for it on its channel, is sent it again."""
+    fl = resize()
+    late = 101.0 + RESEND_S + 0.1
+    assert settle(fl, late, TIMEOUT).resend == {0, 1, 2}
+    assert settle(agreed(fl), late, TIMEOUT).resend == {2}
+    assert settle(agreed(answers(fl, said(2))), late, TIMEOUT).resend == frozenset()
 
 
 def test_resends_come_twice_as_late_each_time_up_to_the_bound():

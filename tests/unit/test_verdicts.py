@@ -9,6 +9,8 @@ from slurm_etc.coordinator import verdicts as v
 from slurm_etc.coordinator.backend import WorkerState
 from slurm_etc.plan import Layout, ParallelConfig
 from slurm_etc.policy.rules import EffectivePolicy
+from slurm_etc.protocol.messages import ENCODER, LayoutSpec, Resize, Stop
+from slurm_etc.protocol.rendezvous import GenerationKeys
 
 D0, D1, D2, D3 = (Device(f"n{i // 2}", i % 2) for i in range(4))
 LAYOUT = Layout(ParallelConfig(dp=2), (0, 1))
@@ -122,3 +124,27 @@ def test_never_joined(first, in_layout, in_resize, fatal, dead):
 ])
 def test_admits(step, trained, want):
     assert v.admits(step=step, trained=trained, gave_up={6}, admit_from=5) is want
+
+
+OLD = GenerationKeys("j", 2)  # the old layout's generation; the order opens 3
+
+
+def _order(generation: int) -> bytes:
+    return ENCODER.encode(Resize("j", generation, LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1)),
+                                 LayoutSpec.make("dp=3,tp=1,pp=1", (0, 1, 2))))
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    (OLD.agreement(0, 7, "decided"), _order(3), True),
+    (OLD.agreement(1, 7, "decided"), _order(3), True),  # the attempt after an abort
+    (OLD.agreement(0, 7, "decided"), b"-", False),  # no order at that step
+    (OLD.agreement(0, 7, "decided"), _order(4), False),  # another order
+    (OLD.agreement(0, 7, "decided"), ENCODER.encode(Stop("j", 9)), False),
+    (OLD.agreement(0, 7, 1), _order(3), False),  # a rank's own key, not the decision
+    (GenerationKeys("j", 1).agreement(0, 7, "decided"), _order(3), False),  # not the old one's
+    (GenerationKeys("j", 21).agreement(0, 7, "decided"), _order(3), False),
+    (OLD.agreement(0, 7, "decided"), b"\x93garbage", False),
+])
+def test_a_step_decision_holding_the_order_is_told_apart(key: str, value: bytes,
+                                                         expected: bool) -> None:
+    assert v.step_decided_the_order(key, value, OLD.prefix, 3) is expected
