@@ -118,26 +118,9 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
     # keys of those before it.
     channel = _bind_channel(store, spec.job_id, secret, bind, advertise)
     record.set_coordinator(store, spec.job_id, channel.address)
-    # the coordinator's own writes to the store go over the wire like a worker's (the
-    # server's socket belongs to its thread)
     poster = StoreClient(split_bind(bind)[0], channel.port, secret.key)
-
-    def post(key: str, value: bytes) -> None:
-        try:
-            poster.set(key, value)
-        except RendezvousStoreError as e:  # the workers still get the order over the channel
-            logger.warning("[job %s] rendezvous store: %s not set (%s)", spec.job_id, key, e)
-
-    def close_vote(key: str) -> bytes:
-        try:
-            return bytes(poster.compare_set(key, b"", ABORT))
-        except RendezvousStoreError as e:  # the resize is waited out as without a death
-            logger.warning("[job %s] rendezvous store: %s not closed (%s)", spec.job_id, key, e)
-            return b""
-
-    coordinator = Coordinator(spec, backend, store, channel, topology, progress=progress,
-                              crash=crash, post=post, close_vote=close_vote)
-    channel.store.on_first_set = coordinator.commit_decided
+    coordinator = coordinator_over(spec, backend, store, channel, topology, poster,
+                                   progress=progress, crash=crash)
     # SIGTERM (scancel, the time limit, a requeue) and SIGINT end the loop at its next turn
     # through the same clean close as any other end: workers stopped, members cancelled,
     # the record ended as cancelled with the signal as its reason.
@@ -168,6 +151,34 @@ def _coordinate(spec: JobSpec, backend: Backend, topology: ClusterTopology, stor
     if got:
         out["signal"] = got[0]
     return out
+
+
+def coordinator_over(spec: JobSpec, backend: Backend, store: Any, channel: CoordinatorChannel,
+                     topology: ClusterTopology, poster: StoreClient, **kw: Any) -> Coordinator:
+    """The job's Coordinator wired to the rendezvous store its channel hosts: its own writes
+    there (an order naming the dead, a commit vote closed) go over the wire through
+    ``poster``, like a worker's (the server's socket belongs to its thread), and the store's
+    first values reach it (a resize decided commit, a step's decision holding the order).
+    ``run_job`` and ``slurm-etc bench control`` both make theirs here."""
+    job_id = spec.job_id
+
+    def post(key: str, value: bytes) -> None:
+        try:
+            poster.set(key, value)
+        except RendezvousStoreError as e:  # the workers still get the order over the channel
+            logger.warning("[job %s] rendezvous store: %s not set (%s)", job_id, key, e)
+
+    def close_vote(key: str) -> bytes:
+        try:
+            return bytes(poster.compare_set(key, b"", ABORT))
+        except RendezvousStoreError as e:  # the resize is waited out as without a death
+            logger.warning("[job %s] rendezvous store: %s not closed (%s)", job_id, key, e)
+            return b""
+
+    coordinator = Coordinator(spec, backend, store, channel, topology, post=post,
+                              close_vote=close_vote, **kw)
+    channel.store.on_first_set = coordinator.commit_decided
+    return coordinator
 
 
 def cluster_state_path(store: Any, job_id: str) -> Path:

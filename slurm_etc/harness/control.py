@@ -479,7 +479,7 @@ def _coordinator_main(bench: ControlBench, out: Connection, log_level: int,
 def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
     from slurm_etc.alloc.chooser import Hardware, TrainingJob
     from slurm_etc.coordinator.job import JobSpec
-    from slurm_etc.coordinator.loop import Coordinator
+    from slurm_etc.coordinator.run import coordinator_over
     from slurm_etc.plan import load_model
     from slurm_etc.policy.rules import EffectivePolicy
     from slurm_etc.protocol.channel import CoordinatorChannel, create_secret
@@ -528,8 +528,9 @@ def _run(bench: ControlBench, counters: Counters | None) -> dict[str, Any]:
                        worker_timeout_s=bench.worker_timeout_s or 60.0 + 0.02 * bench.ranks,
                        join_timeout_s=bench.join_s,
                        prepare_while_training=False)
-        coordinator = Coordinator(spec, cluster, store, channel, cluster.topology,
-                                  post=lambda k, v: poster.set(k, v))
+        # wired to its store as `slurm-etc run`'s (until 2026-12-07 the bench's was not: its
+        # resizes committed on every rank's Resized, not on the store's commit vote)
+        coordinator = coordinator_over(spec, cluster, store, channel, cluster.topology, poster)
         cluster.coordinator = coordinator
         t0 = time.monotonic()
         state, ended = "failed", sample()

@@ -419,6 +419,37 @@ def test_commits_are_published_off_the_writers_path_and_coalesce(tmp_path):
         store.close()
 
 
+def test_copies_of_a_large_record_take_a_tenth_of_the_time_and_a_flush_waits_for_none(
+        tmp_path, monkeypatch):
+    """A commit every 10 ms for 1.25 s while a copy takes 0.1 s: back to back the copies
+    would hold the publishing thread the whole time (~12 of them); spaced 9 x their time
+    apart they hold it at most a tenth (2, at most 3 copies), and a flush publishes the
+    last commit at once, without waiting out the 0.9 s gap."""
+    from slurm_etc.store import snapshot
+
+    copies: list[float] = []
+
+    def slow_copy(db, dest):  # the copy of a 16,384-rank job's 12.8 MB record, roughly
+        copies.append(time.monotonic())
+        time.sleep(0.1)
+
+    monkeypatch.setattr(snapshot, "publish_snapshot", slow_copy)
+    publisher = snapshot.Publisher(tmp_path / "j.db", tmp_path / "s" / "j.db")
+    try:
+        began = time.monotonic()
+        while time.monotonic() - began < 1.25:  # copies at ~0 and ~1.0 s, each 0.1 s
+            publisher()
+            time.sleep(0.01)
+        during = len(copies)
+        asked = time.monotonic()
+        assert publisher.flush(10.0)
+        # one copy (0.1 s), not the rest of the gap after the copy at ~1.0 s (to ~2.0 s)
+        assert time.monotonic() - asked < 0.45
+        assert 1 <= during <= 3, copies
+    finally:
+        publisher.close()
+
+
 def test_every_commit_publishes_an_atomic_owner_only_snapshot(tmp_path):
     state = tmp_path / "state"
     local = tmp_path / "local" / "jobs"
