@@ -308,19 +308,26 @@ class SimCluster(BackendDefaults):
 
     def _settled(self, step: int) -> bool:
         """The resize of the current phase committed and ``settle_steps`` trained since
-        (or, without a resize, as many steps went by: recorded as none)."""
+        (or, without a resize, as many steps went by: recorded as none).
+
+        The phase's span (the coordinator's CPU and messages in it) ends once the answers
+        that come after the commit are in too (a resize commits at the store's commit vote,
+        before most ranks said Resized), or at the settle steps."""
         c = self.coordinator
         got = self.resizes.get(self.phase)
         if got is None:
             if len(c.resize.times) > self._resizes_before:
                 got = self.resizes[self.phase] = {"step": step, "committed": True}
-                self.spans[self.phase]["at1"] = self.sample()
             elif step >= self._event_step + 4 * self.bench.settle_steps + 4:
                 got = self.resizes[self.phase] = {"step": step, "committed": False}
                 self.failures.append(f"{self.phase}: no resize committed")
             else:
                 return False
-        return bool(step >= got["step"] + self.bench.settle_steps)
+        done = bool(step >= got["step"] + self.bench.settle_steps)
+        if got["committed"] and "at1" not in self.spans[self.phase] and \
+                (c.resize.late is None or done):
+            self.spans[self.phase]["at1"] = self.sample()
+        return done
 
     # -- Backend ------------------------------------------------------------------------
     def poll(self) -> list[Any]:
