@@ -55,6 +55,11 @@ FDS_PER_SIM_RANK = 5
 MIGRATION_GROUP = -1
 # the fabric's key of the training world's rendezvous before the first step (another)
 WORLD_GROUP = -2
+# the fabric's key of the step agreement's collective after the gate of step s:
+# HELD_EVERYWHERE - s (steps count from 0: below the two above)
+HELD_EVERYWHERE = -3
+# what a reduction's lowest and highest key start from (no rank contributed one yet)
+_NO_LOW, _NO_HIGH = 1 << 62, -(1 << 62)
 # ranks of one host process in the join at once (a rank waiting for its Welcome reads its
 # socket every 50 ms and says Hello again every 2 s: 16,384 of them at once on 2 cores keep
 # the coordinator's handshakes and Hellos minutes behind, see after-16384-attempt.log)
@@ -433,13 +438,16 @@ class SimRank:
 
     def _agree(self) -> Any:
         """The trainer's step agreement (``ElasticTrainer._agree``), its exact requests: none
-        when the last step's gate said no rank holds an order; else one request that
-        arrives (propose, count in, the last closes "no order": ``arrive_step``) and waits
-        for the decision, then the wait's next slices, which the wake key ends at once when
-        the coordinator names the dead. A trainer that changes it changes this with it."""
+        when the last step's gate said no rank holds an order; else the collective of the
+        order each rank holds (the fabric's), and where every rank holds the same (or none
+        any), rank 0's one request writing a decided order; else one request that arrives
+        (propose, count in, the last closes "no order": ``arrive_step``) and waits for the
+        decision, then the wait's next slices, which the wake key ends at once when the
+        coordinator names the dead. A trainer that changes it changes this with it."""
         from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER
         from slurm_etc.protocol.rendezvous import GenerationKeys
         from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, arrive_step
+        from slurm_etc.worker.agreement import order_key, unanimous
         from slurm_etc.worker.trainer import agree_slice_s, newest_order
 
         layout = self.layout
@@ -451,8 +459,19 @@ class SimRank:
         self._asked, self._boundary_at = True, time.time()
         rank = self.shared.rank_of(layout, self.vrank)
         names = GenerationKeys(self.job, self.generation)
-        own = names.agreement(0, self.step, rank)
         decided = names.agreement(0, self.step, "decided")
+        held = order_key(self._pending, self.store.disconnected())
+        if gate == (self.generation, self.step, True) and unanimous(*self.fabric.extremes(
+                self.generation, self.step, layout.config.world, held, self.halt.event,
+                self.timeout_s)):
+            order, self._pending = self._pending, None
+            if rank == 0 and order is not None:
+                try:
+                    self.store.compare_set(decided, "", ENCODER.encode(order))
+                except StoreUnreachable:
+                    pass  # the trainer's: only the coordinator's resends are saved by it
+            return order
+        own = names.agreement(0, self.step, rank)
         stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
         arrived = names.agreement(0, self.step, "arrived")
         deadline = time.monotonic() + self.timeout_s
@@ -814,14 +833,17 @@ class CollectiveFailed(InternalError, RuntimeError):
 
 class _HostFabric:
     """A host process's end of the simulated all-reduce: its ranks' contributions to a
-    step's gate (generation, step, world, flag) are summed here and sent on to the fabric
-    process in batches (one message per host per step, not one per rank); the fabric's
-    answer wakes every waiting rank of the host.
+    step's gate (generation, step, world, flag, key) are reduced here (the flags' or, the
+    keys' lowest and highest) and sent on to the fabric process in batches (one message per
+    host per step, not one per rank); the fabric's answer wakes every waiting rank of the
+    host.
 
     What it stands for: the few bytes the gate adds to the loss all-reduce every step
-    already runs among the ranks (the trainer's ``_reduce_loss``). It costs the coordinator
-    nothing and is not control time: a rank's wait in it (for the slowest rank, the CPU
-    the other simulated ranks use) is timed apart (``gate_wait_ms``)."""
+    already runs among the ranks (the trainer's ``_reduce_loss``), and after an open gate
+    the trainer's small all-reduce of the order each rank holds (``_held_everywhere``). It
+    costs the coordinator nothing and is not control time: a rank's wait in the gate (for
+    the slowest rank, the CPU the other simulated ranks use) is timed apart
+    (``gate_wait_ms``)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -829,8 +851,9 @@ class _HostFabric:
         # this lock nor on one event with the others (a thousand waiters of one condition
         # convoy on its lock each time they wake, longer than the slice between wakes)
         self._lock = threading.Lock()
-        self._sums: dict[tuple[int, int], list[int]] = {}  # (gen, step) -> [count, flag, world]
-        self._done: dict[tuple[int, int], bool] = {}
+        # (gen, step) -> [count, flag, world, lowest key, highest key]
+        self._sums: dict[tuple[int, int], list[int]] = {}
+        self._done: dict[tuple[int, int], tuple[bool, int, int]] = {}
         # (gen, step) -> its waiters' events, each set when done or failed
         self._ready: dict[tuple[int, int], list[threading.Event]] = {}
         self._failed: set[int] = set()
@@ -843,18 +866,33 @@ class _HostFabric:
                    halt: threading.Event, timeout_s: float) -> bool:
         """Whether any rank of the step's world raised ``flag`` (the gate), once all have
         contributed. CollectiveFailed when a rank of ``generation`` died."""
-        key = (generation, step)
+        return self.reduce(generation, step, world, flag, 0, halt, timeout_s)[0]
+
+    def extremes(self, generation: int, step: int, world: int, key: int,
+                 halt: threading.Event, timeout_s: float) -> tuple[int, int]:
+        """The lowest and highest ``key`` the ranks of the step's world gave (the trainer's
+        all-reduce of the order each rank holds, after an open gate)."""
+        _, lowest, highest = self.reduce(generation, HELD_EVERYWHERE - step, world, False,
+                                         key, halt, timeout_s)
+        return lowest, highest
+
+    def reduce(self, generation: int, step: int, world: int, flag: bool, key: int,
+               halt: threading.Event, timeout_s: float) -> tuple[bool, int, int]:
+        """Any ``flag`` and the lowest and highest ``key`` of the ranks of the step's world,
+        once all have contributed. CollectiveFailed when a rank of ``generation`` died."""
+        slot = (generation, step)
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            got = self._sums.setdefault(key, [0, 0, world])
+            got = self._sums.setdefault(slot, [0, 0, world, _NO_LOW, _NO_HIGH])
             got[0] += 1
             got[1] |= int(flag)
+            got[3], got[4] = min(got[3], key), max(got[4], key)
             mine = threading.Event()
-            self._ready.setdefault(key, []).append(mine)
+            self._ready.setdefault(slot, []).append(mine)
         while True:
             # read without the lock (one dict or set look-up: atomic under the GIL), so
             # the ranks a step's answer wakes do not queue for it
-            done = self._done.get(key)
+            done = self._done.get(slot)
             if done is not None:
                 return done
             if generation in self._failed:
@@ -891,9 +929,11 @@ class _HostFabric:
                 if self._closed:
                     return
                 out: list[tuple[Any, ...]] = [
-                    ("sum", g, s, c, f, w) for (g, s), (c, f, w) in self._sums.items() if c]
+                    ("sum", g, s, c, f, w, lo, hi)
+                    for (g, s), (c, f, w, lo, hi) in self._sums.items() if c]
                 for got in self._sums.values():
                     got[0] = got[1] = 0
+                    got[3], got[4] = _NO_LOW, _NO_HIGH
                 out += [("dead", g) for g in self._dead]
                 self._dead.clear()
             for msg in out:
@@ -908,8 +948,8 @@ class _HostFabric:
         woken."""
         with self._lock:
             if msg[0] == "done":
-                _, g, s, flag = msg
-                self._done[(g, s)] = flag
+                _, g, s, flag, lo, hi = msg
+                self._done[(g, s)] = (flag, lo, hi)
                 self._sums.pop((g, s), None)
                 woken = self._ready.pop((g, s), [])
                 if len(self._done) > 256:  # the oldest answers: read long since
@@ -930,7 +970,7 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
     every host when the step's world is complete; a generation one of whose ranks died
     fails, now and for every later contribution. ``contributions`` (shared) counts the
     ranks' contributions, a figure the benchmark checks."""
-    sums: dict[tuple[int, int], list[int]] = {}
+    sums: dict[tuple[int, int], list[int]] = {}  # (gen, step) -> [count, flag, lo, hi]
     failed: set[int] = set()
     live = list(conns)
     while live:
@@ -943,17 +983,18 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
                 continue
             answer: tuple[Any, ...] | None = None
             if msg[0] == "sum":
-                _, g, s, count, flag, world = msg
+                _, g, s, count, flag, world, lo, hi = msg
                 with contributions.get_lock():
                     contributions.value += count
                 if g in failed:
                     continue
-                got = sums.setdefault((g, s), [0, 0])
+                got = sums.setdefault((g, s), [0, 0, _NO_LOW, _NO_HIGH])
                 got[0] += count
                 got[1] |= flag
+                got[2], got[3] = min(got[2], lo), max(got[3], hi)
                 if got[0] >= world:
                     del sums[(g, s)]
-                    answer = ("done", g, s, bool(got[1]))
+                    answer = ("done", g, s, bool(got[1]), got[2], got[3])
             elif msg[0] == "dead" and msg[1] not in failed:
                 failed.add(msg[1])
                 for key in [k for k in sums if k[0] == msg[1]]:

@@ -38,10 +38,6 @@ class GenerationKeys:
         base = f"{self.prefix}/agree" + (f".{attempt}" if attempt else "")
         return f"{base}/{step}/{rank}"
 
-    def prepared(self, step: int, poll: int, rank: int) -> str:
-        """Rank ``rank``'s answer to poll ``poll`` at ``step``: is its preparation done?"""
-        return f"{self.prefix}/prepared.{step}.{poll}/{rank}"
-
     @property
     def trainer(self) -> str:
         """The trainer state (step, data position, scheduler) the new layout starts from."""

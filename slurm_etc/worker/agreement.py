@@ -1,7 +1,8 @@
 # mypy: disable-error-code="misc, has-type"
 """The step agreement: at a step boundary every rank of a layout learns the same order (one
-rank being told is enough) through the rendezvous store, and the orders a rank takes from
-its control seam meanwhile.
+rank being told is enough), by a small collective where every rank holds it already and
+through the rendezvous store otherwise, and the orders a rank takes from its control seam
+meanwhile.
 
 A mixin of :class:`~slurm_etc.worker.trainer.ElasticTrainer`: the orders pending, the
 aborted generations and the agreement's attempt are read and written by the resize, the
@@ -40,6 +41,25 @@ def agree_slice_s(world: int) -> float:
     """How long one slice of a rank's wait at a step's decision lasts in a ``world``-rank
     layout (:data:`AGREE_SLICE_S`, longer past :data:`AGREE_ASKS_PER_S` ranks)."""
     return max(AGREE_SLICE_S, world / AGREE_ASKS_PER_S)
+
+
+def order_key(order: Order | None, store_lost: bool = False) -> int:
+    """What a rank holds at a boundary as one number the ranks compare
+    (:meth:`StepAgreement._held_everywhere`): 0 nothing, 1 nothing but its store's
+    connection closed (a coordinator died: the store's path waits for its restart), else
+    the order's generation and whether it is a Stop (two copies of one order give the same
+    number, two orders never do: each resize has a generation of its own, and every Stop
+    of a generation stops)."""
+    if order is None:
+        return int(store_lost)
+    return 2 * order.generation + (3 if isinstance(order, Stop) else 2)
+
+
+def unanimous(lowest: int, highest: int) -> bool:
+    """Whether the ranks' :func:`order_key` values, reduced to their ``lowest`` and
+    ``highest``, say that every rank holds the same order, or that none holds any and no
+    store was lost: then each rank decides alone (the order it holds, or none)."""
+    return lowest == highest != 1
 
 
 def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[int]
@@ -119,11 +139,16 @@ class StepAgreement:
         """At a step boundary, every rank of the layout learns the same order, one that a
         rank holds (one rank being told is enough), or that there is none.
 
-        Asked of the store only after a step whose gate (its loss all-reduce) said some rank
-        holds an order: O(1) requests a rank then (:meth:`_arrive`: the first order proposed
-        is the decision), none at all otherwise. Through the store rather than a collective:
-        a peer that died never arrives, and the coordinator's resize naming the dead ends the
-        wait on every survivor, which no blocked collective could."""
+        Nothing is asked while the last step's gate (its loss all-reduce) said no rank holds
+        an order. After an open gate, one small all-reduce says whether every rank holds the
+        same order, or none any (:meth:`_held_everywhere`): then each takes it, and rank 0
+        alone writes a decided order to the store. At a layout's first boundary (no gate
+        yet: its world may not be built, as where a committed layout is held) and wherever
+        the ranks differ (one rank told, orders that differ), every rank agrees through the
+        store: O(1) requests a rank (:meth:`_arrive`: the first order proposed is the
+        decision). Through the store rather than a collective there: a peer that died never
+        arrives, and the coordinator's resize naming the dead ends the wait on every
+        survivor, which no blocked collective could."""
         proc = self._proc()
         layout = self.layout
         if layout is None:
@@ -141,8 +166,15 @@ class StepAgreement:
             return None
         rank = layout.devices.index(proc.vrank)
         names = GenerationKeys(proc.job, self.generation)
-        own = names.agreement(self._attempt, self.step, rank)
         decided = names.agreement(self._attempt, self.step, "decided")
+        if gate == (self.generation, self.step, True) and self._held_everywhere():
+            # every rank holds this order (the coordinator told them all, the common case),
+            # or none holds any now: each decides alone, and the store is asked nothing
+            order, self._pending = self._pending, None
+            if rank == 0:
+                self._say_decided(decided, order)
+            return order
+        own = names.agreement(self._attempt, self.step, rank)
         # every peer read the key of step - 2 before the step after it could start
         stale = names.agreement(self._attempt, self.step - 2, rank) if self.step >= 2 else ""
         arrive = (decided, names.agreement(self._attempt, self.step, "arrived"),
@@ -176,6 +208,40 @@ class StepAgreement:
         # else: newer than the decision (another rank's proposal came first); it opens the
         # gate of the next boundary, where it is decided
         return order
+
+    def _held_everywhere(self: ElasticTrainer) -> bool:
+        """At an open gate (every rank of the layout read it: all come here together), one
+        small all-reduce over the layout's world (on the step's device, as the gate's):
+        whether every rank holds the same order, or none holds any (:func:`unanimous`).
+        Where any differs (a rank not told yet, a newer order come to some, a store
+        closed), the store decides, as before. A peer dead since the gate fails it as it
+        fails the step's own all-reduce (gloo: the closed connection; NCCL: the
+        watchdog)."""
+        import torch
+        import torch.distributed as dist
+
+        from slurm_etc.migrate import device
+
+        disconnected = getattr(self._proc().store, "disconnected", None)
+        key = order_key(self._pending, bool(disconnected and disconnected()))
+        extremes = torch.tensor([key, -key], dtype=torch.int64,
+                                device=device.current().device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        return unanimous(-int(extremes[1]), int(extremes[0]))
+
+    def _say_decided(self: ElasticTrainer, decided: str, order: Order | None) -> None:
+        """Rank 0 of an agreement decided without the store writes its decision there all
+        the same (one request a job): the coordinator's hook learns from it that the layout
+        holds the order and sends it no more copies. A store that stopped answering is
+        passed over: the hook only saves messages, and the order is carried out either way
+        (raising here, on one rank only, would split the layout)."""
+        if order is None:
+            return
+        try:
+            self._proc().store.compare_set(decided, "", ENCODER.encode(order))
+        except StoreUnreachable as err:
+            self._log("the step's decision not written to the store (%s): the coordinator "
+                      "may send the order again", err)
 
     def _arrive(self: ElasticTrainer, decided: str, arrived: str, world: int) -> list[bytes] | None:
         """This rank's part of a step's decision and the first slice of its wait

@@ -4,8 +4,8 @@ buffers in a thread, then the new world's groups and its model, DDP and optimize
 step boundaries, then the pause (:meth:`~.resizing.ResizeSteps._pause`).
 
 The preparation's own state is a :class:`Preparation`; the steps are a mixin of
-:class:`~slurm_etc.worker.trainer.ElasticTrainer`, as they agree through its store keys,
-swap its catalog and record through it."""
+:class:`~slurm_etc.worker.trainer.ElasticTrainer`, as they read its orders, swap its
+catalog and record through it."""
 from __future__ import annotations
 
 import time
@@ -44,10 +44,27 @@ class Preparation:
     prepared: PreparedResize | None = None
     error: BaseException | None = None
     stage: str = "transfer"
-    polls: int = 0
     new_catalog: Catalog | None = None
     prepared_s: float = 0.0
     world_s: float = 0.0
+
+
+def prepared_everywhere(failed: bool, done: bool) -> tuple[bool, bool]:
+    """Whether some rank of the old layout failed to prepare the resize, and whether some
+    rank's preparation still runs: one small all-reduce over the layout's world at a step
+    boundary (on the step's device, as the gate's), O(1) a rank. (It was a store request
+    naming every rank's key: ranks x ranks keys at the coordinator a boundary.) The
+    preparation's own collectives run on the migration group's backends, never on this
+    one. A peer dead since fails it as it fails the step's own all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from slurm_etc.migrate import device
+
+    counts = torch.tensor([int(failed), int(not (done or failed))], dtype=torch.int64,
+                          device=device.current().device)
+    dist.all_reduce(counts)
+    return bool(counts[0] > 0), bool(counts[1] > 0)
 
 
 class PreparationSteps:
@@ -89,7 +106,7 @@ class PreparationSteps:
 
     def _advance_preparation(self: ElasticTrainer, last: bool) -> str:
         """At a step boundary with a resize being prepared: every rank of the old layout
-        says whether its transfer preparation is done (the store; one round trip). Once all
+        says whether its transfer preparation is done (:func:`prepared_everywhere`). Once all
         are, the new world is built (the new layout's ranks: groups, model, DDP, optimizer,
         staying state moved in) and the old layout trains one more step; at the boundary
         after it, the pause. ``last``: no step is left to train, so each stage runs at once.
@@ -105,19 +122,12 @@ class PreparationSteps:
         if last and prep.thread is not None:
             prep.thread.join(proc.timeout_s)
         done = prep.thread is not None and not prep.thread.is_alive()
-        mine = b"E" if prep.error is not None else b"1" if done else b"0"
-        rank = layout.devices.index(proc.vrank)
-        names = GenerationKeys(proc.job, prep.order.generation)
-        keys = [names.prepared(self.step, prep.polls, r) for r in range(layout.config.world)]
-        prep.polls += 1
-        deadline = time.monotonic() + proc.timeout_s
-        while (values := self._vote(keys[rank], mine, "", keys)) is None:
-            self._take_orders()
-            if self._names_the_dead(self._pending) or time.monotonic() > deadline:
-                self._drop_preparation()
-                raise RuntimeError(f"ranks of {layout.config} did not say whether the resize "
-                                   "was prepared")
-        if b"E" in values:
+        try:
+            failed, waiting = prepared_everywhere(prep.error is not None, done)
+        except RuntimeError:  # a peer died: the resize naming it follows
+            self._drop_preparation()
+            raise
+        if failed:
             why = str(prep.error) if prep.error is not None else "a peer failed to prepare"
             self._drop_preparation()
             self._aborted.add(prep.order.generation)
@@ -126,7 +136,7 @@ class PreparationSteps:
                       prep.order.generation, why[:300])
             self._record(prep.order, ProcessOutcome.ABORTED, 0, 0.0, 0.0, why)
             return "stay"
-        if b"0" in values:
+        if waiting:
             return "stay"
         prep.prepared_s = time.perf_counter() - prep.started
         self._start_new_world(prep)

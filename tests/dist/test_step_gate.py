@@ -5,7 +5,12 @@ processes train a preset through a resize told to one rank only (one rank told i
 the store requests each rank makes are counted per step. Two planted bugs are caught: a
 gate that is never open (the store asked every step) and a gate read from the rank's own
 flag alone (the told rank agrees alone and times out); and one in the decision: a rank
-that holds the order never proposes it (the resize never happens)."""
+that holds the order never proposes it (the resize never happens).
+
+Told to every rank, the order is decided by the collective after the gate alone: no rank
+arrives at the store. A planted bug there is caught too: the collective read from its
+highest order alone (told alone, rank 0 resizes while its peer, holding nothing, trains
+on)."""
 from __future__ import annotations
 
 import pytest
@@ -26,11 +31,15 @@ def pool():
         yield workers
 
 
-def w_counted(ctx, seq, layouts, digests, job, plant=""):
-    """One worker's stints, with the store requests it had sent when each step began."""
+def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False):
+    """One worker's stints, with the store requests it had sent when each step began and
+    the boundaries where it arrived at the store's agreement."""
+    import dataclasses
+
+    from slurm_etc.worker import agreement, sequence
     from slurm_etc.worker.trainer import ElasticTrainer
 
-    seen = []
+    seen, arrivals, collectives = [], [], []
     real_step, real_reduce = ElasticTrainer.train_step, ElasticTrainer._reduce_loss
 
     def counted(self):
@@ -48,35 +57,57 @@ def w_counted(ctx, seq, layouts, digests, job, plant=""):
         self._gate = (self.generation, self.step, holds)
         return loss
 
-    real_arrive = ElasticTrainer._arrive
+    real_arrive, real_unanimous = ElasticTrainer._arrive, agreement.unanimous
+    real_held = ElasticTrainer._held_everywhere
+    real_script = sequence._script
 
-    def never_propose(self, decided, arrived, world):
-        held, self._pending = self._pending, None  # the planted bug: counts itself in only
-        try:
-            return real_arrive(self, decided, arrived, world)
-        finally:
-            self._pending = held
+    def arrive(self, decided, arrived, world):
+        arrivals.append((self.generation, self.step))
+        if plant == "never-propose":
+            held, self._pending = self._pending, None  # the planted bug: counts itself in
+            try:
+                return real_arrive(self, decided, arrived, world)
+            finally:
+                self._pending = held
+        return real_arrive(self, decided, arrived, world)
 
-    ElasticTrainer.train_step = counted
-    if plant == "never-propose":
-        ElasticTrainer._arrive = never_propose
-    elif plant:
+    def held(self):
+        collectives.append((self.generation, self.step))
+        return real_held(self)
+
+    def highest_only(lowest, highest):
+        return highest != 1  # the planted bug: the lowest (a rank holding nothing) unread
+
+    def told_everyone(*args):
+        return [dataclasses.replace(e, recipients=None) for e in real_script(*args)]
+
+    ElasticTrainer.train_step, ElasticTrainer._arrive = counted, arrive
+    ElasticTrainer._held_everywhere = held
+    if plant == "highest-only":
+        agreement.unanimous = highest_only
+    elif plant in ("never-open", "own-flag-only"):
         ElasticTrainer._reduce_loss = {"never-open": never_open,
                                        "own-flag-only": own_flag_only}[plant]
+    if tell_all:
+        sequence._script = told_everyone
     try:
         out = w_elastic(ctx, seq, layouts, digests, job)
     finally:
         ElasticTrainer.train_step, ElasticTrainer._reduce_loss = real_step, real_reduce
-        ElasticTrainer._arrive = real_arrive
-    return {"seen": seen, "steps": [h["step"] for h in out["history"]],
+        ElasticTrainer._arrive, agreement.unanimous = real_arrive, real_unanimous
+        ElasticTrainer._held_everywhere = real_held
+        sequence._script = real_script
+    return {"seen": seen, "arrivals": arrivals, "collectives": collectives,
+            "steps": [h["step"] for h in out["history"]],
             "generations": sorted({h["generation"] for h in out["history"]})}
 
 
-def _run(pool, plant=""):
+def _run(pool, plant="", tell_all=False):
     configs = parse_sequence(TEXT)
     seq = ResizeSequence(PRESETS["tiny"], tuple(configs), steps=STEPS, global_batch=4)
     layouts, digests = seq.layouts()
-    return pool.run(w_counted, seq, layouts, digests, f"gate-{plant or 'real'}", plant)
+    return pool.run(w_counted, seq, layouts, digests,
+                    f"gate-{plant or 'real'}{'-all' if tell_all else ''}", plant, tell_all)
 
 
 def steady_requests(seen) -> list[int]:
@@ -86,13 +117,39 @@ def steady_requests(seen) -> list[int]:
             if a[0] == b[0] == 0 and 1 <= a[1] and b[1] < STEPS - 1]
 
 
+def steady_collectives(r) -> list[tuple[int, int]]:
+    """The boundaries of those steady steps where the agreement ran its collective beyond
+    the gate (a closed gate runs none)."""
+    return [(g, s) for g, s in r["collectives"] if g == 0 and 2 <= s < STEPS - 1]
+
+
 def test_no_store_request_per_step_and_one_told_rank_is_enough(pool):
     results = _run(pool)
     for r in results:
         assert r["generations"] == [0, 1]  # the resize happened on every rank
         deltas = steady_requests(r["seen"])
         assert len(deltas) >= 3 and deltas == [0] * len(deltas), deltas
+        assert steady_collectives(r) == [], r["collectives"]
+        assert r["arrivals"], r["arrivals"]  # one rank told: the store decided
     assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
+
+
+def test_told_to_every_rank_the_collective_decides_and_the_store_is_not_asked(pool):
+    results = _run(pool, tell_all=True)
+    for r in results:
+        assert r["generations"] == [0, 1]
+        # the store is asked at each layout's first boundary only (no gate yet), never at
+        # the one that decided the resize
+        assert r["arrivals"] == [(0, 0), (1, STEPS)], r["arrivals"]
+        assert r["collectives"] == [(0, STEPS)], r["collectives"]
+    assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
+
+
+def test_a_collective_read_from_its_highest_order_alone_is_caught(pool):
+    # told alone, rank 0 takes the order as everyone's and resizes while its peer trains
+    # on: the two wait on each other in different collectives until one's deadline
+    with pytest.raises((WorkerError, WorkerTimeout)):
+        _run(pool, plant="highest-only")
 
 
 def test_the_count_catches_a_gate_never_open(pool):

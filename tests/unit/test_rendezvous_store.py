@@ -141,7 +141,7 @@ def test_past_generations_are_retired(client: StoreClient, server: StoreServer) 
 
 def _every_key(g: GenerationKeys) -> list[str]:
     return [g.train_group + "/0", g.agreement(0, 5, 1), g.agreement(2, 5, 1),
-            g.prepared(5, 0, 1), g.trainer, g.model, g.last_ended, g.rng(3), g.holdings(7),
+            g.trainer, g.model, g.last_ended, g.rng(3), g.holdings(7),
             migration_group_prefix(g.prefix) + "/rank_0", installing(g.prefix, 2),
             train_group_prefix(g.prefix) + "/1", commit_decision(g.prefix)]
 

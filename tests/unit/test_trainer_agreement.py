@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from slurm_etc.coordinator.reconcile import answer
 from slurm_etc.protocol.messages import ENCODER, Abort, LayoutSpec, Resize, Resized, Stop
+from slurm_etc.worker.agreement import order_key, unanimous
 from slurm_etc.worker.trainer import newest_order
 
 OLD = LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1))
@@ -55,3 +56,27 @@ def test_a_stop_is_never_passed_over_even_in_an_aborted_resize_generation():
     stop = Stop("j", 11, "the events script played out")
     assert newest_order([ENCODER.encode(stop), b"-"], 10, {11}) == stop
     assert newest_order([ENCODER.encode(order(12)), ENCODER.encode(stop)], 10, {11}) == stop
+
+
+def _agreed(held: list) -> bool:
+    """The trainer's collective after an open gate (an all-reduce of each rank's key, max
+    of the key and of its negation), written out over the ranks' held (order, store lost)."""
+    keys = [order_key(o, lost) for o, lost in held]
+    return unanimous(min(keys), max(keys))
+
+
+def test_the_collective_decides_alone_only_where_every_rank_holds_the_same():
+    same = [(order(3), False)] * 4
+    assert _agreed(same)
+    assert _agreed([(None, False)] * 3)  # nobody holds anything now: no order, no store
+    assert _agreed([(order(3), True), (order(3), False)])  # held by all: decided
+    # the store decides wherever the ranks differ
+    assert not _agreed([(order(3), False), (None, False)])  # one rank told
+    assert not _agreed([(order(3), False), (order(4), False)])  # a newer one came to some
+    assert not _agreed([(Stop("j", 3, "end"), False), (order(3), False)])  # same generation
+    assert not _agreed([(None, True), (None, True)])  # a store lost: wait for its restart
+    assert not _agreed([(None, True), (None, False)])
+    # every key is its order's: copies equal, orders apart, none apart from any order
+    keys = {order_key(o) for o in (order(1), order(2), Stop("j", 1, "a"), Stop("j", 2, "b"))}
+    assert len(keys) == 4 and min(keys) > 1
+    assert order_key(Stop("j", 2, "a")) == order_key(Stop("j", 2, "b"))
