@@ -439,15 +439,16 @@ class SimRank:
     def _agree(self) -> Any:
         """The trainer's step agreement (``ElasticTrainer._agree``), its exact requests: none
         when the last step's gate said no rank holds an order; else the collective of the
-        order each rank holds (the fabric's), and where every rank holds the same (or none
-        any), rank 0's one request writing a decided order; else one request that arrives
+        order each rank holds (the fabric's: its key's extremes, the newest one given with
+        them) and rank 0's one request writing a decided order; where no rank holds an order
+        and a store closed (or at a layout's first boundary, no gate yet), one request that arrives
         (propose, count in, the last closes "no order": ``arrive_step``) and waits for the
         decision, then the wait's next slices, which the wake key ends at once when the
         coordinator names the dead. A trainer that changes it changes this with it."""
         from slurm_etc.protocol.messages import ENCODER, ORDER_DECODER
         from slurm_etc.protocol.rendezvous import GenerationKeys
         from slurm_etc.protocol.store import StoreUnreachable, Woken, agree_step, arrive_step
-        from slurm_etc.worker.agreement import order_key, unanimous
+        from slurm_etc.worker.agreement import how_decided, order_key
         from slurm_etc.worker.trainer import agree_slice_s, newest_order
 
         layout = self.layout
@@ -460,17 +461,21 @@ class SimRank:
         rank = self.shared.rank_of(layout, self.vrank)
         names = GenerationKeys(self.job, self.generation)
         decided = names.agreement(0, self.step, "decided")
-        held = order_key(self._pending, self.store.disconnected())
-        if gate == (self.generation, self.step, True) and unanimous(*self.fabric.extremes(
-                self.generation, self.step, layout.config.world, held, self.halt.event,
-                self.timeout_s)):
-            order, self._pending = self._pending, None
-            if rank == 0 and order is not None:
-                try:
-                    self.store.compare_set(decided, "", ENCODER.encode(order))
-                except StoreUnreachable:
-                    pass  # the trainer's: only the coordinator's resends are saved by it
-            return order
+        if gate == (self.generation, self.step, True):
+            key = order_key(self._pending, self.store.disconnected())
+            lowest, highest, given = self.fabric.extremes(
+                self.generation, self.step, layout.config.world, key,
+                self._pending if key > 1 else None, self.halt.event, self.timeout_s)
+            how = how_decided(lowest, highest)
+            if how != "store":
+                order = self._pending if how == "held" else newest_order(
+                    [ENCODER.encode(given)], self.generation, self._aborted)
+                if rank == 0 and order is not None:
+                    try:
+                        self.store.compare_set(decided, "", ENCODER.encode(order))
+                    except StoreUnreachable:
+                        pass  # the trainer's: only the coordinator's resends are saved
+                return self._took(order)
         own = names.agreement(0, self.step, rank)
         stale = names.agreement(0, self.step - 2, rank) if self.step >= 2 else ""
         arrived = names.agreement(0, self.step, "arrived")
@@ -509,12 +514,15 @@ class SimRank:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vrank {self.vrank}: step {self.step} not agreed within "
                                    f"{self.timeout_s} s")
-        decision = newest_order(got, self.generation, self._aborted)
+        return self._took(newest_order(got, self.generation, self._aborted))
+
+    def _took(self, order: Any) -> Any:
+        """The trainer's ``_took``: the order held is done with unless newer."""
         held = self._pending
-        if held is None or (decision is not None and held.generation <= decision.generation) \
+        if held is None or (order is not None and held.generation <= order.generation) \
                 or held.generation in self._aborted:
             self._pending = None
-        return decision
+        return order
 
     def _names_the_dead(self, order: Any) -> bool:
         from slurm_etc.protocol.messages import Resize
@@ -840,7 +848,7 @@ class _HostFabric:
 
     What it stands for: the few bytes the gate adds to the loss all-reduce every step
     already runs among the ranks (the trainer's ``_reduce_loss``), and after an open gate
-    the trainer's small all-reduce of the order each rank holds (``_held_everywhere``). It
+    the trainer's small collectives of the order each rank holds (``_decide_together``). It
     costs the coordinator nothing and is not control time: a rank's wait in the gate (for
     the slowest rank, the CPU the other simulated ranks use) is timed apart
     (``gate_wait_ms``)."""
@@ -851,9 +859,9 @@ class _HostFabric:
         # this lock nor on one event with the others (a thousand waiters of one condition
         # convoy on its lock each time they wake, longer than the slice between wakes)
         self._lock = threading.Lock()
-        # (gen, step) -> [count, flag, world, lowest key, highest key]
-        self._sums: dict[tuple[int, int], list[int]] = {}
-        self._done: dict[tuple[int, int], tuple[bool, int, int]] = {}
+        # (gen, step) -> [count, flag, world, lowest key, highest key, the highest's order]
+        self._sums: dict[tuple[int, int], list[Any]] = {}
+        self._done: dict[tuple[int, int], tuple[bool, int, int, Any]] = {}
         # (gen, step) -> its waiters' events, each set when done or failed
         self._ready: dict[tuple[int, int], list[threading.Event]] = {}
         self._failed: set[int] = set()
@@ -866,27 +874,33 @@ class _HostFabric:
                    halt: threading.Event, timeout_s: float) -> bool:
         """Whether any rank of the step's world raised ``flag`` (the gate), once all have
         contributed. CollectiveFailed when a rank of ``generation`` died."""
-        return self.reduce(generation, step, world, flag, 0, halt, timeout_s)[0]
+        return bool(self.reduce(generation, step, world, flag, 0, halt, timeout_s)[0])
 
-    def extremes(self, generation: int, step: int, world: int, key: int,
-                 halt: threading.Event, timeout_s: float) -> tuple[int, int]:
-        """The lowest and highest ``key`` the ranks of the step's world gave (the trainer's
-        all-reduce of the order each rank holds, after an open gate)."""
-        _, lowest, highest = self.reduce(generation, HELD_EVERYWHERE - step, world, False,
-                                         key, halt, timeout_s)
-        return lowest, highest
+    def extremes(self, generation: int, step: int, world: int, key: int, order: Any,
+                 halt: threading.Event, timeout_s: float) -> tuple[int, int, Any]:
+        """The lowest and highest ``key`` the ranks of the step's world gave, and an order
+        of a rank that gave the highest (the trainer's all-reduce of the key of the order
+        each rank holds after an open gate and, where they differ, its broadcast of the
+        newest: ``_decide_together``, ``_given``)."""
+        _, lowest, highest, given = self.reduce(generation, HELD_EVERYWHERE - step, world,
+                                                False, key, halt, timeout_s, order)
+        return lowest, highest, given
 
     def reduce(self, generation: int, step: int, world: int, flag: bool, key: int,
-               halt: threading.Event, timeout_s: float) -> tuple[bool, int, int]:
-        """Any ``flag`` and the lowest and highest ``key`` of the ranks of the step's world,
-        once all have contributed. CollectiveFailed when a rank of ``generation`` died."""
+               halt: threading.Event, timeout_s: float, order: Any = None
+               ) -> tuple[bool, int, int, Any]:
+        """Any ``flag``, the lowest and highest ``key`` and the ``order`` given with the
+        highest, of the ranks of the step's world, once all have contributed.
+        CollectiveFailed when a rank of ``generation`` died."""
         slot = (generation, step)
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            got = self._sums.setdefault(slot, [0, 0, world, _NO_LOW, _NO_HIGH])
+            got = self._sums.setdefault(slot, [0, 0, world, _NO_LOW, _NO_HIGH, None])
             got[0] += 1
             got[1] |= int(flag)
-            got[3], got[4] = min(got[3], key), max(got[4], key)
+            got[3] = min(got[3], key)
+            if key > got[4]:
+                got[4], got[5] = key, order
             mine = threading.Event()
             self._ready.setdefault(slot, []).append(mine)
         while True:
@@ -929,11 +943,11 @@ class _HostFabric:
                 if self._closed:
                     return
                 out: list[tuple[Any, ...]] = [
-                    ("sum", g, s, c, f, w, lo, hi)
-                    for (g, s), (c, f, w, lo, hi) in self._sums.items() if c]
+                    ("sum", g, s, c, f, w, lo, hi, given)
+                    for (g, s), (c, f, w, lo, hi, given) in self._sums.items() if c]
                 for got in self._sums.values():
                     got[0] = got[1] = 0
-                    got[3], got[4] = _NO_LOW, _NO_HIGH
+                    got[3], got[4], got[5] = _NO_LOW, _NO_HIGH, None
                 out += [("dead", g) for g in self._dead]
                 self._dead.clear()
             for msg in out:
@@ -948,8 +962,8 @@ class _HostFabric:
         woken."""
         with self._lock:
             if msg[0] == "done":
-                _, g, s, flag, lo, hi = msg
-                self._done[(g, s)] = (flag, lo, hi)
+                _, g, s, flag, lo, hi, given = msg
+                self._done[(g, s)] = (flag, lo, hi, given)
                 self._sums.pop((g, s), None)
                 woken = self._ready.pop((g, s), [])
                 if len(self._done) > 256:  # the oldest answers: read long since
@@ -970,7 +984,8 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
     every host when the step's world is complete; a generation one of whose ranks died
     fails, now and for every later contribution. ``contributions`` (shared) counts the
     ranks' contributions, a figure the benchmark checks."""
-    sums: dict[tuple[int, int], list[int]] = {}  # (gen, step) -> [count, flag, lo, hi]
+    # (gen, step) -> [count, flag, lowest key, highest key, the highest's order]
+    sums: dict[tuple[int, int], list[Any]] = {}
     failed: set[int] = set()
     live = list(conns)
     while live:
@@ -983,18 +998,20 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
                 continue
             answer: tuple[Any, ...] | None = None
             if msg[0] == "sum":
-                _, g, s, count, flag, world, lo, hi = msg
+                _, g, s, count, flag, world, lo, hi, given = msg
                 with contributions.get_lock():
                     contributions.value += count
                 if g in failed:
                     continue
-                got = sums.setdefault((g, s), [0, 0, _NO_LOW, _NO_HIGH])
+                got = sums.setdefault((g, s), [0, 0, _NO_LOW, _NO_HIGH, None])
                 got[0] += count
                 got[1] |= flag
-                got[2], got[3] = min(got[2], lo), max(got[3], hi)
+                got[2] = min(got[2], lo)
+                if hi > got[3]:
+                    got[3], got[4] = hi, given
                 if got[0] >= world:
                     del sums[(g, s)]
-                    answer = ("done", g, s, bool(got[1]), got[2], got[3])
+                    answer = ("done", g, s, bool(got[1]), got[2], got[3], got[4])
             elif msg[0] == "dead" and msg[1] not in failed:
                 failed.add(msg[1])
                 for key in [k for k in sums if k[0] == msg[1]]:

@@ -43,23 +43,32 @@ def agree_slice_s(world: int) -> float:
     return max(AGREE_SLICE_S, world / AGREE_ASKS_PER_S)
 
 
+# order_key of a Stop: above every resize's (a Stop is never passed over: newest_order)
+STOP_KEY = 1 << 40
+
+
 def order_key(order: Order | None, store_lost: bool = False) -> int:
     """What a rank holds at a boundary as one number the ranks compare
-    (:meth:`StepAgreement._held_everywhere`): 0 nothing, 1 nothing but its store's
+    (:meth:`StepAgreement._decide_together`): 0 nothing, 1 nothing but its store's
     connection closed (a coordinator died: the store's path waits for its restart), else
-    the order's generation and whether it is a Stop (two copies of one order give the same
-    number, two orders never do: each resize has a generation of its own, and every Stop
-    of a generation stops)."""
+    the order's generation, above every resize's for a Stop. Two copies of one order give
+    the same number, two orders never do (each resize has a generation of its own, and
+    every Stop of a generation stops); the newest order has the highest."""
     if order is None:
         return int(store_lost)
-    return 2 * order.generation + (3 if isinstance(order, Stop) else 2)
+    return (STOP_KEY if isinstance(order, Stop) else 2) + order.generation
 
 
-def unanimous(lowest: int, highest: int) -> bool:
-    """Whether the ranks' :func:`order_key` values, reduced to their ``lowest`` and
-    ``highest``, say that every rank holds the same order, or that none holds any and no
-    store was lost: then each rank decides alone (the order it holds, or none)."""
-    return lowest == highest != 1
+def how_decided(lowest: int, highest: int) -> str:
+    """How a boundary after an open gate is decided, from the lowest and highest
+    :func:`order_key` the layout's ranks hold: ``"held"``, every rank holds the same order,
+    or none holds any and no store was lost (each takes its own); ``"given"``, some rank
+    holds an order others lack or hold older (the lowest rank holding the highest gives
+    it to every rank: one rank told is enough); ``"store"``, none holds an order and some
+    rank's store closed (the store's agreement waits for the restarted coordinator)."""
+    if lowest == highest != 1:
+        return "held"
+    return "given" if highest > 1 else "store"
 
 
 def newest_order(values: Iterable[bytes], generation: int, aborted: Collection[int]
@@ -140,15 +149,15 @@ class StepAgreement:
         rank holds (one rank being told is enough), or that there is none.
 
         Nothing is asked while the last step's gate (its loss all-reduce) said no rank holds
-        an order. After an open gate, one small all-reduce says whether every rank holds the
-        same order, or none any (:meth:`_held_everywhere`): then each takes it, and rank 0
-        alone writes a decided order to the store. At a layout's first boundary (no gate
-        yet: its world may not be built, as where a committed layout is held) and wherever
-        the ranks differ (one rank told, orders that differ), every rank agrees through the
-        store: O(1) requests a rank (:meth:`_arrive`: the first order proposed is the
-        decision). Through the store rather than a collective there: a peer that died never
-        arrives, and the coordinator's resize naming the dead ends the wait on every
-        survivor, which no blocked collective could."""
+        an order. After an open gate, small collectives decide (:meth:`_decide_together`):
+        every rank holds the same order, or one rank holding the newest gives it to all;
+        rank 0 alone writes a decided order to the store. At a layout's first boundary (no
+        gate yet: its world may not be built, as where a committed layout is held) and where
+        no rank holds an order but a store closed, every rank agrees through the store:
+        O(1) requests a rank (:meth:`_arrive`: the first order proposed is the decision).
+        Through the store rather than a collective there: a peer that died never arrives,
+        and the coordinator's resize naming the dead ends the wait on every survivor, which
+        no blocked collective could."""
         proc = self._proc()
         layout = self.layout
         if layout is None:
@@ -167,13 +176,14 @@ class StepAgreement:
         rank = layout.devices.index(proc.vrank)
         names = GenerationKeys(proc.job, self.generation)
         decided = names.agreement(self._attempt, self.step, "decided")
-        if gate == (self.generation, self.step, True) and self._held_everywhere():
-            # every rank holds this order (the coordinator told them all, the common case),
-            # or none holds any now: each decides alone, and the store is asked nothing
-            order, self._pending = self._pending, None
-            if rank == 0:
-                self._say_decided(decided, order)
-            return order
+        if gate == (self.generation, self.step, True):
+            together, order = self._decide_together()
+            if together:
+                # every rank holds the order (the coordinator told them all, the common
+                # case), one gave it to all, or none holds any: nothing asked of the store
+                if rank == 0:
+                    self._say_decided(decided, order)
+                return self._took(order)
         own = names.agreement(self._attempt, self.step, rank)
         # every peer read the key of step - 2 before the step after it could start
         stale = names.agreement(self._attempt, self.step - 2, rank) if self.step >= 2 else ""
@@ -200,23 +210,27 @@ class StepAgreement:
                 raise RuntimeError(f"ranks of {layout.config} did not reach step {self.step} "
                                    f"within {proc.timeout_s:.0f} s")
             values = self._agree_slice(own, b"-", stale, [decided])
-        order = newest_order(values, self.generation, self._aborted)
+        return self._took(newest_order(values, self.generation, self._aborted))
+
+    def _took(self: ElasticTrainer, order: Order | None) -> Order | None:
+        """``order`` decided at this boundary: the one held is done with unless it is newer
+        (another rank's proposal came first in the store: it opens the next boundary's
+        gate, where it is decided)."""
         held = self._pending
         if held is None or (order is not None and held.generation <= order.generation) \
                 or (not isinstance(held, Stop) and held.generation in self._aborted):
             self._pending = None
-        # else: newer than the decision (another rank's proposal came first); it opens the
-        # gate of the next boundary, where it is decided
         return order
 
-    def _held_everywhere(self: ElasticTrainer) -> bool:
-        """At an open gate (every rank of the layout read it: all come here together), one
-        small all-reduce over the layout's world (on the step's device, as the gate's):
-        whether every rank holds the same order, or none holds any (:func:`unanimous`).
-        Where any differs (a rank not told yet, a newer order come to some, a store
-        closed), the store decides, as before. A peer dead since the gate fails it as it
-        fails the step's own all-reduce (gloo: the closed connection; NCCL: the
-        watchdog)."""
+    def _decide_together(self: ElasticTrainer) -> tuple[bool, Order | None]:
+        """At an open gate (every rank of the layout read it: all come here together), the
+        boundary's decision by small collectives over the layout's world, on the step's
+        device as the gate's (:func:`how_decided`): one all-reduce of the key of the order
+        each holds; where they differ, one more to find the lowest rank holding the newest
+        and a broadcast of its bytes (:meth:`_given`). (True, the order or None) decided;
+        (False, None) for the store's agreement, where no rank holds an order and some
+        rank's store closed. A peer dead since the gate fails these as it fails the step's
+        own all-reduce (gloo: the closed connection; NCCL: the watchdog)."""
         import torch
         import torch.distributed as dist
 
@@ -227,7 +241,36 @@ class StepAgreement:
         extremes = torch.tensor([key, -key], dtype=torch.int64,
                                 device=device.current().device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        return unanimous(-int(extremes[1]), int(extremes[0]))
+        highest = int(extremes[0])
+        how = how_decided(-int(extremes[1]), highest)
+        if how == "store":
+            return False, None
+        if how == "held":
+            return True, self._pending
+        return True, self._given(key == highest)
+
+    def _given(self: ElasticTrainer, holder: bool) -> Order | None:
+        """The newest order some ranks hold, from the lowest of them to every rank of the
+        layout (``holder``: this rank holds it): an all-reduce of (-rank, size) over the
+        holders, then a broadcast of its bytes. Taken by the rules of a store's decision
+        (:func:`newest_order`: one carried out or aborted here is over)."""
+        import torch
+        import torch.distributed as dist
+
+        from slurm_etc.migrate import device
+
+        on = device.current().device
+        mine = ENCODER.encode(self._pending) if holder else b""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        head = torch.tensor([-rank if holder else -world, len(mine)], dtype=torch.int64,
+                            device=on)
+        dist.all_reduce(head, op=dist.ReduceOp.MAX)
+        source, size = -int(head[0]), int(head[1])
+        data = torch.zeros(size, dtype=torch.uint8, device=on)
+        if rank == source:
+            data.copy_(torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+        dist.broadcast(data, source)
+        return newest_order([data.cpu().numpy().tobytes()], self.generation, self._aborted)
 
     def _say_decided(self: ElasticTrainer, decided: str, order: Order | None) -> None:
         """Rank 0 of an agreement decided without the store writes its decision there all

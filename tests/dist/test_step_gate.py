@@ -1,16 +1,15 @@
 """The step boundary asks the coordinator's store nothing while no rank holds an order
 (issue #42): the order's presence rides on the step's own loss all-reduce, and only a
-boundary after a step where some rank held one agrees through the store. Real worker
-processes train a preset through a resize told to one rank only (one rank told is enough);
-the store requests each rank makes are counted per step. Two planted bugs are caught: a
-gate that is never open (the store asked every step) and a gate read from the rank's own
-flag alone (the told rank agrees alone and times out); and one in the decision: a rank
-that holds the order never proposes it (the resize never happens).
-
-Told to every rank, the order is decided by the collective after the gate alone: no rank
-arrives at the store. A planted bug there is caught too: the collective read from its
-highest order alone (told alone, rank 0 resizes while its peer, holding nothing, trains
-on)."""
+boundary after a step where some rank held one decides, by small collectives over the
+layout's world. Real worker processes train a preset through a resize told to one rank only
+(one rank told is enough: it gives the order to the others) or to every rank (each takes
+its own); the store requests each rank makes are counted per step, and the boundaries where
+a rank arrived at the store's agreement. Planted bugs caught: a gate that is never open
+(the store asked every step); a gate read from the rank's own flag alone (the told rank
+decides alone and times out); collectives that take each rank's own order where they
+differ (told alone, rank 0 resizes while its peer trains on); and in the store's agreement,
+still used at a layout's first boundary (no gate yet), a rank that holds the order and
+never proposes it (the resize comes a boundary late)."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +21,9 @@ from slurm_etc.worker.sequence import PRELOAD, ResizeSequence, parse_sequence, w
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 TEXT = "dp=2,tp=1,pp=1 -> dp=1,tp=2,pp=1"
+# a joiner of generation 1 (vrank 1) alone is told generation 2's order at its first
+# boundary in generation 1, where no gate was read yet: the store's agreement decides
+FIRST_BOUNDARY = "dp=1,tp=1,pp=1 -> dp=2,tp=1,pp=1 -> dp=1,tp=2,pp=1"
 STEPS = 6
 
 
@@ -31,83 +33,101 @@ def pool():
         yield workers
 
 
-def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False):
-    """One worker's stints, with the store requests it had sent when each step began and
-    the boundaries where it arrived at the store's agreement."""
+@pytest.fixture(scope="module")
+def hanging():
+    """Workers for the plants that leave two ranks in different collectives: each call
+    ends at a worker's deadline, short here (a normal run takes ~2 s)."""
+    with LocalWorkers(2, preload=PRELOAD, timeout_s=6) as workers:
+        yield workers
+
+
+def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False, first=False):
+    """One worker's stints, with the store requests it had sent when each step began, the
+    boundaries where it arrived at the store's agreement, decided by collectives, and was
+    given an order by a peer. ``first``: generation 2's order goes to vrank 1 alone, due at
+    the first boundary of generation 1 (``FIRST_BOUNDARY``)."""
     import dataclasses
 
     from slurm_etc.worker import agreement, sequence
     from slurm_etc.worker.trainer import ElasticTrainer
 
-    seen, arrivals, collectives = [], [], []
-    real_step, real_reduce = ElasticTrainer.train_step, ElasticTrainer._reduce_loss
+    seen, arrivals, collectives, given = [], [], [], []
+    real = {name: getattr(ElasticTrainer, name) for name in
+            ("train_step", "_reduce_loss", "_arrive", "_decide_together", "_given")}
+    real_how, real_script = agreement.how_decided, sequence._script
 
     def counted(self):
         seen.append((self.generation, self.step, self.proc.store.requests))
-        return real_step(self)
+        return real["train_step"](self)
 
     def never_open(self, losses, cfg):
-        loss = real_reduce(self, losses, cfg)
+        loss = real["_reduce_loss"](self, losses, cfg)
         self._gate = None  # the planted bug: every boundary agrees through the store
         return loss
 
     def own_flag_only(self, losses, cfg):
         holds = self._holds_an_order()  # the planted bug: no other rank's flag is read
-        loss = real_reduce(self, losses, cfg)
+        loss = real["_reduce_loss"](self, losses, cfg)
         self._gate = (self.generation, self.step, holds)
         return loss
-
-    real_arrive, real_unanimous = ElasticTrainer._arrive, agreement.unanimous
-    real_held = ElasticTrainer._held_everywhere
-    real_script = sequence._script
 
     def arrive(self, decided, arrived, world):
         arrivals.append((self.generation, self.step))
         if plant == "never-propose":
             held, self._pending = self._pending, None  # the planted bug: counts itself in
             try:
-                return real_arrive(self, decided, arrived, world)
+                return real["_arrive"](self, decided, arrived, world)
             finally:
                 self._pending = held
-        return real_arrive(self, decided, arrived, world)
+        return real["_arrive"](self, decided, arrived, world)
 
-    def held(self):
+    def together(self):
         collectives.append((self.generation, self.step))
-        return real_held(self)
+        return real["_decide_together"](self)
 
-    def highest_only(lowest, highest):
-        return highest != 1  # the planted bug: the lowest (a rank holding nothing) unread
+    def give(self, holder):
+        given.append((self.generation, self.step))
+        return real["_given"](self, holder)
 
-    def told_everyone(*args):
-        return [dataclasses.replace(e, recipients=None) for e in real_script(*args)]
+    def own_order_kept(lowest, highest):
+        # the planted bug: where the ranks differ each keeps its own (none gives it)
+        return "held" if highest > 1 else real_how(lowest, highest)
+
+    def scripted(*args):
+        entries = [dataclasses.replace(e, recipients=None if tell_all else e.recipients)
+                   for e in real_script(*args)]
+        if first:
+            entries[1] = dataclasses.replace(entries[1], recipients=frozenset({1}),
+                                             at_step=entries[0].at_step)
+        return entries
 
     ElasticTrainer.train_step, ElasticTrainer._arrive = counted, arrive
-    ElasticTrainer._held_everywhere = held
-    if plant == "highest-only":
-        agreement.unanimous = highest_only
+    ElasticTrainer._decide_together, ElasticTrainer._given = together, give
+    sequence._script = scripted
+    if plant == "own-order-kept":
+        agreement.how_decided = own_order_kept
     elif plant in ("never-open", "own-flag-only"):
         ElasticTrainer._reduce_loss = {"never-open": never_open,
                                        "own-flag-only": own_flag_only}[plant]
-    if tell_all:
-        sequence._script = told_everyone
     try:
         out = w_elastic(ctx, seq, layouts, digests, job)
     finally:
-        ElasticTrainer.train_step, ElasticTrainer._reduce_loss = real_step, real_reduce
-        ElasticTrainer._arrive, agreement.unanimous = real_arrive, real_unanimous
-        ElasticTrainer._held_everywhere = real_held
-        sequence._script = real_script
-    return {"seen": seen, "arrivals": arrivals, "collectives": collectives,
+        for name, method in real.items():
+            setattr(ElasticTrainer, name, method)
+        agreement.how_decided, sequence._script = real_how, real_script
+    return {"seen": seen, "arrivals": arrivals, "collectives": collectives, "given": given,
             "steps": [h["step"] for h in out["history"]],
+            "first_steps": {g: min(h["step"] for h in out["history"] if h["generation"] == g)
+                            for g in {h["generation"] for h in out["history"]}},
             "generations": sorted({h["generation"] for h in out["history"]})}
 
 
-def _run(pool, plant="", tell_all=False):
-    configs = parse_sequence(TEXT)
+def _run(pool, plant="", tell_all=False, first=False):
+    configs = parse_sequence(FIRST_BOUNDARY if first else TEXT)
     seq = ResizeSequence(PRESETS["tiny"], tuple(configs), steps=STEPS, global_batch=4)
     layouts, digests = seq.layouts()
-    return pool.run(w_counted, seq, layouts, digests,
-                    f"gate-{plant or 'real'}{'-all' if tell_all else ''}", plant, tell_all)
+    job = f"gate-{plant or 'real'}{'-all' if tell_all else ''}{'-first' if first else ''}"
+    return pool.run(w_counted, seq, layouts, digests, job, plant, tell_all, first)
 
 
 def steady_requests(seen) -> list[int]:
@@ -130,26 +150,20 @@ def test_no_store_request_per_step_and_one_told_rank_is_enough(pool):
         deltas = steady_requests(r["seen"])
         assert len(deltas) >= 3 and deltas == [0] * len(deltas), deltas
         assert steady_collectives(r) == [], r["collectives"]
-        assert r["arrivals"], r["arrivals"]  # one rank told: the store decided
+        # the store is asked at each layout's first boundary only (no gate yet); the told
+        # rank gave the order to its peer at the boundary that decided the resize
+        assert r["arrivals"] == [(0, 0), (1, STEPS)], r["arrivals"]
+        assert r["collectives"] == r["given"] == [(0, STEPS)], r
     assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
 
 
-def test_told_to_every_rank_the_collective_decides_and_the_store_is_not_asked(pool):
+def test_told_to_every_rank_each_takes_its_own_and_none_is_given(pool):
     results = _run(pool, tell_all=True)
     for r in results:
         assert r["generations"] == [0, 1]
-        # the store is asked at each layout's first boundary only (no gate yet), never at
-        # the one that decided the resize
         assert r["arrivals"] == [(0, 0), (1, STEPS)], r["arrivals"]
-        assert r["collectives"] == [(0, STEPS)], r["collectives"]
+        assert r["collectives"] == [(0, STEPS)] and r["given"] == [], r
     assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
-
-
-def test_a_collective_read_from_its_highest_order_alone_is_caught(pool):
-    # told alone, rank 0 takes the order as everyone's and resizes while its peer trains
-    # on: the two wait on each other in different collectives until one's deadline
-    with pytest.raises((WorkerError, WorkerTimeout)):
-        _run(pool, plant="highest-only")
 
 
 def test_the_count_catches_a_gate_never_open(pool):
@@ -157,19 +171,27 @@ def test_the_count_catches_a_gate_never_open(pool):
     assert all(min(steady_requests(r["seen"])) >= 1 for r in results)
 
 
-def test_a_decision_nobody_proposes_to_is_caught(pool):
-    # the told rank only counts itself in: the last rank in closes every decision with "no
-    # order", so the resize never happens (or the run fails waiting for it)
-    try:
-        results = _run(pool, plant="never-propose")
-    except (WorkerError, WorkerTimeout):
-        return
-    assert any(r["generations"] == [0] for r in results), results
+def test_the_first_boundary_decides_through_the_store_and_a_rank_not_proposing_is_caught(pool):
+    # the joiner holds generation 2's order at generation 1's first boundary (no gate
+    # yet): the store decides it there, at once
+    for r in _run(pool, first=True):
+        assert (1, STEPS) in r["arrivals"] and r["first_steps"][2] == STEPS + 1, r
+    # the planted bug: the told rank only counts itself in, the last rank in closes the
+    # decision with "no order", and the resize waits for the next boundary's gate
+    planted = _run(pool, plant="never-propose", first=True)
+    assert all(r["first_steps"][2] > STEPS + 1 for r in planted), planted
 
 
-def test_a_gate_read_from_the_own_flag_alone_is_caught(pool):
-    # the told rank agrees through the store alone while its peer trains on: it fails at
-    # its deadline, or the two hang on each other past the call's (this test runs last:
-    # the pool's processes are stopped after it)
+def test_a_collective_that_keeps_each_rank_s_own_order_is_caught(hanging):
+    # told alone, rank 0 takes the order while its peer, holding nothing, trains on: the
+    # two wait on each other in different collectives until one's deadline
     with pytest.raises((WorkerError, WorkerTimeout)):
-        _run(pool, plant="own-flag-only")
+        _run(hanging, plant="own-order-kept")
+
+
+def test_a_gate_read_from_the_own_flag_alone_is_caught(hanging):
+    # the told rank agrees alone while its peer trains on: it fails at its deadline, or
+    # the two hang on each other past the call's (the pool's processes are stopped after
+    # it and the next call starts new ones)
+    with pytest.raises((WorkerError, WorkerTimeout)):
+        _run(hanging, plant="own-flag-only")

@@ -10,8 +10,16 @@ stopped the job."""
 from __future__ import annotations
 
 from slurm_etc.coordinator.reconcile import answer
-from slurm_etc.protocol.messages import ENCODER, Abort, LayoutSpec, Resize, Resized, Stop
-from slurm_etc.worker.agreement import order_key, unanimous
+from slurm_etc.protocol.messages import (
+    ENCODER,
+    ORDER_DECODER,
+    Abort,
+    LayoutSpec,
+    Resize,
+    Resized,
+    Stop,
+)
+from slurm_etc.worker.agreement import how_decided, order_key
 from slurm_etc.worker.trainer import newest_order
 
 OLD = LayoutSpec.make("dp=2,tp=1,pp=1", (0, 1))
@@ -58,25 +66,36 @@ def test_a_stop_is_never_passed_over_even_in_an_aborted_resize_generation():
     assert newest_order([ENCODER.encode(order(12)), ENCODER.encode(stop)], 10, {11}) == stop
 
 
-def _agreed(held: list) -> bool:
-    """The trainer's collective after an open gate (an all-reduce of each rank's key, max
-    of the key and of its negation), written out over the ranks' held (order, store lost)."""
+
+def _decided(held: list) -> str:
+    """How the trainer's collectives after an open gate decide (an all-reduce of each rank's
+    key, the max of the key and of its negation), written out over the ranks' (order held,
+    store lost)."""
     keys = [order_key(o, lost) for o, lost in held]
-    return unanimous(min(keys), max(keys))
+    return how_decided(min(keys), max(keys))
 
 
-def test_the_collective_decides_alone_only_where_every_rank_holds_the_same():
-    same = [(order(3), False)] * 4
-    assert _agreed(same)
-    assert _agreed([(None, False)] * 3)  # nobody holds anything now: no order, no store
-    assert _agreed([(order(3), True), (order(3), False)])  # held by all: decided
-    # the store decides wherever the ranks differ
-    assert not _agreed([(order(3), False), (None, False)])  # one rank told
-    assert not _agreed([(order(3), False), (order(4), False)])  # a newer one came to some
-    assert not _agreed([(Stop("j", 3, "end"), False), (order(3), False)])  # same generation
-    assert not _agreed([(None, True), (None, True)])  # a store lost: wait for its restart
-    assert not _agreed([(None, True), (None, False)])
-    # every key is its order's: copies equal, orders apart, none apart from any order
-    keys = {order_key(o) for o in (order(1), order(2), Stop("j", 1, "a"), Stop("j", 2, "b"))}
-    assert len(keys) == 4 and min(keys) > 1
+def test_the_collectives_decide_unless_no_order_is_held_and_a_store_closed():
+    assert _decided([(order(3), False)] * 4) == "held"
+    assert _decided([(None, False)] * 3) == "held"  # nobody holds anything now: no order
+    assert _decided([(order(3), True), (order(3), False)]) == "held"
+    # one rank told, a newer one come to some, a Stop beside a resize: the newest is given
+    assert _decided([(order(3), False), (None, False)]) == "given"
+    assert _decided([(order(3), False), (order(4), False)]) == "given"
+    assert _decided([(Stop("j", 3, "end"), False), (order(3), False)]) == "given"
+    assert _decided([(order(3), False), (None, True)]) == "given"
+    # nothing held and a store lost: the store's agreement waits for its restart
+    assert _decided([(None, True), (None, True)]) == "store"
+    assert _decided([(None, True), (None, False)]) == "store"
+
+
+def test_an_order_key_is_its_order_and_the_newest_is_the_highest():
+    stops = [Stop("j", 1, "a"), Stop("j", 2, "b")]
+    keys = [order_key(o) for o in (order(1), order(2), order(40), *stops)]
+    assert keys == sorted(keys) and len(set(keys)) == 5 and min(keys) > 1  # none is 0 or 1
     assert order_key(Stop("j", 2, "a")) == order_key(Stop("j", 2, "b"))
+    assert order_key(Stop("j", 1, "a")) > order_key(order(10 ** 6))  # a Stop is never passed
+    # the highest key is the order newest_order picks among them
+    values = [ENCODER.encode(o) for o in (order(3), order(5), Stop("j", 4, "x"))]
+    newest = newest_order(values, 2, set())
+    assert order_key(newest) == max(order_key(ORDER_DECODER.decode(v)) for v in values)
