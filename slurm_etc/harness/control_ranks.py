@@ -634,6 +634,7 @@ class SimRank:
         committed = CommitDecision(self.store, commit_decision(keys.prefix))(True)
         outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
         self.layout, self.generation = new, order.generation
+        self._gate = (self.generation, self.step, True)  # the trainer's, once installed
         self._resumed_due = True
         self.channel.report(Resized(self.job, order.generation, self.vrank, outcome,
                                     self.step, pause_seconds=time.perf_counter() - t0))

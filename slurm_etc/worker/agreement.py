@@ -151,9 +151,11 @@ class StepAgreement:
         Nothing is asked while the last step's gate (its loss all-reduce) said no rank holds
         an order. After an open gate, small collectives decide (:meth:`_decide_together`):
         every rank holds the same order, or one rank holding the newest gives it to all;
-        rank 0 alone writes a decided order to the store. At a layout's first boundary (no
-        gate yet: its world may not be built, as where a committed layout is held) and where
-        no rank holds an order but a store closed, every rank agrees through the store:
+        rank 0 alone writes a decided order to the store; so at the first boundary of a
+        layout every rank installed in a resize (its gate counts as open). At a layout's
+        first boundary otherwise (its world may not be built, as where a committed layout
+        is held, or the job's first) and where no rank holds an order but a store closed,
+        every rank agrees through the store:
         O(1) requests a rank (:meth:`_arrive`: the first order proposed is the decision).
         Through the store rather than a collective there: a peer that died never arrives,
         and the coordinator's resize naming the dead ends the wait on every survivor, which

@@ -205,6 +205,9 @@ class ResizeSteps:
                   plan.moved_bytes / 2**20, plan.lower_bound_moved_bytes / 2**20, pause,
                   time.perf_counter() - t0, published_s, parts,
                   out.stats.get("data_seconds", 0.0), adopted_s, ready)
+        # every rank of the new layout installed it (the install wait): its first boundary
+        # decides by the layout's collectives, as after an open gate, not in the store
+        self._gate = (self.generation, self.step, True)
         return "stay"
 
     def _prepares_while_training(self: ElasticTrainer, order: Resize) -> bool:

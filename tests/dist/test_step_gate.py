@@ -8,8 +8,8 @@ a rank arrived at the store's agreement. Planted bugs caught: a gate that is nev
 (the store asked every step); a gate read from the rank's own flag alone (the told rank
 decides alone and times out); collectives that take each rank's own order where they
 differ (told alone, rank 0 resizes while its peer trains on); and in the store's agreement,
-still used at a layout's first boundary (no gate yet), a rank that holds the order and
-never proposes it (the resize comes a boundary late)."""
+still used at the job's first boundary (no gate yet), a rank that holds an order and never
+proposes it (a Stop comes a step late)."""
 from __future__ import annotations
 
 import pytest
@@ -21,9 +21,6 @@ from slurm_etc.worker.sequence import PRELOAD, ResizeSequence, parse_sequence, w
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 TEXT = "dp=2,tp=1,pp=1 -> dp=1,tp=2,pp=1"
-# a joiner of generation 1 (vrank 1) alone is told generation 2's order at its first
-# boundary in generation 1, where no gate was read yet: the store's agreement decides
-FIRST_BOUNDARY = "dp=1,tp=1,pp=1 -> dp=2,tp=1,pp=1 -> dp=1,tp=2,pp=1"
 STEPS = 6
 
 
@@ -41,20 +38,22 @@ def hanging():
         yield workers
 
 
-def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False, first=False):
+def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False, stop_first=False):
     """One worker's stints, with the store requests it had sent when each step began, the
     boundaries where it arrived at the store's agreement, decided by collectives, and was
-    given an order by a peer. ``first``: generation 2's order goes to vrank 1 alone, due at
-    the first boundary of generation 1 (``FIRST_BOUNDARY``)."""
+    given an order by a peer. ``stop_first``: the script is a Stop to vrank 0 alone, due at
+    the job's first boundary (no gate read yet: the store's agreement decides it)."""
     import dataclasses
 
+    from slurm_etc.protocol.messages import Stop
     from slurm_etc.worker import agreement, sequence
+    from slurm_etc.worker.scripted import ScriptEntry
     from slurm_etc.worker.trainer import ElasticTrainer
 
     seen, arrivals, collectives, given = [], [], [], []
     real = {name: getattr(ElasticTrainer, name) for name in
             ("train_step", "_reduce_loss", "_arrive", "_decide_together", "_given")}
-    real_how, real_script = agreement.how_decided, sequence._script
+    real_how, real_script, real_digest = agreement.how_decided, sequence._script, sequence._digest
 
     def counted(self):
         seen.append((self.generation, self.step, self.proc.store.requests))
@@ -94,16 +93,16 @@ def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False, first=F
         return "held" if highest > 1 else real_how(lowest, highest)
 
     def scripted(*args):
-        entries = [dataclasses.replace(e, recipients=None if tell_all else e.recipients)
-                   for e in real_script(*args)]
-        if first:
-            entries[1] = dataclasses.replace(entries[1], recipients=frozenset({1}),
-                                             at_step=entries[0].at_step)
-        return entries
+        if stop_first:
+            return [ScriptEntry(0, Stop(job, 1, "stopped at once"), frozenset({0}))]
+        return [dataclasses.replace(e, recipients=None if tell_all else e.recipients)
+                for e in real_script(*args)]
 
     ElasticTrainer.train_step, ElasticTrainer._arrive = counted, arrive
     ElasticTrainer._decide_together, ElasticTrainer._given = together, give
     sequence._script = scripted
+    if stop_first:  # no step trained: no optimizer state to digest
+        sequence._digest = lambda trainer: None
     if plant == "own-order-kept":
         agreement.how_decided = own_order_kept
     elif plant in ("never-open", "own-flag-only"):
@@ -115,19 +114,18 @@ def w_counted(ctx, seq, layouts, digests, job, plant="", tell_all=False, first=F
         for name, method in real.items():
             setattr(ElasticTrainer, name, method)
         agreement.how_decided, sequence._script = real_how, real_script
+        sequence._digest = real_digest
     return {"seen": seen, "arrivals": arrivals, "collectives": collectives, "given": given,
             "steps": [h["step"] for h in out["history"]],
-            "first_steps": {g: min(h["step"] for h in out["history"] if h["generation"] == g)
-                            for g in {h["generation"] for h in out["history"]}},
-            "generations": sorted({h["generation"] for h in out["history"]})}
+            "exits": out["exits"], "generations": sorted({h["generation"] for h in out["history"]})}
 
 
-def _run(pool, plant="", tell_all=False, first=False):
-    configs = parse_sequence(FIRST_BOUNDARY if first else TEXT)
+def _run(pool, plant="", tell_all=False, stop_first=False):
+    configs = parse_sequence(TEXT)
     seq = ResizeSequence(PRESETS["tiny"], tuple(configs), steps=STEPS, global_batch=4)
     layouts, digests = seq.layouts()
-    job = f"gate-{plant or 'real'}{'-all' if tell_all else ''}{'-first' if first else ''}"
-    return pool.run(w_counted, seq, layouts, digests, job, plant, tell_all, first)
+    job = f"gate-{plant or 'real'}{'-all' if tell_all else ''}{'-stop' if stop_first else ''}"
+    return pool.run(w_counted, seq, layouts, digests, job, plant, tell_all, stop_first)
 
 
 def steady_requests(seen) -> list[int]:
@@ -150,10 +148,12 @@ def test_no_store_request_per_step_and_one_told_rank_is_enough(pool):
         deltas = steady_requests(r["seen"])
         assert len(deltas) >= 3 and deltas == [0] * len(deltas), deltas
         assert steady_collectives(r) == [], r["collectives"]
-        # the store is asked at each layout's first boundary only (no gate yet); the told
-        # rank gave the order to its peer at the boundary that decided the resize
-        assert r["arrivals"] == [(0, 0), (1, STEPS)], r["arrivals"]
-        assert r["collectives"] == r["given"] == [(0, STEPS)], r
+        # the store is asked at the job's first boundary only (no gate yet); the told rank
+        # gave the order to its peer at the boundary that decided the resize, and the new
+        # layout's first boundary, every rank installed, decided by collective too
+        assert r["arrivals"] == [(0, 0)], r["arrivals"]
+        assert r["collectives"] == [(0, STEPS), (1, STEPS)], r["collectives"]
+        assert r["given"] == [(0, STEPS)], r["given"]
     assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
 
 
@@ -161,8 +161,8 @@ def test_told_to_every_rank_each_takes_its_own_and_none_is_given(pool):
     results = _run(pool, tell_all=True)
     for r in results:
         assert r["generations"] == [0, 1]
-        assert r["arrivals"] == [(0, 0), (1, STEPS)], r["arrivals"]
-        assert r["collectives"] == [(0, STEPS)] and r["given"] == [], r
+        assert r["arrivals"] == [(0, 0)], r["arrivals"]
+        assert r["collectives"] == [(0, STEPS), (1, STEPS)] and r["given"] == [], r
     assert results[0]["steps"] == list(range(1, 2 * STEPS + 1))
 
 
@@ -172,14 +172,15 @@ def test_the_count_catches_a_gate_never_open(pool):
 
 
 def test_the_first_boundary_decides_through_the_store_and_a_rank_not_proposing_is_caught(pool):
-    # the joiner holds generation 2's order at generation 1's first boundary (no gate
-    # yet): the store decides it there, at once
-    for r in _run(pool, first=True):
-        assert (1, STEPS) in r["arrivals"] and r["first_steps"][2] == STEPS + 1, r
+    # rank 0 alone holds a Stop at the job's first boundary (no gate yet): the store
+    # decides it there, and no rank trains a step
+    for r in _run(pool, stop_first=True):
+        assert r["arrivals"] == [(0, 0)] and r["steps"] == [], r
+        assert r["exits"] == ["stopped"], r
     # the planted bug: the told rank only counts itself in, the last rank in closes the
-    # decision with "no order", and the resize waits for the next boundary's gate
-    planted = _run(pool, plant="never-propose", first=True)
-    assert all(r["first_steps"][2] > STEPS + 1 for r in planted), planted
+    # decision with "no order", and the Stop waits for the next boundary's gate
+    planted = _run(pool, plant="never-propose", stop_first=True)
+    assert all(r["steps"] == [1] for r in planted), planted
 
 
 def test_a_collective_that_keeps_each_rank_s_own_order_is_caught(hanging):
