@@ -55,9 +55,11 @@ FDS_PER_SIM_RANK = 5
 MIGRATION_GROUP = -1
 # the fabric's key of the training world's rendezvous before the first step (another)
 WORLD_GROUP = -2
+# the fabric's key of a resize's commit decision shared over its migration group (another)
+COMMIT_SHARE = -3
 # the fabric's key of the step agreement's collective after the gate of step s:
-# HELD_EVERYWHERE - s (steps count from 0: below the two above)
-HELD_EVERYWHERE = -3
+# HELD_EVERYWHERE - s (steps count from 0: below the three above)
+HELD_EVERYWHERE = -4
 # what a reduction's lowest and highest key start from (no rank contributed one yet)
 _NO_LOW, _NO_HIGH = 1 << 62, -(1 << 62)
 # ranks of one host process in the join at once (a rank waiting for its Welcome reads its
@@ -631,7 +633,14 @@ class SimRank:
                                         ProcessOutcome.LEFT, self.step))
             self._exit("left", order.generation)
             return "left"
-        committed = CommitDecision(self.store, commit_decision(keys.prefix))(True)
+        # the executor's decision: its group's rank 0 asks the store, every rank shares
+        # what it got (a leaving rank here exits before it: new's first rank proposes)
+        committed = CommitDecision(
+            self.store, commit_decision(keys.prefix),
+            share=lambda known: [self.fabric.reduce(
+                order.generation, COMMIT_SHARE, new.config.world, False, known,
+                self.halt.event, self.timeout_s)[2]],
+            proposer=self.vrank == new.devices[0])(True)
         outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
         self.layout, self.generation = new, order.generation
         self._gate = (self.generation, self.step, True)  # the trainer's, once installed

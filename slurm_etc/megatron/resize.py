@@ -461,7 +461,7 @@ def _migrate(prepared: PreparedResize, state: TrainingState | None,
     """The data phase: read the old shards and ResumeState, exchange step and RNG, run the
     executor into the prepared destinations; then the migration group is shut (committed)
     or aborted, and on an abort what was prepared for the new layout is given back."""
-    from slurm_etc.migrate.decision import CommitDecision
+    from slurm_etc.migrate.decision import CommitDecision, shared_over
     from slurm_etc.migrate.executor import execute_migration
 
     from .world import retire_backends
@@ -488,9 +488,11 @@ def _migrate(prepared: PreparedResize, state: TrainingState | None,
                                    program=prepared.program,
                                    destinations=prepared.destinations, faults=faults,
                                    staging=prepared.staging,
-                                   commit=CommitDecision(prepared.store,
-                                                         commit_decision(prepared.tag),
-                                                         store_lost=store_lost),
+                                   commit=CommitDecision(
+                                       prepared.store, commit_decision(prepared.tag),
+                                       store_lost=store_lost,
+                                       share=shared_over(transport, options.vote_timeout),
+                                       proposer=prepared.program.group_rank == 0),
                                    agreed=True)
         committed = True
     finally:

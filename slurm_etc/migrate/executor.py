@@ -945,7 +945,12 @@ def _commit_vote(run: _Run, index: int, faults: FaultInjector,
             run._abort(index, [RankFailure(rank, run.prog.device, True, f"{run.who} lost "
                                            "the answer to the commit vote (injected)")], True)
     except MigrationAborted:
-        if commit is None or run.failure is not None or not commit(False):
+        if commit is None:
+            raise
+        if run.failure is not None:
+            commit(False)  # its own vote failed: abort, but it takes part in the decision
+            raise
+        if not commit(False):
             raise
         logger.warning("migration: %s saw the commit vote fail, but the decision recorded "
                        "first is commit: it commits", run.who)

@@ -50,6 +50,7 @@ class ResizeSteps:
     # (ElasticTrainer.__init__ sets them first)
     layout: Layout | None
     _held: tuple[list, Any] | None
+    _gate: tuple[int, int, bool] | None
 
     def _first_order(self: ElasticTrainer, proc: WorkerProcess) -> Resize | Stop:
         """A joining process waits for the resize that brings it in."""

@@ -37,9 +37,14 @@ def test_bench_control_json_at_16_ranks():
     assert per["channel_in"] == pytest.approx(1.0, abs=0.1)
     assert per["store_requests"] == 0 and per["channel_out"] == 0
     assert steady["gate_contributions_per_step"] == pytest.approx(16, abs=1)
-    # a resize opens the gate: every rank arrives at the store's decision
-    for phase in ("grow", "shrink"):
-        assert run["resizes"][phase]["store_requests"] >= 16, phase
+    # a resize is decided by the ranks' collectives: a few store requests (the decision
+    # written once, the trainer state published, the commit asked once), plus each joiner's
+    # read of the trainer state (a grow by a node of 8), never one a rank of the old layout
+    resizes = run["resizes"]
+    assert 1 <= resizes["shrink"]["store_requests"] <= 6
+    assert 1 <= resizes["loss"]["store_requests"] <= 6
+    assert 8 <= resizes["grow"]["store_requests"] <= 8 + 6
+    assert run["store_totals"]["requests"] == run["store_totals"]["replies"] > 0
     assert 0 < run["step_control_ms"] < 1000
     assert 0 < run["coordinator_cpu_s_per_s"] < 2.2
     for phase in ("grow", "shrink", "loss"):
@@ -54,7 +59,7 @@ def test_bench_control_json_at_16_ranks():
 @pytest.mark.parametrize("plant", [bench_plants.store_requests_half_counted,
                                    bench_plants.store_replies_uncounted])
 def test_planted_miscount_is_caught(plant):
-    # the store is asked at resizes only (the gate keeps it silent in steady steps)
+    # the store's requests and replies over the run differ
     run = run_control(ControlBench(16, steady_min_s=2.5, timeout_s=120), counters=plant)
     problems = check_run(run)
     assert any("store re" in p for p in problems), (plant.__name__, problems,

@@ -14,6 +14,12 @@ decision says.
 The checker is shown to catch a split: with the decision switched off, a rank whose view of
 the vote failed (``lose_vote``: the split a death inside the vote can cause, made
 deterministic) aborts while the others commit.
+
+As a resize decides (``megatron/resize.py``): only the group's rank 0 asks the store when it
+saw every vote OK, and every rank shares what it got over the migration group
+(``decide="share"``); where the share fails (a peer killed) each asks the store. Cases where
+rank 0 itself loses its view or is killed; a planted bug, ranks that do not follow what was
+shared (each its own view), is caught.
 """
 from __future__ import annotations
 
@@ -24,7 +30,21 @@ from datetime import timedelta
 
 import pytest
 
+from slurm_etc.migrate.decision import CommitDecision
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+class OwnView(CommitDecision):
+    """The planted bug: a rank that saw every vote OK shares, then commits on its own view,
+    whatever the others shared."""
+
+    def __call__(self, saw_commit: bool) -> bool:
+        if self.proposer or not saw_commit:
+            return super().__call__(saw_commit)
+        assert self.share is not None
+        self.share(0)
+        return saw_commit
 
 
 def _plan():
@@ -36,15 +56,15 @@ def _plan():
                           Topology(gpus_per_node=4))
 
 
-def _worker(device: int, port: int, case: str, faults, decide: bool, out) -> None:
+def _worker(device: int, port: int, case: str, faults, decide: bool | str, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
-    from slurm_etc.migrate.decision import CommitDecision
+    from slurm_etc.migrate.decision import shared_over
     from slurm_etc.migrate.executor import MigrationAborted, MigrationOptions, execute_migration
-    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
     from slurm_etc.migrate.group import connect_migration_group
+    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 
     torch.set_num_threads(1)
     try:
@@ -54,14 +74,20 @@ def _worker(device: int, port: int, case: str, faults, decide: bool, out) -> Non
         group = connect_migration_group(plan, device, dist.PrefixStore(f"{case}/migrate", store),
                                         timeout_s=60)
         old_rank = plan.old.devices.index(device) if device in plan.old.devices else None
+        transport = group.transport()
+        commit = None
+        if decide == "store" or decide is True:
+            commit = CommitDecision(store, f"{case}/commit")
+        elif decide in ("share", "own-view"):
+            kind = OwnView if decide == "own-view" else CommitDecision
+            commit = kind(store, f"{case}/commit", share=shared_over(transport, 10.0),
+                          proposer=device == 0)  # group rank = device here
         try:
-            res = execute_migration(plan, group.transport(), device,
+            res = execute_migration(plan, transport, device,
                                     fake_shards(plan, old_rank),
                                     options=MigrationOptions(timeout_s=10,
                                                              measure_memory=False),
-                                    faults=faults,
-                                    commit=CommitDecision(store, f"{case}/commit") if decide
-                                    else None)
+                                    faults=faults, commit=commit)
         except MigrationAborted as exc:
             out.put((device, {"outcome": "aborted", "error": str(exc)[:300]}))
         else:
@@ -89,7 +115,7 @@ def store():
     del s
 
 
-def _run(store, case: str, faults_of, decide: bool = True, dead: int | None = None):
+def _run(store, case: str, faults_of, decide: bool | str = True, dead: int | None = None):
     """Run the migration on devices 0, 1, 2 (``faults_of(device)`` each); returns the
     survivors' results and the recorded decision."""
     s, port = store
@@ -166,3 +192,24 @@ def test_killed_inside_the_vote_no_split(store, victim):
                              dead=victim)
     assert sorted(results) == sorted({0, 1, 2} - {victim})
     _no_split(results, decision)
+
+
+@pytest.mark.parametrize("how", ["lost", "killed"])
+def test_with_the_decision_shared_rank_0_losing_its_view_or_killed_no_split(store, how):
+    """Rank 0 asks the store for all: its view of the vote lost, it proposes abort and every
+    rank follows what it shared; killed inside the vote, the share fails and each survivor
+    asks the store."""
+    faults = _injector(0, lose=True) if how == "lost" else _injector(0, kill="in-vote")
+    results, decision = _run(store, f"share-{how}", faults, decide="share",
+                             dead=0 if how == "killed" else None)
+    assert _no_split(results, decision) == "aborted" or how == "killed"
+
+
+def test_shared_and_not_followed_splits(store):
+    """The checker catches a split where the shared decision is not followed: rank 0's view
+    lost, it aborts while the others commit on their own view."""
+    results, decision = _run(store, "share-planted", _injector(0, lose=True), decide="own-view")
+    outcomes = {d: r["outcome"] for d, r in results.items()}
+    assert outcomes == {0: "aborted", 1: "committed", 2: "committed"}, outcomes
+    with pytest.raises(AssertionError, match="split"):
+        _no_split(results, decision)

@@ -10,6 +10,7 @@ import pytest
 from slurm_etc.coordinator.reconcile import (
     RESEND_MAX_S,
     RESEND_S,
+    STAYER_RESENDS_FROM,
     Abort,
     CloseVote,
     Commit,
@@ -133,11 +134,17 @@ def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
     assert settle(resize(sent_at=0.0), 500.0, 1000.0).resend == frozenset()
 
 
-def test_once_a_step_decided_the_order_only_joiners_get_it_again():
-    """The old layout's ranks read an order a step's decision holds from the store: only
-    the joiner (2), which waits for it on its channel, is sent it again."""
+def test_the_old_layout_gets_it_again_late_and_never_once_a_step_decided_it():
+    """One rank of the old layout told is enough: the first resends go to the joiner (2)
+    alone, which waits for the order on its channel; from the STAYER_RESENDS_FROM-th on
+    (a copy refreshed inside the replay window) the old layout's too, until a step's
+    decision holds the order."""
     fl = resize()
     late = 101.0 + RESEND_S + 0.1
+    assert settle(fl, late, TIMEOUT).resend == {2}
+    for _ in range(STAYER_RESENDS_FROM):
+        fl = resent(fl, fl.sent_at)
+    late = fl.sent_at + RESEND_MAX_S + 0.1
     assert settle(fl, late, TIMEOUT).resend == {0, 1, 2}
     assert settle(agreed(fl), late, TIMEOUT).resend == {2}
     assert settle(agreed(answers(fl, said(2))), late, TIMEOUT).resend == frozenset()
