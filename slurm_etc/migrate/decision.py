@@ -104,7 +104,7 @@ def shared_over(transport: Any, timeout_s: float) -> Callable[[int], Sequence[in
     def share(value: int) -> Sequence[int]:
         import torch
 
-        mine = torch.tensor([value], dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64, device="cpu")  # as the votes
         table = transport.allgather(mine.view(torch.uint8), timeout_s)
         return [int(v) for v in table.contiguous().view(torch.int64).flatten()]
 
