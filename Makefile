@@ -32,11 +32,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check slurm_etc tests bench examples
 	$(BIN)/mypy slurm_etc
 
-# The tiers (tests/conftest.py): the multi-process one alone (its timing checks own both
-# cores), then the Slurm tier in one process, in order (it mostly waits on real jobs), beside
-# the unit tier and the multi-process modules that time nothing in the other.
+# The tiers (tests/conftest.py): the multi-process modules that time something alone (they
+# own both cores), then those that time nothing two at a time, then the Slurm tier in one
+# process, in order (it mostly waits on real jobs), beside the unit tier and the lightest
+# multi-process modules in the other.
 test: lint
-	$(BIN)/python -m pytest -q -m "not beside_slurm" tests/dist
+	$(BIN)/python -m pytest -q -m "not beside_slurm and not paired" tests/dist
+	$(BIN)/python -m pytest -q -n 2 -m "paired" tests/dist
 	$(BIN)/python -m pytest -q -n 2 -m "not dist or beside_slurm" tests/slurm tests/unit tests/dist
 
 bench: $(STAMP)

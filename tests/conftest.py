@@ -1,12 +1,18 @@
 """Tier markers: tests under tests/<tier>/ get that tier's marker automatically; and how
 `make test` spreads the tiers over two processes (pytest-xdist).
 
-`make test` runs the multi-process tier alone first (its timing checks, the measured pause,
-the zero-stall grow, the data-phase and scaling benchmarks, own both cores), less the modules
-in ``BESIDE_SLURM``; then the Slurm tier in one process, in order (one cluster: its session
-fixture holds it until that process ends), beside the unit tier and those modules in the
-other. ``BESIDE_SLURM``: multi-process modules that check state and losses bit for bit and
-time nothing, so sharing the cores with the Slurm tier's mostly waiting jobs only slows them.
+`make test` runs the multi-process modules that time something alone first (the measured
+pause, the zero-stall grow, the data-phase and scaling benchmarks, bounds on timeouts: they
+own both cores); then those in ``PAIRED``, two modules at a time; then the Slurm tier in one
+process, in order (one cluster: its session fixture holds it until that process ends), beside
+the unit tier and the modules in ``BESIDE_SLURM`` in the other.
+
+``PAIRED``: multi-process modules that time nothing (deadlines of minutes at most) and start
+real jobs of several processes: their workers wait on one another and on process starts
+(the tier alone keeps the two cores ~40% busy), so two at once take 5 min where one after the
+other took 8. ``BESIDE_SLURM``: modules that check state and losses bit for bit and time
+nothing, light enough to share the cores with the Slurm tier's mostly waiting jobs. A module
+in neither set owns the cores: a new module is timed alone unless it is put in one.
 """
 import os
 import pathlib
@@ -19,6 +25,12 @@ BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
     "test_elastic", "test_verify", "test_verify_cli", "test_verify_moe", "test_planted_bugs",
     "test_resize_lost", "test_prepared_world", "test_migrate_lost", "test_inject_vote",
     "test_migrate_group", "test_pool_local", "test_device_routing"))
+
+PAIRED = frozenset(f"tests/dist/{name}.py" for name in (
+    "test_inject", "test_inject_demo", "test_node_lost_coordinator", "test_coordinator_local",
+    "test_example", "test_example_worker", "test_own_script", "test_megatron_build",
+    "test_migrate", "test_coordinator_restart", "test_soak", "test_rendezvous_attack",
+    "test_prometheus_scrape", "test_bench"))
 
 SLURM_TIMEOUT_S = 600  # a Slurm test's least timeout (pyproject.toml's: 300 s)
 
@@ -35,8 +47,11 @@ def pytest_collection_modifyitems(config, items):
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        if item.nodeid.split("::")[0] in BESIDE_SLURM:
+        module = item.nodeid.split("::")[0]
+        if module in BESIDE_SLURM:
             item.add_marker(pytest.mark.beside_slurm)
+        elif module in PAIRED:
+            item.add_marker(pytest.mark.paired)
         if item.nodeid.startswith(SLURM_TIER):
             # the first one also brings the cluster up (on a fresh machine: installs the
             # Debian packages) while the other process runs multi-process tests: at least

@@ -18,10 +18,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_options
-from slurm_etc.local.backend import LocalBackend
-from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.protocol.recovery import Recovery
 

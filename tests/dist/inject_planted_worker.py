@@ -1,4 +1,5 @@
-"""The fault-injecting preset worker (slurm_etc.testing.worker) with a planted bug in the after-commit path: the shards a rank
+"""The fault-injecting preset worker (slurm_etc.testing.worker) with a planted bug in the
+after-commit path: the shards a rank
 holds when a new rank died before the install (``InstallInterrupted``) are perturbed by 1e-3,
 as if the held copy were corrupted. test_inject.py runs a job of these to show that its
 loss comparison catches it. Nothing in slurm-etc knows about this module.

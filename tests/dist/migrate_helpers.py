@@ -16,12 +16,12 @@ from functools import lru_cache
 import torch
 
 from slurm_etc.migrate.executor import MigrationAborted, MigrationOptions, execute_migration
-from slurm_etc.testing.fake_state import DTYPES, fake_shards, filled_shards, shard_mismatches
 from slurm_etc.migrate.faults import FaultInjector
 from slurm_etc.migrate.group import MigrationGroup, new_migration_group
 from slurm_etc.migrate.program import group_devices
 from slurm_etc.plan import Layout, ParallelConfig, Topology, default_pool, plan_migration
 from slurm_etc.plan.model import PRESETS, ModelDesc
+from slurm_etc.testing.fake_state import DTYPES, fake_shards, filled_shards, shard_mismatches
 
 
 @dataclass(frozen=True)

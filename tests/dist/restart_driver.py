@@ -16,10 +16,10 @@ from pathlib import Path
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.coordinator.backend import ReleaseDevices, RequestNodes
-from slurm_etc.local.script import script_from_dict
-from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.job import JobSpec
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.script import script_from_dict
 from slurm_etc.plan import load_model
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.testing.hooks import coordinator_crash_from_env

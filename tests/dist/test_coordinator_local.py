@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from slurm_etc.local.demo import demo_script, demo_spec
-from slurm_etc.local.backend import LocalBackend
 from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
+from slurm_etc.local.demo import demo_script, demo_spec
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.store import jobs as record

@@ -22,10 +22,10 @@ import sys
 
 import pytest
 
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_dict
-from slurm_etc.local.backend import LocalBackend
-from slurm_etc.coordinator.run import run_job
 from slurm_etc.migrate.faults import KILL_PHASES
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS

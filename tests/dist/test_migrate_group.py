@@ -34,8 +34,8 @@ def _worker(device: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from slurm_etc.migrate.executor import MigrationOptions, execute_migration
-    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
     from slurm_etc.migrate.group import connect_migration_group
+    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 
     torch.set_num_threads(1)
     try:

@@ -31,8 +31,8 @@ def _plan():
 
 def _survivor(rank, world):
     from slurm_etc.migrate.executor import MigrationOptions, execute_migration
-    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
     from slurm_etc.migrate.group import new_migration_group
+    from slurm_etc.testing.fake_state import fake_shards, shard_mismatches
 
     if rank in LOST:
         return None  # dead: takes part in nothing

@@ -2,10 +2,10 @@
 
 Backends: ``threads`` (ThreadTransport, ranks are threads of this process), ``gloo``
 (TorchTransport in 4 worker processes), ``gloo-backend`` (BackendTransport: gloo backends
-outside the default group, as a resize connects them) and ``nccl`` (TorchTransport over NCCL with one GPU per
-worker; skipped without at least 2 CUDA devices, never faked). Each check is a function run on
-every rank with that rank's transport and a barrier; the tests assert on what it returns.
-Checks that leave a group unusable by design (timeouts) get fresh groups.
+outside the default group, as a resize connects them) and ``nccl`` (TorchTransport over NCCL
+with one GPU per worker; skipped without at least 2 CUDA devices, never faked). Each check is a
+function run on every rank with that rank's transport and a barrier; the tests assert on what it
+returns. Checks that leave a group unusable by design (timeouts) get fresh groups.
 """
 from __future__ import annotations
 

@@ -31,15 +31,15 @@ from dataclasses import replace
 
 import pytest
 
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_dict
-from slurm_etc.local.backend import LocalBackend
-from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
+from slurm_etc.protocol.recovery import Recovery
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
-from slurm_etc.protocol.recovery import Recovery
 from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]

@@ -11,22 +11,22 @@ address only (``ss -ltnp`` of the coordinator: no ``*:PORT``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_dict
-from slurm_etc.local.backend import LocalBackend
-from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly

@@ -18,7 +18,6 @@ import dataclasses
 
 import pytest
 
-from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.harness.phases import PRELOAD, Transition
 from slurm_etc.harness.verify import (
     AFTER_STEPS,
@@ -27,6 +26,7 @@ from slurm_etc.harness.verify import (
     ORACLE_GATHER,
     verify_transition,
 )
+from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.pool.local import LocalWorkers
 

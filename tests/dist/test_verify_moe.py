@@ -19,8 +19,6 @@ import dataclasses
 
 import pytest
 
-from slurm_etc.megatron.build import refuse_on_local_spec
-from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.harness.phases import PRELOAD, Transition
 from slurm_etc.harness.verify import (
     AFTER_STEPS,
@@ -29,6 +27,8 @@ from slurm_etc.harness.verify import (
     ORACLE_GATHER,
     verify_transition,
 )
+from slurm_etc.megatron.build import refuse_on_local_spec
+from slurm_etc.megatron.checkpoint import megatron_reshards_optimizer
 from slurm_etc.plan import PRESETS, ParallelConfig
 from slurm_etc.plan.errors import ConfigError
 from slurm_etc.plan.model import ModelDesc

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
+from slurm_etc.coordinator.run import run_job
+from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_spec
 from slurm_etc.local.script import script_from_dict
-from slurm_etc.local.backend import LocalBackend
-from slurm_etc.coordinator.run import run_job
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
 from slurm_etc.store import jobs as record
