@@ -228,8 +228,11 @@ def record_launch(c: Coordinator, generation: int, vranks: Iterable[int]) -> Non
 
 
 def await_hello(c: Coordinator, vranks: Iterable[int], generation: int) -> None:
+    """The launched vranks wait for their Hello, in launch order (the oldest first: the
+    order :func:`.reconcile.late_to_join` reads them in)."""
     now = time.monotonic()
     for v in vranks:
+        c.launches.unjoined.pop(v, None)  # launched again: it goes to the end
         c.launches.unjoined[v] = (generation, now)
 
 

@@ -573,8 +573,15 @@ def answer(before: Resized | None, now: Resized) -> Resized:
 def late_to_join(unjoined: Mapping[int, tuple[int, float]], now: float,
                  join_timeout_s: float) -> list[int]:
     """Launched workers (vrank -> (generation, launched at)) that have not said Hello within
-    the join timeout: they never join."""
-    return sorted(v for v, (_g, at) in unjoined.items() if now - at > join_timeout_s)
+    the join timeout: they never join. ``unjoined`` is in launch order (the oldest first, as
+    the loop keeps it): the scan ends at the first worker still within its time, so a turn
+    with none late costs one look, not one a launched worker."""
+    late = []
+    for v, (_g, at) in unjoined.items():
+        if now - at <= join_timeout_s:
+            break
+        late.append(v)
+    return sorted(late)
 
 
 def warming_up(resize: InflightResize | None) -> bool:

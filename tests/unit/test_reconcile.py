@@ -259,6 +259,21 @@ def test_joiners_are_given_up_past_the_join_timeout_of_their_launch():
     assert late_to_join(unjoined, 191.0, 60.0) == [2, 3]
 
 
+def test_the_join_timeout_looks_at_the_oldest_launch_only_while_none_is_late():
+    class Counted(dict):  # counts the entries read
+        read = 0
+
+        def items(self):
+            for item in super().items():
+                Counted.read += 1
+                yield item
+
+    unjoined = Counted({v: (1, 100.0 + v) for v in range(10_000)})  # launch order
+    assert late_to_join(unjoined, 150.0, 60.0) == [] and Counted.read == 1
+    Counted.read = 0
+    assert late_to_join(unjoined, 162.5, 60.0) == [0, 1, 2] and Counted.read == 4
+
+
 def test_hello_without_ready_is_late_only_while_the_old_layout_is_not_ordered():
     fl = became_ready(resize(joiners=(2, 3), sent_at=0.0), 3)
     assert late_to_be_ready(fl, set(), 159.0, 60.0, True) == []  # within the timeout
