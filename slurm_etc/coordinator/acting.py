@@ -71,7 +71,7 @@ def start(c: Coordinator, action: ResizeDecision) -> None:
     clear_leaving(c, {w.vrank: w.device for w in workers})
     perform(c.io.backend, LaunchWorkers(gen, workers, c.spec.argv, env))
     record_launch(c, gen, layout.devices)
-    c.phase.first_layout = True
+    c.phase.started()
     await_hello(c, layout.devices, gen)
     logger.info("generation %d: %s on vranks %s", gen, layout.config, list(layout.devices))
 
@@ -288,7 +288,7 @@ def settle(c: Coordinator) -> None:
     for effect in effects:
         if isinstance(effect, reconcile.ReleaseLater):  # what is held changes first
             c.holdings = after
-            c.phase.first_layout = False
+            c.phase.trains()
             c.resize.times.append(c.io.clock())
             c.resize.inflight = None
             if c.watch.noticed_at is not None:  # a notice that came meanwhile waited

@@ -27,6 +27,7 @@ from slurm_etc.store import jobs as record
 
 from . import acting, devices, outlook, restart, verdicts
 from .backend import CancelRequest, ReleaseDevices, RequestNodes, perform
+from .job import Life
 
 if TYPE_CHECKING:
     from .loop import Coordinator
@@ -146,7 +147,7 @@ def prospects(c: Coordinator, wall: float) -> outlook.Prospects:
     training = c.layout is not None and verdicts.anyone_left(
         c.layout, c.io.backend.workers(), c.restart.found_dead)
     if training or c.resize.inflight is not None or c.phase.event_ids or \
-            c.phase.ending is not None:
+            c.phase.life is Life.ENDING:
         return outlook.Prospects(busy=True)
     if not c.held:
         why = "the job holds no device"
@@ -349,6 +350,6 @@ def stop_training(c: Coordinator) -> None:
     c.phase.stop_sent = True
     live = set(c.layout.devices) - c.launches.done
     logger.info("job %s: training ends at the backend's word (%s)", c.spec.job_id,
-                c.phase.ending)
+                c.phase.why)
     c.io.channel.broadcast(Stop(c.spec.job_id, c._stop_generation,
-                                c.phase.ending or ""), live)
+                                c.phase.why or ""), live)

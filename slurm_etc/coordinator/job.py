@@ -15,10 +15,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from slurm_etc.alloc.chooser import Hardware, TrainingJob
 from slurm_etc.alloc.topology import ClusterTopology, Device
+from slurm_etc.lifecycle import JobState
 from slurm_etc.policy.rules import EffectivePolicy
 from slurm_etc.protocol.env import DEFAULT_REATTACH_WAIT_S
 from slurm_etc.protocol.recovery import Recovery
@@ -203,25 +205,69 @@ class Restart:
     rebuilt_into_next: tuple[int, int] | None = None
 
 
+class Life(Enum):
+    """Where the job is in its life: STARTING, then TRAINING once a resize commits (or a
+    restart takes a layout up), ENDING at the backend's word; ENDED from any of them. Only a
+    start (the first layout, or one started again from a checkpoint) goes back, to
+    STARTING."""
+
+    # nothing launched yet, or a layout that a start launched and no resize has committed
+    # into: nothing of it may have trained, so a worker of it that never joins ends the job
+    STARTING = "starting"
+    # a layout reached by a resize, or taken up at a restart
+    TRAINING = "training"
+    # the backend ended training: the layout is stopped once no resize is in flight, and
+    # the job ends finished when every worker has exited
+    ENDING = "ending"
+    # cancelled, or stopped by what cannot go on (a model that differs, a first-layout
+    # worker that never joined): the loop ends at its next look
+    ENDED = "ended"
+
+
 @dataclass
 class Phase:
-    """Where the job is in its life: whether a decision is due (``dirty``; or due at the
-    first step), the events recorded and not yet decided on, whether the layout is the
-    first one launched, why the backend ended training and whether the Stop went out, why
-    the job was cancelled or must stop, the last decision's reason and Pause, and whether a
-    decision waits for the record (said once)."""
+    """Where the job is in its life (:class:`Life`, with why it is ending or ended and, once
+    ended, as what), whether the Stop of an ending went out; and what is due for a
+    decision: whether one is (``dirty``; or due at the first step), the events recorded
+    and not yet decided on, the last decision's reason and Pause, and whether a decision
+    waits for the record (said once)."""
 
+    life: Life = Life.STARTING
+    why: str | None = None
+    ends_as: JobState | None = None
+    stop_sent: bool = False
     dirty: bool = True
     dirty_at_first_step: bool = False
     event_ids: list[Any] = field(default_factory=list)
-    first_layout: bool = False
-    ending: str | None = None
-    stop_sent: bool = False
-    cancelled: str | None = None
-    fatal: str | None = None
     reason: str = ""
     paused: str | None = None
     held_for_record: bool = False
+
+    def started(self) -> None:
+        """A start launched a layout (the first, or one started again)."""
+        if self.life in (Life.STARTING, Life.TRAINING):
+            self.life = Life.STARTING
+
+    def trains(self) -> None:
+        """A resize committed, or a restart took a layout up."""
+        if self.life is Life.STARTING:
+            self.life = Life.TRAINING
+
+    def end_training(self, why: str) -> None:
+        """The backend ended training (its first word stands)."""
+        if self.life in (Life.STARTING, Life.TRAINING):
+            self.life, self.why = Life.ENDING, why
+
+    def end(self, state: JobState, why: str) -> None:
+        """The job ends as ``state`` (failed or cancelled) for ``why`` at the loop's next
+        look; the first end stands (a signal handler may call it: one assignment)."""
+        if self.life is not Life.ENDED:
+            self.life, self.why, self.ends_as = Life.ENDED, why, state
+
+    @property
+    def failed(self) -> str | None:
+        """Why the job must stop failed; None unless it must."""
+        return self.why if self.ends_as is JobState.FAILED else None
 
 
 @dataclass

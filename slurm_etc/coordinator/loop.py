@@ -48,7 +48,7 @@ from slurm_etc.store import jobs as record
 
 from . import acting, deciding, job_model, observe, reconcile, restart, verdicts
 from .backend import Backend, BackendError
-from .job import Edges, JobSpec, Launches, NodeRequest, Phase, Resizing, Restart, Watch
+from .job import Edges, JobSpec, Launches, Life, NodeRequest, Phase, Resizing, Restart, Watch
 from .journal import Journal
 from .reconcile import JobStopped
 
@@ -145,8 +145,8 @@ class Coordinator:
         record.set_job_state(self.io.store, self.spec.job_id, JobState.RUNNING)
         try:
             while True:
-                if self.phase.cancelled is not None:
-                    return self._end(JobState.CANCELLED, self.phase.cancelled)
+                if (ended := self._ended()) is not None:
+                    return ended
                 self.io.journal.retry()
                 # status tells a live coordinator from a lost one by this (at most 1/30 s)
                 record.heartbeat(self.io.store, self.spec.job_id)
@@ -155,8 +155,8 @@ class Coordinator:
                 observe.observe_workers(self)
                 observe.observe_backend(self)
                 observe.join_deadlines(self)
-                if self.phase.fatal is not None:
-                    raise JobStopped(self.phase.fatal)
+                if (ended := self._ended()) is not None:
+                    return ended
                 if verdicts.finished(self.layout, self.launches.done):
                     if self.resize.inflight is not None:
                         acting.finished_first(self, self.resize.inflight)
@@ -167,7 +167,7 @@ class Coordinator:
                     return self._end(JobState.FAILED, dead)
                 if self.resize.inflight is not None:
                     acting.settle(self)
-                elif self.phase.ending is not None:
+                elif self.phase.life is Life.ENDING:
                     deciding.stop_training(self)
                 elif (self.phase.dirty or deciding.request_overdue(self)) and \
                         deciding.record_holds(self):
@@ -187,7 +187,15 @@ class Coordinator:
         """End the job as ``cancelled`` with ``reason`` at the loop's next turn (a signal
         handler calls it: nothing is cut short in the middle of a record write or an
         action)."""
-        self.phase.cancelled = reason
+        self.phase.end(JobState.CANCELLED, reason)
+
+    def _ended(self) -> str | None:
+        """The job's end where it was cancelled or must stop (``Life.ENDED``), else None."""
+        if self.phase.life is not Life.ENDED:
+            return None
+        if self.phase.failed is not None:
+            raise JobStopped(self.phase.failed)
+        return self._end(self.phase.ends_as or JobState.CANCELLED, self.phase.why or "")
 
     def _end(self, state: JobState, reason: str, result: str | None = None) -> str:
         reason = reason[:250]

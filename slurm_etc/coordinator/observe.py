@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from slurm_etc.alloc.topology import Device
-from slurm_etc.lifecycle import ProcessOutcome
+from slurm_etc.lifecycle import JobState, ProcessOutcome
 from slurm_etc.protocol.messages import (
     CopiesChosen,
     Exited,
@@ -40,6 +40,7 @@ from .backend import (
     WorkerExited,
     perform,
 )
+from .job import Life
 from .pause import MeasuredPause
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def observe_backend(c: Coordinator) -> None:
     seen: list[record.Observed] = []
     for event in c.io.backend.poll():
         if isinstance(event, EndTraining):
-            c.phase.ending = c.phase.ending or event.reason
+            c.phase.end_training(event.reason)
             continue  # the job's end says it (nothing for a decision)
         if stale_exit(c, event):
             continue
@@ -254,7 +255,7 @@ def model_built(c: Coordinator, vrank: int, got: ModelReport) -> None:
     """A worker built its model: the job plans with it, or stops (job_model.model_built)."""
     heard = job_model.model_built(c.known, c.spec.job, vrank, got)
     if heard.fatal is not None:
-        c.phase.fatal = c.phase.fatal or heard.fatal
+        c.phase.end(JobState.FAILED, heard.fatal)
     elif heard.known is not c.known:
         c.known = heard.known
         c.spec = replace(c.spec, job=heard.job)
@@ -266,7 +267,7 @@ def model_built(c: Coordinator, vrank: int, got: ModelReport) -> None:
 def chunks_said(c: Coordinator, chunks: bool) -> None:
     """A worker's script builds virtual pipeline chunks: vpp layouts may be chosen."""
     job = job_model.chunks_said(c.spec.job, chunks)
-    if job is not c.spec.job and not c.phase.fatal:
+    if job is not c.spec.job and c.phase.failed is None:
         c.spec = replace(c.spec, job=job)
         c.phase.dirty = True
 
@@ -385,10 +386,10 @@ def never_joined(c: Coordinator, vrank: int, device: Device, what: str,
     fl = c.resize.inflight
     in_resize = fl is not None and vrank in fl.participants
     got = verdicts.never_joined(
-        vrank, what, clean, first_layout=c.phase.first_layout, in_resize=in_resize,
+        vrank, what, clean, first_layout=c.phase.life is Life.STARTING, in_resize=in_resize,
         in_layout=c.layout is not None and vrank in c.layout.devices)
     if got.fatal:
-        c.phase.fatal = c.phase.fatal or got.why
+        c.phase.end(JobState.FAILED, got.why)
         return
     if fl is not None and in_resize:
         c.resize.inflight = reconcile.died(fl, vrank, got.why)

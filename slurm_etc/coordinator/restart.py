@@ -176,6 +176,7 @@ def reattach(c: Coordinator, got: record.ResumePoint) -> bool:
     c.resize.last_generation = max(c.resize.last_generation, got.last_generation)
     c.io.channel.generation = gen
     c.restart.reattached = True
+    c.phase.trains()  # taken up: a worker of it that never comes back is a loss, not a start
     # joiners of the aborted resize: nothing takes them in
     c.resize.idle = set(got_up.idle)
     live = [v for v in members if v not in got_up.dead]

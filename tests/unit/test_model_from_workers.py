@@ -114,13 +114,13 @@ def test_without_model_first_layout_is_one_worker_then_plans_with_the_reported_o
         # nothing decided before the model is known
         assert c.resize.inflight is None and c.phase.dirty
         observe.model_built(c, 0, ModelReport.of(OWN, 8, 2))
-        assert c.phase.fatal is None
+        assert c.phase.failed is None
         assert c.spec.job.model.hidden == 96 and c.spec.job.global_batch == 8
         assert c.spec.job.micro_batch == 2 and c.phase.dirty
         observe.model_built(c, 1, ModelReport.of(OWN, 8, 2))  # the same: nothing happens
-        assert c.phase.fatal is None
+        assert c.phase.failed is None
         observe.model_built(c, 2, ModelReport.of(replace(OWN, num_heads=4), 8, 2))
-        assert c.phase.fatal == ("the model differs: num_heads: 4 in vrank 2's training script, "
+        assert c.phase.failed == ("the model differs: num_heads: 4 in vrank 2's training script, "
                            "6 in vrank 0's training script")
 
 
@@ -148,7 +148,7 @@ def test_given_model_that_differs_stops_the_job_with_one_line(tmp_path: Path) ->
                                 model_label="--model tiny")
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(OWN, 8, 1))
-        assert c.phase.fatal == ("the model differs: num_layers: 2 in vrank 0's training script, "
+        assert c.phase.failed == ("the model differs: num_layers: 2 in vrank 0's training script, "
                            "4 in --model tiny")
         assert c.spec.job.model == TINY
 
@@ -159,9 +159,9 @@ def test_given_batch_that_differs_stops_the_job_and_a_matching_model_passes(
                                 model_label="--model tiny")
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(LIVE_TINY, 8, 1))
-        assert c.phase.fatal is None
+        assert c.phase.failed is None
         observe.model_built(c, 1, ModelReport.of(LIVE_TINY, 8, 2))
-        assert c.phase.fatal == ("the batch differs: micro_batch: 2 in vrank 1's training script, "
+        assert c.phase.failed == ("the batch differs: micro_batch: 2 in vrank 1's training script, "
                            "1 in --micro-batch")
 
 
@@ -170,11 +170,11 @@ def test_given_model_without_batch_takes_the_batch_from_the_workers(tmp_path: Pa
                                 batch_from_workers=True, model_label="--model tiny")
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(LIVE_TINY, 16, 2))
-        assert c.phase.fatal is None and c.spec.job.model == TINY
+        assert c.phase.failed is None and c.spec.job.model == TINY
         assert (c.spec.job.global_batch, c.spec.job.micro_batch) == (16, 2)
         observe.model_built(c, 1, ModelReport.of(LIVE_TINY, 8, 2))
-        assert c.phase.fatal == ("the batch differs: global_batch: 8 in vrank 1's training script, "
-                           "16 in vrank 0's training script")
+        assert c.phase.failed == ("the batch differs: global_batch: 8 in vrank 1's training "
+                                  "script, 16 in vrank 0's training script")
 
 
 # ---- every field that changes the catalog or the chooser travels ------------------------
@@ -232,7 +232,7 @@ def test_without_model_a_moe_script_is_planned_as_the_moe_it_is(tmp_path: Path) 
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(_resolved(PRESETS["tiny-moe"]), 8, 1))
-        assert c.phase.fatal is None
+        assert c.phase.failed is None
         planned = c.spec.job.model
         assert planned.moe and planned.num_experts == 4 and planned.topk == 2
         assert planned.expert_ffn_size == 64
@@ -245,15 +245,15 @@ def test_given_model_that_differs_only_in_experts_is_named_in_one_line(
                                 model_label="--model tiny-moe")
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(_resolved(moe), 8, 1))
-        assert c.phase.fatal is None  # the same model, its defaults spelled out
+        assert c.phase.failed is None  # the same model, its defaults spelled out
         observe.model_built(c, 1, ModelReport.of(_resolved(replace(moe, num_experts=8)), 8, 1))
-        assert c.phase.fatal == ("the model differs: num_experts: 8 in vrank 1's training script, "
+        assert c.phase.failed == ("the model differs: num_experts: 8 in vrank 1's training script, "
                            "4 in --model tiny-moe")
     backend, ctx = _coordinator(tmp_path / "dense", training=provisional_job(TINY, 8, 1, False),
                                 model_label="--model tiny")
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(replace(LIVE_TINY, qk_layernorm=True), 8, 1))
-        assert c.phase.fatal == ("the model differs: qk_layernorm: true in vrank 0's training "
+        assert c.phase.failed == ("the model differs: qk_layernorm: true in vrank 0's training "
                            "script, false in --model tiny")
 
 
@@ -265,7 +265,7 @@ def test_micro_batch_alone_is_checked_against_the_workers(tmp_path: Path) -> Non
                                 micro_batch_given=True)
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(OWN, 8, 2))
-        assert c.phase.fatal == ("the batch differs: micro_batch: 2 in vrank 0's training script, "
+        assert c.phase.failed == ("the batch differs: micro_batch: 2 in vrank 0's training script, "
                            "4 in --micro-batch")
     backend, ctx = _coordinator(tmp_path / "same", training=provisional_job(None, None, 4,
                                                                              False),
@@ -273,7 +273,7 @@ def test_micro_batch_alone_is_checked_against_the_workers(tmp_path: Path) -> Non
                                 micro_batch_given=True)
     with ctx as (c, _db):
         observe.model_built(c, 0, ModelReport.of(OWN, 16, 4))
-        assert c.phase.fatal is None
+        assert c.phase.failed is None
         assert (c.spec.job.global_batch, c.spec.job.micro_batch) == (16, 4)
 
 
@@ -317,8 +317,9 @@ def test_a_reported_moe_that_does_not_fit_together_stops_the_job_and_the_log_sho
     backend, ctx = _coordinator(tmp_path, model_from_workers=True, batch_from_workers=True)
     with ctx as (c, _db):
         observe.model_built(c, 0, msgspec.structs.replace(moe, num_experts=2, router_topk=4))
-        assert c.phase.fatal == ("vrank 0's training script builds a model that cannot be planned: "
-                           "model tiny-moe: router_topk (4) must be at most num_experts (2)")
+        assert c.phase.failed == ("vrank 0's training script builds a model that cannot be "
+                                  "planned: model tiny-moe: router_topk (4) must be at most "
+                                  "num_experts (2)")
     line = describe_job(TrainingJob(PRESETS["tiny-moe"], 8, 1))
     assert "ffn 128, 4 experts (top 2, expert ffn 64), vocab 256" in line, line
     assert "experts" not in describe_job(TrainingJob(TINY, 8, 1))
