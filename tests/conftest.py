@@ -2,15 +2,16 @@
 `make test` spreads the tiers over two processes (pytest-xdist).
 
 `make test` runs the multi-process modules that time something alone first (the measured
-pause, the zero-stall grow, the data-phase and scaling benchmarks, bounds on timeouts: they
-own both cores); then those in ``PAIRED``, two modules at a time; then the Slurm tier in one
+pause, the zero-stall grow, the migration's throughput, bounds on timeouts: they own both
+cores); then those in ``PAIRED``, two modules at a time; then the Slurm tier in one
 process, in order (one cluster: its session fixture holds it until that process ends), beside
 the unit tier and the modules in ``BESIDE_SLURM`` in the other.
 
-``PAIRED``: multi-process modules that time nothing (deadlines of minutes at most) and start
-real jobs of several processes: their workers wait on one another and on process starts
-(the tier alone keeps the two cores ~40% busy), so two at once take 5 min where one after the
-other took 8. ``BESIDE_SLURM``: modules that check state and losses bit for bit and time
+``PAIRED``: multi-process modules that time nothing (deadlines of minutes at most; the
+benchmarks among them check which figures exist and how they add up, not how large they are)
+and start real jobs of several processes: their workers wait on one another and on process
+starts (the tier alone keeps the two cores ~40% busy), so two at once take 5 min where one
+after the other took 8. ``BESIDE_SLURM``: modules that check state and losses bit for bit and time
 nothing, light enough to share the cores with the Slurm tier's mostly waiting jobs. A module
 in neither set owns the cores: a new module is timed alone unless it is put in one.
 """
@@ -30,7 +31,8 @@ PAIRED = frozenset(f"tests/dist/{name}.py" for name in (
     "test_inject", "test_inject_demo", "test_node_lost_coordinator", "test_coordinator_local",
     "test_example", "test_example_worker", "test_own_script", "test_megatron_build",
     "test_migrate", "test_coordinator_restart", "test_soak", "test_rendezvous_attack",
-    "test_prometheus_scrape", "test_bench"))
+    "test_prometheus_scrape", "test_bench", "test_migrate_scaling", "test_data_phase_bench",
+    "test_bench_control", "test_node_lost"))
 
 SLURM_TIMEOUT_S = 600  # a Slurm test's least timeout (pyproject.toml's: 300 s)
 
