@@ -1,21 +1,21 @@
 """Tier markers: tests under tests/<tier>/ get that tier's marker automatically; and how
 `make test` spreads the tiers over two processes (pytest-xdist).
 
-`make test` runs the multi-process modules that time something alone first (the measured
-pause, the zero-stall grow, the migration's throughput, bounds on timeouts: they own both
-cores); then those in ``PAIRED``, two modules at a time; then the Slurm tier in one
-process, in order (one cluster: its session fixture holds it until that process ends), beside
-the unit tier and the modules in ``BESIDE_SLURM`` in the other.
+`make test` runs first, alone, the multi-process modules that time something or act on a
+running job from the test process (the measured pause, the zero-stall grow, the migration's
+throughput, bounds on timeouts, a coordinator killed at a step: they own both cores); then
+those in ``PAIRED``, two modules at a time; then the Slurm tier in one process, in order (one
+cluster: its session fixture holds it until that process ends), beside the unit tier and the
+modules in ``BESIDE_SLURM`` in the other.
 
 ``PAIRED``: multi-process modules that time nothing (deadlines of minutes at most; the
 benchmarks among them check which figures exist and how they add up, not how large they are)
-and whose faults come at scripted steps, not from the test process while a job runs (a
-coordinator killed at a step it saw, an attacker or a scraper beside a job: under twice the
-load the job outran them), and start real jobs of several processes: their workers wait on one another and on process
-starts (the tier alone keeps the two cores ~40% busy), so two at once take 5 min where one
-after the other took 8. ``BESIDE_SLURM``: modules that check state and losses bit for bit and time
-nothing, light enough to share the cores with the Slurm tier's mostly waiting jobs. A module
-in neither set owns the cores: a new module is timed alone unless it is put in one.
+and whose faults come at scripted steps, not from the test process while a job runs (under
+twice the load such jobs outran their tests). Their workers wait on one another and on
+process starts (the tier alone keeps the two cores ~40% busy), so two at once take far less
+than one after the other. ``BESIDE_SLURM``: modules that check state and losses bit for bit
+and time nothing, light enough to share the cores with the Slurm tier's mostly waiting jobs.
+A module in neither set owns the cores: a new module runs alone unless it is put in one.
 """
 import os
 import pathlib
