@@ -28,25 +28,28 @@ from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 
-STEPS = 24
+# the events at 4, 8, 12 and 16 and the end at STEPS count the steps trained outside resizes
+# (settled_steps), whatever the old layouts train while a resize starts; BUDGET: the workers'
+# (their learning-rate schedule's length)
+STEPS, BUDGET = 24, 60
 
 
 def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
     model = PRESETS["tiny"]
     job_id = "e2e-local"
     seen: list[dict] = []
-    script = demo_script(STEPS)
+    script = demo_script(STEPS, settled_steps=True, end=True)
     backend = LocalBackend(script, log_dir=tmp_path / "workers", preload=True)
     # resizes at fixed steps: ordered at once and prepared where agreed (a run this short
     # would end inside the joiners' warm-up; tests/dist/test_zero_stall_local.py holds the
     # zero-stall path to checkpoint-restart)
-    spec = replace(demo_spec(job_id, model, STEPS), order_after_joined=False,
+    spec = replace(demo_spec(job_id, model, BUDGET), order_after_joined=False,
                    prepare_while_training=False)
     out = run_job(spec, backend, backend.topology,
                   db=str(tmp_path / "job.db"), state_dir=str(tmp_path / "state"),
                   progress=seen.append, deadline_s=1200)
     assert out["state"] == "finished", out
-    assert out["step"] == STEPS
+    assert STEPS <= out["step"] < BUDGET
     store = open_store_readonly(tmp_path / "job.db")
     try:
         detail = record.job_detail(store, job_id)
@@ -69,7 +72,7 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
     for m in detail.migrations:
         assert m.moved_bytes >= m.lower_bound_bytes
         assert m.pause_seconds is not None and m.pause_seconds > 0
-    assert gens[-1].last_step == STEPS
+    assert gens[-1].last_step == out["step"]
     assert out["reaction_s"] and max(out["reaction_s"]) < 5.0
 
     # what a user sees: `slurm-etc status --json` in a process of its own
@@ -90,8 +93,8 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
     configs = tuple(ParallelConfig.parse(g.layout) for g in gens)
     ends = tuple(g.last_step for g in gens)
     seq = ResizeSequence(model, configs, steps=1, global_batch=8, ends=ends,
-                         total_steps=STEPS)
+                         total_steps=BUDGET)
     reference = checkpoint_losses(seq)
     losses = {p["step"]: p["loss"] for p in seen}
-    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sorted(losses) == list(range(1, out["step"] + 1))
     assert losses == {s: r["loss"] for s, r in reference.items()}
