@@ -30,7 +30,7 @@ BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
     "test_migrate_group", "test_pool_local", "test_device_routing"))
 
 PAIRED = frozenset(f"tests/dist/{name}.py" for name in (
-    "test_node_lost_coordinator", "test_coordinator_local",
+    "test_inject", "test_inject_demo", "test_node_lost_coordinator", "test_coordinator_local",
     "test_example", "test_example_worker", "test_own_script", "test_megatron_build",
     "test_migrate", "test_soak", "test_bench", "test_migrate_scaling", "test_data_phase_bench",
     "test_bench_control", "test_node_lost"))
