@@ -45,7 +45,11 @@ from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(1200)]
 
 MODEL = PRESETS["tiny"]
-STEPS, GB, EVERY, LOSE_AT = 12, 8, 2, 9
+# BUDGET: the workers' budget (their learning-rate schedule's length); the events and the end
+# at END_STEP count the steps trained outside resizes (``settled_steps``): under load the old
+# layout trains on while the grow's joiner starts (with a fixed 12 steps the grow once landed
+# at step 11, before the loss could come)
+BUDGET, END_STEP, GB, EVERY, LOSE_AT = 60, 12, 8, 2, 9
 
 
 def _script(grant_at: int = 1, lose_at: int | None = LOSE_AT):
@@ -53,6 +57,7 @@ def _script(grant_at: int = 1, lose_at: int | None = LOSE_AT):
     if lose_at is not None:
         events.append({"at_step": lose_at, "lose": ["n1"], "reason": "node failure"})
     return script_from_dict({"nodes": 2, "gpus_per_node": 1, "initial_nodes": 1,
+                             "settled_steps": True, "end_step": END_STEP,
                              "events": events}, "<lost>")
 
 
@@ -60,7 +65,7 @@ def _run(tmp_path, name: str, recovery: Recovery, env: dict | None = None,
          script=None) -> dict:
     # resizes at fixed steps: ordered at once and prepared where agreed (a run this
     # short would end inside the joiners' warm-up)
-    spec = replace(demo_spec(f"lost-{name}", MODEL, STEPS, global_batch=GB),
+    spec = replace(demo_spec(f"lost-{name}", MODEL, BUDGET, global_batch=GB),
                    order_after_joined=False,
                    prepare_while_training=False)
     # the planted faults (env): the preset worker with its hooks set from them
@@ -106,12 +111,20 @@ def _rollback(run: dict, source: str = "peer-copies", every: int | None = EVERY)
     lost = [s for s in old_steps if s > back]
     assert lost == list(range(back + 1, last + 1)), by_gen
     assert rebuilt.lost_steps == ((back + 1, last) if lost else None), (rebuilt, by_gen)
-    assert new_steps == list(range(back + 1, STEPS + 1)), by_gen
+    assert new_steps == list(range(back + 1, _end(run) + 1)), by_gen
     assert back > gens[1].first_step  # a copy/checkpoint of that layout
     assert every is None or back % every == 0
     assert last >= LOSE_AT
     return {"configs": tuple(_config(g.layout) for g in gens),
-            "ends": (gens[0].last_step, back, STEPS), "lost": rebuilt.lost_steps}
+            "ends": (gens[0].last_step, back, _end(run)), "lost": rebuilt.lost_steps}
+
+
+def _end(run: dict) -> int:
+    """The step the job finished at (``END_STEP`` settled steps, and the steps trained
+    through resizes)."""
+    step = run["out"]["step"]
+    assert END_STEP <= step < BUDGET, run["out"]
+    return step
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +134,7 @@ def references():
     def get(configs, ends) -> dict:
         if (configs, ends) not in cache:
             seq = ResizeSequence(MODEL, configs, steps=1, global_batch=GB, ends=ends,
-                                 total_steps=STEPS)
+                                 total_steps=BUDGET)
             cache[(configs, ends)] = checkpoint_losses(seq)
         return cache[(configs, ends)]
 
@@ -132,7 +145,7 @@ def oracle(run: dict, reference: dict) -> list[str]:
     """Steps whose loss, LR or consumed samples differ from checkpoint-restart (the last
     report of each step: replayed steps count as trained again)."""
     final = {p["step"]: p for p in run["seen"]}
-    problems = [] if sorted(final) == list(range(1, STEPS + 1)) else [
+    problems = [] if sorted(final) == list(range(1, _end(run) + 1)) else [
         f"steps reported: {sorted(final)}"]
     for step, p in sorted(final.items()):
         ref = reference.get(step)
@@ -208,7 +221,8 @@ def test_after_commit_kill_without_replica_is_rebuilt_from_the_checkpoint(tmp_pa
     # one device before and after: checkpoint-restart there is one uninterrupted layout
     one = _config(gens[0].layout)
     assert _config(gens[2].layout) == one
-    seq = ResizeSequence(MODEL, (one,), steps=STEPS, global_batch=GB)
+    seq = ResizeSequence(MODEL, (one,), steps=_end(run), global_batch=GB,
+                         total_steps=BUDGET)
     assert oracle(run, checkpoint_losses(seq)) == []
 
 
