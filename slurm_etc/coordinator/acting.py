@@ -185,11 +185,16 @@ def none_left(c: Coordinator, old: Layout) -> None:
 
 def order_stayers(c: Coordinator) -> None:
     """Send the order to the workers of the old layout (the pause starts at their next
-    step boundary)."""
+    step boundary): to a few (:func:`reconcile.first_told`; the step's collectives give it
+    to the rest), to all where it names the dead or none of the few was reached."""
     fl = c.resize.inflight
     assert fl is not None
-    missed = c.io.channel.broadcast(fl.order, set(fl.stayers))
-    fl = reconcile.ordered(fl, fl.stayers - set(missed), time.monotonic())
+    to = set(reconcile.first_told(fl))
+    missed = set(c.io.channel.broadcast(fl.order, to))
+    if missed >= to and to != set(fl.stayers):
+        to = set(fl.stayers)
+        missed = set(c.io.channel.broadcast(fl.order, to - missed)) | missed
+    fl = reconcile.ordered(fl, to - missed, time.monotonic())
     c.resize.inflight = fl
     if fl.order.lost and c.io.post is not None:
         # the survivors wait at a step boundary for votes the dead never give: the
@@ -316,8 +321,10 @@ def close_vote(c: Coordinator, fl: InflightResize, close: reconcile.CloseVote
     if held != ABORT:
         c.resize.inflight = reconcile.vote_looked_at(fl)
         return reconcile.Wait()
-    told = set(fl.told) - set(fl.dead)
-    if told:  # a worker that has not taken the order up yet drops it
+    # every live participant: the old layout's ranks not told learned the order from the
+    # told at a step's decision (a worker that has not taken the order up yet drops it)
+    told = (set(fl.told) | set(fl.stayers)) - set(fl.dead)
+    if told:
         c.io.channel.broadcast(Abort(c.spec.job_id, fl.order.generation, close.why),
                                told)
     return reconcile.Abort(close.why, retry=True)

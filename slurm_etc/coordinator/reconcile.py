@@ -103,6 +103,14 @@ RESEND_MAX_S = 60.0
 # the replay window drops it. At 16,384 simulated ranks the resends at 5, 10 and 20 s to the
 # whole old layout were 49,000 messages of a grow while its ranks reached their boundary.
 STAYER_RESENDS_FROM = 3
+# A resize that names no dead goes to this many ranks of the old layout, one a node (those
+# that stay first), not to all of them: one rank told is enough, the step's collectives give
+# the order to the rest at the boundary that takes it up (worker/agreement.py), so a rank
+# more told is a message more at the coordinator and no sooner a pause. More than one: a
+# told rank that is slow to read its socket does not hold the order back. An order naming
+# the dead goes to every survivor (their collectives with the dead failed: each waits for
+# it on its own).
+ORDER_COPIES = 4
 # A resize under a notice is prepared beside training when the grace left is at least this
 # many times the longest preparation beside training measured so far (plus the plan's
 # estimate): shared with training, the preparation's time varies with the steps it shares
@@ -357,6 +365,26 @@ def replayed(resize: InflightResize, report: Progress) -> InflightResize:
     """A step of the rebuilt layout, trained again before the resize settled: it counts once
     settled."""
     return replace(resize, early=resize.early.appending(report))
+
+
+def first_told(resize: InflightResize) -> frozenset[int]:
+    """The old layout's ranks the order of ``resize`` goes to (:data:`ORDER_COPIES`): every
+    live one where it names the dead; else the lowest vrank on each of the first
+    :data:`ORDER_COPIES` nodes of those that stay in the new layout (any stayers where
+    fewer stay). Once a resize: O(stayers)."""
+    if resize.order.lost or len(resize.stayers) <= ORDER_COPIES:
+        return resize.stayers
+    staying = set(resize.order.new.devices)
+    chosen: list[int] = []
+    nodes: set[str] = set()
+    for v in sorted(resize.stayers, key=lambda v: (v not in staying, v)):
+        node = resize.vranks[v].node if v in resize.vranks else f"vrank {v}"
+        if node not in nodes:
+            nodes.add(node)
+            chosen.append(v)
+            if len(chosen) == ORDER_COPIES:
+                break
+    return frozenset(chosen)
 
 
 def told(resize: InflightResize, vrank: int) -> InflightResize:

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import pytest
 
+from slurm_etc.coordinator import reconcile
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_script, demo_spec
@@ -34,7 +35,20 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 STEPS, BUDGET = 24, 60
 
 
-def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
+def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
+    # a planned resize's order to one rank of the old layout (reconcile.first_told; 4 by
+    # default, so every rank of these small layouts): the others learn it from the step's
+    # collectives, the path of a large job's layouts
+    monkeypatch.setattr(reconcile, "ORDER_COPIES", 1)
+    told: list[tuple[int, int]] = []  # (ranks of the old layout told, its live ranks)
+    first_told = reconcile.first_told
+
+    def counted(resize):
+        chosen = first_told(resize)
+        told.append((len(chosen), len(resize.stayers)))
+        return chosen
+
+    monkeypatch.setattr(reconcile, "first_told", counted)
     model = PRESETS["tiny"]
     job_id = "e2e-local"
     seen: list[dict] = []
@@ -50,6 +64,8 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path):
                   progress=seen.append, deadline_s=1200)
     assert out["state"] == "finished", out
     assert STEPS <= out["step"] < BUDGET
+    # the grow and the preemption told one of their old layout's ranks (the loss every one)
+    assert sum(1 for n, live in told if n == 1 < live) >= 2, told
     store = open_store_readonly(tmp_path / "job.db")
     try:
         detail = record.job_detail(store, job_id)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from slurm_etc.coordinator.reconcile import (
+    ORDER_COPIES,
     RESEND_MAX_S,
     RESEND_S,
     STAYER_RESENDS_FROM,
@@ -29,6 +30,7 @@ from slurm_etc.coordinator.reconcile import (
     became_ready,
     decided_commit,
     died,
+    first_told,
     late_answer,
     late_answers,
     late_to_be_ready,
@@ -148,6 +150,44 @@ def test_the_old_layout_gets_it_again_late_and_never_once_a_step_decided_it():
     assert settle(fl, late, TIMEOUT).resend == {0, 1, 2}
     assert settle(agreed(fl), late, TIMEOUT).resend == {2}
     assert settle(agreed(answers(fl, said(2))), late, TIMEOUT).resend == frozenset()
+
+
+def _grow_on_nodes(nodes: int, per_node: int, lost=(), leaving=()) -> InflightResize:
+    """A dp grow of a layout on ``nodes`` nodes of ``per_node`` (vranks in node order,
+    ``leaving`` not in the new layout) by one node."""
+    from slurm_etc.alloc.topology import Device
+
+    old = [v for v in range(nodes * per_node) if v not in lost]
+    new = [v for v in old if v not in leaving] + list(range(nodes * per_node,
+                                                             (nodes + 1) * per_node))
+    vranks = {v: Device(f"n{v // per_node}", v % per_node) for v in range(len(old) + per_node
+                                                                          + len(lost))}
+    order = Resize("j", 2, LayoutSpec.make(f"dp={nodes * per_node},tp=1,pp=1",
+                                           range(nodes * per_node)),
+                   LayoutSpec.make(f"dp={len(new)},tp=1,pp=1", new), lost=tuple(lost))
+    return InflightResize(order=order, plan=None, migration_id=7,
+                          participants=frozenset(old) | frozenset(new),
+                          joiners=frozenset(new) - frozenset(old), vranks=vranks,
+                          release=frozenset(), started=100.0, stayers=frozenset(old))
+
+
+def test_a_planned_order_goes_to_a_few_ranks_of_the_old_layout_one_a_node():
+    """One rank told is enough (the step's collectives give the order to the rest): a
+    planned resize's order goes to ORDER_COPIES ranks on as many nodes, those staying
+    first; one naming the dead goes to every survivor (each waits for it alone)."""
+    fl = _grow_on_nodes(2048, 8)
+    chosen = first_told(fl)
+    assert chosen == {0, 8, 16, 24}
+    assert len({fl.vranks[v].node for v in chosen}) == ORDER_COPIES
+    # leaving ranks (a shrink's, under notice) are told only where too few stay
+    leaving = _grow_on_nodes(4, 8, leaving=range(0, 24))
+    assert first_told(leaving) == {24, 0, 8, 16}
+    assert first_told(_grow_on_nodes(8, 8, leaving=range(0, 16))) == {16, 24, 32, 40}
+    # a loss: every survivor
+    lost = _grow_on_nodes(16, 8, lost=(3,))
+    assert first_told(lost) == lost.stayers and len(lost.stayers) == 127
+    # a small layout: all of it
+    assert first_told(_grow_on_nodes(1, 2)) == {0, 1}
 
 
 def test_resends_come_twice_as_late_each_time_up_to_the_bound():
