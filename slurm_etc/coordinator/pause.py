@@ -1,14 +1,17 @@
 """A resize's training pause, measured at the step boundaries.
 
-Every process of a new layout reports (:class:`~slurm_etc.protocol.messages.Resumed`) when its
-first step in that layout began and when its last step in the old layout ended (a joiner:
-when the old layout's last step ended). The difference is that process's training gap; the
-migration's pause is the largest gap over the new layout's processes, whatever happened in
-between (agreement, warm-up of joiners, preparation of the new world, data phase, commit
-vote, switch). The time from the coordinator's decision to the start of that gap (planning,
-launching and warming up joiners while the old layout trained on) is the preparation,
-recorded apart. Measured this way a pause cannot start after planning or end before the
-first new step, which a timer around the resize code would let it do.
+Every process of a new layout reports (:class:`~slurm_etc.protocol.messages.Resumed`) when
+its first step in that layout began and when its last step in the old layout ended (a
+joiner: when the old layout's last step ended). The difference is that process's training
+gap; the migration's pause is the largest gap over the new layout's processes, whatever
+happened in between (agreement, warm-up of joiners, preparation of the new world, data
+phase, commit vote, switch). The layout's ranks find its widest gap and widest stall
+together (one all-reduce) and only those ranks report, each for all the layout
+(``Resumed.widest_of``, ``stall_of``); where that all-reduce failed each reports its own.
+The time from the coordinator's decision to the start of that gap (planning, launching and
+warming up joiners while the old layout trained on) is the preparation, recorded apart.
+Measured this way a pause cannot start after planning or end before the first new step,
+which a timer around the resize code would let it do.
 
 Training can also stop once before the pause, while the resize is prepared beside it: a
 stayer builds the new world (groups, model, DDP, optimizer) at one step boundary of the old
@@ -85,8 +88,11 @@ class MeasuredPause:
     interrupted_seconds: float = 0.0
 
 
-def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPause | None:
-    """The pause of one migration from its processes' gaps (None: no gap known)."""
+def measured_pause(gaps: Iterable[ProcessGap], decided_at: float,
+                   processes: int | None = None) -> MeasuredPause | None:
+    """The pause of one migration from its processes' gaps (None: no gap known);
+    ``processes``: how many the gaps stand for (default: as many as there are; the
+    widest gap and stall a layout found together stand for all of it)."""
     known = list(gaps)
     if not known:
         return None
@@ -94,7 +100,8 @@ def measured_pause(gaps: Iterable[ProcessGap], decided_at: float) -> MeasuredPau
     widest = max(known, key=lambda g: (g.seconds, -g.vrank))
     stalled = max(known, key=lambda g: (g.stalled, -g.vrank))
     return MeasuredPause(widest.seconds, widest.last_ended, widest.started,
-                         max(0.0, widest.last_ended - decided_at), len(known), widest.vrank,
+                         max(0.0, widest.last_ended - decided_at),
+                         len(known) if processes is None else processes, widest.vrank,
                          stalled.stalled, stalled.vrank if stalled.stalled > 0 else None,
                          widest.interrupted)
 
@@ -107,15 +114,37 @@ class _Committed:
 
 
 @dataclass
+class _Widest:
+    """What the layout's ranks found together (``Resumed.widest_of``, ``stall_of``): the
+    report of the widest gap and of the widest stall, each standing for ``processes``."""
+
+    # (the report's gap,): its gap may be unknown (None); None: no such report yet
+    gap: tuple[ProcessGap | None] | None = None
+    stall: tuple[ProcessGap | None] | None = None
+    processes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.gap is not None and self.stall is not None
+
+    def gaps(self) -> dict[int, ProcessGap]:
+        """The known gaps of the reports, by vrank (one rank may be both)."""
+        return {g.vrank: g for got in (self.gap, self.stall) if got is not None
+                for g in got if g is not None}
+
+
+@dataclass
 class PauseTracker:
     """Collects the Resumed reports of each generation and yields a migration's pause once
-    every process of its new layout reported (or, at :meth:`flush`, from those that did).
+    every process of its new layout reported, or the ranks of its widest gap and stall
+    reported for all of it (or, at :meth:`flush`, from those that did).
 
     A report may come before the coordinator settled the resize that it follows (the first
     new step can begin before the last Resized report is read): reports wait for the
     commit."""
 
     _gaps: dict[int, dict[int, ProcessGap | None]] = field(default_factory=dict)
+    _widest: dict[int, _Widest] = field(default_factory=dict)
     _committed: dict[int, _Committed] = field(default_factory=dict)
 
     def add(self, report: Resumed) -> list[tuple[object, MeasuredPause]]:
@@ -126,7 +155,15 @@ class PauseTracker:
                           and report.stalled > 0 else 0.0,
                           report.failed_at if report.failed_at is not None
                           and math.isfinite(report.failed_at) else None))
-        self._gaps.setdefault(report.generation, {})[report.vrank] = gap
+        if report.widest_of or report.stall_of:
+            found = self._widest.setdefault(report.generation, _Widest())
+            if report.widest_of:
+                found.gap = (gap,)
+            if report.stall_of:
+                found.stall = (gap,)
+            found.processes = max(found.processes, report.widest_of, report.stall_of)
+        else:
+            self._gaps.setdefault(report.generation, {})[report.vrank] = gap
         return self._complete(report.generation, partial=False)
 
     def committed(self, generation: int, migration_id: object, new_devices: Iterable[int],
@@ -148,13 +185,20 @@ class PauseTracker:
     def _complete(self, generation: int, *, partial: bool) -> list[tuple[object, MeasuredPause]]:
         done = self._committed.get(generation)
         got = self._gaps.get(generation, {})
+        found = self._widest.get(generation)
+        together = found is not None and found.complete
         # counted first: asked at each report, it looks at each process only once as many
         # reported as the new layout has (O(1) a report, not a set of every report's vrank)
-        if done is None or (not partial and (len(got) < len(done.expected) or
-                                             not all(v in got for v in done.expected))):
+        if done is None or (not partial and not together and (
+                len(got) < len(done.expected) or not all(v in got for v in done.expected))):
             return []
         del self._committed[generation]
         self._gaps.pop(generation, None)
-        pause = measured_pause((g for v, g in got.items() if g is not None
-                                and v in done.expected), done.decided_at)
+        self._widest.pop(generation, None)
+        gaps = {v: g for v, g in got.items() if g is not None and v in done.expected}
+        processes = None
+        if found is not None:  # the layout's own finding stands for every process of it
+            gaps.update((v, g) for v, g in found.gaps().items() if v in done.expected)
+            processes = max(found.processes, len(gaps))
+        pause = measured_pause(gaps.values(), done.decided_at, processes)
         return [] if pause is None else [(done.migration_id, pause)]

@@ -17,20 +17,21 @@ which the wake key naming the dead ends at once).
 grow, whose grants, preemption notice and node loss come at scripted points); the workers'
 processes (ranks are threads, up to ``ranks_per_host`` of them in each of several host
 processes, all sharing one zmq context per process); training (a step is a sleep of
-``step_s``); the collectives among ranks. Two of those decide what the control path does
-and run on a *fabric* (a process of their own that sums what the hosts send, one message a
-host a step): the step's loss all-reduce, which carries the gate, the step agreement's
+``step_s``); the collectives among ranks. Those that bear on the control path
+run on a *fabric* (a process of their own that sums what the hosts send, one message a host
+a step): the step's loss all-reduce, which carries the gate, the step agreement's
 collectives after an open gate (the extremes of the key of the order each rank holds, and
 the newest given to every rank), a resize's migration group (a barrier of the old survivors
-and the joiners, standing for its rendezvous and data phase) and the share of its commit
-decision. A rank killed fails its generation's collectives there, as gloo's closed
-connection fails its peers'. A rank's wait in them is not control time (``gate_wait_ms``
-apart). The data phase itself, the new world's groups and the commit vote's all-gather cost
-nothing here, and the resize times exclude them. Of a resize the ranks do what goes through
-the coordinator's store: old rank 0 publishes the trainer state and when its last step
-ended, joiners wait for it, the new layout's first rank asks the commit decision
-(compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`) and shares it with the
-others, then each reports.
+and the joiners, standing for its rendezvous and data phase), the share of its commit
+decision, and the new layout's first step finding its widest gap and stall (only those ranks
+send Resumed, each for all). A rank killed fails its generation's collectives there, as
+gloo's closed connection fails its peers'. A rank's wait in them is not control time
+(``gate_wait_ms`` apart). The data phase itself, the new world's groups and the commit
+vote's all-gather cost nothing here, and the resize times exclude them. Of a resize the
+ranks do what goes through the coordinator's store: old rank 0 publishes the trainer state
+and when its last step ended, joiners wait for it, the new layout's first rank asks the
+commit decision (compare-and-set, :class:`~slurm_etc.migrate.decision.CommitDecision`) and
+shares it with the others, then each reports.
 Resizes are not prepared beside training (the agreed step carries it out). The ranks, their
 host processes and the fabric are :mod:`slurm_etc.harness.control_ranks`.
 

@@ -60,6 +60,9 @@ COMMIT_SHARE = -3
 # the fabric's key of the step agreement's collective after the gate of step s:
 # HELD_EVERYWHERE - s (steps count from 0: below the three above)
 HELD_EVERYWHERE = -4
+# the fabric's key of a layout's first step, where its ranks find the widest gap and stall
+# (the trainer's ``_widest_resumed``; one a generation, below every HELD_EVERYWHERE - s)
+RESUMED_GAPS = -(1 << 40)
 # what a reduction's lowest and highest key start from (no rank contributed one yet)
 _NO_LOW, _NO_HIGH = 1 << 62, -(1 << 62)
 # ranks of one host process in the join at once (a rank waiting for its Welcome reads its
@@ -590,9 +593,33 @@ class SimRank:
                                          started, ended))
         if self._resumed_due:
             self._resumed_due = False
-            self.channel.report(Resumed(self.job, self.generation, self.vrank, self.step,
-                                        started, self._last_ended, joined=self._joined))
+            own = Resumed(self.job, self.generation, self.vrank, self.step, started,
+                          self._last_ended, joined=self._joined)
+            report = self._widest_resumed(own, layout.config.world)
+            if report is not None:
+                self.channel.report(report)
         self._last_ended = ended
+
+    def _widest_resumed(self, own: Any, world: int) -> Any:
+        """The trainer's ``_widest_resumed``: the layout's widest gap and stall found by one
+        collective (the fabric's maxima of the codes); ``own`` where this rank's is
+        either, standing for the layout, or where the collective failed; else None."""
+        import msgspec
+
+        from slurm_etc.worker.reporting import code_vrank, gap_codes
+
+        gap, stall = gap_codes(own.vrank, own.started, own.last_ended, own.stalled)
+        try:
+            _, _, widest, _, stalled = self.fabric.reduce(
+                self.generation, RESUMED_GAPS, world, False, gap, self.halt.event,
+                self.timeout_s, most=stall)
+        except CollectiveFailed:
+            return own
+        mine = code_vrank(widest) == own.vrank, code_vrank(stalled) == own.vrank
+        if not any(mine):
+            return None
+        return msgspec.structs.replace(own, widest_of=world if mine[0] else 0,
+                                       stall_of=world if mine[1] else 0)
 
     def _resize(self, order: Any) -> str:
         """The resize's control part (module doc): what goes through the store, and the
@@ -869,9 +896,10 @@ class _HostFabric:
         # this lock nor on one event with the others (a thousand waiters of one condition
         # convoy on its lock each time they wake, longer than the slice between wakes)
         self._lock = threading.Lock()
-        # (gen, step) -> [count, flag, world, lowest key, highest key, the highest's order]
+        # (gen, step) -> [count, flag, world, lowest key, highest key, the highest's order,
+        # highest most]
         self._sums: dict[tuple[int, int], list[Any]] = {}
-        self._done: dict[tuple[int, int], tuple[bool, int, int, Any]] = {}
+        self._done: dict[tuple[int, int], tuple[bool, int, int, Any, int]] = {}
         # (gen, step) -> its waiters' events, each set when done or failed
         self._ready: dict[tuple[int, int], list[threading.Event]] = {}
         self._failed: set[int] = set()
@@ -892,25 +920,27 @@ class _HostFabric:
         of a rank that gave the highest (the trainer's all-reduce of the key of the order
         each rank holds after an open gate and, where they differ, its broadcast of the
         newest: ``_decide_together``, ``_given``)."""
-        _, lowest, highest, given = self.reduce(generation, HELD_EVERYWHERE - step, world,
-                                                False, key, halt, timeout_s, order)
+        _, lowest, highest, given, _ = self.reduce(generation, HELD_EVERYWHERE - step,
+                                                   world, False, key, halt, timeout_s, order)
         return lowest, highest, given
 
     def reduce(self, generation: int, step: int, world: int, flag: bool, key: int,
-               halt: threading.Event, timeout_s: float, order: Any = None
-               ) -> tuple[bool, int, int, Any]:
-        """Any ``flag``, the lowest and highest ``key`` and the ``order`` given with the
-        highest, of the ranks of the step's world, once all have contributed.
-        CollectiveFailed when a rank of ``generation`` died."""
+               halt: threading.Event, timeout_s: float, order: Any = None,
+               most: int = _NO_HIGH) -> tuple[bool, int, int, Any, int]:
+        """Any ``flag``, the lowest and highest ``key``, the ``order`` given with the
+        highest and the highest ``most``, of the ranks of the step's world, once all have
+        contributed. CollectiveFailed when a rank of ``generation`` died."""
         slot = (generation, step)
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            got = self._sums.setdefault(slot, [0, 0, world, _NO_LOW, _NO_HIGH, None])
+            got = self._sums.setdefault(slot, [0, 0, world, _NO_LOW, _NO_HIGH, None,
+                                               _NO_HIGH])
             got[0] += 1
             got[1] |= int(flag)
             got[3] = min(got[3], key)
             if key > got[4]:
                 got[4], got[5] = key, order
+            got[6] = max(got[6], most)
             mine = threading.Event()
             self._ready.setdefault(slot, []).append(mine)
         while True:
@@ -953,11 +983,11 @@ class _HostFabric:
                 if self._closed:
                     return
                 out: list[tuple[Any, ...]] = [
-                    ("sum", g, s, c, f, w, lo, hi, given)
-                    for (g, s), (c, f, w, lo, hi, given) in self._sums.items() if c]
+                    ("sum", g, s, c, f, w, lo, hi, given, most)
+                    for (g, s), (c, f, w, lo, hi, given, most) in self._sums.items() if c]
                 for got in self._sums.values():
                     got[0] = got[1] = 0
-                    got[3], got[4], got[5] = _NO_LOW, _NO_HIGH, None
+                    got[3], got[4], got[5], got[6] = _NO_LOW, _NO_HIGH, None, _NO_HIGH
                 out += [("dead", g) for g in self._dead]
                 self._dead.clear()
             for msg in out:
@@ -972,8 +1002,8 @@ class _HostFabric:
         woken."""
         with self._lock:
             if msg[0] == "done":
-                _, g, s, flag, lo, hi, given = msg
-                self._done[(g, s)] = (flag, lo, hi, given)
+                _, g, s, flag, lo, hi, given, most = msg
+                self._done[(g, s)] = (flag, lo, hi, given, most)
                 self._sums.pop((g, s), None)
                 woken = self._ready.pop((g, s), [])
                 if len(self._done) > 256:  # the oldest answers: read long since
@@ -994,7 +1024,7 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
     every host when the step's world is complete; a generation one of whose ranks died
     fails, now and for every later contribution. ``contributions`` (shared) counts the
     ranks' contributions, a figure the benchmark checks."""
-    # (gen, step) -> [count, flag, lowest key, highest key, the highest's order]
+    # (gen, step) -> [count, flag, lowest key, highest key, the highest's order, most]
     sums: dict[tuple[int, int], list[Any]] = {}
     failed: set[int] = set()
     live = list(conns)
@@ -1008,20 +1038,21 @@ def fabric_main(conns: Sequence[Connection], contributions: Any) -> None:
                 continue
             answer: tuple[Any, ...] | None = None
             if msg[0] == "sum":
-                _, g, s, count, flag, world, lo, hi, given = msg
+                _, g, s, count, flag, world, lo, hi, given, most = msg
                 with contributions.get_lock():
                     contributions.value += count
                 if g in failed:
                     continue
-                got = sums.setdefault((g, s), [0, 0, _NO_LOW, _NO_HIGH, None])
+                got = sums.setdefault((g, s), [0, 0, _NO_LOW, _NO_HIGH, None, _NO_HIGH])
                 got[0] += count
                 got[1] |= flag
                 got[2] = min(got[2], lo)
                 if hi > got[3]:
                     got[3], got[4] = hi, given
+                got[5] = max(got[5], most)
                 if got[0] >= world:
                     del sums[(g, s)]
-                    answer = ("done", g, s, bool(got[1]), got[2], got[3], got[4])
+                    answer = ("done", g, s, bool(got[1]), got[2], got[3], got[4], got[5])
             elif msg[0] == "dead" and msg[1] not in failed:
                 failed.add(msg[1])
                 for key in [k for k in sums if k[0] == msg[1]]:

@@ -346,7 +346,11 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     seconds; 0 where nothing was prepared while training (a joiner, a loss).
     ``failed_at``: when this process's step in flight failed (a collective with a peer that
     died; unix seconds), None where none did: from ``last_ended`` to it the step was lost
-    with the node, the rest of the gap is the recovery."""
+    with the node, the rest of the gap is the recovery.
+    ``widest_of``: this process's gap is the widest of the layout's ``widest_of`` processes,
+    and ``stall_of``: its stall is the widest of as many (the layout's ranks found them by
+    one all-reduce and only their ranks report: ``worker/reporting.py``); 0: this process's
+    own report only."""
 
     job: str
     generation: int
@@ -357,6 +361,8 @@ class Resumed(msgspec.Struct, frozen=True, tag="resumed", forbid_unknown_fields=
     joined: bool = False
     stalled: float = 0.0
     failed_at: float | None = None
+    widest_of: Annotated[int, msgspec.Meta(ge=0, le=MAX_VRANKS)] = 0
+    stall_of: Annotated[int, msgspec.Meta(ge=0, le=MAX_VRANKS)] = 0
 
 
 Report = Hello | Progress | Resized | Exited | ModelBuilt | Resumed | Ready | CopiesChosen

@@ -3,6 +3,12 @@
 coordinator), the first step of a layout it came to by a resize (Resumed: the pause measured
 at the step boundaries), and each resize's outcome (Resized).
 
+The Resumed of a layout: every rank measures its own gap, one all-reduce (MAX over two int64,
+:func:`gap_codes`) finds the widest gap and the widest stall with their ranks, and only those
+ranks report, each standing for the whole layout (``widest_of``, ``stall_of``): one or two
+messages at the coordinator a resize, not one a rank. Where that all-reduce fails (a peer
+died), or the step's own did, each rank reports its own as before.
+
 A mixin of :class:`~slurm_etc.worker.trainer.ElasticTrainer`: the records read its step,
 generation and layout; the resumption's own state is a :class:`Resumption`."""
 from __future__ import annotations
@@ -10,16 +16,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+import torch
 import torch.distributed as dist
 
 from slurm_etc.lifecycle import ProcessOutcome
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.protocol.rendezvous import GenerationKeys
 
-from ..protocol.messages import Progress, Resize, Resized, Resumed
+from ..protocol.messages import MAX_VRANKS, Progress, Resize, Resized, Resumed
+
+# A gap's code (:func:`gap_codes`): microseconds above GAP_FLOOR_US in the high bits, the
+# vrank (its complement: the lowest wins a tie, as the coordinator's pause does) in the low
+# VRANK_BITS; an unknown gap codes as 0 microseconds, below every known one.
+VRANK_BITS = MAX_VRANKS.bit_length() - 1  # every vrank a message may name
+_VRANK_MASK = (1 << VRANK_BITS) - 1
+GAP_FLOOR_US = 1 << 40  # a gap as negative as this (clocks apart) still codes above unknown
+_MOST_US = (1 << 42) - 1
 
 if TYPE_CHECKING:
     from .trainer import ElasticTrainer
+
+
+def gap_codes(vrank: int, started: float, last_ended: float | None, stalled: float
+              ) -> tuple[int, int]:
+    """The two int64 whose maxima over a layout's ranks say whose gap (``started -
+    last_ended``) and whose stall is the widest (:func:`code_vrank` reads the rank back):
+    the larger wins, then the lower vrank."""
+    if not 0 <= vrank <= _VRANK_MASK:
+        raise ValueError(f"vrank {vrank} does not fit {VRANK_BITS} bits")
+    low = _VRANK_MASK - vrank
+    gap = 0 if last_ended is None else min(
+        max(round((started - last_ended) * 1e6) + GAP_FLOOR_US, 1), _MOST_US)
+    stall = min(max(round(stalled * 1e6), 0), _MOST_US)
+    return (gap << VRANK_BITS) | low, (stall << VRANK_BITS) | low
+
+
+def code_vrank(code: int) -> int:
+    """The vrank a :func:`gap_codes` code is of."""
+    return _VRANK_MASK - (code & _VRANK_MASK)
 
 
 @dataclass
@@ -85,7 +120,7 @@ class Reporting:
                 proc.control.report(Progress(proc.job, self.generation, proc.vrank, self.step,
                                              loss, lr, self.consumed_samples, str(cfg),
                                              started, ended))
-        self._report_resumed(started)
+        self._report_resumed(started, together=report)
         seen = self.resumption
         if self._preparing is not None and seen.ended_in is not None and \
                 seen.ended_in[0] == self.generation:  # training stopped at that boundary
@@ -95,11 +130,13 @@ class Reporting:
                   loss, lr, self.consumed_samples, started, ended,
                   "" if report else " (its loss's reduce failed: a peer died)")
 
-    def _report_resumed(self: ElasticTrainer, started: float) -> None:
-        """The first step of a layout this process came to by a resize: report when it
-        began and when this process's last step in the old layout ended (a joiner: the
-        old layout's, as its publisher left it in the store), measured at the step
-        boundaries, whatever the resize did in between."""
+    def _report_resumed(self: ElasticTrainer, started: float, together: bool) -> None:
+        """The first step of a layout this process came to by a resize: when it began and
+        when this process's last step in the old layout ended (a joiner: the old layout's,
+        as its publisher left it in the store), measured at the step boundaries, whatever
+        the resize did in between. ``together`` (the step's all-reduce went through):
+        reported by the ranks of the widest gap and stall for the layout (module doc);
+        else by each rank for itself."""
         seen = self.resumption
         if seen.ended_in is not None and seen.ended_in[0] == self.generation:
             return  # not the first step of this layout
@@ -111,9 +148,18 @@ class Reporting:
             key = GenerationKeys(proc.job, self.generation).last_ended
             if proc.store.check([key]):
                 last = float(proc.store.get(key).decode())
-        proc.control.report(Resumed(proc.job, self.generation, proc.vrank, self.step, started,
-                                    last, joined=seen.ended_in is None,
-                                    stalled=seen.stalled, failed_at=seen.failed_at))
+        own = Resumed(proc.job, self.generation, proc.vrank, self.step, started, last,
+                      joined=seen.ended_in is None, stalled=seen.stalled,
+                      failed_at=seen.failed_at)
+        report: Resumed | None = own
+        if together:
+            try:
+                report = self._widest_resumed(own)
+            except RuntimeError as err:  # a peer died since the step's all-reduce
+                self._log("the layout's widest gap not found (%s): reporting this "
+                          "process's own", err)
+        if report is not None:
+            proc.control.report(report)
         seen.stalled = 0.0
         seen.failed_at = None
         # the old layout's groups, retired at the switch, are shut down beside the next
@@ -121,6 +167,22 @@ class Reporting:
         from slurm_etc.megatron.world import retire_in_background
 
         retire_in_background()
+
+    def _widest_resumed(self: ElasticTrainer, own: Resumed) -> Resumed | None:
+        """``own``, standing for the layout where this rank's gap or stall is its widest
+        (one all-reduce, MAX, of :func:`gap_codes` on the step's device); None where
+        neither is."""
+        from slurm_etc.migrate import device
+
+        codes = torch.tensor(gap_codes(own.vrank, own.started, own.last_ended, own.stalled),
+                             dtype=torch.int64, device=device.current().device)
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+        world = dist.get_world_size()
+        widest, stall = (code_vrank(int(c)) == own.vrank for c in codes.tolist())
+        if not (widest or stall):
+            return None
+        return msgspec.structs.replace(own, widest_of=world if widest else 0,
+                                       stall_of=world if stall else 0)
 
     def _record(self: ElasticTrainer, order: Resize, outcome: ProcessOutcome, moved: int,
                 pause: float, data: float, error: str, stats: dict | None = None) -> None:

@@ -18,11 +18,13 @@ from dataclasses import replace
 import pytest
 
 from slurm_etc.coordinator import reconcile
+from slurm_etc.coordinator.pause import PauseTracker
 from slurm_etc.coordinator.run import run_job
 from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_script, demo_spec
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
+from slurm_etc.protocol.messages import Resumed
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
 from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
@@ -49,6 +51,16 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
         return chosen
 
     monkeypatch.setattr(reconcile, "first_told", counted)
+    # the Resumed reports the coordinator reads (worker/reporting.py: the widest gap's and
+    # stall's ranks report for the layout)
+    resumed: list[Resumed] = []
+    add = PauseTracker.add
+
+    def heard(tracker, report):
+        resumed.append(report)
+        return add(tracker, report)
+
+    monkeypatch.setattr(PauseTracker, "add", heard)
     model = PRESETS["tiny"]
     job_id = "e2e-local"
     seen: list[dict] = []
@@ -88,6 +100,12 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
     for m in detail.migrations:
         assert m.moved_bytes >= m.lower_bound_bytes
         assert m.pause_seconds is not None and m.pause_seconds > 0
+        assert m.pause_measured and m.pause_processes == gens[m.to_generation].world_size, m
+        # one or two reports a resize (its widest gap's rank, its widest stall's), for all
+        got = [r for r in resumed if r.generation == m.to_generation]
+        assert 1 <= len(got) <= 2, got
+        assert [r.widest_of for r in got if r.widest_of] == [gens[m.to_generation].world_size]
+        assert [r.stall_of for r in got if r.stall_of] == [gens[m.to_generation].world_size]
     assert gens[-1].last_step == out["step"]
     assert out["reaction_s"] and max(out["reaction_s"]) < 5.0
 

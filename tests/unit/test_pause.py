@@ -2,13 +2,16 @@
 0004_measured_pause): the largest gap over the new layout's processes, joiners measured from
 the old layout's last step, preparation apart; written only for a committed migration, shown
 by status, absent without harm from an older record."""
+import random
 import sqlite3
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
+import msgspec
 import pytest
 
 from slurm_etc.coordinator.pause import PauseTracker, ProcessGap, measured_pause
-from slurm_etc.protocol.messages import ENCODER, REPORT_DECODER, Resumed
+from slurm_etc.protocol.messages import ENCODER, MAX_VRANKS, REPORT_DECODER, Resumed
 from slurm_etc.store import (
     RecordError,
     create_job,
@@ -19,6 +22,7 @@ from slurm_etc.store import (
     record_migration_pause,
     record_migration_start,
 )
+from slurm_etc.worker.reporting import code_vrank, gap_codes
 
 pytestmark = pytest.mark.unit
 
@@ -107,6 +111,88 @@ def test_a_loss_keeps_the_whole_gap_as_the_pause_and_the_interrupted_step_apart(
     t.committed(1, "m", (0,), DECIDED)
     ((_, q),) = t.add(Resumed("j", 1, 0, 7, 1004.0, 1003.0, failed_at=float("inf")))
     assert q.interrupted_seconds == 0.0  # what a worker says is bounded
+
+
+def _together(reports: list[Resumed]) -> list[Resumed]:
+    """What a layout's ranks send when they find the widest gap and stall together
+    (worker/reporting.py): the maxima of their codes, as the all-reduce gives them, and
+    only the ranks they name report, each for all."""
+    codes = [gap_codes(r.vrank, r.started, r.last_ended, r.stalled) for r in reports]
+    widest, stall = (code_vrank(max(c[i] for c in codes)) for i in (0, 1))
+    n = len(reports)
+    return [msgspec.structs.replace(r, widest_of=n if r.vrank == widest else 0,
+                                    stall_of=n if r.vrank == stall else 0)
+            for r in reports if r.vrank in (widest, stall)]
+
+
+def _widest_by_definition(reports: list[Resumed]) -> tuple[int | None, int]:
+    """The oracle: the widest gap's vrank (None: no gap known) and the widest stall's,
+    ties to the lowest vrank, in plain float arithmetic (no codes)."""
+    known = [r for r in reports if r.last_ended is not None]
+    widest = min(known, key=lambda r: (-(r.started - r.last_ended), r.vrank)).vrank \
+        if known else None
+    return widest, min(reports, key=lambda r: (-r.stalled, r.vrank)).vrank
+
+
+def test_the_codes_name_the_widest_gap_and_stall_as_the_pause_does():
+    """Random layouts (negative gaps from clocks apart, unknown ends, ties, stalls):
+    the maxima of the codes name the ranks the definition does."""
+    rng = random.Random(45)
+    for case in range(2000):
+        n = rng.randint(1, 40)
+        vranks = rng.sample(range(MAX_VRANKS), n) if case % 2 else list(range(n))
+        reports = []
+        for v in vranks:
+            last = None if rng.random() < 0.1 else 1000.0 + rng.choice([0.0, 0.25, 0.5])
+            started = 1000.0 + rng.choice([-3.0, 0.5, 1.0, 1.75, 1.75, 2.0])
+            stalled = rng.choice([0.0, 0.0, 0.25, 0.8, 0.8])
+            reports.append(Resumed("j", 1, v, 7, started, last, stalled=stalled))
+        codes = [gap_codes(r.vrank, r.started, r.last_ended, r.stalled) for r in reports]
+        widest, stall = (code_vrank(max(c[i] for c in codes)) for i in (0, 1))
+        want_widest, want_stall = _widest_by_definition(reports)
+        assert stall == want_stall, (case, reports)
+        if want_widest is not None:
+            assert widest == want_widest, (case, reports)
+    with pytest.raises(ValueError, match="does not fit"):
+        gap_codes(MAX_VRANKS, 1.0, 0.0, 0.0)
+
+
+def test_the_widest_found_together_gives_the_pause_every_report_would():
+    """One or two reports stand for the layout: the same pause (and stall) as every
+    process's own, its process count the layout's, whichever comes first, before or
+    after the commit; neither alone completes it."""
+    rng = random.Random(7)
+    for case in range(300):
+        n = rng.randint(1, 12)
+        # an unknown end is a joiner's (it found no end in the store): it prepared nothing
+        # beside training, so it has no stall
+        ends = [None if rng.random() < 0.1 else 1003.0 + rng.random() / 2 for _ in range(n)]
+        reports = [Resumed("j", 1, v, 7, 1004.0 + rng.random(), end,
+                           stalled=rng.choice([0.0, rng.random()]) if end else 0.0)
+                   for v, end in enumerate(ends)]
+        each = PauseTracker()
+        each.committed(1, "m", range(n), DECIDED)
+        got_each = [x for r in reports for x in each.add(r)] or each.flush()
+        together = _together(reports)
+        assert 1 <= len(together) <= 2
+        t = PauseTracker()
+        if case % 2:
+            t.committed(1, "m", range(n), DECIDED)
+        done = [x for r in together for x in t.add(r)]
+        if not case % 2:
+            done = t.committed(1, "m", range(n), DECIDED)
+        want = [(m, replace(p, processes=n)) for m, p in got_each]
+        assert done == want, (case, reports)
+    # the widest gap's report alone waits for the stall's (a plant that does not is caught)
+    reports = [Resumed("j", 1, 0, 7, 1004.0, 1003.0, stalled=0.9),
+               Resumed("j", 1, 1, 7, 1005.0, 1003.0)]
+    first, second = _together(reports)
+    t = PauseTracker()
+    t.committed(1, "m", (0, 1), DECIDED)
+    assert t.add(second if second.widest_of else first) == []
+    ((_, p),) = t.add(first if second.widest_of else second)
+    assert (p.vrank, p.seconds, p.stall_vrank, p.stall_seconds, p.processes) == \
+        (1, 2.0, 0, 0.9, 2)
 
 
 def test_resumed_travels_on_the_wire():
