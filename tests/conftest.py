@@ -27,7 +27,7 @@ SLURM_TIER = "tests/slurm/"
 BESIDE_SLURM = frozenset(f"tests/dist/{name}.py" for name in (
     "test_elastic", "test_verify", "test_verify_cli", "test_verify_moe", "test_planted_bugs",
     "test_resize_lost", "test_prepared_world", "test_migrate_lost", "test_inject_vote",
-    "test_migrate_group", "test_pool_local", "test_device_routing"))
+    "test_migrate_group", "test_pool_local", "test_device_routing", "test_widest_resumed"))
 
 PAIRED = frozenset(f"tests/dist/{name}.py" for name in (
     "test_inject", "test_inject_demo", "test_node_lost_coordinator", "test_coordinator_local",
