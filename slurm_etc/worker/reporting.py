@@ -13,6 +13,7 @@ A mixin of :class:`~slurm_etc.worker.trainer.ElasticTrainer`: the records read i
 generation and layout; the resumption's own state is a :class:`Resumption`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,9 +47,12 @@ def gap_codes(vrank: int, started: float, last_ended: float | None, stalled: flo
     if not 0 <= vrank <= _VRANK_MASK:
         raise ValueError(f"vrank {vrank} does not fit {VRANK_BITS} bits")
     low = _VRANK_MASK - vrank
-    gap = 0 if last_ended is None else min(
-        max(round((started - last_ended) * 1e6) + GAP_FLOOR_US, 1), _MOST_US)
-    stall = min(max(round(stalled * 1e6), 0), _MOST_US)
+    seconds = None if last_ended is None else started - last_ended
+    # a value that is not finite (a malformed end in the store) codes as unknown, as the
+    # coordinator's tracker reads it: never an exception inside the step
+    gap = 0 if seconds is None or not math.isfinite(seconds) else min(
+        max(round(seconds * 1e6) + GAP_FLOOR_US, 1), _MOST_US)
+    stall = min(max(round(stalled * 1e6), 0), _MOST_US) if math.isfinite(stalled) else 0
     return (gap << VRANK_BITS) | low, (stall << VRANK_BITS) | low
 
 

@@ -155,6 +155,10 @@ def test_the_codes_name_the_widest_gap_and_stall_as_the_pause_does():
             assert widest == want_widest, (case, reports)
     with pytest.raises(ValueError, match="does not fit"):
         gap_codes(MAX_VRANKS, 1.0, 0.0, 0.0)
+    # not finite: an unknown gap, no stall (below every known one), never an exception
+    bad = gap_codes(5, 1.0, float("-inf"), float("nan"))
+    assert bad == gap_codes(5, 1.0, None, 0.0)
+    assert bad[0] < gap_codes(6, 1.0, 1e6, 0.0)[0] and code_vrank(bad[1]) == 5
 
 
 def test_the_widest_found_together_gives_the_pause_every_report_would():
