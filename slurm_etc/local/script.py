@@ -43,9 +43,10 @@ options::
   :class:`~slurm_etc.coordinator.backend.EndTraining`; the coordinator stops the workers at
   a step boundary and the job ends finished) at the first report of ``end_step`` or later
   after every event fired, counted as ``at_step`` is (with ``settled_steps``, in steps
-  trained while settled). The workers' own ``train_steps`` remains the most they train: a
-  script that has not played out by then ends with training (the demo says which events
-  never fired). At least the last event's ``at_step``.
+  trained while settled), and never below a step the job reported before: steps lost with a
+  node and rolled back are trained again first. The workers' own ``train_steps`` remains
+  the most they train: a script that has not played out by then ends with training (the
+  demo says which events never fired). At least the last event's ``at_step``.
 * ``grant_requests`` (default false): when true, the coordinator's requests are granted as
   soon as enough whole nodes are free; when false, nodes arrive only by scripted grants.
 
@@ -456,7 +457,9 @@ class ScriptedResources:
         the group fired before has not been handed over yet (no :meth:`tick` since). With
         ``settled_steps``, steps not reported since the last report (trained while a resize
         was in flight) push the remaining events back by as many. Once every event fired,
-        and the last group was handed over, ``end_step`` ends training."""
+        and the last group was handed over, ``end_step`` ends training, at a step no lower
+        than the highest reported (after a rollback, the lost steps are trained again
+        first: a job never finishes below a step it reported)."""
         if step > self._step:
             self.version += 1
         if self.script.settled_steps and 0 <= self._step < step - 1:
@@ -465,7 +468,7 @@ class ScriptedResources:
         events = self.script.events
         end = self.script.end_step
         if self._fired >= len(events) and not self._undelivered and end is not None \
-                and not self._ended and self.settled_step >= end:
+                and not self._ended and self.settled_step >= end and step >= self._step:
             self._ended = True
             logger.info("[local] the script played out: training ends at step %d", step)
             self._out.append(EndTraining(f"the events script played out at step {step}"))

@@ -632,6 +632,30 @@ def test_end_step_ends_training_once_every_event_fired_and_was_handed_over() -> 
     assert [e.index for e in early.unfired] == [3]
 
 
+def test_end_step_waits_for_the_steps_lost_in_a_rollback_to_be_trained_again() -> None:
+    """CI: the old layout reported up to step 16 after the loss fired (settled step 12 =
+    end_step), the survivors rolled back to step 6; the end came at the rebuilt layout's
+    step 14, leaving steps 15-16 reported and never trained again."""
+    script = {**EXAMPLE, "settled_steps": True, "end_step": 20}
+    r = ScriptedResources(parse_script(json.dumps(script)))
+    r.drain()
+    for step in range(1, 19):  # every event fires, the last (the loss) at step 18
+        r.on_step(step, now=0)
+        if step < 18:
+            r.tick(0)
+    assert r.unfired == ()
+    r.drain()
+    for step in range(19, 25):  # trained on before the loss was handed over
+        r.on_step(step, now=0)
+    r.tick(0)  # handed over: settled step 24 >= 20, and the job rolls back to step 6
+    assert r.drain() == [] and r.settled_step == 24
+    for step in range(7, 24):  # rolled back to 6: the lost steps trained again
+        r.on_step(step, now=0)
+    assert r.drain() == []
+    r.on_step(24, now=0)
+    assert r.drain() == [EndTraining("the events script played out at step 24")]
+
+
 def test_end_step_before_the_last_event_is_refused() -> None:
     with pytest.raises(ScriptError, match="end_step 10 comes before the last event's "
                                           "at_step 18"):
