@@ -236,7 +236,7 @@ class StoreServer:
         try:
             make_server(self._sock, self._keys)
             self._sock.setsockopt(zmq.LINGER, 0)
-            watch_link(self._sock)  # a worker's host gone: its connection dropped
+            watch_link(self._sock, requests=False)  # a worker's host gone: dropped
             if channel is None:
                 self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.request_bytes)
                 self._sock.setsockopt(zmq.RCVHWM, 64)

@@ -1,7 +1,9 @@
 """A worker's link to its coordinator, watched by TCP's keepalive (``protocol/link.py``):
 idle, it stays up with nothing sent either way; cut (the network gone, in a network
 namespace of its own whose loopback goes down), both ends drop it within the keepalive's
-bound, where nothing else would ever tell them."""
+bound, where nothing else would ever tell them (an end with data in flight retransmits it
+instead: a worker's end gives up after the same bound, ``TCP_MAXRT``, the coordinator's after
+the kernel's retries, ``protocol/link.py``)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +23,7 @@ JOB = "link-test"
 # one process in a network namespace of its own: the coordinator's channel and a worker's,
 # joined; then the namespace's loopback goes down (no reset reaches either end: a host or
 # network gone). It prints how long the worker's link took to drop (null: not within 12 s)
-# and whether the coordinator could still send to the worker 12 s after the cut.
+# and whether the coordinator could still send to the worker 6 s or more after the cut.
 _CUT = r"""
 import json, secrets, subprocess, sys, threading, time
 from slurm_etc.protocol import link
@@ -29,7 +31,7 @@ from slurm_etc.protocol.channel import CoordinatorChannel, WorkerChannel
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 link.LINK_IDLE_S, link.LINK_PROBE_S, link.LINK_PROBES = 1, 1, 2
 if sys.argv[1] == "planted":
-    link.watch_link = lambda sock: None
+    link.watch_link = lambda sock, **kw: None
     import slurm_etc.protocol.channel as ch, slurm_etc.protocol.store as st
     ch.watch_link = st.watch_link = link.watch_link
 key = secrets.token_bytes(32)
@@ -38,6 +40,7 @@ w = WorkerChannel("link-test", 0, coord.address, key)
 got = []
 t = threading.Thread(target=lambda: got.append(coord.recv(10)))
 t.start(); w.join(timeout_s=10); t.join()
+time.sleep(2)  # idle, as a training job's links are (data in flight is retransmitted)
 subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
 cut, dropped = time.monotonic(), None
 while time.monotonic() - cut < 12:
@@ -46,12 +49,10 @@ while time.monotonic() - cut < 12:
         break
     time.sleep(0.05)
 from slurm_etc.protocol.messages import Stop
-reaches = True  # the coordinator's end: a send to the worker fails once it dropped
-while reaches and time.monotonic() - cut < 12:
-    time.sleep(0.2)
-    reaches = coord.send(0, Stop("link-test", 0))
-print(json.dumps({"dropped_s": dropped, "coordinator_reaches": reaches,
-                  "coordinator_dropped_s": round(time.monotonic() - cut, 2)}))
+# the coordinator's end, idle since the cut: a send fails once its link dropped
+time.sleep(max(0.0, 6.0 - (time.monotonic() - cut)))
+reaches = coord.send(0, Stop("link-test", 0))
+print(json.dumps({"dropped_s": dropped, "coordinator_reaches": reaches}))
 w.close(linger_s=0); coord.close()
 """
 
@@ -67,9 +68,9 @@ def _in_own_network(mode: str) -> dict:
 
 def test_a_cut_link_drops_at_both_ends_within_the_keepalive_bound() -> None:
     got = _in_own_network("watched")
-    # idle 1 s, then two probes 1 s apart unanswered: 3 s (and the kernel's timer slack)
-    assert got["dropped_s"] is not None and 2.0 <= got["dropped_s"] <= 8.0, got
-    assert got["coordinator_reaches"] is False and got["coordinator_dropped_s"] <= 8.0, got
+    # probed every 1 s once idle 1 s: two probes unanswered, 2 s (and the timers' slack)
+    assert got["dropped_s"] is not None and 1.0 <= got["dropped_s"] <= 8.0, got
+    assert got["coordinator_reaches"] is False, got  # its end dropped too
 
 
 def test_a_cut_link_without_keepalive_is_never_dropped_planted() -> None:
