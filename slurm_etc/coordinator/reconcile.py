@@ -59,6 +59,8 @@ The settlement's rules:
   timeout, which is shorter than the wait below; a vote that holds commit is waited out;
 - **wait** until every live participant answered, or ``2 x worker_timeout_s`` passed (the
   workers' own timeouts fire first: a worker that is silent past twice its timeout is gone);
+  where the commit decision's share reached every rank of the migration group, its proposer
+  answers for all of them (``Resized.for_group``: one answer a resize, not one a rank);
 - **abort** when one participant aborted, the time ran out, or nobody answered; with a dead
   participant the job decides again without it (``retry``); with nobody dead it would abort
   the same way again, so the job stops;
@@ -322,6 +324,8 @@ class InflightResize:
     # the decision's first value): every rank voted after its part of the data phase, and
     # every rank follows that decision, so the resize is committed without an answer a rank
     decided: bool = False
+    # the migration group's proposer answered for every rank of it (Resized.for_group)
+    whole: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in _PERSISTENT:
@@ -340,9 +344,12 @@ def died(resize: InflightResize, vrank: int, why: str | None = None) -> Inflight
 
 
 def answered(resize: InflightResize, vrank: int, report: Resized) -> InflightResize:
-    """``vrank`` answered the order (``answer``: a commit is final)."""
+    """``vrank`` answered the order (``answer``: a commit is final), or for every
+    participant (``report.for_group``: the migration group committed)."""
     return replace(resize, reports=resize.reports.setting(
-        vrank, answer(resize.reports.get(vrank), report)))
+        vrank, answer(resize.reports.get(vrank), report)),
+        whole=resize.whole or (report.for_group and
+                               report.outcome == ProcessOutcome.COMMITTED))
 
 
 def vote_looked_at(resize: InflightResize) -> InflightResize:
@@ -563,7 +570,7 @@ def late_answers(resize: InflightResize, done: Commit) -> LateAnswers | None:
     """What is left to hear of ``resize``, committed (``done``) before every participant
     answered; None where none is."""
     waiting = len(resize.participants) - len(resize.reports) - len(resize.dead)
-    if waiting <= 0:
+    if waiting <= 0 or resize.whole:
         return None
     return LateAnswers(resize.order.generation, resize.migration_id, waiting, done.data_s,
                        done.data_s)
@@ -573,7 +580,7 @@ def late_answer(late: LateAnswers, report: Resized) -> tuple[LateAnswers | None,
     """One more answer to the resize of ``late``: what is left to hear (None: nothing),
     and the data phase to record now (None: nothing to write) once the last came and the
     longest grew."""
-    after = replace(late, waiting=late.waiting - 1,
+    after = replace(late, waiting=0 if report.for_group else late.waiting - 1,
                     longest=max(late.longest, report.data_seconds))
     if after.waiting > 0:
         return after, None
@@ -583,6 +590,8 @@ def late_answer(late: LateAnswers, report: Resized) -> tuple[LateAnswers | None,
 def _all_answered(resize: InflightResize) -> bool:
     # counted first: asked at each turn of the loop, it looks at each participant only once
     # as many answered or died as there are participants
+    if resize.whole:
+        return True
     return len(resize.reports) + len(resize.dead) >= len(resize.participants) and \
         all(v in resize.reports or v in resize.dead for v in resize.participants)
 

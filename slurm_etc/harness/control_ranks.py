@@ -652,28 +652,35 @@ class SimRank:
             self.step = int(self.store.get(keys.trainer))
             self._last_ended = float(self.store.get(keys.last_ended))
         self._joined = self.layout is None
-        self.fabric.all_reduce(order.generation, MIGRATION_GROUP,
-                               self.shared.migration_size(old, new, tuple(order.lost)), False,
+        group = self.shared.migration_size(old, new, tuple(order.lost))
+        self.fabric.all_reduce(order.generation, MIGRATION_GROUP, group, False,
                                self.halt.event, self.timeout_s)
+        # the executor's decision: its group's rank 0 (here new's first rank) asks the
+        # store, every rank of the group shares what it got and its data phase (none here)
+        decision = CommitDecision(
+            self.store, commit_decision(keys.prefix),
+            share=lambda known, data_us: (lambda r: ([r[2]], r[4]))(self.fabric.reduce(
+                order.generation, COMMIT_SHARE, group, False, known, self.halt.event,
+                self.timeout_s, most=data_us)),
+            proposer=self.vrank == new.devices[0])
+        committed = decision(True, 0.0)
+        # shared: the proposer answers for the group (the trainer's _record), nobody else
+        for_group = committed and decision.longest_data_s is not None
         if not self.shared.holds(new, self.vrank):
-            self.channel.report(Resized(self.job, order.generation, self.vrank,
-                                        ProcessOutcome.LEFT, self.step))
+            if not for_group:
+                self.channel.report(Resized(self.job, order.generation, self.vrank,
+                                            ProcessOutcome.LEFT, self.step))
             self._exit("left", order.generation)
             return "left"
-        # the executor's decision: its group's rank 0 asks the store, every rank shares
-        # what it got (a leaving rank here exits before it: new's first rank proposes)
-        committed = CommitDecision(
-            self.store, commit_decision(keys.prefix),
-            share=lambda known: [self.fabric.reduce(
-                order.generation, COMMIT_SHARE, new.config.world, False, known,
-                self.halt.event, self.timeout_s)[2]],
-            proposer=self.vrank == new.devices[0])(True)
         outcome = ProcessOutcome.COMMITTED if committed else ProcessOutcome.ABORTED
         self.layout, self.generation = new, order.generation
         self._gate = (self.generation, self.step, True)  # the trainer's, once installed
         self._resumed_due = True
-        self.channel.report(Resized(self.job, order.generation, self.vrank, outcome,
-                                    self.step, pause_seconds=time.perf_counter() - t0))
+        if not for_group or decision.proposer:
+            self.channel.report(Resized(self.job, order.generation, self.vrank, outcome,
+                                        self.step, pause_seconds=time.perf_counter() - t0,
+                                        data_seconds=decision.longest_data_s or 0.0,
+                                        for_group=for_group))
         return "stay"
 
     def _exit(self, why: str, generation: int | None = None) -> int:

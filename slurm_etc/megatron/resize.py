@@ -480,6 +480,10 @@ def _migrate(prepared: PreparedResize, state: TrainingState | None,
             resume = resume_state(state) if state is not None else None
         prepared.group.warm_up()  # NCCL's communicator: on this thread, not a preparation's
         transport = prepared.group.transport()
+        decision = CommitDecision(prepared.store, commit_decision(prepared.tag),
+                                  store_lost=store_lost,
+                                  share=shared_over(transport, options.vote_timeout),
+                                  proposer=prepared.program.group_rank == 0)
         new_resume = exchange_resume_state(plan, transport, device, resume)
         seconds["resume"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -487,13 +491,10 @@ def _migrate(prepared: PreparedResize, state: TrainingState | None,
                                    options=dataclasses.replace(options, measure_memory=False),
                                    program=prepared.program,
                                    destinations=prepared.destinations, faults=faults,
-                                   staging=prepared.staging,
-                                   commit=CommitDecision(
-                                       prepared.store, commit_decision(prepared.tag),
-                                       store_lost=store_lost,
-                                       share=shared_over(transport, options.vote_timeout),
-                                       proposer=prepared.program.group_rank == 0),
-                                   agreed=True)
+                                   staging=prepared.staging, commit=decision, agreed=True)
+        result.stats.group_data_seconds = decision.longest_data_s
+        result.stats.answers_for_group = decision.proposer and \
+            decision.longest_data_s is not None
         committed = True
     finally:
         prepared.destinations, prepared.staging = [], None

@@ -20,6 +20,11 @@ asks the store itself, as without a share; so where the asking rank found the st
 (its coordinator died: it shares "not asked", and every rank asks and waits for the restart
 on its own, reattaching as it does). Every value shared is the store's one decision (each
 was its compare-and-set's answer), so following any of them is following the store.
+
+The share carries each rank's data phase too (microseconds, the share's second int64): where
+it succeeds every rank knows the group's longest, and its proposer answers the coordinator
+for all of them, one message a resize instead of one a rank (``longest_data_s``; None where
+the share failed: each rank answers for itself).
 """
 from __future__ import annotations
 
@@ -42,19 +47,27 @@ class CommitDecision:
             and a restarted one sets every decision of its record again); returns once the
             store answers again, and the decision is asked again. None: the error stands.
         share: every rank of the migration calls it once with what it knows of the decision
-            and gets every rank's (an allgather over the migration group); raises when a
-            rank is missing. None: every rank asks the store.
+            and its data phase in microseconds, and gets every rank's knowledge and the
+            longest data phase (an allgather over the migration group); raises when a rank
+            is missing. None: every rank asks the store.
         proposer: this rank asks the store for the group when it saw every vote OK.
+
+    Attributes:
+        longest_data_s: after a call whose share succeeded, the group's longest data phase
+            (seconds); else None.
     """
 
     def __init__(self, store: Any, key: str, *,
                  store_lost: Callable[[Any], None] | None = None,
-                 share: Callable[[int], Sequence[int]] | None = None,
+                 share: Callable[[int, int], tuple[Sequence[int], int]] | None = None,
                  proposer: bool = True) -> None:
         self.store, self.key, self.store_lost = store, key, store_lost
         self.share, self.proposer = share, proposer
+        self.longest_data_s: float | None = None
 
-    def __call__(self, saw_commit: bool) -> bool:
+    def __call__(self, saw_commit: bool, data_s: float = 0.0) -> bool:
+        """The decision (True: commit), given this rank's view of the vote and how long its
+        part of the data phase took."""
         from slurm_etc.protocol.store import StoreUnreachable  # torch's: not at import
 
         if self.share is None:
@@ -66,7 +79,9 @@ class CommitDecision:
             except StoreUnreachable:
                 pass  # shares "not asked": every rank asks, each waiting for the restart
         try:
-            shared = self.share(_UNKNOWN if got is None else _SHARED[got])
+            shared, longest_us = self.share(_UNKNOWN if got is None else _SHARED[got],
+                                            max(0, round(data_s * 1e6)))
+            self.longest_data_s = longest_us / 1e6
         except RuntimeError:  # a peer died or is not in it (the transport's error): ask
             shared = ()
         known = {v for v in shared if v != _UNKNOWN}
@@ -97,15 +112,18 @@ class CommitDecision:
         return bytes(got)
 
 
-def shared_over(transport: Any, timeout_s: float) -> Callable[[int], Sequence[int]]:
+def shared_over(transport: Any, timeout_s: float
+                ) -> Callable[[int, int], tuple[Sequence[int], int]]:
     """A :class:`CommitDecision`'s ``share`` over a migration's transport: an allgather of
-    one int64 a rank on its control group (as the votes), within ``timeout_s``."""
+    two int64 a rank (what it knows of the decision, its data phase in microseconds) on its
+    control group (as the votes), within ``timeout_s``."""
 
-    def share(value: int) -> Sequence[int]:
+    def share(value: int, data_us: int) -> tuple[Sequence[int], int]:
         import torch
 
-        mine = torch.tensor([value], dtype=torch.int64, device="cpu")  # as the votes
+        mine = torch.tensor([value, data_us], dtype=torch.int64, device="cpu")  # as the votes
         table = transport.allgather(mine.view(torch.uint8), timeout_s)
-        return [int(v) for v in table.contiguous().view(torch.int64).flatten()]
+        rows = table.contiguous().view(torch.int64).view(-1, 2)
+        return [int(v) for v in rows[:, 0]], int(rows[:, 1].max())
 
     return share

@@ -131,6 +131,10 @@ class MigrationStats:
     staging_bytes: int = 0
     compile_seconds: float = 0.0
     data_seconds: float = 0.0  # from the first step to this rank's last byte in place
+    # the migration group's longest data phase, found by its commit decision's share (None:
+    # not shared, each rank answers the coordinator itself); the proposer answers for all
+    group_data_seconds: float | None = None
+    answers_for_group: bool = False
     commit_seconds: float = 0.0  # the commit vote after it
     total_seconds: float = 0.0
     pack_seconds: float = 0.0
@@ -677,7 +681,7 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
                       faults: FaultInjector | None = None,
                       program: Program | None = None,
                       destinations: Sequence[torch.Tensor | None] | None = None,
-                      commit: Callable[[bool], bool] | None = None,
+                      commit: Callable[[bool, float], bool] | None = None,
                       agreed: bool = False,
                       staging: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
                       ) -> MigrationResult:
@@ -702,8 +706,9 @@ def execute_migration(plan: MigrationPlan, transport: Transport, device: int,
             written; on an abort their content is undefined. Default: fresh tensors.
         commit: the commit vote's one decision (a
             :class:`~slurm_etc.migrate.decision.CommitDecision`): given what this rank saw
-            of the vote, returns what every rank does. None: each rank follows its own view
-            (a rank dying inside the vote can then split the survivors).
+            of the vote and its data phase's seconds, returns what every rank does. None:
+            each rank follows its own view (a rank dying inside the vote can then split the
+            survivors).
         agreed: every rank already checked ``program`` against the others' (:func:`agree`
             on the same transport): vote 0 travels with step 0's data instead of gating it.
         staging: the send and receive buffers, from :func:`allocate_staging` before the
@@ -931,7 +936,7 @@ def _settle_device(device: torch.device) -> None:
 
 
 def _commit_vote(run: _Run, index: int, faults: FaultInjector,
-                 commit: Callable[[bool], bool] | None) -> None:
+                 commit: Callable[[bool, float], bool] | None) -> None:
     """The commit vote, then its one decision (see :mod:`slurm_etc.migrate.decision`): a
     rank whose view of the vote failed still commits when another rank saw every vote OK
     first (every rank had finished its part), and one that saw them all OK aborts when the
@@ -948,14 +953,15 @@ def _commit_vote(run: _Run, index: int, faults: FaultInjector,
         if commit is None:
             raise
         if run.failure is not None:
-            commit(False)  # its own vote failed: abort, but it takes part in the decision
+            # its own vote failed: abort, but it takes part in the decision
+            commit(False, run.stats.data_seconds)
             raise
-        if not commit(False):
+        if not commit(False, run.stats.data_seconds):
             raise
         logger.warning("migration: %s saw the commit vote fail, but the decision recorded "
                        "first is commit: it commits", run.who)
         return
-    if commit is not None and not commit(True):
+    if commit is not None and not commit(True, run.stats.data_seconds):
         run._abort(index, [RankFailure(-1, -1, False, "another rank saw the commit vote "
                                        "fail first: the decision is abort")], False)
 

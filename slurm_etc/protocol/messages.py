@@ -174,7 +174,9 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     ``lost_steps``: (first, last) steps trained before a node was lost without grace whose
     state no replica held; the job rolled back to ``first - 1`` and trains them again.
     ``rebuilt_from``: where that state came from (``peer-copies``, ``checkpoint``; empty:
-    surviving replicas, or nothing was lost)."""
+    surviving replicas, or nothing was lost). ``for_group``: the migration group's proposer
+    answers for every rank of it (a commit; ``data_seconds`` the longest of them, from the
+    commit decision's share), and no other rank of it answers."""
 
     job: str
     generation: int
@@ -188,6 +190,7 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     error: str = ""
     lost_steps: tuple[int, int] | None = None
     rebuilt_from: Literal["", "peer-copies", "checkpoint"] = ""
+    for_group: bool = False
 
 
 class CopiesChosen(msgspec.Struct, frozen=True, tag="copies", forbid_unknown_fields=True):

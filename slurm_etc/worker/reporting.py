@@ -198,8 +198,15 @@ class Reporting:
                    if outcome != ProcessOutcome.ABORTED else "")
         self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
                                          outcome, self.step, moved, pause, data, error, lost))
-        proc.control.report(Resized(proc.job, order.generation, proc.vrank,
-                                    outcome,
+        # the commit decision's share gave the group's longest data phase: its proposer
+        # answers for every rank of it (the commit), the others say nothing
+        group_data: float | None = stats.get("group_data_seconds")
+        for_group = group_data is not None and outcome != ProcessOutcome.ABORTED
+        if group_data is not None and for_group:
+            if not stats.get("answers_for_group"):
+                return
+            outcome, data = ProcessOutcome.COMMITTED, group_data
+        proc.control.report(Resized(proc.job, order.generation, proc.vrank, outcome,
                                     self.step, pause, data, int(stats.get("sent_bytes", 0)),
                                     int(stats.get("received_bytes", 0)), error, lost,
-                                    rebuilt))  # type: ignore[arg-type]
+                                    rebuilt, for_group))  # type: ignore[arg-type]

@@ -193,7 +193,7 @@ class ResizeSteps:
         t_adopt = time.perf_counter()
         self._adopt_extras(keys, old, new, plan)
         adopted_s = time.perf_counter() - t_adopt
-        if not early.sent:
+        if not early.sent or out.stats.get("answers_for_group"):
             self._record(order, ProcessOutcome.COMMITTED, plan.moved_bytes, pause,
                          out.stats.get("data_seconds", 0.0), "", out.stats)
         if gen in self._expected_fp:  # committed (nothing else holds the state): checked

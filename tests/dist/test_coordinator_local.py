@@ -24,7 +24,7 @@ from slurm_etc.local.backend import LocalBackend
 from slurm_etc.local.demo import demo_script, demo_spec
 from slurm_etc.plan import ParallelConfig
 from slurm_etc.plan.model import PRESETS
-from slurm_etc.protocol.messages import Resumed
+from slurm_etc.protocol.messages import Resized, Resumed
 from slurm_etc.store import jobs as record
 from slurm_etc.store.db import open_store_readonly
 from slurm_etc.worker.sequence import ResizeSequence, checkpoint_losses
@@ -61,6 +61,21 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
         return add(tracker, report)
 
     monkeypatch.setattr(PauseTracker, "add", heard)
+    # the Resized answers it reads, in a resize or late (the migration group's proposer
+    # answers for all where the commit decision's share reached every rank)
+    answers: list[Resized] = []
+    answered, late_answer = reconcile.answered, reconcile.late_answer
+
+    def answer(fl, vrank, report):
+        answers.append(report)
+        return answered(fl, vrank, report)
+
+    def late(waiting, report):
+        answers.append(report)
+        return late_answer(waiting, report)
+
+    monkeypatch.setattr(reconcile, "answered", answer)
+    monkeypatch.setattr(reconcile, "late_answer", late)
     model = PRESETS["tiny"]
     job_id = "e2e-local"
     seen: list[dict] = []
@@ -106,6 +121,10 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
         assert 1 <= len(got) <= 2, got
         assert [r.widest_of for r in got if r.widest_of] == [gens[m.to_generation].world_size]
         assert [r.stall_of for r in got if r.stall_of] == [gens[m.to_generation].world_size]
+        # one answer for the whole group, its longest data phase the one recorded
+        said = [r for r in answers if r.generation == m.to_generation]
+        assert [(r.outcome, r.for_group) for r in said] == [("committed", True)], said
+        assert said[0].data_seconds == m.data_seconds > 0, (said, m)
     assert gens[-1].last_step == out["step"]
     assert out["reaction_s"] and max(out["reaction_s"]) < 5.0
 

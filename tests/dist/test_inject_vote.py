@@ -39,11 +39,11 @@ class OwnView(CommitDecision):
     """The planted bug: a rank that saw every vote OK shares, then commits on its own view,
     whatever the others shared."""
 
-    def __call__(self, saw_commit: bool) -> bool:
+    def __call__(self, saw_commit: bool, data_s: float = 0.0) -> bool:
         if self.proposer or not saw_commit:
-            return super().__call__(saw_commit)
+            return super().__call__(saw_commit, data_s)
         assert self.share is not None
-        self.share(0)
+        self.share(0, 0)
         return saw_commit
 
 
@@ -78,9 +78,12 @@ def _worker(device: int, port: int, case: str, faults, decide: bool | str, out) 
         commit = None
         if decide == "store" or decide is True:
             commit = CommitDecision(store, f"{case}/commit")
-        elif decide in ("share", "own-view"):
+        elif decide in ("share", "own-view", "own-data"):
             kind = OwnView if decide == "own-view" else CommitDecision
-            commit = kind(store, f"{case}/commit", share=shared_over(transport, 10.0),
+            share = shared_over(transport, 10.0)
+            if decide == "own-data":  # planted: each rank's own data phase, not the longest
+                share = (lambda real: lambda v, d: (real(v, d)[0], d))(share)
+            commit = kind(store, f"{case}/commit", share=share,
                           proposer=device == 0)  # group rank = device here
         try:
             res = execute_migration(plan, transport, device,
@@ -93,7 +96,9 @@ def _worker(device: int, port: int, case: str, faults, decide: bool | str, out) 
         else:
             out.put((device, {"outcome": "committed",
                               "mismatches": shard_mismatches(plan, res.new_rank,
-                                                             res.new_shards)}))
+                                                             res.new_shards),
+                              "data_s": res.stats.data_seconds,
+                              "longest": getattr(commit, "longest_data_s", None)}))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         out.put((device, {"outcome": "error", "error": repr(exc)}))
 
@@ -213,3 +218,28 @@ def test_shared_and_not_followed_splits(store):
     assert outcomes == {0: "aborted", 1: "committed", 2: "committed"}, outcomes
     with pytest.raises(AssertionError, match="split"):
         _no_split(results, decision)
+
+
+def _longest_shared(results: dict) -> float:
+    """Every rank learned, from the decision's share, the group's longest data phase (what
+    the proposer reports for all): the maximum of the ranks' own, to the microsecond."""
+    want = max(r["data_s"] for r in results.values())
+    got = {d: r["longest"] for d, r in results.items()}
+    assert all(v is not None and abs(v - want) <= 1e-6 for v in got.values()), (want, got)
+    return want
+
+
+def test_the_share_gives_every_rank_the_longest_data_phase(store):
+    """Nothing fails: every rank commits and knows the group's longest data phase, so the
+    proposer answers the coordinator for all (one message, not one a rank)."""
+    results, decision = _run(store, "share-longest", _injector(), decide="share")
+    assert _no_split(results, decision) == "committed"
+    assert _longest_shared(results) > 0
+
+
+def test_a_share_without_the_maximum_is_caught(store):
+    """Planted: the share hands each rank back its own data phase; the check above fails."""
+    results, decision = _run(store, "share-own-data", _injector(), decide="own-data")
+    assert _no_split(results, decision) == "committed"
+    with pytest.raises(AssertionError):
+        _longest_shared(results)

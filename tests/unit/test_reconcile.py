@@ -127,6 +127,27 @@ def test_the_late_answers_record_the_longest_data_phase_once():
     assert late_answers(answers(fl, said(1), said(2)), Commit(0.0, 0.0, None, None)) is None
 
 
+def test_the_proposers_answer_for_its_group_settles_and_ends_the_late_answers():
+    """The commit decision's share reached every rank: the group's proposer answers for
+    all (``for_group``, with the longest data phase), nobody else answers (issue #42)."""
+    whole = said(0, data_seconds=0.7, for_group=True)
+    fl = answers(resize(), whole)
+    assert settle(fl, 102.0, TIMEOUT).outcome == Commit(0.0, 0.7, None, None, 9)
+    # a rebuild, which waits for every answer, is settled by it too
+    got = settle(answers(resize(rebuild=True), whole), 102.0, TIMEOUT).outcome
+    assert isinstance(got, Commit) and got.data_s == 0.7
+    # decided before it came: it is the last late answer, whoever had not answered
+    early = answers(resize(), said(1, data_seconds=0.02))
+    late = late_answers(early, Commit(0.0, 0.02, None, None))
+    assert late is not None and late.waiting == 2
+    assert late_answer(late, whole) == (None, 0.7)
+    assert late_answers(fl, Commit(0.0, 0.7, None, None)) is None
+    # only a commit stands for the group; one rank's own answers do not
+    assert settle(answers(resize(), said(0, "aborted", for_group=True)), 102.0,
+                  TIMEOUT).outcome == Wait()
+    assert settle(answers(resize(), said(0)), 102.0, TIMEOUT).outcome == Wait()
+
+
 def test_order_is_resent_to_the_told_that_neither_answered_nor_died():
     fl = answers(resize(dead=frozenset({1})), said(0))
     assert settle(fl, 101.0 + RESEND_S - 0.1, TIMEOUT).resend == frozenset()
