@@ -223,8 +223,7 @@ def _ranks_list(text: str) -> list[int]:
               type=Number(bounds.STEPS, low=2),
               help="Steps in the steady window (at least --steady-s long).")
 @click.option("--steady-s", default=6.0, show_default=True, type=Number(bounds.SECONDS),
-              help="The steady window's least length (a few of the links' keepalive "
-                   "intervals).")
+              help="The steady window's least length (it holds heartbeats).")
 @click.option("--resizes/--no-resizes", default=True, show_default=True,
               help="After the steady window: a grow by an eighth of the nodes, a preemption "
                    "shrink and a node loss.")
@@ -241,8 +240,8 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
 
     \b
     Real: the coordinator (reconcile loop, policy, vrank allocator, planner), its SQLite
-    record, the control channel (CURVE, signed envelopes, TCP keepalive), the rendezvous
-    store it hosts; each simulated rank holds its own channel connection (its store requests
+    record, the control channel (CURVE, signed envelopes), the rendezvous store it hosts,
+    heartbeats; each simulated rank holds its own channel connection (its store requests
     ride it) and says,
     through the worker-side classes, what a worker says (Hello, ModelBuilt, Progress from
     rank 0, Ready, Resized, Resumed, Exited), with the trainer's exact per-step agreement.

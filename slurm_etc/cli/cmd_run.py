@@ -171,9 +171,9 @@ def recovery_options(peer_copy_every: int, checkpoint_every: int,
                    "fit host memory.")
 @click.option("--reattach-wait", type=Number(bounds.REATTACH_WAIT_S),
               default=DEFAULT_REATTACH_WAIT_S, show_default=True, metavar="SECONDS",
-              help="How long a worker whose link to this coordinator is down (the coordinator "
-                   "killed, or its host or the network gone for 30 s) waits for it before "
-                   "it exits; it trains no step meanwhile.")
+              help="How long a worker that hears nothing from this coordinator (a heartbeat "
+                   "every few seconds) waits for it before it exits; it trains no step "
+                   "meanwhile.")
 @click.option("--join-timeout", type=Number(bounds.SECONDS, low=1),
               default=300.0, show_default=True, metavar="SECONDS",  # loop's default too
               help="How long a launched worker has to join the job (say hello on the "

@@ -50,8 +50,8 @@ class JobSpec:
         env: extra environment for every worker.
         recovery: peer copies and periodic checkpoints the workers keep (passed to them),
             from which a loss that no replica covers is rebuilt.
-        reattach_wait_s: how long a worker whose link to this coordinator is down (TCP's
-            keepalive watches it: :mod:`~slurm_etc.protocol.link`) waits for it before it exits.
+        reattach_wait_s: how long a worker whose link to this coordinator is down (libzmq's
+            heartbeats every HEARTBEAT_S keep it up) waits for it before it exits.
         join_timeout_s: how long a launched worker has to say Hello; one that does not, or
             exits before, never joined (see :func:`.observe.never_joined`). A joiner of
             a grow also has it, from its launch, to say Ready (warmed up); one that does not

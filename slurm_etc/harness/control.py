@@ -3,7 +3,7 @@ the ranks simulated.
 
 **Real** (the code a job runs): the coordinator (:class:`~slurm_etc.coordinator.loop.
 Coordinator`, its reconcile loop, policy, vrank allocator and planner), its SQLite record,
-the control channel (CURVE, HMAC envelopes, TCP keepalive), the rendezvous store it
+the control channel (CURVE, HMAC envelopes, libzmq's heartbeats), the rendezvous store it
 hosts, and on the ranks' side the worker's end of both: every simulated rank holds its own
 :class:`~slurm_etc.protocol.channel.WorkerChannel` and its own
 :class:`~slurm_etc.protocol.store.StoreClient`, says what a worker says (Hello, ModelBuilt,
@@ -106,8 +106,8 @@ class ControlBench:
         step_s: a training step's length (a sleep).
         warm_steps: steps trained before the steady window opens.
         steady_steps: steps in the steady window (what the steady figures average over).
-        steady_min_s: the window's least length in seconds (it holds a few keepalive
-            intervals of the links: ``protocol.link.LINK_IDLE_S``).
+        steady_min_s: the window's least length in seconds (it holds heartbeats: one to every
+            rank each ``HEARTBEAT_S``).
         settle_steps: steps trained after each resize before the next event.
         resizes: drive the grow, the preemption shrink and the node loss after the window.
         grace_s: the preemption notice's grace.

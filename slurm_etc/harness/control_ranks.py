@@ -739,8 +739,9 @@ def _host_setup(fabric_conn: Connection, ranks: int, world_s: float
     if ranks > LENGTHEN_SLICES_ABOVE:  # hosts of the default size keep a worker's slices
         _lengthen_socket_slices()
     _import_what_ranks_use()
-    # the fabric's pump and zmq's I/O thread start at the normal class: the collectives and
-    # the ranks' messages move while the rank threads wait for the CPU
+    # the fabric's pump and zmq's I/O thread (it answers the links' heartbeats) start at
+    # the normal class: starved for the heartbeats' 30 s, a link drops and its rank's
+    # store request fails, as a dead coordinator's would
     fabric = _HostFabric(fabric_conn)
     shared = _Shared(ranks, fabric, world_s)
     try:  # this thread and the rank threads it starts (Linux: the class is per thread)

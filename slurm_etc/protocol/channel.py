@@ -92,9 +92,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from slurm_etc.protocol.keys import curve_keys, make_client
-from slurm_etc.protocol.link import watch_link
 from slurm_etc.protocol.messages import (
     ENCODER,
+    HEARTBEAT_S,
     REPORT_DECODER,
     Abort,
     Hello,
@@ -872,8 +872,13 @@ class WorkerChannel:
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             self._sock.setsockopt(zmq.SNDHWM, queue_limit)
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
-            # liveness at no cost to the coordinator's process (its kernel answers)
-            watch_link(self._sock)
+            # liveness without a message per worker from the coordinator's Python loop:
+            # libzmq pings every HEARTBEAT_S and the coordinator's I/O thread answers; no
+            # answer within three drops the link (and a dead coordinator's closes at once)
+            ivl = int(HEARTBEAT_S * 1000)
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
+            self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
             self._link = self._sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             if address.startswith("tcp://["):
@@ -922,10 +927,10 @@ class WorkerChannel:
     @property
     def heard_at(self) -> float:
         """When the coordinator was last known alive (monotonic): now while the link to it
-        is up (a killed coordinator closes it at once; TCP's keepalive drops it when its host
-        or the network is gone: :mod:`~slurm_etc.protocol.link`), else its last message or
-        the link's end, whichever came later. A coordinator whose process hangs but lives
-        keeps it (its job's time limit bounds it)."""
+        is up, a CURVE session that libzmq's heartbeats keep (the coordinator's I/O thread
+        answers them: nothing per worker in its Python loop); else its last message or the
+        link's end, whichever came later. A coordinator killed closes the link at once; one
+        whose process hangs but lives still answers (its job's time limit bounds it)."""
         self._watch()
         return time.monotonic() if self._linked else self._heard
 
@@ -947,7 +952,7 @@ class WorkerChannel:
     @property
     def link_drops(self) -> int:
         """How many times the connection to the coordinator went down (its process died,
-        or its link stopped answering); a store request in flight fails on a new drop."""
+        or its heartbeats stopped); a store request in flight fails on a new drop."""
         self._watch()
         return self._drops
 

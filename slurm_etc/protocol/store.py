@@ -56,7 +56,6 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import InternalError
 from .channel import ANSWER, QUEUE_FULL, SENT, STORE_FRAME, UNREACHABLE, WorkerChannel
 from .keys import CurveKeys, HandshakeWatch, ZapGuard, curve_keys, make_client, make_server
-from .link import watch_link
 from .rendezvous import generation_pattern
 
 logger = logging.getLogger(__name__)
@@ -236,7 +235,6 @@ class StoreServer:
         try:
             make_server(self._sock, self._keys)
             self._sock.setsockopt(zmq.LINGER, 0)
-            watch_link(self._sock, requests=False)  # a worker's host gone: dropped
             if channel is None:
                 self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.request_bytes)
                 self._sock.setsockopt(zmq.RCVHWM, 64)
@@ -849,7 +847,6 @@ class StoreClient(dist.Store):
         try:
             make_client(sock, self._keys)
             sock.setsockopt(zmq.LINGER, 0)
-            watch_link(sock)
             if ":" in self.host:
                 sock.setsockopt(zmq.IPV6, 1)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

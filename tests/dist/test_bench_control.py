@@ -30,7 +30,8 @@ def test_bench_control_json_at_16_ranks():
     assert set(run["resize_control_s"]) == {"grow", "shrink", "loss"}
     assert check_run(run) == []
     # a steady step asks the store nothing (the gate is closed: every rank takes part in
-    # its all-reduce) and rank 0 reports one Progress; the links' keepalive is the kernels'
+    # its all-reduce) and rank 0 reports one Progress; libzmq's heartbeats never reach the
+    # coordinator's loop
     steady = run["steady"]
     per = steady["messages_per_step"]
     assert per["channel_in"] == pytest.approx(1.0, abs=0.1)

@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slurm_etc.protocol import channel as channel_module
 from slurm_etc.protocol import env as envvars
 from slurm_etc.protocol.channel import (
     COORDINATOR,
@@ -56,6 +57,7 @@ from slurm_etc.protocol.messages import (
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 JOB = "job42"
+PING_S = 2.0  # libzmq's heartbeat in the liveness test (the job's is longer)
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -712,6 +714,32 @@ def test_closed_channels_fail_cleanly(coordinator: CoordinatorChannel, key: byte
     with pytest.raises(ChannelError, match="closed"):
         coordinator.recv(0.1)
     assert coordinator.send(0, Stop(JOB, 0)) is False
+
+
+def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes,
+                                                               monkeypatch) -> None:
+    """No message from the coordinator for longer than three heartbeat intervals: the worker
+    still knows it lives (libzmq's pings, answered by its I/O thread); killed (its channel
+    closed), the worker's silence starts at once. Before, the coordinator's loop signed and
+    sent a Heartbeat to every worker every HEARTBEAT_S. (Pings every 2 s here, the job's
+    HEARTBEAT_S being longer.)"""
+    monkeypatch.setattr(channel_module, "HEARTBEAT_S", PING_S)
+    coord = CoordinatorChannel(JOB, key, "127.0.0.1")
+    w = worker(coord, key)
+    try:
+        join(coord, w)
+        time.sleep(3 * PING_S + 1.0)
+        assert coord.recv(0.01) is None  # nothing sent either way meanwhile
+        assert time.monotonic() - w.heard_at < 0.5, "the link lapsed without messages"
+        coord.close()
+        deadline = time.monotonic() + 3 * PING_S
+        while time.monotonic() - w.heard_at < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        silent = time.monotonic() - w.heard_at
+        assert 1.0 <= silent <= 2.0, silent  # from the close, not from the last message
+    finally:
+        w.close(linger_s=0)
+        coord.close()
 
 
 def test_a_body_encoded_once_seals_as_the_message_would(key: bytes) -> None:
