@@ -817,11 +817,12 @@ def check_run(run: Mapping[str, Any]) -> list[str]:
                    f"{totals['requests']} over the run")
     for phase, got in run["resizes"].items():
         asked, answered = got["store_requests"], got["store_replies"]
-        # the migration group's one Resized for all, and a grow's joiners' Hello each
-        least = 1 + (n // 8 if phase == "grow" else 0)
+        # the migration group's one Resized for all (a loss: every survivor's), and a grow's
+        # joiners' Hello each
+        least = {"grow": 1 + n // 8, "loss": n // 4}.get(phase, 1)
         if got["channel_in"] < least:
             bad.append(f"resize {phase}: channel reports {got['channel_in']} < {least} (the "
-                       "group's Resized" + (", each joiner's Hello)" if least > 1 else ")"))
+                       "group's Resized, each joiner's Hello, a loss's survivors' Resized)")
         # requests in flight when the span closes (a resize committed) fall on either side
         if abs(answered - asked) > 0.05 * asked + 16:
             bad.append(f"resize {phase}: store replies {answered} differ from requests "
