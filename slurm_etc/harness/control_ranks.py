@@ -687,8 +687,9 @@ class SimRank:
     def _exit(self, why: str, generation: int | None = None) -> int:
         from slurm_etc.protocol.messages import Exited
 
-        self.channel.report(Exited(self.job, self.generation if generation is None
-                                   else generation, self.vrank, why, self.step))
+        if why != "left":  # the trainer's: a process that left at a commit says nothing
+            self.channel.report(Exited(self.job, self.generation if generation is None
+                                       else generation, self.vrank, why, self.step))
         return 0
 
 

@@ -214,7 +214,9 @@ class CopiesChosen(msgspec.Struct, frozen=True, tag="copies", forbid_unknown_fie
 
 
 class Exited(msgspec.Struct, frozen=True, tag="exited", forbid_unknown_fields=True):
-    """A worker is exiting (stopped, left after a resize, or failed)."""
+    """A worker is exiting (stopped, done, or failed). A process that left the job at a
+    commit says nothing: the coordinator counted it out at the commit, and its backend sees
+    it exit."""
 
     job: str
     generation: int

@@ -417,7 +417,8 @@ class ElasticTrainer(StepAgreement, OutageHandling, ResizeSteps, PreparationStep
 
     def _exit(self, why: str) -> str:
         proc = self._proc()
-        proc.control.report(Exited(proc.job, self.generation, proc.vrank, why, self.step))
+        if why != "left":  # a process that left at a commit: the coordinator needs no word
+            proc.control.report(Exited(proc.job, self.generation, proc.vrank, why, self.step))
         self._log("exiting (%s) at step %d", why, self.step)
         return why
 
