@@ -7,6 +7,7 @@ stays up: ``test_channel.py``.)"""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -44,8 +45,9 @@ w.close(linger_s=0); coord.close()
 
 
 def _cut(ping_s: float) -> dict:
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
-        pytest.skip("this machine cannot make a network namespace (unshare -n)")
+    if shutil.which("ip") is None or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine cannot make a network namespace (unshare -n, ip)")
     done = subprocess.run(["unshare", "-n", sys.executable, "-c", _CUT, str(ping_s)],
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
