@@ -50,7 +50,7 @@ minutes, so the bench gives the coordinator a join timeout that grows with N,
 with the job meet in a simulated world rendezvous before their first step. The hosts'
 channels wait in slices of ``control_ranks.RANK_SOCKET_SLICE_S`` (a real worker's reads
 its socket every 20-100 ms; a reply or an order ends a wait at once either way), and their
-GIL switches every ``control_ranks.RANK_SWITCH_S``. What the
+ranks are greenlets (gevent), which one OS thread a host runs in turn. What the
 figures cannot show here: the coordinator's network (all connections are loopback), the
 per-rank cost of a real process (an interpreter, CUDA, NCCL), and, at 16,384 ranks, a
 machine whose only 2 cores are shared by every rank thread, so resize times (which wait for

@@ -31,11 +31,11 @@ and running the worker's decisions (:class:`SimRank`). What that limits, on this
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
 import resource
-import sys
 import threading
 import time
 from collections import deque
@@ -69,6 +69,12 @@ _NO_LOW, _NO_HIGH = 1 << 62, -(1 << 62)
 # socket every 50 ms and says Hello again every 2 s: 16,384 of them at once on 2 cores keep
 # the coordinator's handshakes and Hellos minutes behind, see after-16384-attempt.log)
 JOINS_IN_FLIGHT = 8
+# how often a host moves what its ranks hold to the collector's permanent generation
+# (``gc.freeze``): a thousand ranks' channels, sealers and queues are ~a million objects,
+# which each full collection walked again, every rank of the host waiting
+FREEZE_EVERY_S = 5.0
+# a green poller's longest wait before it asks zmq again (zmq's descriptor signals edges)
+_EDGE_S = 1.0
 # a rank's wait in a simulated collective looks at its halt this often (a stop or a kill
 # wakes it at once: _HostFabric.wake); thousands of ranks waking twice a second each cost
 # the 2 cores more than the coordinator
@@ -88,12 +94,6 @@ LENGTHEN_SLICES_ABOVE = 512
 # a rank waiting for the order that names the dead (its collective failed) looks at its
 # halt this often (the order itself ends the wait at once)
 RECOVER_WAIT_S = 2.0
-# the host's GIL switch interval (CPython's default 5 ms): a thousand rank threads asking
-# for the GIL every 5 ms spend the cores in the kernel handing it over
-RANK_SWITCH_S = 0.05
-# a rank thread's stack: the ranks' code nests a few dozen calls deep (the default is 8 MiB
-# of address space a thread)
-RANK_STACK_BYTES = 512 * 1024
 
 # --------------------------------------------------------------------------- the ranks
 
@@ -103,7 +103,8 @@ class _Halt:
     """Why a simulated rank must end now: ``kill`` (its node was lost: it says nothing, as a
     killed process) or ``stop`` (StopWorkers: SIGTERM)."""
 
-    event: threading.Event = field(default_factory=threading.Event)
+    # made when the rank is (a greenlet's event: the host patched threading by then)
+    event: threading.Event = field(default_factory=lambda: threading.Event())
     kind: str = ""
 
     def set(self, kind: str) -> None:
@@ -118,8 +119,11 @@ class _Shared:
 
     def __init__(self, ranks: int, fabric: "_HostFabric", world_s: float) -> None:
         import zmq
+        import zmq.green
 
-        self.ctx: Any = zmq.Context(io_threads=1)
+        # green sockets and pollers: a rank waiting on its socket yields to the others
+        self.ctx: Any = zmq.green.Context(io_threads=1)
+        self.poller: Any = _green_poller_class()
         self.ctx.set(zmq.MAX_SOCKETS, max(1024, FDS_PER_SIM_RANK * ranks + 64))
         # libzmq starts its threads with a context's first socket: now, in the thread
         # that makes the context (host_main: before it turns to the idle class)
@@ -196,6 +200,33 @@ class _Shared:
                     got = len({v for v in old.devices if v not in gone} | set(new.devices))
                     self._members[key] = got
         return got
+
+
+def _green_poller_class() -> type:
+    """A zmq poller whose wait yields to the other greenlets, for any descriptor number
+    (``zmq.green.Poller`` waits in ``select``, which refuses descriptors past 1,023: a host
+    of a thousand ranks has thousands). It asks zmq without waiting, and between asks waits
+    on gevent's ``poll`` of the sockets' descriptors (zmq's is edge-triggered: every wake,
+    and at least every ``_EDGE_S``, asks zmq again)."""
+    import zmq
+    from gevent import select as green_select
+
+    class GreenPoller(zmq.Poller):
+        def poll(self, timeout: float | None = -1) -> list[tuple[Any, int]]:
+            deadline = None if timeout is None or timeout < 0 else \
+                time.monotonic() + timeout / 1000
+            while True:
+                events = super().poll(0)
+                left = _EDGE_S if deadline is None else deadline - time.monotonic()
+                if events or left <= 0:
+                    return events
+                waiting = green_select.poll()
+                for sock, _ in self.sockets:
+                    waiting.register(sock.getsockopt(zmq.FD) if isinstance(sock, zmq.Socket)
+                                     else sock, green_select.POLLIN)
+                waiting.poll(1000 * min(left, _EDGE_S))
+
+    return GreenPoller
 
 
 class _Admission:
@@ -394,7 +425,8 @@ class SimRank:
         from slurm_etc.protocol.channel import ChannelError
 
         self.channel = channel_class(self.job, self.vrank, self.address, self.secret,
-                                     generation=self.generation, context=self.shared.ctx)
+                                     generation=self.generation, context=self.shared.ctx,
+                                     poller=self.shared.poller)
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._check()
@@ -726,6 +758,50 @@ def _import_what_ranks_use() -> None:
         importlib.import_module(name)
 
 
+def _go_green() -> None:
+    """Make this host process's threads greenlets (gevent's monkey-patching: threads,
+    locks, events, sleeps, select), before any rank starts. A thousand rank threads a
+    process handed the GIL and the CPU to each other at every wake: a pass of 16,384 of
+    them through a collective took 1-3.5 s on 2 cores; as greenlets one OS thread runs
+    them in turn, each until it waits (on its socket, an event, a sleep)."""
+    from gevent import monkey
+
+    monkey.patch_all()
+
+
+class _Readable:
+    """Whether a pipe has something to read within a time, waiting as a greenlet
+    (``Connection.poll`` would block every rank of the host); one watcher of its descriptor
+    for every wait (a ``select`` makes its watchers again each time: the fabric's pump waits
+    a thousand times a second)."""
+
+    def __init__(self, conn: Connection) -> None:
+        from gevent import get_hub
+        from gevent.monkey import get_original
+
+        self._watcher = get_hub().loop.io(conn.fileno(), 1)
+        # the kernel's poll, not gevent's, asked without waiting (``Connection.poll``
+        # makes a selector each time)
+        self._now = get_original("select", "poll")()
+        self._now.register(conn.fileno(), get_original("select", "POLLIN"))
+
+    def __call__(self, timeout_s: float) -> bool:
+        from gevent.socket import wait
+
+        if self._now.poll(0):
+            return True
+        if timeout_s > 0:
+            try:
+                wait(self._watcher, timeout_s, _TimedOut)
+            except _TimedOut:
+                return False
+        return bool(self._now.poll(0))
+
+
+class _TimedOut(Exception):
+    """A green wait's time ran out."""
+
+
 def _host_setup(fabric_conn: Connection, ranks: int, world_s: float
                 ) -> tuple["_HostFabric", _Shared]:
     """A host process made ready for its ranks (its limits, the channels' slices, the
@@ -736,17 +812,15 @@ def _host_setup(fabric_conn: Connection, ranks: int, world_s: float
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         pass
-    threading.stack_size(RANK_STACK_BYTES)
-    sys.setswitchinterval(RANK_SWITCH_S)
     if ranks > LENGTHEN_SLICES_ABOVE:  # hosts of the default size keep a worker's slices
         _lengthen_socket_slices()
     _import_what_ranks_use()
-    # the fabric's pump and zmq's I/O thread (it answers the links' heartbeats) start at
-    # the normal class: starved for the heartbeats' 30 s, a link drops and its rank's
-    # store request fails, as a dead coordinator's would
+    # zmq's I/O thread (it answers the links' heartbeats) starts at the normal class:
+    # starved for the heartbeats' 30 s, a link drops and its rank's store request fails,
+    # as a dead coordinator's would
     fabric = _HostFabric(fabric_conn)
     shared = _Shared(ranks, fabric, world_s)
-    try:  # this thread and the rank threads it starts (Linux: the class is per thread)
+    try:  # this thread, which runs every rank (Linux: the class is per thread)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux: the ranks compete as they are
         pass
@@ -771,10 +845,16 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     host's zmq I/O thread and its fabric pump keep the normal class. Ranks start a few at a
     time (:class:`_Admission`); ``world_s`` bounds the world's rendezvous before the
     first step (the coordinator's join timeout)."""
+    _go_green()
     host = _Host(conn, *_host_setup(fabric_conn, ranks, world_s), model, step_s)
+    readable = _Readable(conn)
+    frozen = 0.0
     while True:
+        if time.monotonic() - frozen > FREEZE_EVERY_S:
+            gc.freeze()
+            frozen = time.monotonic()
         host.flush()
-        if not conn.poll(0.02):
+        if not readable(0.02):
             continue
         msg = conn.recv()
         if msg[0] == "launch":
@@ -987,6 +1067,7 @@ class _HostFabric:
         self._thread.join(5)
 
     def _pump(self) -> None:
+        readable = _Readable(self.conn)
         while True:
             with self._lock:
                 if self._closed:
@@ -1001,9 +1082,9 @@ class _HostFabric:
                 self._dead.clear()
             for msg in out:
                 self.conn.send(msg)
-            if not self.conn.poll(0.001 if out else 0.005):
+            if not readable(0.001 if out else 0.005):
                 continue
-            while self.conn.poll(0):
+            while readable(0):
                 self._answer(self.conn.recv())
 
     def _answer(self, msg: tuple[Any, ...]) -> None:

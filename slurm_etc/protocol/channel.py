@@ -832,13 +832,17 @@ class WorkerChannel:
         context: a zmq context to open the socket in, which the caller owns (many
             simulated workers in one process share one: ``slurm-etc bench control``);
             None (a real worker): one of its own, terminated by :meth:`close`.
+        poller: what makes the socket's poller: ``zmq.Poller``, or the poller of the
+            context's kind (``zmq.green.Poller`` beside a ``zmq.green.Context``: the
+            simulated workers of ``bench control`` are greenlets).
     """
 
     def __init__(self, job: str, vrank: int, address: str, secret: bytes | JobSecret, *,
                  generation: int = 0, window_s: float = DEFAULT_WINDOW_S,
                  queue_limit: int = DEFAULT_QUEUE,
                  clock: Callable[[], float] = time.time,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 poller: Callable[[], zmq.Poller] = zmq.Poller) -> None:
         self.job = job
         self.vrank = vrank
         self.address = address
@@ -887,9 +891,11 @@ class WorkerChannel:
         except zmq.ZMQError as e:
             self.close(linger_s=0)
             raise ChannelError(f"cannot connect to the coordinator at {address!r}: {e}") from None
-        self._poller = zmq.Poller()
+        self._poller = poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake, zmq.POLLIN)
+        # the link's events in the same poll: a read of the socket asks the kernel once
+        self._poller.register(self._link, zmq.POLLIN)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: object
@@ -1191,7 +1197,8 @@ class WorkerChannel:
                 else:
                     self._take(frames)
         drops = self._drops
-        self._watch()
+        if self._link in ready:
+            self._watch()
         if replies or self._drops != drops:
             with self._turn:
                 self._turn.notify_all()
