@@ -229,7 +229,7 @@ def _ranks_list(text: str) -> list[int]:
                    "shrink and a node loss.")
 @click.option("--ranks-per-host", default=512, show_default=True,
               type=Number(bounds.PROCESSES, low=8),
-              help="Simulated ranks (threads) per host process.")
+              help="Simulated ranks (greenlets) per host process.")
 @click.option("--timeout-s", default=600.0, show_default=True,
               type=Number(bounds.SECONDS, low=10),
               help="Each run's deadline (the coordinator's).")
@@ -247,7 +247,7 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     rank 0, Ready, Resized, Resumed, Exited), with the trainer's exact per-step agreement.
     Simulated: the cluster (N/8 nodes of 8 devices and an eighth more for the grow; its
     grant, preemption notice and node loss come at scripted steps), the ranks' processes
-    (threads, --ranks-per-host per process, one zmq context each), training (a step is a
+    (greenlets, --ranks-per-host per process, one zmq context each), training (a step is a
     sleep of --step-s) and every collective among ranks (the step's all-reduce, the
     migration's groups and data phase, the new world): skipped, costing nothing. A resize's
     ranks still publish and read the trainer state and take the commit decision through the

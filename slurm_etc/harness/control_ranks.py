@@ -2,14 +2,18 @@
 the worker's side of the control path, training nothing, many ranks to a host process, and
 the *fabric* that stands for the collectives among them.
 
-What a simulated rank is: one thread of a host process (up to ``ranks_per_host`` of them,
-one zmq context a process) holding its own :class:`~slurm_etc.protocol.channel.
-WorkerChannel` (one CURVE connection to the coordinator, which carries its store requests)
-and running the worker's decisions (:class:`SimRank`). What that limits, on this machine:
+What a simulated rank is: one greenlet of a host process (gevent: its threads, locks,
+events and sleeps patched at the host's start; up to ``ranks_per_host`` ranks, one zmq
+context a process) holding its own :class:`~slurm_etc.protocol.channel.WorkerChannel` (one
+CURVE connection to the coordinator, which carries its store requests; a green poller)
+and running the worker's decisions (:class:`SimRank`). One OS thread a host runs its ranks
+in turn, each until it waits (its socket, an event, a sleep). As OS threads, a thousand a
+process handed the GIL and the CPU to each other at every wake: one pass of 16,384 rank
+threads through a collective took 1-3.5 s on 2 cores (0.07-0.4 s as greenlets, bare).
+What that limits, on this machine:
 
-- A thread costs its stack and the interpreter's switching: thousands of them on 2 cores
-  are slow to start and share the CPU with the coordinator. Host processes run at the
-  idle scheduling class, so the coordinator gets the CPU it asks for; a host admits only
+- 16,384 ranks share 2 cores with the coordinator. Host processes run at the idle
+  scheduling class, so the coordinator gets the CPU it asks for; a host admits only
   ``JOINS_IN_FLIGHT`` of its ranks to the join at a time (a rank waiting for its Welcome
   polls its socket), so 16,384 ranks join in a queue rather than at once, as a real job's
   ranks would on thousands of nodes at once. The join is therefore slower here than on a
@@ -19,15 +23,12 @@ and running the worker's decisions (:class:`SimRank`). What that limits, on this
   joined) before their first step boundary: the first boundary's agreement then waits for
   nobody, as on a cluster. A real world's rendezvous goes through the store; here it costs
   the coordinator nothing (the figures exclude world building).
-- A thousand rank threads a process share one GIL: a lock held by a rank thread that loses
-  the CPU stalls its process's ranks (the idle class loses it to anything), so the ranks'
-  shared state is read without locks, the modules they use are imported before the host
-  turns idle, a wait in a simulated collective is on an event of the rank's own, the
-  channels wait in 1 s slices and the GIL switches every 50 ms. At 16,384 ranks on 2 cores
-  a step of 2 s took 8-15 s and a resize's store agreement minutes
-  (bench/results/bench_control/after-16384-attempt2.md).
-- The per-step figures are what a rank pays itself (its thread's CPU); the clock's view
-  (``step_control_wall_ms``) includes the CPU thousands of other simulated ranks took.
+- Every rank of a collective runs once before it completes: a pass of 16,384 ranks costs
+  their boundaries' CPU on 2 cores (~1 s a step here, ``gate_wait_ms``), which a resize's
+  control time waits out a few times; on a cluster each rank has a core of its own.
+- The per-step figures are what a rank pays itself (its host thread's CPU between two
+  waits, which no other rank runs in); the clock's view (``step_control_wall_ms``)
+  includes the CPU thousands of other simulated ranks took.
 """
 from __future__ import annotations
 
@@ -839,10 +840,10 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     killed or stopped while in a layout fails its generation's collectives at the fabric (its
     peers' next all-reduce raises).
 
-    The ranks run at the idle scheduling class: Linux shares the CPU per thread, and
-    thousands of rank threads would otherwise starve the coordinator's few (its handshakes
-    time out, its messages go stale) — on a cluster the ranks run on other nodes. The
-    host's zmq I/O thread and its fabric pump keep the normal class. Ranks start a few at a
+    The ranks (greenlets of the host's one thread, with its fabric pump) run at the idle
+    scheduling class: sixteen busy hosts would otherwise take the coordinator's share of
+    the 2 cores (its handshakes time out, its messages go stale) — on a cluster the ranks
+    run on other nodes. The host's zmq I/O thread keeps the normal class. Ranks start a few at a
     time (:class:`_Admission`); ``world_s`` bounds the world's rendezvous before the
     first step (the coordinator's join timeout)."""
     _go_green()
