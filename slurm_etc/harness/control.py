@@ -254,6 +254,9 @@ class SimCluster(BackendDefaults):
         self.rank_restarts = 0
         self.gate_waits: list[float] = []
         self.resize_began: dict[int, float] = {}
+        # generation -> its proposer's wait in the migration group's barrier (the group's
+        # rendezvous and data phase: world building and data, outside control time)
+        self.group_waits: dict[int, float] = {}
         self.failures: list[str] = []
 
     # -- the scenario -------------------------------------------------------------------
@@ -362,6 +365,7 @@ class SimCluster(BackendDefaults):
                     self.gate_waits.extend(msg[4])
                     for g, at in msg[5].items():
                         self.resize_began[g] = min(self.resize_began.get(g, at), at)
+                    self.group_waits.update(msg[6])
                     self.hosts_done += 1
         return out
 
@@ -714,8 +718,10 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
 def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
                     ) -> tuple[dict[str, float | None], dict[str, Any]]:
     """Each resize phase's control time (from the step boundary that took the order up to
-    the commit) and its detail: outcome, order to commit, the coordinator's CPU and
-    messages in it."""
+    the commit, less the proposer's wait in the migration group's barrier, which stands
+    for the group's rendezvous and data phase: world building and data, not control) and
+    its detail: outcome, the span from that boundary to the commit with the barrier in
+    it, order to commit, the coordinator's CPU and messages in it."""
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
     phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
@@ -731,11 +737,16 @@ def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
         # control: from the step boundary that took the order up (or the collective that
         # failed) to the commit; the step in flight when the order came is training's
         began = cluster.resize_began.get(m["to"]) if m else None
-        resize_s[phase] = (round(m["started"] + m["seconds"] - began, 3)
-                           if ok and m and began else None)
+        span_s = m["started"] + m["seconds"] - began if ok and m and began else None
+        group_s = cluster.group_waits.get(m["to"]) if m else None
+        resize_s[phase] = (round(span_s - group_s, 3)
+                           if span_s is not None and group_s is not None else None)
         detail[phase] = {
             "outcome": m["outcome"] if m else "none",
             "error": m["error"] if m else "",
+            # the control time with the barrier that stands for the data phase in it
+            "boundary_to_commit_s": round(span_s, 3) if span_s is not None else None,
+            "group_barrier_s": round(group_s, 3) if group_s is not None else None,
             "order_to_commit_s": round(m["seconds"], 3) if ok and m else None,
             "step_in_flight_s": round(began - m["started"], 3) if m and began else None,
             "event_to_settled_s": round(span["at1"]["t"] - span["at0"]["t"], 2),

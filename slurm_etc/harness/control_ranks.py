@@ -305,6 +305,9 @@ class SimRank:
         # generation -> when this rank's layout began the resize to it: the boundary that
         # agreed on it, or the collective that failed (the step in flight is not control)
         self.resize_began: dict[int, float] = {}
+        # generation -> the proposer's wait in its migration group's barrier, which stands
+        # for the group's rendezvous and data phase (world building and data, not control)
+        self.group_wait: dict[int, float] = {}
         self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------
@@ -686,8 +689,11 @@ class SimRank:
             self._last_ended = float(self.store.get(keys.last_ended))
         self._joined = self.layout is None
         group = self.shared.migration_size(old, new, tuple(order.lost))
+        entered = time.time()
         self.fabric.all_reduce(order.generation, MIGRATION_GROUP, group, False,
                                self.halt.event, self.timeout_s)
+        if self.vrank == new.devices[0]:  # the proposer: its commit decision comes next
+            self.group_wait[order.generation] = time.time() - entered
         # the executor's decision: its group's rank 0 (here new's first rank) asks the
         # store, every rank of the group shares what it got and its data phase (none here)
         decision = CommitDecision(
@@ -836,7 +842,8 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     ``("kill", [vranks])``, ``("report", path)`` (the ranks' step timings written to ``path``:
     ``({vrank: [(gen, step, cost, wall)...]}, gate_waits)``), ``("quit",)``; it sends
     ``("exited", vrank, generation, code, stopped)`` as ranks end, and ``("control", {vrank:
-    [(gen, step, cost, wall)...]}, failures, restarts, gate_waits, began)`` at quit. A rank
+    [(gen, step, cost, wall)...]}, failures, restarts, gate_waits, began, group_waits)`` at
+    quit. A rank
     killed or stopped while in a layout fails its generation's collectives at the fabric (its
     peers' next all-reduce raises).
 
@@ -882,6 +889,7 @@ class _Host:
         self.failures: dict[str, int] = {}
         self.gate_waits: list[float] = []
         self.began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
+        self.group_waits: dict[int, float] = {}  # generation -> its proposer's group_wait
         self.restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
 
     def flush(self) -> None:
@@ -909,6 +917,7 @@ class _Host:
         self.gate_waits.extend(r.gate_wait)
         for g, at in r.resize_began.items():
             self.began[g] = min(self.began.get(g, at), at)
+        self.group_waits.update(r.group_wait)
         self.restarts += r.restarts
 
     def launch(self, generation: int, workers: list[tuple[int, dict[str, str]]]) -> None:
@@ -955,7 +964,7 @@ class _Host:
         self.fabric.close()
         self.flush()
         self.conn.send(("control", self.control, self.failures, self.restarts,
-                        self.gate_waits, self.began))
+                        self.gate_waits, self.began, self.group_waits))
 
 
 # --------------------------------------------------------------------------- the fabric

@@ -50,6 +50,12 @@ def test_bench_control_json_at_16_ranks():
     for phase in ("grow", "shrink", "loss"):
         assert 0 < run["resize_control_s"][phase] < 30, phase
         assert run["resizes"][phase]["outcome"] == "committed"
+        # the control time is the span to the commit less the proposer's wait in the
+        # migration group's barrier (the data phase's stand-in), which the span holds
+        detail = run["resizes"][phase]
+        assert 0 <= detail["group_barrier_s"] < detail["boundary_to_commit_s"], phase
+        assert run["resize_control_s"][phase] == pytest.approx(
+            detail["boundary_to_commit_s"] - detail["group_barrier_s"], abs=2e-3), phase
     # one migration each: the grow, the preemption shrink, the node loss
     assert [(m["from"], m["to"], m["outcome"]) for m in run["migrations"]] == [
         (0, 1, "committed"), (1, 2, "committed"), (2, 3, "committed")]
