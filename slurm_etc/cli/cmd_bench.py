@@ -262,10 +262,11 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     resize's control time: from the step boundary that took the order up to the commit the
     coordinator records, less the migration group's barrier that stands for its
     rendezvous and data phase; no data phase, no world building; with the barrier:
-    resizes.<phase>.boundary_to_commit_s), coordinator_rss_mib (its process's peak) and record_bytes (the SQLite
-    record). With two sizes or more, a power law fitted to each and extrapolated to
-    131,072 ranks. A size this machine cannot hold (one connection per rank at the
-    coordinator, its open-file limit) is refused in one line before anything runs.
+    resizes.<phase>.boundary_to_commit_s), coordinator_rss_mib (its process's peak) and
+    record_bytes (the SQLite record). With two sizes or more, a power law fitted to each
+    and extrapolated to 131,072 ranks. A size this machine cannot hold (one connection
+    per rank at the coordinator, its open-file limit) is refused in one line before
+    anything runs.
     """
     from ..harness.control import (
         ControlBench,
