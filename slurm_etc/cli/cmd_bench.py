@@ -259,10 +259,9 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     for the CPU other ranks use), coordinator_cpu_s_per_s (the coordinator process's CPU
     seconds per wall second in the steady window), coordinator_messages_per_step (channel
     reports in and messages out, store requests and replies), resize_control_s (each
-    resize's control time: from the step boundary that took the order up to the commit the
-    coordinator records, less the migration group's barrier that stands for its
-    rendezvous and data phase; no data phase, no world building; with the barrier:
-    resizes.<phase>.boundary_to_commit_s), coordinator_rss_mib (its process's peak) and
+    resize's step boundary to its commit, less the migration group's barrier that stands
+    for its rendezvous and data phase; with it: resizes.*.boundary_to_commit_s),
+    coordinator_rss_mib (its process's peak) and
     record_bytes (the SQLite record). With two sizes or more, a power law fitted to each
     and extrapolated to 131,072 ranks. A size this machine cannot hold (one connection
     per rank at the coordinator, its open-file limit) is refused in one line before

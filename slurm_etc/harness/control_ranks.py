@@ -805,7 +805,7 @@ class _Readable:
         return bool(self._now.poll(0))
 
 
-class _TimedOut(Exception):
+class _TimedOut(InternalError):
     """A green wait's time ran out."""
 
 
