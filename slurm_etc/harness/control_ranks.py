@@ -785,7 +785,9 @@ class _Readable:
     def __init__(self, conn: Connection) -> None:
         from gevent import get_hub
         from gevent.monkey import get_original
+        from gevent.socket import wait
 
+        self._wait = wait
         self._watcher = get_hub().loop.io(conn.fileno(), 1)
         # the kernel's poll, not gevent's, asked without waiting (``Connection.poll``
         # makes a selector each time)
@@ -793,13 +795,11 @@ class _Readable:
         self._now.register(conn.fileno(), get_original("select", "POLLIN"))
 
     def __call__(self, timeout_s: float) -> bool:
-        from gevent.socket import wait
-
         if self._now.poll(0):
             return True
         if timeout_s > 0:
             try:
-                wait(self._watcher, timeout_s, _TimedOut)
+                self._wait(self._watcher, timeout_s, _TimedOut)
             except _TimedOut:
                 return False
         return bool(self._now.poll(0))
