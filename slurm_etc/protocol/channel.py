@@ -95,6 +95,7 @@ from slurm_etc.protocol.keys import curve_keys, make_client
 from slurm_etc.protocol.messages import (
     ENCODER,
     HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
     REPORT_DECODER,
     Abort,
     Hello,
@@ -878,11 +879,12 @@ class WorkerChannel:
             self._sock.setsockopt(zmq.RCVHWM, queue_limit)
             # liveness without a message per worker from the coordinator's Python loop:
             # libzmq pings every HEARTBEAT_S and the coordinator's I/O thread answers; no
-            # answer within three drops the link (and a dead coordinator's closes at once)
-            ivl = int(HEARTBEAT_S * 1000)
+            # answer within HEARTBEAT_TIMEOUT_S drops the link, and the coordinator's end
+            # drops it when no ping came for both (a dead coordinator's closes at once)
+            ivl, timeout = int(HEARTBEAT_S * 1000), int(HEARTBEAT_TIMEOUT_S * 1000)
             self._sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
-            self._sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+            self._sock.setsockopt(zmq.HEARTBEAT_TTL, ivl + timeout)
             self._link = self._sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             if address.startswith("tcp://["):

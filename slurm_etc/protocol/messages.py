@@ -398,12 +398,17 @@ class Control(Protocol):
 
 # -- the first layout as a launched worker finds it in its environment (env.LAYOUT) ------
 
-# libzmq's pings from each worker to the coordinator (answered by its I/O thread; the link
-# drops after three unanswered): O(ranks) a interval at the coordinator, so not too often.
-# bench control at 2,048 ranks: 0.041 s/s of the coordinator's CPU at 2 s, 0.026 at 10 s
-# (16,384 ranks at 2 s: ~0.12 s/s for pings alone). A coordinator's death closes the link at
-# once (its process's sockets close); a hang or a partition is seen after 30 s.
-HEARTBEAT_S = 10.0
+# libzmq's pings from each worker to the coordinator (answered by its I/O thread): O(ranks) a
+# interval at the coordinator, so not too often. libzmq drops a link whose ping is unanswered
+# for HEARTBEAT_TIMEOUT_S, so a hang or a partition is seen at most HEARTBEAT_S +
+# HEARTBEAT_TIMEOUT_S after it (40 s; ~30 on average); the coordinator's end drops a link
+# silent for as long. A pong comes from the I/O thread in milliseconds: the timeout need not
+# be longer than the interval. A coordinator's death closes the link at once (its process's
+# sockets close). bench control at 16,384 ranks (2026-12-08): the coordinator's steady CPU
+# 0.111 s/s with pings every 10 s (30 s timeout; its I/O threads 0.075 of it), 0.086-0.094
+# every 20 s (its I/O threads 0.05).
+HEARTBEAT_S = 20.0
+HEARTBEAT_TIMEOUT_S = 20.0
 HOLD_AFTER_S = 15.0
 
 

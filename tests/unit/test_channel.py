@@ -724,6 +724,7 @@ def test_liveness_comes_from_the_link_not_a_message_per_worker(key: bytes,
     sent a Heartbeat to every worker every HEARTBEAT_S. (Pings every 2 s here, the job's
     HEARTBEAT_S being longer.)"""
     monkeypatch.setattr(channel_module, "HEARTBEAT_S", PING_S)
+    monkeypatch.setattr(channel_module, "HEARTBEAT_TIMEOUT_S", PING_S)
     coord = CoordinatorChannel(JOB, key, "127.0.0.1")
     w = worker(coord, key)
     try:
