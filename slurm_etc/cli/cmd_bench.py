@@ -242,9 +242,9 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     Real: the coordinator (reconcile loop, policy, vrank allocator, planner), its SQLite
     record, the control channel (CURVE, signed envelopes), the rendezvous store it hosts,
     heartbeats; each simulated rank holds its own channel connection (its store requests
-    ride it) and says,
-    through the worker-side classes, what a worker says (Hello, ModelBuilt, Progress from
-    rank 0, Ready, Resized, Resumed, Exited), with the trainer's exact per-step agreement.
+    ride it) and says, through the worker-side classes, what a worker says (Hello,
+    ModelBuilt, Progress from rank 0, Ready, Resized, Resumed, Exited), with the trainer's
+    exact per-step agreement.
     Simulated: the cluster (N/8 nodes of 8 devices and an eighth more for the grow; its
     grant, preemption notice and node loss come at scripted steps), the ranks' processes
     (greenlets, --ranks-per-host per process, one zmq context each), training (a step is a
@@ -259,14 +259,14 @@ def control(ranks_spec, step_s, warm_steps, steady_steps, steady_s, resizes, ran
     for the CPU other ranks use), coordinator_cpu_s_per_s (the coordinator process's CPU
     seconds per wall second in the steady window), coordinator_messages_per_step (channel
     reports in and messages out, store requests and replies), resize_control_s (each
-    resize's step boundary to its commit, less the migration group's barrier that stands
-    for its rendezvous and data phase; with it: resizes.*.boundary_to_commit_s),
-    coordinator_rss_mib (its process's peak) and
-    record_bytes (the SQLite record). With two sizes or more, a power law fitted to each
-    and extrapolated to 131,072 ranks. A size this machine cannot hold (one connection
-    per rank at the coordinator, its open-file limit) is refused in one line before
-    anything runs.
-    """
+    resize's critical path as on a cluster: the slowest rank's own part, from its step
+    boundary to the migration group's barrier that stands for the rendezvous and data
+    phase, then the barrier's end to the commit; resizes.* has both parts and the
+    earliest boundary's span), coordinator_rss_mib (its process's peak) and record_bytes
+    (the SQLite record). With two sizes or more, a power law fitted to each and
+    extrapolated to 131,072 ranks. A size this machine cannot hold (one connection per
+    rank at the coordinator, its open-file limit) is refused in one line before anything
+    runs."""
     from ..harness.control import (
         ControlBench,
         ControlBenchError,

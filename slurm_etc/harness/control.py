@@ -257,6 +257,10 @@ class SimCluster(BackendDefaults):
         # generation -> its proposer's wait in the migration group's barrier (the group's
         # rendezvous and data phase: world building and data, outside control time)
         self.group_waits: dict[int, float] = {}
+        # generation -> when its proposer left the barrier, and the largest own control of
+        # a rank of the old layout (its boundary to its entry into the barrier)
+        self.group_left: dict[int, float] = {}
+        self.own_control: dict[int, float] = {}
         self.failures: list[str] = []
 
     # -- the scenario -------------------------------------------------------------------
@@ -366,6 +370,9 @@ class SimCluster(BackendDefaults):
                     for g, at in msg[5].items():
                         self.resize_began[g] = min(self.resize_began.get(g, at), at)
                     self.group_waits.update(msg[6])
+                    self.group_left.update(msg[7])
+                    for g, own in msg[8].items():
+                        self.own_control[g] = max(self.own_control.get(g, own), own)
                     self.hosts_done += 1
         return out
 
@@ -382,8 +389,10 @@ class SimCluster(BackendDefaults):
         pass
 
     def release(self, action: Any) -> None:
-        running = [v for v, w in self._workers.items()
-                   if w.device in set(action.devices) and w.running]
+        # the set built once: per worker, it took 16 s of the coordinator's loop at a loss
+        # of 16,384 ranks that released 4,088 devices (py-spy), blocking it after the commit
+        leaving = set(action.devices)
+        running = [v for v, w in self._workers.items() if w.device in leaving and w.running]
         self._kill(running)
 
     def launch(self, action: Any) -> None:
@@ -717,11 +726,21 @@ def _figures(bench: ControlBench, cluster: SimCluster, state: str, wall: float,
 
 def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
                     ) -> tuple[dict[str, float | None], dict[str, Any]]:
-    """Each resize phase's control time (from the step boundary that took the order up to
-    the commit, less the proposer's wait in the migration group's barrier, which stands
-    for the group's rendezvous and data phase: world building and data, not control) and
-    its detail: outcome, the span from that boundary to the commit with the barrier in
-    it, order to commit, the coordinator's CPU and messages in it."""
+    """Each resize phase's control time and its detail.
+
+    Control time is the critical path of a job whose ranks run side by side, as on a
+    cluster: the largest over the old layout's ranks of each one's own control (from its
+    step boundary that took the order up, or its collective that failed, to its entry into
+    the migration group's barrier, which stands for the group's rendezvous and data phase),
+    then the barrier's end (its proposer leaving it) to the commit. Each rank's part holds
+    every wait it has on the coordinator, the store and its peers' collectives; what it
+    does not hold is the spread of the ranks' boundaries, which on 2 cores is thousands of
+    simulated ranks queueing for the CPU after each step (on a cluster a step ends in an
+    all-reduce, at once everywhere). As the pause is, per process, the largest.
+
+    Beside it, the definition of before (e1d6ae6-2026-12-08): the span from the earliest
+    rank's boundary to the commit, less the proposer's wait in the barrier
+    (``earliest_boundary_control_s``), and the span with the barrier in it."""
     resize_s: dict[str, float | None] = {}
     detail: dict[str, Any] = {}
     phases = [p for p in ("grow", "shrink", "loss") if p in cluster.spans]
@@ -734,20 +753,33 @@ def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
         until = cluster.spans[phases[i + 1]]["wall"] if i + 1 < len(phases) else math.inf
         m = next((m for m in migrations if span["wall"] <= m["started"] < until), None)
         ok = m is not None and m["outcome"] == "committed"
-        # control: from the step boundary that took the order up (or the collective that
-        # failed) to the commit; the step in flight when the order came is training's
-        began = cluster.resize_began.get(m["to"]) if m else None
-        span_s = m["started"] + m["seconds"] - began if ok and m and began else None
-        group_s = cluster.group_waits.get(m["to"]) if m else None
-        resize_s[phase] = (round(span_s - group_s, 3)
-                           if span_s is not None and group_s is not None else None)
+        commit = m["started"] + m["seconds"] if ok and m else None
+        gen = m["to"] if m else None
+        # the step in flight when the order came is training's
+        began = cluster.resize_began.get(gen) if gen is not None else None
+        span_s = commit - began if commit is not None and began else None
+        group_s = cluster.group_waits.get(gen) if gen is not None else None
+        own_s = cluster.own_control.get(gen) if gen is not None else None
+        left = cluster.group_left.get(gen) if gen is not None else None
+        after_s = commit - left if commit is not None and left is not None else None
+        resize_s[phase] = (round(own_s + after_s, 3)
+                           if own_s is not None and after_s is not None else None)
         detail[phase] = {
             "outcome": m["outcome"] if m else "none",
             "error": m["error"] if m else "",
-            # the control time with the barrier that stands for the data phase in it
+            # control time's two parts: the slowest rank's own, the barrier's end to commit
+            "slowest_rank_s": round(own_s, 3) if own_s is not None else None,
+            "barrier_to_commit_s": round(after_s, 3) if after_s is not None else None,
+            # the definition of before: from the earliest boundary, less the barrier
+            "earliest_boundary_control_s": (round(span_s - group_s, 3) if span_s is not None
+                                            and group_s is not None else None),
+            # the span from the earliest boundary to the commit, the barrier in it
             "boundary_to_commit_s": round(span_s, 3) if span_s is not None else None,
             "group_barrier_s": round(group_s, 3) if group_s is not None else None,
             "order_to_commit_s": round(m["seconds"], 3) if ok and m else None,
+            # the coordinator's reaction: the event handed to it to the resize recorded (its
+            # order follows at once; in a loss the survivors may be waiting for it)
+            "event_to_order_s": round(m["started"] - span["wall"], 3) if m else None,
             "step_in_flight_s": round(began - m["started"], 3) if m and began else None,
             "event_to_settled_s": round(span["at1"]["t"] - span["at0"]["t"], 2),
             # what the coordinator's process spent on it (loop, store, zmq), whatever the

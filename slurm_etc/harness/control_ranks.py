@@ -306,8 +306,14 @@ class SimRank:
         # agreed on it, or the collective that failed (the step in flight is not control)
         self.resize_began: dict[int, float] = {}
         # generation -> the proposer's wait in its migration group's barrier, which stands
-        # for the group's rendezvous and data phase (world building and data, not control)
+        # for the group's rendezvous and data phase (world building and data, not control),
+        # and when it left it (the barrier complete: the commit decision comes next)
         self.group_wait: dict[int, float] = {}
+        self.group_left: dict[int, float] = {}
+        # generation -> this rank's own control before the data phase: from its boundary
+        # (resize_began) to its entry into the migration group's barrier (a rank of the old
+        # layout; a joiner waits for the old layout, which is not its work)
+        self.own_control: dict[int, float] = {}
         self.thread = threading.Thread(target=self._main, name=f"rank-{vrank}", daemon=True)
 
     # -- the thread ---------------------------------------------------------------------
@@ -690,10 +696,14 @@ class SimRank:
         self._joined = self.layout is None
         group = self.shared.migration_size(old, new, tuple(order.lost))
         entered = time.time()
+        if not self._joined:
+            self.own_control[order.generation] = entered - self._boundary_at
         self.fabric.all_reduce(order.generation, MIGRATION_GROUP, group, False,
                                self.halt.event, self.timeout_s)
         if self.vrank == new.devices[0]:  # the proposer: its commit decision comes next
-            self.group_wait[order.generation] = time.time() - entered
+            left = time.time()
+            self.group_wait[order.generation] = left - entered
+            self.group_left[order.generation] = left
         # the executor's decision: its group's rank 0 (here new's first rank) asks the
         # store, every rank of the group shares what it got and its data phase (none here)
         decision = CommitDecision(
@@ -842,8 +852,9 @@ def host_main(conn: Connection, fabric_conn: Connection, model: Any, step_s: flo
     ``("kill", [vranks])``, ``("report", path)`` (the ranks' step timings written to ``path``:
     ``({vrank: [(gen, step, cost, wall)...]}, gate_waits)``), ``("quit",)``; it sends
     ``("exited", vrank, generation, code, stopped)`` as ranks end, and ``("control", {vrank:
-    [(gen, step, cost, wall)...]}, failures, restarts, gate_waits, began, group_waits)`` at
-    quit. A rank
+    [(gen, step, cost, wall)...]}, failures, restarts, gate_waits, began, group_waits,
+    group_left, own_control)`` at quit (per generation: the proposer's barrier, the
+    host's largest own control of a rank). A rank
     killed or stopped while in a layout fails its generation's collectives at the fabric (its
     peers' next all-reduce raises).
 
@@ -890,6 +901,8 @@ class _Host:
         self.gate_waits: list[float] = []
         self.began: dict[int, float] = {}  # generation -> the first of its ranks' resize_began
         self.group_waits: dict[int, float] = {}  # generation -> its proposer's group_wait
+        self.group_left: dict[int, float] = {}  # generation -> when its proposer left it
+        self.own_control: dict[int, float] = {}  # generation -> its ranks' largest
         self.restarts = 0  # times a rank held for a restarted coordinator (its ranks' sum)
 
     def flush(self) -> None:
@@ -918,6 +931,9 @@ class _Host:
         for g, at in r.resize_began.items():
             self.began[g] = min(self.began.get(g, at), at)
         self.group_waits.update(r.group_wait)
+        self.group_left.update(r.group_left)
+        for g, own in r.own_control.items():
+            self.own_control[g] = max(self.own_control.get(g, own), own)
         self.restarts += r.restarts
 
     def launch(self, generation: int, workers: list[tuple[int, dict[str, str]]]) -> None:
@@ -964,7 +980,8 @@ class _Host:
         self.fabric.close()
         self.flush()
         self.conn.send(("control", self.control, self.failures, self.restarts,
-                        self.gate_waits, self.began, self.group_waits))
+                        self.gate_waits, self.began, self.group_waits, self.group_left,
+                        self.own_control))
 
 
 # --------------------------------------------------------------------------- the fabric

@@ -50,11 +50,16 @@ def test_bench_control_json_at_16_ranks():
     for phase in ("grow", "shrink", "loss"):
         assert 0 < run["resize_control_s"][phase] < 30, phase
         assert run["resizes"][phase]["outcome"] == "committed"
-        # the control time is the span to the commit less the proposer's wait in the
-        # migration group's barrier (the data phase's stand-in), which the span holds
+        # the control time is the slowest rank's own part (its boundary to the migration
+        # group's barrier, the data phase's stand-in) and the barrier's end to the commit;
+        # the definition of before (the earliest boundary to the commit, less the
+        # proposer's wait in the barrier) beside it
         detail = run["resizes"][phase]
-        assert 0 <= detail["group_barrier_s"] < detail["boundary_to_commit_s"], phase
+        assert detail["slowest_rank_s"] >= 0 and detail["barrier_to_commit_s"] >= 0, phase
         assert run["resize_control_s"][phase] == pytest.approx(
+            detail["slowest_rank_s"] + detail["barrier_to_commit_s"], abs=2e-3), phase
+        assert 0 <= detail["group_barrier_s"] < detail["boundary_to_commit_s"], phase
+        assert detail["earliest_boundary_control_s"] == pytest.approx(
             detail["boundary_to_commit_s"] - detail["group_barrier_s"], abs=2e-3), phase
     # one migration each: the grow, the preemption shrink, the node loss
     assert [(m["from"], m["to"], m["outcome"]) for m in run["migrations"]] == [
