@@ -58,6 +58,9 @@ def test_bench_control_json_at_16_ranks():
         assert detail["slowest_rank_s"] >= 0 and detail["barrier_to_commit_s"] >= 0, phase
         assert run["resize_control_s"][phase] == pytest.approx(
             detail["slowest_rank_s"] + detail["barrier_to_commit_s"], abs=2e-3), phase
+        # a rank's part lies between the earliest boundary and the barrier's end: the two
+        # parts fit in the span from that boundary to the commit
+        assert run["resize_control_s"][phase] <= detail["boundary_to_commit_s"] + 2e-3, phase
         assert 0 <= detail["group_barrier_s"] < detail["boundary_to_commit_s"], phase
         assert detail["earliest_boundary_control_s"] == pytest.approx(
             detail["boundary_to_commit_s"] - detail["group_barrier_s"], abs=2e-3), phase
