@@ -60,7 +60,8 @@ The settlement's rules:
 - **wait** until every live participant answered, or ``2 x worker_timeout_s`` passed (the
   workers' own timeouts fire first: a worker that is silent past twice its timeout is gone);
   where the commit decision's share reached every rank of the migration group, its proposer
-  answers for all of them (``Resized.for_group``: one answer a resize, not one a rank);
+  answers for all of them (``Resized.for_group``: one answer a resize, not one a rank; a
+  loss too, except a rebuild, which waits for every survivor's answer: the steps it lost);
 - **abort** when one participant aborted, the time ran out, or nobody answered; with a dead
   participant the job decides again without it (``retry``); with nobody dead it would abort
   the same way again, so the job stops;
@@ -345,10 +346,11 @@ def died(resize: InflightResize, vrank: int, why: str | None = None) -> Inflight
 
 def answered(resize: InflightResize, vrank: int, report: Resized) -> InflightResize:
     """``vrank`` answered the order (``answer``: a commit is final), or for every
-    participant (``report.for_group``: the migration group committed)."""
+    participant (``report.for_group``: the migration group committed; not for a rebuild,
+    whose lost steps are every survivor's own word)."""
     return replace(resize, reports=resize.reports.setting(
         vrank, answer(resize.reports.get(vrank), report)),
-        whole=resize.whole or (report.for_group and
+        whole=resize.whole or (report.for_group and not resize.rebuild and
                                report.outcome == ProcessOutcome.COMMITTED))
 
 

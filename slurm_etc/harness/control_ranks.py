@@ -713,9 +713,9 @@ class SimRank:
                 self.timeout_s, most=data_us)),
             proposer=self.vrank == new.devices[0])
         committed = decision(True, 0.0)
-        # shared: the proposer answers for the group (the trainer's _record), nobody else;
-        # in a loss every survivor answers
-        for_group = committed and decision.longest_data_s is not None and not order.lost
+        # shared: the proposer answers for the group (the trainer's _record), nobody else
+        # (a loss too: replicas cover it here, nothing is rebuilt)
+        for_group = committed and decision.longest_data_s is not None
         if not self.shared.holds(new, self.vrank):
             if not for_group:
                 self.channel.report(Resized(self.job, order.generation, self.vrank,

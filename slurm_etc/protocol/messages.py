@@ -176,8 +176,8 @@ class Resized(msgspec.Struct, frozen=True, tag="resized", forbid_unknown_fields=
     ``rebuilt_from``: where that state came from (``peer-copies``, ``checkpoint``; empty:
     surviving replicas, or nothing was lost). ``for_group``: the migration group's proposer
     answers for every rank of it (a commit; ``data_seconds`` the longest of them, from the
-    commit decision's share), and no other rank of it answers (not in a loss: there every
-    survivor answers)."""
+    commit decision's share), and no other rank of it answers (not in a rebuild: there
+    every survivor answers with the steps it lost)."""
 
     job: str
     generation: int

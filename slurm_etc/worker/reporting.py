@@ -199,12 +199,13 @@ class Reporting:
         self.resizes.append(ResizeRecord(order.generation, order.old.config, order.new.config,
                                          outcome, self.step, moved, pause, data, error, lost))
         # the commit decision's share gave the group's longest data phase: its proposer
-        # answers for every rank of it (the commit), the others say nothing; not in a loss,
-        # which the coordinator settles on every survivor's answer (a rebuild's lost steps,
-        # and an answer missing with the proposer dead would hold it)
+        # answers for every rank of it (the commit), the others say nothing; not in a
+        # rebuild, which the coordinator settles on every survivor's answer (the steps it
+        # lost and where from are each worker's word). A loss that surviving replicas
+        # cover is answered for the group as a grow or shrink is.
         group_data: float | None = stats.get("group_data_seconds")
         for_group = group_data is not None and outcome != ProcessOutcome.ABORTED and \
-            not order.lost
+            lost is None and not rebuilt
         if group_data is not None and for_group:
             if not stats.get("answers_for_group"):
                 return

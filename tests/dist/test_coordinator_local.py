@@ -121,12 +121,10 @@ def test_grant_preemption_and_loss_keep_training_exactly(tmp_path, monkeypatch):
         assert 1 <= len(got) <= 2, got
         assert [r.widest_of for r in got if r.widest_of] == [gens[m.to_generation].world_size]
         assert [r.stall_of for r in got if r.stall_of] == [gens[m.to_generation].world_size]
-        # one answer for the whole group, its longest data phase the one recorded; after a
-        # loss, every survivor's
+        # one answer for the whole group, its longest data phase the one recorded; the
+        # loss's too (a replica covers it: nothing is rebuilt, tests/dist/test_node_lost*
+        # hold a rebuild's answers)
         said = [r for r in answers if r.generation == m.to_generation]
-        if m.to_generation == len(gens) - 1:  # the loss
-            assert said and not any(r.for_group for r in said), said
-            continue
         assert [(r.outcome, r.for_group) for r in said] == [("committed", True)], said
         assert said[0].data_seconds == m.data_seconds > 0, (said, m)
     assert gens[-1].last_step == out["step"]
