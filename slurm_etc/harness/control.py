@@ -738,7 +738,7 @@ def _resize_figures(cluster: SimCluster, migrations: list[dict[str, Any]]
     simulated ranks queueing for the CPU after each step (on a cluster a step ends in an
     all-reduce, at once everywhere). As the pause is, per process, the largest.
 
-    Beside it, the definition of before (e1d6ae6-2026-12-08): the span from the earliest
+    Beside it, the definition used until 2026-12-08 (e1d6ae6): the span from the earliest
     rank's boundary to the commit, less the proposer's wait in the barrier
     (``earliest_boundary_control_s``), and the span with the barrier in it."""
     resize_s: dict[str, float | None] = {}
@@ -837,8 +837,7 @@ def check_run(run: Mapping[str, Any]) -> list[str]:
     the store's decision, or (a loss: the survivors' all-reduce failed) takes the commit
     decision, a request at least either way, and every request is answered once; the
     coordinator hears the group's Resized (a loss's too) and, in a grow, each joiner's
-    Hello. A count
-    off those is a miscount (or the gate broken)."""
+    Hello. A count off those is a miscount (or the gate broken)."""
     n = run["ranks"]
     bad = []
     steady = run["steady"]

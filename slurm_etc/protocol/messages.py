@@ -405,8 +405,8 @@ class Control(Protocol):
 # silent for as long. A pong comes from the I/O thread in milliseconds: the timeout need not
 # be longer than the interval. A coordinator's death closes the link at once (its process's
 # sockets close). bench control at 16,384 ranks (2026-12-08): the coordinator's steady CPU
-# 0.111 s/s with pings every 10 s (30 s timeout; its I/O threads 0.075 of it), 0.086-0.094
-# every 20 s (its I/O threads 0.05).
+# 0.111 s/s with pings every 10 s (30 s timeout; its I/O threads 0.075 of it), 0.080-0.094
+# every 20 s (its I/O threads 0.05; five runs).
 HEARTBEAT_S = 20.0
 HEARTBEAT_TIMEOUT_S = 20.0
 HOLD_AFTER_S = 15.0
