@@ -178,8 +178,9 @@ def record_problems(record: RecordSeen) -> list[str]:
         elif entered[0].from_generation != before.number:
             out.append(f"generation {g.number} was entered from generation "
                        f"{entered[0].from_generation}, but {before.number} trained before it")
+    known = set(numbers)
     for number, ms in sorted(into.items()):
-        if number not in set(numbers):
+        if number not in known:
             out.append(f"migration {ms[0].id} committed generation {number}, which the record "
                        f"does not have")
     for g in record.generations:

@@ -256,7 +256,8 @@ def default_pool(old: Layout, new: ParallelConfig, topology: Topology,
     if unknown:
         raise ConfigError(f"cannot drop node(s) {unknown}: the old layout uses nodes "
                           f"{nodes[0]}..{nodes[-1]}")
-    kept = [n for n in nodes if n not in set(drop_nodes)]
+    dropped = set(drop_nodes)
+    kept = [n for n in nodes if n not in dropped]
     need_nodes = -(-new.world // gpn)
     if add_nodes is None:
         add_nodes = max(need_nodes - len(kept), 0)

@@ -209,7 +209,8 @@ class Simulation:
                 if owner in self.jobs:
                     self._lose(self.jobs[owner], devices, "failure", touched)
                 else:  # a rigid job dies with its node
-                    rest = [d for d in self.rigid.pop(owner)[0] if d not in set(devices)]
+                    gone = set(devices)
+                    rest = [d for d in self.rigid.pop(owner)[0] if d not in gone]
                     self.cluster.release(rest, owner)
                     self.counters["rigid_killed"] += 1
         elif e.kind == "recover":

@@ -124,7 +124,8 @@ class Rebuild:
         self._lost = frozenset()
         topology = (dataclasses.replace(proc.topology, gpus_per_node=order.gpus_per_node)
                     if order.gpus_per_node else proc.topology)
-        pool = tuple(d for d in sorted(order.pool or new.devices) if d not in set(order.lost))
+        lost = set(order.lost)
+        pool = tuple(d for d in sorted(order.pool or new.devices) if d not in lost)
         catalog = self._catalog_for(keys, old)
         plan = cached_plan(catalog, old, new.config, pool, topology, proc.keep_tp_in_node, ())
         if tuple(plan.new.devices) != tuple(new.devices):
